@@ -1,0 +1,105 @@
+"""Shared fixtures: the real CLI as a subprocess, real git shelves in temporary folders."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEMSHELF = os.path.join(ROOT, "memshelf.py")
+SERVER = os.path.join(ROOT, "server.py")
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# Tests never inherit a default shelf or a debug switch from the developer's environment.
+for _name in ("MEMSHELF_SHELF", "MEMSHELF_SHELF_PATH", "MEMSHELF_ROOT", "MEMSHELF_DEBUG",
+              "MEMSHELF_CHECKOUT", "MEMSHELF_PROGRESS", "MEMSHELF_CONTEXT_WINDOW"):
+    os.environ.pop(_name, None)
+os.environ.setdefault("GIT_AUTHOR_NAME", "memshelf tests")
+os.environ.setdefault("GIT_AUTHOR_EMAIL", "tests@example.invalid")
+os.environ.setdefault("GIT_COMMITTER_NAME", "memshelf tests")
+os.environ.setdefault("GIT_COMMITTER_EMAIL", "tests@example.invalid")
+
+
+class CLIResult:
+    def __init__(self, proc):
+        self.code = proc.returncode
+        self.out = proc.stdout
+        self.err = proc.stderr
+
+    def json(self):
+        return json.loads(self.out)
+
+    def __repr__(self):
+        return f"<exit {self.code}\nstdout: {self.out[-2000:]}\nstderr: {self.err[-2000:]}>"
+
+
+def run_cli(*args, input=None, env=None, cwd=None, timeout=60):
+    """Run `python3 memshelf.py ARGS` and return exit code, stdout and stderr."""
+    full_env = dict(os.environ)
+    if env:
+        for k, v in env.items():
+            if v is None:
+                full_env.pop(k, None)
+            else:
+                full_env[k] = v
+    proc = subprocess.run([sys.executable, MEMSHELF, *map(str, args)], input=input,
+                          capture_output=True, text=True, env=full_env, cwd=cwd,
+                          timeout=timeout)
+    return CLIResult(proc)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+@pytest.fixture
+def shelf(tmp_path):
+    """A fresh git-local shelf made by the real CLI."""
+    root = tmp_path / "shelf"
+    r = run_cli("init", "--shelf", root)
+    assert r.code == 0, r
+    return root
+
+
+@pytest.fixture
+def plain_shelf(tmp_path):
+    root = tmp_path / "plain"
+    r = run_cli("init", "--shelf", root, "--storage", "plain")
+    assert r.code == 0, r
+    return root
+
+
+def snapshot(root):
+    """Every file under root (except .git internals and the cache) with its bytes."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        if rel.split(os.sep)[0] in (".git", ".memshelf"):
+            dirnames[:] = []
+            continue
+        for n in filenames:
+            p = os.path.join(dirpath, n)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = f.read()
+    return out
+
+
+def git(root, *args):
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def shelve_args(root, slug="2026-07-22-auth-refactor", kind="topic", digest=None, extra=()):
+    digest = digest or ("Dana chose JWT middleware over sessions; rejected per-route "
+                        "decorators. Open: key rotation.")
+    args = ["shelve", "--shelf", root, "--slug", slug, "--kind", kind, "--digest", digest]
+    if kind == "topic":
+        args += ["--section", "Decisions=- JWT verified once per request in middleware."]
+    elif kind == "session":
+        args += ["--section", "Timeline=1. Merged.", "--section", "Open threads=- Changelog."]
+    else:
+        args += ["--section", "Findings=allkeys-lru wins at 94 % hit rate."]
+    return args + list(extra)
