@@ -2681,31 +2681,26 @@ def merge_redaction_reports(reports):
 # never rewritten (contracts.md § 4). Two passes: the raw text, then a normalised copy that
 # undoes common obfuscation; a hit seen only in the second pass is reported as obfuscated.
 
-_HIDDEN_CLASS = "\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069\U000e0000-\U000e007f"
-_HIDDEN_RE = re.compile("[" + _HIDDEN_CLASS + "]")
+_HIDDEN_CHAR_CLASS = "\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069\U000e0000-\U000e007f"
+_HIDDEN_CHAR_RE = re.compile("[" + _HIDDEN_CHAR_CLASS + "]")
 _INSTRUCTION_RULES = None  # compiled on first use: the tables below cost a few milliseconds
-
-# The families, in the order the spec lists them.
-_INSTRUCTION_FAMILIES = (
-    "override", "prompt-leak", "role-hijack", "chat-template", "fake-tool-call",
-    "identity-reset", "exfiltration", "memory-poisoning", "context-escape", "hidden-text",
-)
 
 # English imperatives must address the reader: line or sentence start, after punctuation,
 # or after "please" / "you must" / "I want you to"; "we decided to ignore X" stays quiet.
 _LEAD_WORDS = re.compile(
     r"\b(?:please|pls|now|just|and|so|then|also|simply|kindly|instead|immediately|first"
+    r"|(?:could|can|would|will)\s+you(?:\s+please)?"
     r"|you\s+(?:must|should|shall|will|need\s+to|have\s+to|are\s+to|are\s+required\s+to"
     r"|can\s+now|may\s+now)|(?:want|need|order|command|instruct|ask|tell|require)\s+you\s+to)"
     r"[ \t]+\Z", re.IGNORECASE)
-_LEAD_PUNCT = frozenset(".!?:;,([\"'\u201c\u2018\u00ab>*#|~-\u2013\u2014\u2026\u3002\uff01\uff1f")
+_LEAD_PUNCT = frozenset(".!?:;,()[]\"'\u201c\u2018\u00ab>*#|~-\u2013\u2014\u2026\u3002\uff01\uff1f")
 
 
-def _addressed(match):
+def _addresses_reader(match):
     """True when the match opens a sentence or follows a word that addresses the reader."""
     text, start = match.string, match.start()
     before = text[max(0, start - 64):start]
-    before = before[before.rfind("\n") + 1:]
+    before = before[max(before.rfind("\n"), before.rfind("\r")) + 1:]
     bare = before.rstrip(" \t")
     if not bare or bare[-1] in _LEAD_PUNCT:
         return True
@@ -2745,10 +2740,10 @@ _FAKE_FRONTMATTER_KEY = re.compile(
     r"^[ \t]*(?:role|system|system[_-]?prompt|system[_-]?message|developer|instructions?"
     r"|prompt|persona|directives?|override|jailbreak|assistant[_-]?(?:rules|instructions))"
     r"[ \t]*:", re.IGNORECASE)
-_YAML_LINE = re.compile(r"^[ \t]*(?:[\w.-]+[ \t]*:|-[ \t]|#)|^[ \t]*$")
+_FAKE_FRONTMATTER_LINE = re.compile(r"^[ \t]*(?:[\w.-]+[ \t]*:|-[ \t]|#)|^[ \t]*$")
 
 
-def _phrase(verbs, nouns, quals, gap=4, after=2):
+def _phrase_rule(verbs, nouns, quals, gap=4, after=2):
     """A spaced-language phrase: verb, up to `gap` words, noun, a few trailing words.
 
     The qualifier (previous, your, system, ...) is checked on the whole match, because
@@ -2759,7 +2754,7 @@ def _phrase(verbs, nouns, quals, gap=4, after=2):
     return source, (lambda m, _q=qualifier: _q.search(m.group(0)) is not None)
 
 
-def _words(alternation):
+def _trigger_words(alternation):
     r"""The trigger words of a simple alternation such as r"ignore|забудь(?:те)?|don'?t\s+obey".
 
     Understands literals, \s, (?:a|b) groups, [ab] classes, + and * (ignored) and ? after a
@@ -2825,8 +2820,8 @@ def _instruction_rule_table():
         # also: words of which one must occur too (the nouns a phrase needs), so a common
         # verb alone does not send the text through the rule.
         if lead:
-            check = _addressed if check is None else (
-                lambda m, _inner=check: _addressed(m) and _inner(m))
+            check = _addresses_reader if check is None else (
+                lambda m, _inner=check: _addresses_reader(m) and _inner(m))
         rows.append((kind, triggers, source, check, flags, also))
 
     # --- override ------------------------------------------------------------------------
@@ -2838,7 +2833,7 @@ def _instruction_rule_table():
     en_quals = (r"previous(?:ly)?|prior|above|aforementioned|earlier|preceding|foregoing"
                 r"|former|original|initial|all|any|every|your|system|safety|developer"
                 r"|content|ethical")
-    source, _ = _phrase(en_verbs, en_nouns, en_quals, gap=3, after=1)
+    source, _ = _phrase_rule(en_verbs, en_nouns, en_quals, gap=3, after=1)
     strong = re.compile(r"\b(?:" + en_quals.replace("|all|any|every", "") + r")\b", re.IGNORECASE)
     all_noun = re.compile(r"\b(?:all|any|every)\s+(?:(?:of\s+)?the\s+)?(?:" + en_nouns + r")\b",
                           re.IGNORECASE)
@@ -2847,7 +2842,7 @@ def _instruction_rule_table():
         # "ignore all lint rules" is a build note; "ignore all rules" or "all previous" is not.
         return strong.search(m.group(0)) is not None or all_noun.search(m.group(0)) is not None
 
-    add("override", _words(en_verbs), source, check, lead=True, also=_words(en_nouns))
+    add("override", _trigger_words(en_verbs), source, check, lead=True, also=_trigger_words(en_nouns))
     add("override", "ignore disregard forget",
         r"\b(?:ignore|disregard|forget)\s+(?:(?:everything|all|anything|whatever)"
         r"\s+(?:(?:that\s+)?(?:was\s+)?(?:above|before|prior|previously|earlier|so\s+far)"
@@ -2861,8 +2856,9 @@ def _instruction_rule_table():
     zh_q = r"(?:之前|以前|先前|此前|上面|上述|以上|前面|前述|原来|原有|原先|所有|全部|一切|你的|系统|系統)"
     zh_n = (r"(?:指令|指示|命令|规则|規則|提示词|提示詞|提示|说明|說明|设定|設定|要求|限制|约束"
             r"|約束|上下文|内容|內容|对话|對話)")
-    add("override", "忽略 忽视 忽視 无视 無視 忘记 忘記 忘掉 理会 理會 抛开 丢弃 跳过 覆盖",
+    add("override", "忽略 忽视 忽視 无视 無視 忘记 忘記 忘掉 理会 理會 抛开 丢弃 跳过 覆盖 遵守 遵循",
         r"(?:忽略|忽视|忽視|无视|無視|忘记|忘記|忘掉|不要理会|不要理會|别理会|不理会|抛开|丢弃"
+        r"|不要遵守|不要遵循|不必遵守|无需遵守|別遵守|别遵守"
         r"|跳过|覆盖)(?:掉)?[^\u3002\uff01\uff1f\n]{0,6}?" + zh_q
         + r"[^\u3002\uff01\uff1f\n]{0,8}?" + zh_n
         + r"|(?:忘记|忘記|忘掉|忽略)(?:上面|之前|以前|前面)?的?一切")
@@ -2874,8 +2870,8 @@ def _instruction_rule_table():
     ru_quals = (r"предыдущ\w*|прежн\w*|прошл\w*|вышеуказанн\w*|вышеприведенн\w*|вышеприведённ\w*"
                 r"|вышеизложенн\w*|ранее|стары\w*|тво\w*|ваш\w*|сво\w*|исходн\w*|изначальн\w*"
                 r"|системн\w*|все|всё|любые")
-    source, check = _phrase(ru_verbs, ru_nouns, ru_quals)
-    add("override", _words(ru_verbs), source, check)
+    source, check = _phrase_rule(ru_verbs, ru_nouns, ru_quals)
+    add("override", _trigger_words(ru_verbs), source, check)
     add("override", "игнорируй игнорируйте проигнорируй проигнорируйте забудь забудьте",
         r"\b(?:игнорируй(?:те)?|проигнорируй(?:те)?|забудь(?:те)?)\s+(?:вс[её]|всё\s+то)"
         r"(?:\s*,?\s*(?:что|чему)|\s+(?:выше|вышесказанное|предыдущее|сказанное))")
@@ -2886,8 +2882,8 @@ def _instruction_rule_table():
                 r"|restricciones|pautas")
     es_quals = (r"anteriores|previas|precedentes|arriba|originales|iniciales|sistema|todas|tus"
                 r"|sus")
-    source, check = _phrase(es_verbs, es_nouns, es_quals)
-    add("override", _words(es_verbs), source, check, also=_words(es_nouns))
+    source, check = _phrase_rule(es_verbs, es_nouns, es_quals)
+    add("override", _trigger_words(es_verbs), source, check, also=_trigger_words(es_nouns))
     add("override", "ignora olvida ignore olvide",
         r"\b(?:ignora|olvida|ignore|olvide)\s+todo\s+lo\s+(?:anterior|dicho|que\s+se\s+te)",
         also="todo")
@@ -2896,8 +2892,8 @@ def _instruction_rule_table():
     pt_nouns = (r"instruções|instrucoes|regras|orientações|orientacoes|ordens|diretrizes|diretivas"
                 r"|restrições|restricoes|comandos")
     pt_quals = r"anteriores|prévias|previas|acima|originais|iniciais|sistema|todas|suas|tuas|seus"
-    source, check = _phrase(pt_verbs, pt_nouns, pt_quals)
-    add("override", _words(pt_verbs), source, check, also=_words(pt_nouns))
+    source, check = _phrase_rule(pt_verbs, pt_nouns, pt_quals)
+    add("override", _trigger_words(pt_verbs), source, check, also=_trigger_words(pt_nouns))
     add("override", "ignore esqueça esqueca",
         r"\b(?:ignore|esqueça|esqueca)\s+tudo\s+(?:o\s+que|que|acima|anterior)", also="tudo")
     de_verbs = (r"ignoriere|ignorier|ignoriert|ignorieren\s+sie|vergiss|vergesst|vergessen\s+sie"
@@ -2908,8 +2904,8 @@ def _instruction_rule_table():
     de_quals = (r"vorherig\w*|vorhergehend\w*|bisherig\w*|vorig\w*|obig\w*|früher\w*"
                 r"|vorangegangen\w*|ursprünglich\w*|alt\w*|alle|sämtliche|jegliche|dein\w*|ihre"
                 r"|system\w*")
-    source, check = _phrase(de_verbs, de_nouns, de_quals)
-    add("override", _words(de_verbs), source, check,
+    source, check = _phrase_rule(de_verbs, de_nouns, de_quals)
+    add("override", _trigger_words(de_verbs), source, check,
         also="anweisungen anweisung instruktionen regeln befehle vorgaben richtlinien "
              "anordnungen einschränkungen systemanweisungen systemprompt prompts prompt")
     add("override", "vergiss vergessen ignoriere ignorieren",
@@ -2921,8 +2917,8 @@ def _instruction_rule_table():
     fr_nouns = r"instructions|consignes|règles|regles|directives|ordres|indications|contraintes"
     fr_quals = (r"précédentes|precedentes|antérieures|anterieures|ci-dessus|initiales|originales"
                 r"|toutes|tes|vos|système|systeme")
-    source, check = _phrase(fr_verbs, fr_nouns, fr_quals)
-    add("override", _words(fr_verbs), source, check, also=_words(fr_nouns))
+    source, check = _phrase_rule(fr_verbs, fr_nouns, fr_quals)
+    add("override", _trigger_words(fr_verbs), source, check, also=_trigger_words(fr_nouns))
     add("override", "oublie oubliez ignore ignorez",
         r"\b(?:oublie|oubliez|ignore|ignorez)\s+tout\s+(?:ce\s+qui\s+(?:précède|precede|a\s+été)"
         r"|ce\s+que|ce\s+qu)", also="tout")
@@ -2938,8 +2934,8 @@ def _instruction_rule_table():
                 r"|لا\s+تلتزم\s+ب")
     ar_nouns = r"\w*(?:تعليمات|أوامر|اوامر|قواعد|إرشادات|ارشادات|توجيهات|سياق)\w*"
     ar_quals = r"\w*(?:سابق|أعلاه|اعلاه|أصلي|اصلي|قديم)\w*|كل|جميع|كافة|\w*(?:اتك|رك|دك)"
-    source, check = _phrase(ar_verbs, ar_nouns, ar_quals)
-    add("override", _words(ar_verbs), source, check)
+    source, check = _phrase_rule(ar_verbs, ar_nouns, ar_quals)
+    add("override", _trigger_words(ar_verbs), source, check)
     add("override", "تجاهل انس انسى إنس",
         r"(?:تجاهل|انس|انسى|إنس)\s+(?:كل|جميع)\s+ما\s+(?:سبق|قيل|ورد)")
 
@@ -2947,7 +2943,7 @@ def _instruction_rule_table():
     en_leak_verbs = (r"reveal|print|show|display|repeat|output|dump|leak|disclose|expose|recite"
                      r"|echo|share|tell|give|write\s+out|type\s+out|spell\s+out|paste|copy"
                      r"|provide|return|read\s+back|list|summari[sz]e")
-    add("prompt-leak", _words(en_leak_verbs),
+    add("prompt-leak", _trigger_words(en_leak_verbs),
         r"\b(?:" + en_leak_verbs + r")\s+(?:(?:me|us)\s+)?(?:(?:back|out)\s+)?"
         r"(?:(?:your|the|its)\s+(?:(?:full|entire|complete|exact|original|initial|hidden|secret"
         r"|internal|confidential|underlying|raw|verbatim|real|actual|first|current)\s+){0,3}"
@@ -2966,55 +2962,59 @@ def _instruction_rule_table():
         r"\bwhat\s+(?:is|are|was|were)\s+your\s+(?:(?:exact|original|initial|hidden|secret|full"
         r"|internal|current)\s+)*(?:system\s+prompt|prompt|instructions|system\s+message"
         r"|guidelines|directives)\b|\bwhat\s+(?:were|have)\s+you\s+(?:been\s+)?(?:told|instructed"
-        r"|programmed)\s+(?:to\s+do\s+)?(?:before|at\s+the\s+(?:start|beginning)|initially)")
-    add("prompt-leak", "显示 顯示 输出 輸出 打印 告诉我 告訴我 泄露 洩露 重复 重複 展示 透露 给我看 說出 说出 列出 复述 複述 是什",
+        r"|programmed)\s+(?:to\s+do\s+)?(?:before|at\s+the\s+(?:start|beginning)|initially)"
+        r"|\bwhat\s+your\s+(?:(?:exact|original|initial|hidden|secret|full|system)\s+)*"
+        r"(?:prompt|instructions|rules|guidelines|directives)\s+(?:says?|contains?|are|is)\b")
+    add("prompt-leak", "显示 顯示 输出 輸出 打印 告诉 告訴 泄露 洩露 重复 重複 展示 透露 给我看 說出 说出 列出 复述 複述 是什",
         r"(?:显示|顯示|输出|輸出|打印|告诉我|告訴我|泄露|洩露|重复|重複|展示|透露|给我看|說出|说出|列出"
         r"|复述|複述)[^\u3002\uff01\uff1f\n]{0,8}?(?:系统提示|系統提示|系统指令|系統指令|系统消息|系統訊息"
         r"|初始指令|隐藏指令|隱藏指令|原始指令|你的(?:指令|提示词|提示詞|设定|設定|配置|规则|規則|系统提示))"
-        r"|你的(?:系统|系統)?(?:提示词|提示詞|系统提示|指令)是什[么麼]")
+        r"|你的(?:系统|系統)?(?:提示词|提示詞|系统提示|指令)是什[么麼]"
+        r"|(?:系统提示|系統提示|系统指令|系統指令|初始指令|隐藏指令|隱藏指令)[^\u3002\uff01\uff1f\n]{0,6}?"
+        r"(?:打印|输出|輸出|显示|顯示|告诉|告訴|泄露|洩露|复述|複述|重复|重複|展示)")
     ru_leak_verbs = (r"покажи(?:те)?|выведи(?:те)?|раскрой(?:те)?|напечатай(?:те)?|повтори(?:те)?"
                      r"|расскажи(?:те)?|скажи(?:те)?|сообщи(?:те)?|озвучь(?:те)?|процитируй(?:те)?"
                      r"|перечисли(?:те)?|выдай(?:те)?")
     ru_leak_nouns = (r"промпт\w*|подсказк\w*|инструкци\w*|указани\w*|настройк\w*|конфигураци\w*"
                      r"|сообщени\w*|правил\w*")
     ru_leak_quals = r"сво\w*|тво\w*|ваш\w*|системн\w*|скрыт\w*|исходн\w*|начальн\w*|изначальн\w*"
-    source, check = _phrase(ru_leak_verbs, ru_leak_nouns, ru_leak_quals, gap=3)
-    add("prompt-leak", _words(ru_leak_verbs),
+    source, check = _phrase_rule(ru_leak_verbs, ru_leak_nouns, ru_leak_quals, gap=3)
+    add("prompt-leak", _trigger_words(ru_leak_verbs),
         source, check)
     add("prompt-leak", "какой каков какие каковы",
         r"\b(?:какой|каков|какие|каковы)\s+(?:у\s+(?:тебя|вас)\s+)?(?:тво\w+\s+|ваш\w*\s+)?"
         r"(?:системн\w+\s+промпт|системн\w+\s+инструкци\w+|промпт|инструкции)")
     es_leak_verbs = (r"revela|revele|revelá|muestra|muéstrame|muestrame|enséñame|enseñame|imprime"
                      r"|repite|dime|escribe|comparte|divulga|proporciona|dame")
-    source, check = _phrase(es_leak_verbs, r"prompt|instrucciones|indicaciones|reglas|directrices",
+    source, check = _phrase_rule(es_leak_verbs, r"prompt|instrucciones|indicaciones|reglas|directrices",
                             r"tu|tus|sistema|ocult\w+|iniciales|originales|secret\w+|intern\w+",
                             gap=3)
-    add("prompt-leak", _words(es_leak_verbs), source, check)
-    source, check = _phrase(es_leak_verbs, r"configuración|configuracion|mensaje",
+    add("prompt-leak", _trigger_words(es_leak_verbs), source, check)
+    source, check = _phrase_rule(es_leak_verbs, r"configuración|configuracion|mensaje",
                             r"sistema|ocult\w+|iniciales|originales|secret\w+|intern\w+", gap=3)
-    add("prompt-leak", _words(es_leak_verbs),
+    add("prompt-leak", _trigger_words(es_leak_verbs),
         source, check)
     pt_leak_verbs = (r"revele|revela|mostre|mostra|me\s+mostre|imprima|imprime|repita|repete"
                      r"|diga|me\s+diga|compartilhe|divulgue|forneça|exiba|exibe")
-    source, check = _phrase(pt_leak_verbs, r"prompt|instruções|instrucoes|regras|diretrizes",
+    source, check = _phrase_rule(pt_leak_verbs, r"prompt|instruções|instrucoes|regras|diretrizes",
                             r"seu|sua|seus|suas|teu|tua|sistema|ocult\w+|iniciais|originais"
                             r"|secret\w+|intern\w+", gap=3)
-    add("prompt-leak", _words(pt_leak_verbs), source, check)
+    add("prompt-leak", _trigger_words(pt_leak_verbs), source, check)
     de_leak_verbs = (r"zeige|zeig|gib|nenne|verrate|wiederhole|drucke|offenbare|enthülle|schreibe"
                      r"|teile|liste|sag|sage|zeigen\s+sie|nennen\s+sie|geben\s+sie")
-    source, check = _phrase(de_leak_verbs, r"system-?prompt\w*|systemanweisung\w*|anweisung\w*"
+    source, check = _phrase_rule(de_leak_verbs, r"system-?prompt\w*|systemanweisung\w*|anweisung\w*"
                             r"|instruktion\w*|systemnachricht\w*|prompt\w*|regeln|konfiguration",
                             r"dein\w*|ihr\w*|system\w*|versteckt\w*|ursprünglich\w*|geheim\w*"
                             r"|intern\w*|initial\w*", gap=3)
-    add("prompt-leak", _words(de_leak_verbs), source, check)
+    add("prompt-leak", _trigger_words(de_leak_verbs), source, check)
     fr_leak_verbs = (r"révèle|révélez|revele|montre|montrez|affiche|affichez|imprime|imprimez"
                      r"|répète|répétez|repete|dis-moi|dites-moi|donne-moi|donnez-moi|écris|écrivez"
                      r"|partage|partagez|divulgue|divulguez|récite")
-    source, check = _phrase(fr_leak_verbs, r"prompt|invite|instructions|consignes|règles"
+    source, check = _phrase_rule(fr_leak_verbs, r"prompt|invite|instructions|consignes|règles"
                             r"|directives|configuration|message",
                             r"ton|ta|tes|votre|vos|système|systeme|cachée?s?|initiales?"
                             r"|d'origine|secrète?s?|interne?s?", gap=3)
-    add("prompt-leak", _words(fr_leak_verbs), source, check)
+    add("prompt-leak", _trigger_words(fr_leak_verbs), source, check)
     add("prompt-leak", "プロンプト 指示 設定 メッセージ",
         r"(?:システム\s?プロンプト|初期(?:の)?指示|隠された指示|隠し指示|元の指示|最初の指示"
         r"|あなたの(?:指示|設定|プロンプト|ルール)|システムメッセージ|システム指示)"
@@ -3047,16 +3047,26 @@ def _instruction_rule_table():
         r"(?:\s*(?:消息|提示|訊息|メッセージ|메시지|сообщение|mensaje|mensagem|message))?\]?"
         r"[ \t]*[:\uff1a\]](?P<rest>[^\n]*)", role_line)
     add("role-hijack", "system developer sys",
-        r"<[ \t]*(?:system|developer|sys|system[-_](?:prompt|message|instructions?))(?:[ \t][^<>\n]*)?>")
+        r"<(?:system|developer|sys|system[-_](?:prompt|message|instructions?))"
+        r"(?:[ \t][^<>\n]*)?>")
     add("role-hijack", "role",
         r"[\"']role[\"'][ \t]*:[ \t]*[\"'](?:system|developer)[\"']"
         r"|\brole[ \t]*=[ \t]*[\"'](?:system|developer)[\"']")
+
+    def role_heading(m):
+        # "## System" over a design section is prose; over "You must ..." it is a turn.
+        if ":" in m.group(0):
+            return True
+        following = m.string[m.end():m.end() + 400].lstrip()
+        return _ROLE_CUE.search(following.split("\n", 1)[0]) is not None
+
     add("role-hijack", "system developer",
         r"^[ \t]*#{1,6}[ \t]*(?:system|developer)(?:[ \t]+(?:message|prompt|instructions?|note"
-        r"|override))?[ \t]*:?[ \t]*#*[ \t]*$")
+        r"|override))?[ \t]*:?[ \t]*#*[ \t]*$", role_heading)
 
     # --- chat-template -------------------------------------------------------------------
-    add("chat-template", "<| <\uff5c \u2581of\u2581 inst sys turn available tool begin+text end+text",
+    add("chat-template", "<| <\uff5c \u2581of\u2581 inst sys turn available tool begin+text "
+                         "end+text",
         r"<[|\uff5c][A-Za-z_\u2581][\w\u2581.\- ]{0,38}[|\uff5c]>|\[/?INST\]|<</?SYS>>"
         r"|</?(?:start|end)_of_turn>|\[/?(?:SYSTEM_PROMPT|AVAILABLE_TOOLS|TOOL_CALLS"
         r"|TOOL_RESULTS)\]|<\|?(?:begin|end)[_\u2581]of[_\u2581](?:text|sentence)\|?>")
@@ -3091,18 +3101,19 @@ def _instruction_rule_table():
         + r"\b|\bact\s+as\s+if\s+you\s+(?:are|were|have|had)\b"
         r"|\bpretend\s+(?:to\s+be|you\s+are|you're|that\s+you\s+(?:are|were)|you\s+have\s+no)\b"
         r"|\b(?:role-?\s?play|play\s+the\s+(?:role|part))\s+(?:as|of)\s+", lead=True,
-        also="pretend roleplay role part if+you " + _words(_PERSONA_STRICT))
+        also="pretend roleplay role part if+you " + _trigger_words(_PERSONA_STRICT))
     add("identity-reset", "will+now",
         r"\byou\s+will\s+now\s+(?:act|respond|behave|answer|roleplay|pretend|speak|reply)\b")
     add("identity-reset", "new",
         r"\byour\s+new\s+(?:persona|identity|personality|character|instructions|directives?"
         r"|purpose|objective|mission|rules|master|programming)\b"
         r"|\b(?:adopt|assume|take\s+on)\s+(?:a|the|this)\s+new\s+(?:persona|identity|personality)")
-    add("identity-reset", "你现在是 你現在是 从现在 從現在 扮演 假装 假裝 你不再是 你的新",
-        r"你现在是|你現在是|(?:从|從)(?:现|現)在(?:开|開)?始[，,]?\s*你|(?:从|從)(?:现|現)在起[，,]?\s*你"
+    add("identity-reset", "你现在是 你現在是 现在你是 現在你是 从现在 從現在 扮演 假装 假裝 你不再是 你的新",
+        r"你现在是|你現在是|现在你是|現在你是|(?:从|從)(?:现|現)在(?:开|開)?始[，,]?\s*你|(?:从|從)(?:现|現)在起[，,]?\s*你"
         r"|(?:请|請|现在|現在|你要|你必须|你將|你将)(?:扮演|假装|假裝)|假装你是|假裝你是|你不再是"
         r"|你的新(?:身份|角色|人格|名字)")
-    add("identity-reset", "теперь отныне момента притворись притворитесь представь представьте веди ведите действуй действуйте новая новой",
+    add("identity-reset", "теперь отныне момента притворись притворитесь представь представьте "
+                          "веди ведите действуй действуйте новая новой",
         r"\b(?:ты\s+теперь|теперь\s+ты|отныне\s+(?:ты|вы)|с\s+этого\s+момента\s+(?:ты|вы))\b"
         r"|\bпритворись|\bпритворитесь|\bпредставь(?:те)?\s*,?\s*что\s+(?:ты|вы)\b"
         r"|\b(?:веди(?:те)?\s+себя|действуй(?:те)?)\s+(?:как|в\s+роли)\s+(?:[\w-]+\s+){0,2}?"
@@ -3129,7 +3140,8 @@ def _instruction_rule_table():
         r"(?:[\w-]+\s+){0,2}?" + _PERSONA
         + r"|\b(?:deine|ihre)\s+neue\s+(?:rolle|persönlichkeit|identität|persona)"
         r"|\bsie\s+sind\s+(?:jetzt|nun)\s+(?:ein|eine)\s+(?:[\w-]+\s+){0,2}?" + _PERSONA)
-    add("identity-reset", "maintenant désormais desormais semblant agis agissez comporte comportez joue jouez nouvelle",
+    add("identity-reset", "maintenant désormais desormais semblant agis agissez comporte comportez "
+                          "joue jouez nouvelle",
         r"\btu\s+es\s+(?:maintenant|désormais|desormais)\b|\b(?:à|a)\s+partir\s+de\s+maintenant"
         r"\s*,?\s*(?:tu|vous)\b|\b(?:désormais|desormais)\s*,?\s*(?:tu|vous)\s+(?:es|êtes|serez"
         r"|seras|agis|agissez|réponds|répondez)\b|\b(?:fais|faites)\s+semblant\s+d'(?:être|etre)"
@@ -3155,8 +3167,9 @@ def _instruction_rule_table():
     add("exfiltration", "]( src",
         r"(?P<img>!)?\[[^\]\n]{0,200}\]\([ \t]*<?(?P<url>https?://[^\s)>]+)"
         r"|<img\b[^>\n]*?\bsrc\s*=\s*[\"']?(?P<src>https?://[^\"'\s>]+)",
-        _payload_link)
-    add("exfiltration", "send post upload transmit forward exfiltrate leak email mail submit deliver report copy paste append include encode embed put add",
+        _link_carries_payload)
+    add("exfiltration", "send post upload transmit forward exfiltrate leak email mail submit "
+                        "deliver report copy paste append include encode embed put add",
         r"\b(?:send|post|upload|transmit|forward|exfiltrate|leak|e-?mail|submit|deliver"
         r"|report|copy|paste|append|include|encode|embed|put|add)\s+(?:[^\s.!?]+\s+){0,4}?"
         r"(?:secrets?|api[\s_-]*keys?|keys|tokens?|credentials?|passwords?|passwd|conversation"
@@ -3173,8 +3186,12 @@ def _instruction_rule_table():
     add("exfiltration", "curl wget",
         r"\b(?:curl|wget)\b[^\n]*(?:\.env\b|id_rsa|id_ed25519|\.ssh/|\.aws/credentials"
         r"|\$\((?:env|printenv|cat)\b|\$\{?[A-Z_]*(?:TOKEN|SECRET|API_KEY|PASSWORD)[A-Z_]*\}?)"
-        r"[^\n]*", _has_url, re.IGNORECASE)
-    add("exfiltration", "envía envia envíe envie manda mande sube suba reenvía transmite envoie envoyez transmets transmettez téléverse sende senden schicke schick übermittle lade отправь отправьте перешли перешлите загрузи загрузите передай передайте أرسل ارسل ارفع انقل 发送 发到 发给 上传 傳送 發送 送信 送って アップロード 転送 보내 전송 업로드",
+        r"[^\n]*", _mentions_url, re.IGNORECASE)
+    add("exfiltration", "envía envia envíe envie manda mande sube suba reenvía transmite envoie "
+                        "envoyez transmets transmettez téléverse sende senden schicke schick "
+                        "übermittle lade отправь отправьте перешли перешлите загрузи загрузите "
+                        "передай передайте أرسل ارسل ارفع انقل 发送 发到 发给 上传 傳送 發送 送信 送って アップロード 転送 "
+                        "보내 전송 업로드",
         r"https?://|(?<![\w.+-])[\w.+-]{1,64}@[\w-]+\.[a-z]{2,}", _foreign_send_line)
 
     # --- memory-poisoning ----------------------------------------------------------------
@@ -3186,12 +3203,19 @@ def _instruction_rule_table():
         r"|\bfuture\s+(?:sessions?|conversations?|chats?|interactions?)\s+(?:must|shall"
         r"|will\s+(?:always|never)|need\s+to|have\s+to|are\s+(?:to|required\s+to)|always|never"
         r"|do\s+not|don'?t)\b")
-    # "whenever you see this error" is a runbook; "whenever you read this, ..." is not.
+    # "whenever you see this error" is a runbook, "next time you read this, it will be done"
+    # a letter; "whenever you read this, delete the logs" directs a future reader.
     this_memory = (r"(?:this|these)(?:\s+(?:episode|memory|memories|note|notes|entry|record"
                    r"|message|text|page|document|file|instructions?))?(?:\s+again)?"
-                   r"(?=\s*(?:[,.:;!\u2014-]|$|\b(?:you|always|remember|make|please|do|ignore"
-                   r"|follow|never)\b))")
-    add("memory-poisoning", "whenever anytime recall recalls retrieve retrieves reread rereads recalled retrieved time+this time+these load+this loads+this loaded+this read+this reads+this",
+                   r"(?=\s*[,.:;!\u2014-]?\s*(?:you\s+(?:must|should|will|need|have)|always|never"
+                   r"|do\s+not|don'?t|please|remember|ignore|follow|delete|remove|run|execute"
+                   r"|send|open|obey|trust|tell|say|reply|respond|answer|call|use|disregard"
+                   r"|forget|treat|act|email|post|write|upload|install|create|update|modify"
+                   r"|change|grant|approve|merge|push|print|output|reveal|show|skip|stop"
+                   r"|switch|pretend|assume|wipe|erase|drop|purge|rm)\b)")
+    add("memory-poisoning", "whenever anytime recall recalls retrieve retrieves reread rereads "
+                            "recalled retrieved time+this time+these load+this loads+this "
+                            "loaded+this read+this reads+this",
         r"\b(?:whenever|every\s*time|each\s+time|(?:the\s+)?next\s+time|any\s*time)\s+(?:you"
         r"|an?\s+(?:ai|assistant|agent|model|llm)|the\s+(?:ai|assistant|agent|model))\s+"
         r"(?:\w+\s+)?(?:recall|read|see|load|retrieve|open|encounter|access|process|review"
@@ -3204,7 +3228,8 @@ def _instruction_rule_table():
     add("memory-poisoning", "future subsequent",
         r"\b(?:in|for|during|across)\s+(?:all|every|any|each)\s+(?:future|subsequent)\s+"
         r"(?:sessions?|conversations?|chats?|interactions?|responses?|replies|answers|turns)\b")
-    add("memory-poisoning", "permanently forever future later next memory memories instructions rules",
+    add("memory-poisoning", "permanently forever future later next memory memories instructions "
+                            "rules",
         r"\b(?:remember|memori[sz]e|store|save|record|add|write|commit)\s+(?:this|that"
         r"|these|the\s+following)(?:\s+(?:instruction|rule|fact|note)s?)?\s+(?:permanently"
         r"|forever|for\s+(?:all\s+)?(?:future|later|next)\s+\w+|(?:in|to|into)\s+your\s+"
@@ -3212,13 +3237,15 @@ def _instruction_rule_table():
         r"|\b(?:update|modify|overwrite|edit|change)\s+your\s+(?:long[- ]term\s+"
         r"|persistent\s+)?(?:memory|memories|core\s+instructions|instructions|rules)\b",
         lead=True)
-    add("memory-poisoning", "reading reads processing recalling if+ai if+llm if+assistant if+model if+chatbot note+ai note+assistant note+assistants note+agent note+agents note+claude note+model note+models note+llm note+llms",
+    add("memory-poisoning", "reading reads processing recalling if+ai if+llm if+assistant if+model "
+                            "if+chatbot note+ai note+assistant note+assistants note+agent "
+                            "note+agents note+claude note+model note+models note+llm note+llms",
         r"\b(?:to|attention|note\s+(?:to|for))\s*:?\s*(?:any|all|every|the)\s+(?:future\s+)?"
         r"(?:ai|llm|ai\s+assistants?|assistants?|agents?|models?|language\s+models?)s?\s+"
         r"(?:reading|that\s+reads|who\s+reads|processing|recalling)\b"
         r"|\bif\s+you\s+are\s+an?\s+(?:ai|llm|(?:large\s+)?language\s+model|ai\s+assistant"
         r"|assistant|ai\s+agent|chatbot)\b(?:\s+reading)?"
-        r"|\bnote\s+to\s+(?:any\s+|all\s+)?(?:future\s+)?(?:ai|assistants?|agents?|claude"
+        r"|\bnote\s+(?:to|for)\s+(?:any\s+|all\s+)?(?:future\s+)?(?:ai|assistants?|agents?|claude"
         r"|models?|llms?)\b")
     add("memory-poisoning", "以后 以後 将来 將來 未来 未來 今后 今後 下次 每当 每當 每次 记住 記住",
         r"(?:以后|以後|将来|將來|未来|未來|今后|今後)的?(?:所有)?(?:会话|會話|助手|代理|智能体|AI|模型"
@@ -3238,7 +3265,8 @@ def _instruction_rule_table():
         r"|\bзапомни(?:те)?\s+(?:это\s+)?навсегда|\bзапомни(?:те)?\s+(?:это|эту)\s+"
         r"(?:инструкцию|правило)|\bво\s+всех\s+(?:будущих|последующих)\s+(?:сессиях"
         r"|разговорах|ответах|диалогах)")
-    add("memory-poisoning", "futuras futuros próximas próximos proximas proximos próxima vez siempre todas recuerda",
+    add("memory-poisoning", "futuras futuros próximas próximos proximas proximos próxima vez "
+                            "siempre todas recuerda",
         r"\b(?:las|los)\s+(?:futur[oa]s|próxim[oa]s|proxim[oa]s)\s+(?:sesiones|asistentes|agentes"
         r"|conversaciones|modelos)\s+(?:deben|deberán|tienen\s+que|siempre|nunca)"
         r"|\b(?:la\s+)?próxima\s+vez\s+que\s+(?:leas|veas|recuerdes|cargues|recuperes)"
@@ -3264,7 +3292,8 @@ def _instruction_rule_table():
         r"|\bsouviens-toi\s+(?:de\s+(?:ceci|cela)\s+)?pour\s+toujours"
         r"|\bdans\s+toutes\s+les\s+(?:futures|prochaines)\s+(?:sessions|conversations"
         r"|réponses)")
-    add("memory-poisoning", "futuras futuros próximas próximos proximas proximos próxima sempre todas lembre",
+    add("memory-poisoning", "futuras futuros próximas próximos proximas proximos próxima sempre "
+                            "todas lembre",
         r"\b(?:as|os)\s+(?:futur[oa]s|próxim[oa]s|proxim[oa]s)\s+(?:sessões|sessoes|assistentes"
         r"|agentes|conversas|modelos)\s+(?:devem|deverão|deverao|têm\s+que|sempre|nunca)"
         r"|\bda\s+próxima\s+vez\s+que\s+(?:você\s+)?(?:ler|vir|lembrar|carregar|recuperar)"
@@ -3293,10 +3322,12 @@ def _instruction_rule_table():
         r"|المساعدون\s+المستقبليون")
 
     # --- context-escape ------------------------------------------------------------------
-    add("context-escape", "recalled episode memory context document documents untrusted user external retrieved",
+    add("context-escape", "recalled episode memory context document documents untrusted user "
+                          "external retrieved",
         r"<\s*/?\s*recalled[-_ ]?\w*|<\s*/\s*(?:episode|memory|context|documents?|untrusted[-_\w]*"
         r"|user[-_]input|external[-_]content|retrieved[-_]\w+)\s*>")
-    add("context-escape", "end+recalled end+retrieved end+untrusted end+external begin+system beginning+system",
+    add("context-escape", "end+recalled end+retrieved end+untrusted end+external begin+system "
+                          "beginning+system",
         r"\bend\s+of\s+(?:the\s+)?(?:recalled|retrieved|untrusted|external)\s+(?:context|episode"
         r"|content|data|memory|text|document)"
         r"|\bbegin(?:ning\s+of)?\s+(?:the\s+)?(?:new\s+)?system\s+prompt\b")
@@ -3308,26 +3339,33 @@ def _instruction_rule_table():
     return rows
 
 
-_TOKEN_BREAKS = bytes(b if (48 <= b <= 57 or 97 <= b <= 122 or b >= 128) else 32
+_TRIGGER_TOKEN_BREAKS = bytes(b if (48 <= b <= 57 or 97 <= b <= 122 or b >= 128) else 32
                       for b in range(256))
-# Non-ASCII punctuation that separates words, as UTF-8 (the token pass works on bytes).
+# Non-ASCII punctuation that separates the words of spaced scripts, as UTF-8 (the token pass
+# works on bytes). CJK punctuation is left alone: CJK triggers are substrings, not tokens.
 _WIDE_BREAKS = re.compile(b"|".join(re.escape(ch.encode()) for ch in (
-    "\u00a0\u00ab\u00bb\u2013\u2014\u2018\u2019\u201c\u201d\u2026\u3000\u3001\u3002"
-    "\uff01\uff08\uff09\uff0c\uff1a\uff1b\uff1f\u300c\u300d\u300e\u300f\u3010\u3011"
-    "\u060c\u061b\u061f")))
-_NEWLINE = re.compile("\n")
-# UTF-8 lead bytes of the scripts whose triggers are substrings rather than whole words.
-_ARABIC_LEADS = (b"\xd8", b"\xd9", b"\xda", b"\xdb")  # UTF-8 lead bytes of U+0600-U+06FF
-_WIDE_CHAR_BYTES = re.compile(b"[\xe3-\xe9\xea-\xed][\x80-\xbf][\x80-\xbf]")
+    "\u00a0\u00ab\u00bb\u2013\u2014\u2018\u2019\u201c\u201d\u2026")))
+# Bytes that can be part of a base64 run; everything else becomes a space.
+_BASE64_BREAKS = bytes(b if (48 <= b <= 57 or 97 <= b <= 122) else 32 for b in range(256))
+_EOL = re.compile("\n")
+# UTF-8 lead bytes of Arabic (U+0600-U+06FF), and the three-byte characters from U+3000 to
+# U+DFFF (kana, CJK, Hangul): the scripts whose triggers are substrings, not whole words.
+_ARABIC_LEADS = (b"\xd8", b"\xd9", b"\xda", b"\xdb")
+_WIDE_CHAR_BYTES = re.compile(b"[\xe3-\xed][\x80-\xbf][\x80-\xbf]")
 
 
 def _trigger_part(word):
-    """(kind, byte forms, key) for one trigger word; kind is "token", "wide" or "piece"."""
+    """(kind, byte forms, key) for one trigger word.
+
+    kind: "token" (a whole word of a spaced script), "wide" (a CJK, kana or Hangul
+    substring, keyed by its first character), "arabic" (a substring: Arabic glues
+    prefixes to words) or "piece" (any other substring, such as markup)."""
     encoded = word.encode()
-    if re.fullmatch(r"[\u3040-\u30ff\u3400-\u9fff\uf900-\ufaff\uac00-\ud7af\u1100-\u11ff"
-                    r"\u3130-\u318f].*", word):
+    if re.match("[\u3040-\u30ff\u3130-\u318f\u3400-\u9fff\uac00-\ud7af]", word):
         return ("wide", (encoded,), word[0].encode())
-    if re.fullmatch(r"[^\W_]+", word) and not re.search("[\u0600-\u06ff]", word):
+    if re.search("[\u0600-\u06ff]", word):
+        return ("arabic", (encoded,), None)
+    if re.fullmatch(r"[^\W_]+", word):
         forms = {v.encode().lower() for v in (word, word.capitalize(), word.upper())}
         return ("token", tuple(sorted(forms)), None)
     return ("piece", (word.lower().encode(),), None)
@@ -3336,9 +3374,8 @@ def _trigger_part(word):
 def _instruction_rules():
     """(token index, wide-piece index, other pieces, rules), compiled once.
 
-    A token opens the (rule, further parts) rows listed under it; a wide piece (CJK, kana,
-    Hangul) is tried only when its first character occurs; other pieces (Arabic, markup)
-    are plain substring tests."""
+    A token opens the (rule, further parts) rows listed under it; a wide piece is tried
+    only when its first character occurs; other pieces are substring tests."""
     global _INSTRUCTION_RULES
     if _INSTRUCTION_RULES is None:
         rules, tokens, wide, pieces = [], {}, {}, []
@@ -3369,7 +3406,7 @@ class _TriggerScan:
         self.low = text.encode("utf-8", "surrogatepass").lower()
         self.ascii = len(self.low) == len(text)
         words = self.low if self.ascii else _WIDE_BREAKS.sub(b" ", self.low)
-        self.tokens = set(words.translate(_TOKEN_BREAKS).split())
+        self.tokens = set(words.translate(_TRIGGER_TOKEN_BREAKS).split())
         self.wide = set(_WIDE_CHAR_BYTES.findall(self.low)) if not self.ascii else set()
         self.arabic = not self.ascii and any(lead in self.low for lead in _ARABIC_LEADS)
         self.lowered = None
@@ -3380,6 +3417,8 @@ class _TriggerScan:
             return any(f in self.tokens for f in forms)
         if kind == "wide":
             return key in self.wide and forms[0] in self.low
+        if kind == "arabic":
+            return self.arabic and forms[0] in self.low
         return forms[0] in self.low
 
     def fired(self):
@@ -3396,9 +3435,7 @@ class _TriggerScan:
                     if first[1][0] in self.low and all(self.has(part) for part in rest):
                         fired.setdefault(number, []).append(first[1][0])
         for first, number, rest in pieces:
-            if first[1][0][0] >= 0xd8 and not self.arabic:
-                continue  # an Arabic piece needs Arabic letters
-            if first[1][0] in self.low and all(self.has(part) for part in rest):
+            if self.has(first) and all(self.has(part) for part in rest):
                 fired.setdefault(number, []).append(first[1][0])
         rules = _instruction_rules()[3]
         return {number: forms for number, forms in fired.items()
@@ -3409,7 +3446,8 @@ class _TriggerScan:
         """Offset ranges of the text around each occurrence of the forms; None when lower-casing
         moves offsets (then the caller reads everything)."""
         if self.lowered is None:
-            self.lowered = self.text.lower()
+            # ASCII text: byte offsets are character offsets, so the bytes serve directly.
+            self.lowered = self.low if self.ascii else self.text.lower()
             self.form_spans = {}
         text, lowered = self.text, self.lowered
         if len(lowered) != len(text):
@@ -3419,15 +3457,15 @@ class _TriggerScan:
             cached = self.form_spans.get(form)
             if cached is None:
                 cached = []
-                word = form.decode("utf-8", "surrogatepass").lower()
+                word = form if self.ascii else form.decode("utf-8", "surrogatepass").lower()
                 position = lowered.find(word)
                 while position >= 0:
-                    # The line and the next (a phrase may wrap), but no further than any rule
+                    # The line and the next (a phrase may wrap), but no further than a rule
                     # reaches around its trigger, so long paragraphs stay cheap.
-                    start = max(text.rfind("\n", 0, position) + 1, position - 200)
+                    start = max(text.rfind("\n", 0, position) + 1, position - 240)
                     after = text.find("\n", position)
                     after = -1 if after < 0 else text.find("\n", after + 1)
-                    end = min(len(text) if after < 0 else after, position + 300)
+                    end = min(len(text) if after < 0 else after, position + 400)
                     cached.append((start, end))
                     position = lowered.find(word, position + len(word))
                 self.form_spans[form] = cached
@@ -3444,8 +3482,8 @@ class _TriggerScan:
 
 # --- URL and line checks the rule table refers to ------------------------------------------
 
-_URL_PARTS = re.compile(r"https?://([^/?#\s]+)([^?#\s]*)(?:\?([^#\s]*))?")
-_PLACEHOLDER = re.compile(
+_LINK_URL_PARTS = re.compile(r"https?://([^/?#\s]+)([^?#\s]*)(?:\?([^#\s]*))?")
+_URL_PLACEHOLDER = re.compile(
     r"\{\{?[ \t]*[A-Za-z_][\w. -]{0,40}?[ \t]*\}|%7[bB](?:%7[bB])?[A-Za-z_][\w.-]{0,40}?%7[dD]"
     r"|\$\{[A-Za-z_]|\$[A-Z_]{2,}|%3[cC][A-Za-z_]|\[[A-Za-z_ ]{3,}\]"
     r"|(?:^|[=/_-])(?:INSERT|YOUR|REPLACE)[A-Z_]*"
@@ -3457,10 +3495,10 @@ _PAYLOAD_KEYS = frozenset((
     "prompt", "msg", "message", "messages", "memory", "memories", "leak", "exfil", "content",
     "summary", "creds", "credentials", "password", "pass", "pwd",
 ))
-_LOCAL_HOSTS = frozenset(("localhost", "127.0.0.1", "[::1]", "0.0.0.0"))
+_LOOPBACK_HOSTS = frozenset(("localhost", "127.0.0.1", "[::1]", "0.0.0.0"))
 
 
-def _base64_text(value):
+def _base64_payload_text(value):
     """The UTF-8 text a base64 value decodes to, or None (binary, too short, not base64)."""
     import base64
     import binascii
@@ -3473,14 +3511,14 @@ def _base64_text(value):
                                    validate=True).decode("utf-8")
     except (binascii.Error, ValueError):
         return None
-    return decoded if _looks_like_text(decoded) else None
+    return decoded if _reads_as_text(decoded) else None
 
 
-def _decodes_to_text(value):
-    return _base64_text(value) is not None
+def _base64_payload(value):
+    return _base64_payload_text(value) is not None
 
 
-def _looks_like_text(decoded):
+def _reads_as_text(decoded):
     if len(decoded) < 8:
         return False
     readable = sum(1 for ch in decoded if ch.isprintable() or ch in "\n\t\r")
@@ -3488,42 +3526,42 @@ def _looks_like_text(decoded):
     return readable >= 0.95 * len(decoded) and letters >= 0.5 * len(decoded.replace(" ", ""))
 
 
-def _text_like(value):
+def _url_value_reads_as_words(value):
     """A URL-encoded value that reads as words: three or more letter runs joined by + or %20."""
     words = re.split(r"\+|%20|%2[0Bb]", value)
     return sum(1 for w in words if re.search(r"[A-Za-z]{2,}", w)) >= 3
 
 
-def _payload_link(match):
+def _link_carries_payload(match):
     url = match.group("url") or match.group("src")
     is_image = bool(match.group("src")) or bool(match.group("img"))
-    parts = _URL_PARTS.match(url)
+    parts = _LINK_URL_PARTS.match(url)
     if not parts:
         return False
     host, path, query = parts.group(1).lower(), parts.group(2), parts.group(3) or ""
-    if host.split(":")[0] in _LOCAL_HOSTS:
+    if host.split(":")[0] in _LOOPBACK_HOSTS:
         return False
-    if _PLACEHOLDER.search(path) or _PLACEHOLDER.search(query):
+    if _URL_PLACEHOLDER.search(path) or _URL_PLACEHOLDER.search(query):
         return True
     for segment in path.split("/"):
         if len(segment) >= 24 and re.fullmatch(r"[A-Za-z0-9+_=-]+", segment) \
-                and _decodes_to_text(segment):
+                and _base64_payload(segment):
             return True
     for pair in query.split("&"):
         key, _, value = pair.partition("=")
         if len(value) >= 16 and re.fullmatch(r"[A-Za-z0-9+/_=%-]+", value) \
-                and _decodes_to_text(value.replace("%3D", "=").replace("%2F", "/")):
+                and _base64_payload(value.replace("%3D", "=").replace("%2F", "/")):
             return True
         if not is_image:
             continue
-        if _text_like(value):
+        if _url_value_reads_as_words(value):
             return True
         if key.lower() in _PAYLOAD_KEYS and len(value) >= 8:
             return True
     return False
 
 
-def _has_url(match):
+def _mentions_url(match):
     return re.search(r"https?://|(?<![\w.+-])[\w.+-]{1,64}@[\w-]+\.[a-z]{2,}",
                      match.group(0)) is not None
 
@@ -3552,8 +3590,8 @@ def _foreign_send_line(match):
                 r"|APIキー|トークン|パスワード|会話|履歴|비밀번호|토큰|대화|키|비밀", re.IGNORECASE),
         )
     text, offset = match.string, match.start()
-    line = text[text.rfind("\n", 0, offset) + 1:]
-    line = line[:line.find("\n")] if "\n" in line else line
+    end = text.find("\n", offset)
+    line = text[text.rfind("\n", 0, offset) + 1:len(text) if end < 0 else end]
     verbs, nouns = _FOREIGN_SEND
     return verbs.search(line) is not None and nouns.search(line) is not None
 
@@ -3561,23 +3599,23 @@ def _foreign_send_line(match):
 # --- the scan ----------------------------------------------------------------------------
 
 
-_FENCE_LINE = re.compile(r"^[ \t]*(?:>[ \t]*)*(`{3,}|~{3,})([^\n]*)$", re.MULTILINE)
-_BLANK_LINE = re.compile(r"\n[ \t]*\n")
-_NOT_NEWLINE = re.compile(r"[^\n]+")
+_CODE_FENCE_LINE = re.compile(r"^[ \t]*(?:>[ \t]*)*(`{3,}|~{3,})([^\n]*)$", re.MULTILINE)
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+_NON_BREAK_RUN = re.compile(r"[^\n]+")
 
 
-def _blank(segment):
-    return _NOT_NEWLINE.sub(lambda m: " " * len(m.group(0)), segment)
+def _spaces_for(segment):
+    return _NON_BREAK_RUN.sub(lambda m: " " * len(m.group(0)), segment)
 
 
-def _fence_lines(text):
-    """Matches of _FENCE_LINE for the lines holding ``` or ~~~, found with str.find."""
+def _code_fence_lines(text):
+    """Matches of _CODE_FENCE_LINE for the lines holding ``` or ~~~, found with str.find."""
     found = []
     for marker in ("```", "~~~"):
         position = text.find(marker)
         while position >= 0:
             start = text.rfind("\n", 0, position) + 1
-            m = _FENCE_LINE.match(text, start)
+            m = _CODE_FENCE_LINE.match(text, start)
             end = text.find("\n", position)
             end = len(text) if end < 0 else end
             if m is not None and m.group(1)[0] == marker[0]:
@@ -3587,12 +3625,12 @@ def _fence_lines(text):
     return found
 
 
-def _code_regions(text):
+def _markdown_code_regions(text):
     """(start, end) offsets of fenced code blocks and inline code spans, in order."""
     regions = []
     if "```" in text or "~~~" in text:
         fence = None
-        for m in _fence_lines(text):
+        for m in _code_fence_lines(text):
             marker, rest = m.group(1), m.group(2)
             if fence is None:
                 if not (marker[0] == "`" and "`" in rest):
@@ -3631,7 +3669,7 @@ def _code_regions(text):
         k = bisect.bisect_right(same, index)
         if k < len(same):
             closer = runs[same[k]]
-            if not _BLANK_LINE.search(text, end, closer[0]):
+            if not _PARAGRAPH_BREAK.search(text, end, closer[0]):
                 regions.append((start, closer[1]))
                 index = same[k] + 1
                 continue
@@ -3640,7 +3678,7 @@ def _code_regions(text):
     return regions
 
 
-def _prose_text(text):
+def _text_outside_code(text):
     """The text with fenced code blocks and inline code spans blanked to spaces.
 
     Same length and line breaks as the text, so offsets and line numbers carry over."""
@@ -3648,17 +3686,17 @@ def _prose_text(text):
         return text
     pieces = []
     last = 0
-    for start, end in _code_regions(text):
+    for start, end in _markdown_code_regions(text):
         if start < last:
             continue
         pieces.append(text[last:start])
-        pieces.append(_blank(text[start:end]))
+        pieces.append(_spaces_for(text[start:end]))
         last = end
     pieces.append(text[last:])
     return "".join(pieces)
 
 
-def _show_hidden(text):
+def _escape_hidden(text):
     """Text with hidden and control characters spelled as \\uXXXX (excerpts, messages)."""
     out = []
     for ch in text:
@@ -3666,25 +3704,25 @@ def _show_hidden(text):
         if ch == "\t":
             out.append(" ")
         elif code < 0x20 or code == 0x7f or (code > 0x7f and (
-                _HIDDEN_RE.match(ch) or unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"))):
+                _HIDDEN_CHAR_RE.match(ch) or unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"))):
             out.append("\\u%04X" % code if code <= 0xFFFF else "\\U%08X" % code)
         else:
             out.append(ch)
     return "".join(out)
 
 
-def _excerpt(line, column):
+def _finding_excerpt(line, column):
     """At most 80 display characters of the line, starting a little before the hit."""
     stripped = line.lstrip()
     column = max(0, column - (len(line) - len(stripped)))
     stripped = stripped.rstrip()
     start = 0
-    if len(stripped) > 80 or len(_show_hidden(stripped)) > 80:
+    if len(stripped) > 80 or len(_escape_hidden(stripped)) > 80:
         start = max(0, column - 20)
     pieces = []
     size = 0
     for ch in stripped[start:start + 80]:
-        piece = _show_hidden(ch)
+        piece = _escape_hidden(ch)
         if size + len(piece) > 80:
             break  # never cut an escape like \u200B in half
         pieces.append(piece)
@@ -3692,7 +3730,7 @@ def _excerpt(line, column):
     return "".join(pieces).strip()
 
 
-def _rule_hits(text, skip=(), scan=None):
+def _instruction_rule_hits(text, skip=(), scan=None):
     """Yield (kind, offset) for every rule match in text.
 
     A rule runs only when one of its trigger words occurs, and on longer texts only over the
@@ -3713,7 +3751,7 @@ def _rule_hits(text, skip=(), scan=None):
                     yield kind, m.start()
 
 
-def _dash_lines(text):
+def _lines_of_three_dashes(text):
     """Offsets (start, end) of the lines that hold only ---, found with str.find."""
     found = []
     position = text.find("---")
@@ -3729,7 +3767,7 @@ def _dash_lines(text):
 
 def _fake_frontmatter(text, prose):
     """Offsets of role/instruction keys inside a --- block that is not the file's front matter."""
-    rules = _dash_lines(prose)
+    rules = _lines_of_three_dashes(prose)
     if len(rules) < 2:
         return []
     index = 0
@@ -3745,7 +3783,7 @@ def _fake_frontmatter(text, prose):
     while index < len(rules) - 1:
         opening, closing = rules[index], rules[index + 1]
         lines = prose[opening[1] + 1:closing[0]].split("\n")[:-1]
-        if len(lines) <= 24 and all(_YAML_LINE.match(line) for line in lines):
+        if len(lines) <= 24 and all(_FAKE_FRONTMATTER_LINE.match(line) for line in lines):
             offset = opening[1] + 1
             for line in lines:
                 if _FAKE_FRONTMATTER_KEY.match(line):
@@ -3778,7 +3816,7 @@ def _hidden_markup(text, low, offset_in_code):
         while position >= 0:
             end = text.find("-->", position + 4)
             body = text[position + 4:end if end >= 0 else len(text)]
-            if any(True for _ in _rule_hits(body[:20_000], ("hidden-text",))):
+            if any(True for _ in _instruction_rule_hits(body[:20_000], ("hidden-text",))):
                 hits.append(position)
             if end < 0:
                 break
@@ -3795,7 +3833,7 @@ def _hidden_markup(text, low, offset_in_code):
         if not re.sub(r"<[^>]*>", " ", inner).strip():
             continue
         if offset_in_code(m.start()) and not any(
-                True for _ in _rule_hits(inner, ("hidden-text",))):
+                True for _ in _instruction_rule_hits(inner, ("hidden-text",))):
             continue
         hits.append(m.start())
     return hits
@@ -3819,7 +3857,7 @@ _FOLD_LATIN = {
 }
 _FOLD_CLASS = re.compile("[" + "".join(_FOLD_LATIN) + "]")
 _MIXED_SCRIPT = re.compile("[A-Za-z][\u0370-\u04ff]|[\u0370-\u04ff][A-Za-z]")
-_LETTER_RUN = re.compile(r"[^\W\d_]+")
+_HOMOGLYPH_WORD = re.compile(r"[^\W\d_]+")
 _SPACED = re.compile(r"(?<![\w@$])[\w@$](?:[ .][\w@$]){2,}(?![\w@$])")
 _SPACED_PAIR = re.compile(r"(?<![\w@$])[\w@$](?:[ .][\w@$])+(?![\w@$])")
 _LEET_TOKEN = re.compile(r"[A-Za-z0-9@$]+")
@@ -3883,8 +3921,7 @@ def _fold_token(m):
     token = m.group(0)
     if not _FOLD_CLASS.search(token):
         return token
-    mixed = re.search(r"[A-Za-z]", token) is not None
-    if mixed or all(ch in _FOLD_LATIN for ch in token):
+    if _HAS_LATIN.search(token) or all(ch in _FOLD_LATIN for ch in token):
         return "".join(_FOLD_LATIN.get(ch, ch) for ch in token)
     return token
 
@@ -3905,22 +3942,22 @@ def _leet_token(m):
 def _decode_base64_runs(line):
     decoded = []
     for m in _BASE64_RUN.finditer(line):
-        text = _base64_text(m.group(0))
+        text = _base64_payload_text(m.group(0))
         if text is not None:
-            decoded.append(_normalise_line(re.sub(r"\s*\n\s*", ". ", text), depth=1))
+            decoded.append(_deobfuscated_line(re.sub(r"\s*\n\s*", ". ", text), depth=1))
     return decoded
 
 
-def _normalise_line(line, depth=0):
+def _deobfuscated_line(line, depth=0):
     """The line with obfuscation undone (contracts.md § 4.2)."""
     s = unicodedata.normalize("NFKC", line)
-    if _HIDDEN_RE.search(s) or any(ch in s for ch in _INVISIBLE_EXTRA):
+    if _HIDDEN_CHAR_RE.search(s) or any(ch in s for ch in _INVISIBLE_EXTRA):
         # Tag characters spell ASCII ("ASCII smuggling"); decode them rather than drop them.
         s = "".join(
             chr(ord(ch) - 0xE0000) if 0xE0020 <= ord(ch) <= 0xE007E else
-            ("" if _HIDDEN_RE.match(ch) or ch in _INVISIBLE_EXTRA else ch) for ch in s)
+            ("" if _HIDDEN_CHAR_RE.match(ch) or ch in _INVISIBLE_EXTRA else ch) for ch in s)
     if _MIXED_SCRIPT.search(s):
-        s = _LETTER_RUN.sub(_fold_token, s)
+        s = _HOMOGLYPH_WORD.sub(_fold_token, s)
     if _SPACED.search(s):
         # Once a line is spelled out, two-letter words ("o n") are spelled out too.
         s = _SPACED_PAIR.sub(_rejoin, s)
@@ -3933,9 +3970,6 @@ def _normalise_line(line, depth=0):
     return s
 
 
-# --- public API ----------------------------------------------------------------------------
-
-
 # Where the second, normalised look is worth it, searched in the lower-cased UTF-8 bytes:
 # hidden, invisible or compatibility characters (fullwidth, ligatures, circled, math
 # letters, super/subscripts), Latin run together with Cyrillic or Greek, letters spelled out
@@ -3946,6 +3980,7 @@ _NEEDS_NORMALISING_WIDE = re.compile(
     b"|\xef\xbc[\x90-\x99\x9c\x9e\xa1-\xbb\xbd]|\xef\xbd[\x81-\x9a\x9c]"
     b"|\xc2\xad|\xe1\xa0\x8e")
 _MIXED_SCRIPT_BYTES = re.compile(b"[\xce-\xd3](?:(?<=[a-z][\xce-\xd3])|[\x80-\xbf][a-z])")
+_BASE64_BYTES = re.compile(b"[a-z0-9+/_-]{40,}")
 _SINGLE_LETTERS = frozenset(bytes([b]) for b in range(97, 123))
 _CYRILLIC_GREEK_LEADS = (b"\xce", b"\xcf", b"\xd0", b"\xd1", b"\xd2", b"\xd3")
 _SPACED_BYTES = re.compile(b"[ .][a-z0-9@$][ .][a-z0-9@$](?![a-z0-9@$])")
@@ -3953,6 +3988,9 @@ _SPACED_BYTES = re.compile(b"[ .][a-z0-9@$][ .][a-z0-9@$](?![a-z0-9@$])")
 _LEET_BYTES = re.compile(b"[013457@$]+[a-z]")
 _HIDDEN_BYTES = re.compile(
     b"\xe2\x80[\x8b-\x8d\xaa-\xae]|\xe2\x81[\xa0\xa6-\xa9]|\xef\xbb\xbf|\xf3\xa0[\x80\x81]")
+
+
+# --- public API ----------------------------------------------------------------------------
 
 
 def scan_instructions(text):
@@ -3964,7 +4002,7 @@ def scan_instructions(text):
         return []
     if "\r" in text:
         text = text.replace("\r\n", "\n")
-    prose = _prose_text(text)
+    prose = _text_outside_code(text)
     scan = _TriggerScan(prose)
     found = {}
     starts = []
@@ -3973,7 +4011,7 @@ def scan_instructions(text):
     def line_of(offset):
         if not starts:
             starts.append(0)
-            starts.extend(m.end() for m in _NEWLINE.finditer(text))
+            starts.extend(m.end() for m in _EOL.finditer(text))
         return bisect.bisect_right(starts, offset) - 1
 
     def add(kind, offset, obfuscated, line=None):
@@ -3983,23 +4021,25 @@ def scan_instructions(text):
         end = starts[index + 1] - 1 if index + 1 < len(starts) else len(text)
         column = 0 if line is not None else offset - starts[index]
         found[(index, kind)] = {"kind": kind, "line": index + 1,
-                                "excerpt": _excerpt(text[starts[index]:end], column),
+                                "excerpt": _finding_excerpt(text[starts[index]:end], column),
                                 "obfuscated": obfuscated}
 
-    for kind, offset in _rule_hits(prose, ("hidden-text",), scan):
+    for kind, offset in _instruction_rule_hits(prose, ("hidden-text",), scan):
         add(kind, offset, False)
     if "---" in prose:
         for offset in _fake_frontmatter(text, prose):
             add("context-escape", offset, False)
 
     # hidden-text reads everything, code included.
-    raw = scan.low if prose is text else text.encode("utf-8", "surrogatepass").lower()
-    if not scan.ascii or prose is not text:
+    raw = scan.low if prose is text else None
+    if not text.isascii():
+        raw = raw or text.encode("utf-8", "surrogatepass").lower()
         if _HIDDEN_BYTES.search(raw):
-            for m in _HIDDEN_RE.finditer(text):
+            for m in _HIDDEN_CHAR_RE.finditer(text):
                 if not (m.start() == 0 and m.group(0) == "\ufeff"):
                     add("hidden-text", m.start(), False)
-    if b"<" in raw:
+    if "<" in text:
+        raw = raw or text.encode("utf-8", "surrogatepass").lower()
         for offset in _hidden_markup(text, raw, lambda at: prose[at] != text[at]):
             add("hidden-text", offset, False)
 
@@ -4014,12 +4054,9 @@ def scan_instructions(text):
         if any(lead in low for lead in _CYRILLIC_GREEK_LEADS):
             marks.extend(m.start() for m in _MIXED_SCRIPT_BYTES.finditer(low))
     # A base64 run of 40 or more characters leaves a token of 20 or more between + and /.
-    for token in scan.tokens:
-        if len(token) >= 20 and token.isascii():
-            position = low.find(token)
-            while position >= 0:
-                marks.append(position)
-                position = low.find(token, position + len(token))
+    words = scan.tokens if scan.ascii else low.translate(_BASE64_BREAKS).split()
+    if max(map(len, words), default=0) >= 20:
+        marks.extend(m.start() for m in _BASE64_BYTES.finditer(low))
     if marks:
         lines = set()
         previous, line = 0, 0
@@ -4032,15 +4069,17 @@ def scan_instructions(text):
         for index in sorted(lines):
             end = starts[index + 1] - 1 if index + 1 < len(starts) else len(text)
             original = prose[starts[index]:end]
-            changed = _normalise_line(original)
+            changed = _deobfuscated_line(original)
             if changed != original:
                 normal[index] = changed
         if normal:
+            # A "." line between the changed lines keeps a phrase from spanning two of them.
             order = sorted(normal)
-            normal_text = "\n".join(normal[index] for index in order)
-            normal_starts = [0] + [m.end() for m in _NEWLINE.finditer(normal_text)]
-            for kind, offset in _rule_hits(normal_text, ("hidden-text",)):
-                add(kind, 0, True, line=order[bisect.bisect_right(normal_starts, offset) - 1])
+            normal_text = "\n.\n".join(normal[index] for index in order)
+            normal_starts = [0] + [m.end() for m in _EOL.finditer(normal_text)]
+            for kind, offset in _instruction_rule_hits(normal_text, ("hidden-text",)):
+                joined = bisect.bisect_right(normal_starts, offset) - 1
+                add(kind, 0, True, line=order[joined // 2])
     return [found[key] for key in sorted(found)]
 
 
@@ -4050,14 +4089,17 @@ def is_instruction_shaped(text):
 
 
 def _hidden_characters(text):
-    """Zero-width, bidi-control and tag characters: [{line, codepoint: "U+XXXX"}], one per kind per line."""
+    """Zero-width, bidi-control and tag characters: [{line, codepoint: "U+XXXX"}].
+
+    One entry per distinct character per line, in order of appearance; a byte order mark at
+    the very start is not hidden. doctor reports these as hidden-characters."""
     out = []
     seen = set()
-    if not text or not _HIDDEN_RE.search(text):
+    if not text or not _HIDDEN_CHAR_RE.search(text):
         return out
     line = 1
     position = 0
-    for m in _HIDDEN_RE.finditer(text):
+    for m in _HIDDEN_CHAR_RE.finditer(text):
         if m.start() == 0 and m.group(0) == "\ufeff":
             continue
         line += text.count("\n", position, m.start())
@@ -5966,9 +6008,7 @@ def _filter_index(lines, category, since):
 
 def _cap_index(lines, entry_idx, max_chars, offset):
     """Keep header and preamble, then the newest entries that fit (older ones dropped first)."""
-    newest_first = sorted(entry_idx, key=lambda i: lines[i], reverse=False)
-    # newest = last in (date, stem) order within categories; order by the key's date prefix
-    def key_of(i):
+    def key_of(i):   # newest first: by the key's date prefix, then position
         m = _ENTRY_LINE.match(lines[i])
         k = (m.group(1) or m.group(2)) if m else lines[i]
         return (k[:10] if _is_iso_date(k[:10]) else "", i)
@@ -5980,15 +6020,13 @@ def _cap_index(lines, entry_idx, max_chars, offset):
         header.pop()
     keep = set()
     budget = max_chars or 10 ** 12
-    base = sum(len(l) + 1 for l in header) + 200
-    used = base
+    # header + the headings and the "older entries" line that may follow
+    used = sum(len(l) + 1 for l in header) + 120
     for i in candidates:
         cost = len(lines[i]) + 1
         if used + cost > budget and keep:
             break
-        if used + cost > budget:
-            break
-        keep.add(i)
+        keep.add(i)   # at least one entry per page, so paging always advances
         used += cost
     out = list(header) + [""]
     current_heading = None
@@ -6051,6 +6089,8 @@ _FOLDABLE = re.compile("[\u00c0-\u036f\u1e00-\u1eff]")
 _CYRILLIC_WORD = re.compile("[\u0400-\u04ff]+\\Z")
 _QUERY_PART = re.compile(r'(-?)"([^"]*)"|(\S+)')
 _SPACE = re.compile(r"\s")
+_DAMAGE = re.compile(r"malformed|corrupt|not a database|no such (table|column)|disk image",
+                     re.IGNORECASE)
 
 
 # --- tokens: the one pipeline both engines share ------------------------------------------
@@ -6176,13 +6216,10 @@ def _fts_phrase(toks, prefix):
     return '"' + " ".join(toks) + '"' + ("*" if prefix else "")
 
 
-def _fts_expression(terms, excluded, any_word):
+def _fts_expression(terms, any_word):
     def term(alts):
         return "(" + " OR ".join(_fts_phrase(t, p) for t, p in alts) + ")"
-    text = (" OR " if any_word else " AND ").join(term(t) for t in terms)
-    if excluded:
-        text = f"({text}) NOT ({' OR '.join(term(t) for t in excluded)})"
-    return text
+    return (" OR " if any_word else " AND ").join(term(t) for t in terms)
 
 
 # --- episodes as search rows ----------------------------------------------------------------
@@ -6240,7 +6277,7 @@ def _tag_field(values):
 
 
 def _episode_files(root, directory):
-    """(rel, size, mtime_ns) of the episode files in one category directory, as _Catalog sees them."""
+    """(rel, size, mtime_ns) of one category directory's episode files, as _Catalog sees them."""
     found = []
     try:
         entries = list(os.scandir(os.path.join(root, directory)))
@@ -6363,6 +6400,10 @@ def _dir_times(root):
     return out
 
 
+class _SidecarBusy(Exception):
+    """Another process is (re)building the sidecar and nothing usable is committed yet."""
+
+
 def _fts_sync(db, root, rebuild=False):
     """Bring the sidecar up to date: directory times first, per-file stats only where a
     directory changed, re-index only changed, new or deleted episodes."""
@@ -6378,7 +6419,13 @@ def _fts_sync(db, root, rebuild=False):
         if stored and all(current[d] is not None and stored.get(d) == current[d]
                           for d in _SEARCH_DIRS):
             return
-    db.execute("BEGIN IMMEDIATE")
+    import sqlite3
+    try:
+        db.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError:
+        if stored and not rebuild:
+            return   # another process holds the write lock; its last commit still answers
+        raise _SidecarBusy() from None
     try:
         current = _dir_times(root)
         row = db.execute("SELECT value FROM meta WHERE key='search_schema'").fetchone()
@@ -6495,15 +6542,21 @@ def _fts_update(db, root, changed):
 
 def _fts_candidates(db, terms, excluded, filters, any_word):
     """A cursor over the matching sections, best first:
-    (score, date, stem, ord, path, sid) ranked as _rank_candidates ranks."""
+    (score, date, stem, ord, path, sid) ranked as _rank_candidates ranks.
+    An excluded word removes every section of an episode that holds it."""
     where, params = filters.sql()
+    params = [_fts_expression(terms, any_word)] + params
+    if excluded:
+        where += (" AND s.ep NOT IN (SELECT x.ep FROM search_fts CROSS JOIN search_sections x"
+                  " ON x.sid = search_fts.rowid WHERE search_fts MATCH ?)")
+        params.append(_fts_expression(excluded, True))
     w = _SEARCH_WEIGHTS
     sql = (f"SELECT -bm25(search_fts, {w[0]}, {w[1]}, {w[2]}) AS score, e.date, e.stem, s.ord,"
            " e.path, s.sid FROM search_fts CROSS JOIN search_sections s"
            " ON s.sid = search_fts.rowid CROSS JOIN search_episodes e ON e.ep = s.ep"
            " WHERE search_fts MATCH ?" + where +
            " ORDER BY round(score, 6) DESC, e.date DESC, e.stem, s.ord")
-    return db.execute(sql, [_fts_expression(terms, excluded, any_word)] + params)
+    return db.execute(sql, params)
 
 
 def _fts_hit_rows(db, chosen):
@@ -6529,43 +6582,70 @@ def _fts_hit_rows(db, chosen):
 
 # --- the scan engine ------------------------------------------------------------------------
 
-def _phrase_hits(tokens, counts, toks, prefix):
-    """How often a phrase occurs in one column, counted as FTS5 counts instances."""
-    if len(toks) == 1:
-        t = toks[0]
-        if not prefix:
-            return counts.get(t, 0)
-        return sum(n for k, n in counts.items() if k.startswith(t))
-    head, last, n = toks[:-1], toks[-1], len(toks)
-    if head[0] not in counts:
-        return 0
-    found, i = 0, -1
-    while True:
-        try:
-            i = tokens.index(head[0], i + 1)
-        except ValueError:
+class _ScanColumn:
+    """One column of a row for the scan: its folded text, tokens, and counts when needed."""
+
+    __slots__ = ("text", "tokens", "_counts", "_sorted")
+
+    def __init__(self, value):
+        self.text = _fold(_cjk_rewrite(value))
+        self.tokens = _SEARCH_TOKEN.findall(self.text)
+        self._counts = None
+        self._sorted = None
+
+    def hits(self, toks, prefix):
+        """How often a phrase occurs here, counted as FTS5 counts instances."""
+        if toks[0] not in self.text:
+            return 0     # a token that is not even a substring cannot match
+        if self._counts is None:
+            from collections import Counter
+            self._counts = Counter(self.tokens)
+        counts = self._counts
+        if len(toks) == 1:
+            t = toks[0]
+            if not prefix:
+                return counts.get(t, 0)
+            if self._sorted is None:
+                self._sorted = sorted(counts)
+            import bisect
+            i = bisect.bisect_left(self._sorted, t)
+            found = 0
+            while i < len(self._sorted) and self._sorted[i].startswith(t):
+                found += counts[self._sorted[i]]
+                i += 1
             return found
-        if i + n > len(tokens):
-            return found
-        if tuple(tokens[i:i + n - 1]) == head and (
-                tokens[i + n - 1].startswith(last) if prefix else tokens[i + n - 1] == last):
-            found += 1
+        head, last, n = toks[:-1], toks[-1], len(toks)
+        if head[0] not in counts:
+            return 0
+        tokens = self.tokens
+        found, i = 0, -1
+        while True:
+            try:
+                i = tokens.index(head[0], i + 1)
+            except ValueError:
+                return found
+            if i + n > len(tokens):
+                return found
+            if tuple(tokens[i:i + n - 1]) == head and (
+                    tokens[i + n - 1].startswith(last) if prefix else tokens[i + n - 1] == last):
+                found += 1
 
 
 def _scan_candidates(root, terms, excluded):
     """Stream every episode file once and score its sections with FTS5's BM25.
 
     IDF and the average row length count every row, as the sidecar does, so the filters apply
-    afterwards. Only rows holding a query phrase are kept, without their text. Returns
+    afterwards. Only rows holding a query phrase are kept, without their text; an excluded
+    phrase anywhere in an episode drops all its rows. Returns
     ([(score, episode, ord, heading, chars, terms matched)], {stem: superseded by})."""
     import math
-    from collections import Counter
     phrases = [alt for term in terms for alt in term]
     negated = [alt for term in excluded for alt in term]
     n_rows = 0
     n_tokens = 0
     df = [0] * len(phrases)
     kept = []
+    banned = set()
     superseded = {}
     files = [f for d in _SEARCH_DIRS for f in _episode_files(root, d)]
     for n, (rel, _, _) in enumerate(files):
@@ -6578,24 +6658,24 @@ def _scan_candidates(root, terms, excluded):
         for target in doc["supersedes"]:
             superseded.setdefault(target, []).append(doc["stem"])
         episode = None
-        title = _search_tokens(doc["title_text"])
-        title_counts = Counter(title)
+        title = _ScanColumn(doc["title_text"])
         for ordinal, heading, body in _search_rows(doc):
-            columns = (title, _search_tokens(heading or ""), _search_tokens(body))
-            counts = (title_counts, Counter(columns[1]), Counter(columns[2]))
-            length = len(columns[0]) + len(columns[1]) + len(columns[2])
+            columns = (title, _ScanColumn(heading or ""), _ScanColumn(body))
+            length = len(title.tokens) + len(columns[1].tokens) + len(columns[2].tokens)
             n_rows += 1
             n_tokens += length
             freq = None
             for i, (toks, prefix) in enumerate(phrases):
-                hits = [_phrase_hits(columns[c], counts[c], toks, prefix) for c in range(3)]
+                hits = [col.hits(toks, prefix) for col in columns]
                 if any(hits):
                     df[i] += 1
                     if freq is None:
                         freq = [0.0] * len(phrases)
                     freq[i] = sum(_SEARCH_WEIGHTS[c] * hits[c] for c in range(3))
-            if freq is None or any(_phrase_hits(columns[c], counts[c], toks, prefix)
-                                   for toks, prefix in negated for c in range(3)):
+            if doc["path"] not in banned and any(
+                    col.hits(toks, prefix) for toks, prefix in negated for col in columns):
+                banned.add(doc["path"])
+            if freq is None:
                 continue
             if episode is None:
                 episode = {k: doc[k] for k in ("path", "stem", "kind", "date", "title",
@@ -6612,6 +6692,8 @@ def _scan_candidates(root, terms, excluded):
         start += len(term)
     scored = []
     for episode, ordinal, heading, chars, freq, length in kept:
+        if episode["path"] in banned:
+            continue
         score = 0.0
         norm = _BM25_K1 * (1 - _BM25_B + _BM25_B * length / avgdl)
         for i, f in enumerate(freq):
@@ -6686,7 +6768,8 @@ def _snippet(text, pattern, needles):
         if m:
             start = m.end()
     if end < len(text):
-        cut = max(text.rfind(" ", max(start, end - 30), end), text.rfind("\n", max(start, end - 30), end))
+        floor = max(start, end - 30)
+        cut = max(text.rfind(" ", floor, end), text.rfind("\n", floor, end))
         if cut > start:
             end = cut
     piece = " ".join(text[start:end].split())
@@ -6736,17 +6819,21 @@ def _semantic_list(root, query, k, requested):
         return None
     off = os.environ.get("MEMSHELF_SEMANTIC", "").strip().lower() in ("off", "0", "false", "no")
     ranked = None
-    if rank is not None and not off and k:
+    if rank is not None and not off:
         ranked = rank(root, query, k)
     if ranked is None and requested in ("semantic", "hybrid"):
-        why = ("the semantic extra is not installed" if rank is None else
-               "MEMSHELF_SEMANTIC is off" if off else "the semantic index is not built")
-        raise ShelfError("semantic-unavailable", f"search mode {requested!r} needs semantic "
-                         f"vectors, and {why}", _SEMANTIC_FIX)
+        raise _semantic_unavailable(requested, "the semantic extra is not installed"
+                                    if rank is None else "MEMSHELF_SEMANTIC is off" if off
+                                    else "the semantic index is not built")
     return ranked
 
 
-def _fuse(lexical, semantic_keys, key_of):
+def _semantic_unavailable(mode, why):
+    return ShelfError("semantic-unavailable", f"search mode {mode!r} needs semantic vectors, "
+                      f"and {why}", _SEMANTIC_FIX, {"mode": mode})
+
+
+def _fuse(lexical, semantic, key_of):
     """Reciprocal-rank fusion (k = 60) of a lexical and a semantic ranking, both best first."""
     score, via, first = {}, {}, {}
     for rank, c in enumerate(lexical, 1):
@@ -6754,7 +6841,7 @@ def _fuse(lexical, semantic_keys, key_of):
         score[k] = score.get(k, 0.0) + 1.0 / (_RRF_K + rank)
         via[k] = "lexical"
         first[k] = c
-    for rank, c in enumerate(semantic_keys, 1):
+    for rank, c in enumerate(semantic, 1):
         k = key_of(c)
         score[k] = score.get(k, 0.0) + 1.0 / (_RRF_K + rank)
         via[k] = "both" if via.get(k) == "lexical" else "semantic"
@@ -6782,7 +6869,8 @@ def _check_search_args(query, max_results, kinds, tags, since, until, archive, m
     tags = list(tags or [])
     for t in tags:
         bare = t[:-1] if isinstance(t, str) and t.endswith("*") else t
-        if not isinstance(bare, str) or not bare or not _TAG.match(bare):
+        if not isinstance(bare, str) or not bare or not _TAG.match(bare) or \
+                not bare[0].isalnum() or not (bare[-1].isalnum() or bare != t):
             raise _usage(f"invalid tag filter {t!r}", "a tag is 1-48 letters, digits and "
                          "- _ . + / :, optionally ending with * to match a prefix")
     for name, value in (("since", since), ("until", until)):
@@ -6808,7 +6896,7 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
         raise _usage(f"the query {query!r} has no word to search for",
                      "give at least one word that is not excluded with -")
     if mode in ("semantic", "hybrid") and globals().get("_semantic_rank") is None:
-        _semantic_list(root, query, 0, mode)
+        raise _semantic_unavailable(mode, "the semantic extra is not installed")
     filters = _SearchFilters(kinds, tags, since, until, archive)
     found = None
     db = _fts_open(root)
@@ -6820,8 +6908,7 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
             db.close()
     if found is None:
         if mode in ("semantic", "hybrid"):
-            raise ShelfError("semantic-unavailable", f"search mode {mode!r} needs the SQLite "
-                             "sidecar, and it is unavailable here", _SEMANTIC_FIX)
+            raise _semantic_unavailable(mode, "the SQLite sidecar is unavailable here")
         found = _search_scan(root, terms, excluded, filters, max_results, per_episode)
     engine, match_mode, used_mode, chosen, total, info, superseded, via = found
     hits = _build_hits(root, chosen, info, superseded, terms, via)
@@ -6856,9 +6943,12 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
             chosen, total = _cap_per_episode(ranked, per_episode, limit)
             info, superseded = _fts_hit_rows(db, chosen)
             return "fts5", match_mode, used, chosen, total, info, superseded, via
-        except sqlite3.DatabaseError:
-            # a damaged sidecar is rebuilt once; if that fails too the scan answers
-            continue
+        except _SidecarBusy:
+            return None
+        except sqlite3.DatabaseError as exc:
+            # a damaged sidecar is rebuilt once; anything else, or a second failure, scans
+            if attempt == 2 or not _DAMAGE.search(str(exc)):
+                return None
     return None
 
 
@@ -7012,6 +7102,9 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("search-bench", search_bench, [
 ], title="Measure search quality on a labelled query set", mcp=False,
     text=_text_search_bench))
 # <<< part: search
+
+# >>> part: semantic
+# <<< part: semantic
 
 # ==========================================================================================
 # Git
@@ -7542,14 +7635,15 @@ def purge(**kwargs):
     raise ShelfError("internal", "purge is not implemented yet", "")
 
 
+def import_transcript(**kwargs):
+    raise ShelfError("internal", "import is not implemented yet", "")
+# <<< part: lifecycle
+
+# >>> part: sync
+
 def resolve(**kwargs):
     raise ShelfError("internal", "resolve is not implemented yet", "")
-
-
-def import_transcript(**kwargs):
-    raise ShelfError("internal", "import_transcript is not implemented yet", "")
-
-# <<< part: lifecycle
+# <<< part: sync
 
 # ==========================================================================================
 # Doctor
@@ -7736,11 +7830,11 @@ less like made make many might more most much must need needs never next none on
 others ours ourselves over same shall should since some such than that their theirs them
 themselves then there these they this those though through thus till under until upon very
 want well were what whatever when where whether which while whom whose will with within without
-would your yours yourself also used using uses into onto true false none
+would your yours yourself used using uses true false
 было были быть будет будут если есть ещё также тоже только более менее между через после перед
 потому чтобы этот этого этой этом этим эти этих того тому тогда теперь когда который которая
 которое которые которых которым очень может можно нужно надо всех всего всем свой своих свою
-своей себя него неё нему ними было будто даже либо пока кроме около однако хотя
+своей себя него неё нему ними будто даже либо пока кроме около однако хотя
 """.split())
 
 
@@ -7956,9 +8050,11 @@ def _episode_file_findings(rec, data, policy):
     body = text
     if rec.get("has_block") and not rec.get("fm_error"):
         try:
-            parsed = _parse_frontmatter_detail(text)
-            body = parsed["body"]
-            detail = {"body_start": len(text) - len(body)}
+            # only where the block ends is needed; the catalog already parsed the fields
+            located = _fm_locate(text)
+            if located[1] is not None:
+                body = text[located[5]:]
+                detail = {"body_start": located[5]}
         except FrontmatterError:
             pass
     return _format_findings(rec, text, detail) + _content_findings(rec, text, body, policy)
@@ -8156,8 +8252,10 @@ class _DoctorRun:
         self.git = _Git(root) if _git_available() else None
         self.in_git = bool(self.git and self.git.is_repo())
         self.records = []
-        self.ledger_ids = None
-        self.uncounted = []
+        self.manifest = {}               # shelf.yml as parsed (step 1); {} when unreadable
+        self.policy = ([], {})           # POLICY.patterns rules and redaction switches (step 3)
+        self.ledger_ids = None           # {episode_id: line} of ledger.tsv (step 4)
+        self.uncounted = []              # episodes without a ledger row (step 5)
 
     def run(self):
         steps = []
@@ -8172,10 +8270,8 @@ class _DoctorRun:
         steps.append(self.tree())
         steps.append(self.policy_file())
         steps.append(self.ledger())
-        live = [r for r in self.records if not r["archived"]]
-        archived = [r for r in self.records if r["archived"]]
-        episode_steps = self.episodes(live, archived)
-        steps += episode_steps
+        steps += self.episodes([r for r in self.records if not r["archived"]],
+                               [r for r in self.records if r["archived"]])
         steps.append(self.freshness())
         steps.append(self.orphan_rows())
         steps.append(self.index())
@@ -8490,17 +8586,13 @@ class _DoctorRun:
         out = []
         if not split_dirs:
             return out
-        tracked = set()
+        listed = []
         if self.in_git:
-            prefix = self.git_prefix()
+            # ls-files prints paths relative to the shelf (git runs with -C root)
             listed = self.git.out("ls-files", "-z", "--", *split_dirs, check=False,
-                                  read_only=True)
-            for name in listed.split("\x00"):
-                if name:
-                    rel = name[len(prefix):] if prefix and name.startswith(prefix) else name
-                    tracked.add(rel.rsplit("/", 1)[0])
+                                  read_only=True).split("\x00")
         for rel in split_dirs:
-            if rel not in tracked:
+            if not any(name.startswith(rel + "/") for name in listed):
                 out.append(_finding("local-split-dir", rel,
                                     "a legacy H2 split directory git does not track"))
             if self.fmt == "docshelf":
@@ -8559,8 +8651,7 @@ class _DoctorRun:
     # 5. every episode -------------------------------------------------------------------
 
     def episodes(self, live, archived):
-        rules, switches = self.policy
-        fingerprint = _doctor_fingerprint(self.root, switches)
+        fingerprint = _doctor_fingerprint(self.root, self.policy[1])
         cache = _DoctorFileCache(self.root, fingerprint, self.use_cache)
         ids = {r.get("id") for r in self.records if r.get("id")} | \
             {r["stem"] for r in self.records}
@@ -8628,7 +8719,7 @@ class _DoctorRun:
         out = []
         if self.uncounted:
             out += self.judge_renderer()
-        rows, problems = _recall_log_entries(self.root)
+        _rows, problems = _recall_log_entries(self.root)
         if problems:
             shown = ", ".join(f"line {n} ({why})" for n, why in problems[:10])
             out.append(_finding("recall-log-malformed", _RECALL_LOG,
@@ -8639,7 +8730,6 @@ class _DoctorRun:
     def judge_renderer(self):
         """Is the renderer stopped, or has it simply not seen the uncounted episodes yet?
         (doctor.md § 3.4) Only the clone's own evidence counts."""
-        upstream = None
         if self.in_git and self.git.remotes():
             upstream = self.git.out("rev-parse", "--abbrev-ref", "--symbolic-full-name", "@{u}",
                                     check=False, read_only=True) or None
@@ -9200,6 +9290,9 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
 def advise(**kwargs):
     raise ShelfError("internal", "advise is not implemented yet", "")
 # <<< part: accounting
+
+# >>> part: advisor
+# <<< part: advisor
 
 # ==========================================================================================
 # Views: tags, graph, retro, fork, mirror

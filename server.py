@@ -494,7 +494,8 @@ class _Server:
         try:
             answer = self._classify(msg, req)
         except _RpcError as exc:
-            answer = self._error(req.id if _is_id(req.id) else None, exc.code, exc.message, exc.data)
+            rid = req.id if _is_id(req.id) else None
+            answer = self._error(rid, exc.code, exc.message, exc.data)
         except Exception as exc:
             answer = self._internal(req, exc)
         if answer is not _DEFERRED:
@@ -684,7 +685,7 @@ class _Server:
                                 {"levels": list(_LEVELS)})
             self.log_level = level
             return {}
-        if "cursor" in params and method != "resources/list":
+        if params.get("cursor") is not None and method != "resources/list":
             raise _RpcError(INVALID_PARAMS, "bad cursor: this list has a single page")
         if method == "tools/list":
             return {"tools": self._tools(req.version)}
@@ -762,7 +763,7 @@ class _Server:
                 req.state = "queued"
                 self.queue.append((req, job))
                 self.inflight[_id_key(req.id)] = req
-                if self.idle == 0 and len(self.threads) < _WORKERS:
+                if len(self.queue) > self.idle and len(self.threads) < _WORKERS:
                     worker = threading.Thread(target=self._worker, daemon=True,
                                               name=f"memshelf-mcp-worker-{len(self.threads) + 1}")
                     self.threads.append(worker)
@@ -901,7 +902,8 @@ class _Server:
         return out
 
     def _resources_list(self, req, params):
-        offset = _decode_cursor(params["cursor"]) if "cursor" in params else 0
+        cursor = params.get("cursor")
+        offset = 0 if cursor is None else _decode_cursor(cursor)
         root = self._default_root()
         if root is None:
             return {"resources": []}

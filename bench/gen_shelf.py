@@ -322,7 +322,7 @@ def _assign_terms(plans, rng, q):
 
 
 def _slug(p):
-    words = (COMPONENTS[p.comp][0] + " " + PROBLEMS[p.prob][0]).lower()
+    words = COMPONENTS[p.comp][0].lower()
     words = "-".join("".join(ch if ch.isalnum() else " " for ch in words).split())
     return f"{p.day.isoformat()}-{words}-{_base36(p.i)}"
 

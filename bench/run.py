@@ -938,25 +938,79 @@ print(json.dumps(times))
             bucket = per_label.setdefault(label, [])
             if len(bucket) < limit:
                 bucket.append((q, expected))
-        out, env = {}, impl.env()
+        if impl.ref:
+            ranked = self._ranked_cli(impl, shelf, per_label)
+        else:
+            ranked = self._ranked_in_process(impl, shelf, per_label)
+        if isinstance(ranked, str):
+            return {"status": "n/a", "reason": ranked}
+        out = {}
         for label, items in per_label.items():
             hits, rr = 0, 0.0
-            for q, expected in items:
-                argv = impl.argv("search", shelf, query=q, max_results=10, json=True)
-                res = self.runner.run(argv, env)
-                why = failure(res)
-                if why:
-                    return {"status": "n/a", "reason": why}
-                ids = self._hit_ids(impl, res["stdout"])
-                if ids is None:
-                    return {"status": "n/a", "reason": "unreadable search output"}
+            for (q, expected), ids in zip(items, ranked[label]):
                 if expected in ids:
                     rank = ids.index(expected) + 1
                     rr += 1.0 / rank
                     hits += rank <= 5
             out[label] = {"n": len(items), "hit@5": round(hits / len(items), 3),
                           "mrr": round(rr / len(items), 3)}
-        return {"status": "ok", "labels": out}
+        return {"status": "ok", "labels": out,
+                "method": "CLI per query" if impl.ref else "memshelf.search() in one process"}
+
+    def _ranked_cli(self, impl, shelf, per_label):
+        ranked, env = {}, impl.env()
+        for label, items in per_label.items():
+            ranked[label] = []
+            for q, _ in items:
+                res = self.runner.run(impl.argv("search", shelf, query=q, max_results=10,
+                                                json=True), env)
+                why = failure(res)
+                if why:
+                    return why
+                ids = self._hit_ids(impl, res["stdout"])
+                if ids is None:
+                    return "unreadable search output"
+                ranked[label].append(ids)
+        return ranked
+
+    def _ranked_in_process(self, impl, shelf, per_label):
+        """The same ranking as the CLI, without a process per query."""
+        code = r'''
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import memshelf
+root, per_label = sys.argv[2], json.load(open(sys.argv[3], encoding="utf-8"))
+out = {}
+for label, items in per_label.items():
+    out[label] = []
+    for q, _ in items:
+        res = memshelf.search(shelf_path=root, query=q, max_results=10)
+        out[label].append([h.get("id") or os.path.basename(h.get("address", ""))[:-3]
+                           for h in res.get("hits", [])])
+print(json.dumps(out))
+'''
+        qfile = os.path.join(self.runner.tmp, "retrieval.json")
+        with open(qfile, "w", encoding="utf-8") as f:
+            json.dump(per_label, f, ensure_ascii=False)
+        res = self.runner.run([PYTHON, "-c", code, self.args.code, shelf, qfile], impl.env())
+        why = failure(res)
+        if why:
+            return why
+        try:
+            raw = json.loads(res["stdout"].strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return "unreadable search output"
+        ranked = {}
+        for label, lists in raw.items():
+            ranked[label] = []
+            for ids in lists:
+                seen, ordered = set(), []
+                for i in ids:  # episode level: the first hit of an episode counts
+                    if i not in seen:
+                        seen.add(i)
+                        ordered.append(i)
+                ranked[label].append(ordered)
+        return ranked
 
     @staticmethod
     def _hit_ids(impl, stdout):
@@ -1007,6 +1061,11 @@ print(json.dumps(times))
             t["section_tokens"] = tokens(section)
             t["recalled_tokens"] = tokens(recalled)
             t["envelope_overhead"] = tokens(recalled) - tokens(section)
+        if ctx.get("hook_payload") is None and not impl.ref:
+            res = self.runner.run(impl.argv("hook-session-start", shelf), env,
+                                  stdin_text=HOOK_STDIN)
+            if not failure(res, need_output=True):
+                ctx["hook_payload"] = res["stdout"]
         if ctx.get("hook_payload"):
             t["session_start_chars"] = len(ctx["hook_payload"])
             if "recalled_tokens" in t:

@@ -623,3 +623,13 @@ def test_docs_tools_md_is_current():
     r = run_cli("tools", "--format", "markdown")
     with open(path, encoding="utf-8") as f:
         assert f.read() == r.out, "regenerate: python3 memshelf.py tools --format markdown > docs/tools.md"
+
+
+def test_ci_runs_the_readme_test_command():
+    import re
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    blocks = re.findall(r"```sh\n(.*?)\n```", readme, re.S)
+    assert blocks[0] == "python3 memshelf.py demo"
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        assert blocks[1] in f.read().split("\n")

@@ -81,6 +81,25 @@ def shelve_three(root):
                     sections={"Timeline": "- merged\n- tuned", "Open threads": "- changelog"})
 
 
+_TEMPLATES = {}
+
+
+@pytest.fixture
+def three(tmp_path, tmp_path_factory):
+    """A copy of a shelf holding the three standard episodes (built once per layout)."""
+    def build(storage="plain", index_format="compact", name="shelf"):
+        key = (storage, index_format)
+        if key not in _TEMPLATES:
+            base = tmp_path_factory.mktemp("template")
+            template = make_shelf(base, storage=storage, index_format=index_format)
+            shelve_three(template)
+            _TEMPLATES[key] = template
+        root = str(tmp_path / name)
+        shutil.copytree(_TEMPLATES[key], root, symlinks=True)
+        return root
+    return build
+
+
 def write(root, rel, text):
     path = os.path.join(root, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -133,9 +152,8 @@ def copy_fixture(tmp_path):
 
 # --- healthy shelves ---------------------------------------------------------------------
 
-def test_fresh_shelf_with_episodes_is_healthy(tmp_path):
-    root = make_shelf(tmp_path, storage="git-local")
-    shelve_three(root)
+def test_fresh_shelf_with_episodes_is_healthy(tmp_path, three):
+    root = three(storage="git-local")
     result = run(root)
     assert result["healthy"] is True
     assert result["errors"] == 0 and result["warnings"] == 0
@@ -152,9 +170,8 @@ def test_interop_fixture_has_no_error(tmp_path):
     assert result["episodes_checked"] == 7
 
 
-def test_cli_exit_codes_and_json_shape(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_cli_exit_codes_and_json_shape(tmp_path, three):
+    root = three()
     ok = cli("doctor", "--shelf", root, "--json")
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
@@ -188,9 +205,8 @@ def test_cli_bad_input(tmp_path):
     assert "not a shelf" in r.stderr or "does not exist" in r.stderr
 
 
-def test_only_and_min_level_filter(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_only_and_min_level_filter(tmp_path, three):
+    root = three()
     os.remove(os.path.join(root, "POLICY.md"))
     write(root, "memshelf.json", json.dumps({"derived": "auto", "colour": "blue"}))
     everything = run(root)
@@ -276,9 +292,8 @@ def test_merge_driver_missing(tmp_path):
 
 # --- tree structure ------------------------------------------------------------------------
 
-def test_tree_findings(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_tree_findings(tmp_path, three):
+    root = three()
     os.makedirs(os.path.join(root, "docs", "notes"))
     os.makedirs(os.path.join(root, "docs", "topics", "lonely"))
     split = os.path.join(root, "docs", "topics", STEM)
@@ -333,9 +348,8 @@ def test_duplicate_title(tmp_path):
                    "docs/topics/2026-07-23-auth-b.md")
 
 
-def test_split_out_of_sync_in_docshelf_format(tmp_path):
-    root = make_shelf(tmp_path, index_format="docshelf")
-    shelve_three(root)
+def test_split_out_of_sync_in_docshelf_format(tmp_path, three):
+    root = three(index_format="docshelf")
     write(root, f"docs/topics/{STEM}/001-intro.md", "a\n")
     write(root, f"docs/topics/{STEM}/003-later.md", "c\n")
     assert_finding(run(root), "split-out-of-sync", "warning", "structure", f"docs/topics/{STEM}")
@@ -453,9 +467,8 @@ def test_redaction_disable_switch_is_respected(tmp_path):
 
 # --- the per-file cache ----------------------------------------------------------------------
 
-def test_cache_rechecks_a_changed_file(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_cache_rechecks_a_changed_file(tmp_path, three):
+    root = three()
     rel = f"docs/topics/{STEM}.md"
     assert not find(run(root), "secret-at-rest")
     original = read(root, rel)
@@ -465,9 +478,8 @@ def test_cache_rechecks_a_changed_file(tmp_path):
     assert not find(run(root), "secret-at-rest", rel)
 
 
-def test_cache_serves_unchanged_files_and_no_cache_ignores_it(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_cache_serves_unchanged_files_and_no_cache_ignores_it(tmp_path, three):
+    root = three()
     rel = f"docs/topics/{STEM}.md"
     run(root)
     db = sqlite3.connect(os.path.join(root, ".memshelf", "shelf.sqlite"))
@@ -492,9 +504,8 @@ def test_cache_serves_unchanged_files_and_no_cache_ignores_it(tmp_path):
 
 # --- ledger, recall log, derived freshness ------------------------------------------------
 
-def test_ledger_findings(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_ledger_findings(tmp_path, three):
+    root = three()
     ledger = read(root, "ledger.tsv")
     os.remove(os.path.join(root, "ledger.tsv"))
     result = run(root)
@@ -513,9 +524,8 @@ def test_ledger_findings(tmp_path):
     assert "repeats" in find(run(root), "ledger-malformed")[0]["detail"]
 
 
-def test_no_ledger_row_and_derived_stale(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_no_ledger_row_and_derived_stale(tmp_path, three):
+    root = three()
     rel = episode(root, GOOD, stem="2026-07-27-hand-added")
     result = run(root)
     assert_finding(result, "no-ledger-row", "warning", "derived", rel)
@@ -542,9 +552,8 @@ def test_derived_stale_uses_the_ledger_commit_time(tmp_path, monkeypatch):
     assert "last commit" in find(result, "derived-stale")[0]["detail"]
 
 
-def test_recall_log_malformed(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_recall_log_malformed(tmp_path, three):
+    root = three()
     write(root, "recall-log.tsv", "episode_id\tsection\tfetched_tokens\n"
                                   f"{STEM}\t\t120\n{STEM}\tDecisions\n{STEM}\t\tmany\t2026-07-01\n")
     result = run(root)
@@ -552,23 +561,25 @@ def test_recall_log_malformed(tmp_path):
     assert "line 3" in find(result, "recall-log-malformed")[0]["detail"]
 
 
-def test_uncommitted_episode(tmp_path):
-    root = make_shelf(tmp_path, storage="git-local")
-    shelve_three(root)
+def test_uncommitted_episode(tmp_path, three):
+    root = three(storage="git-local")
     assert not find(run(root), "uncommitted-episode")
     rel = episode(root, GOOD, stem="2026-07-27-hand-added")
     path = f"docs/topics/{STEM}.md"
     write(root, path, read(root, path) + "\n## Artifacts\n- a hand edit\n")
+    write(root, f"docs/topics/{STEM}/001-intro.md", "intro\n")
     result = run(root)
     assert_finding(result, "uncommitted-episode", "warning", "git", rel)
     assert_finding(result, "uncommitted-episode", "warning", "git", path)
+    assert_finding(result, "local-split-dir", "warning", "structure", f"docs/topics/{STEM}")
+    subprocess.run(["git", "-C", root, "add", f"docs/topics/{STEM}/001-intro.md"], check=True)
+    assert not find(run(root), "local-split-dir")
 
 
 # --- INDEX -----------------------------------------------------------------------------------
 
-def test_stale_index_levels(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_stale_index_levels(tmp_path, three):
+    root = three()
     assert not find(run(root), "stale-index")
     write(root, "INDEX.md", read(root, "INDEX.md").replace("Dana", "Someone"))
     assert_finding(run(root), "stale-index", "warning", "derived", "INDEX.md")
@@ -581,9 +592,8 @@ def test_stale_index_levels(tmp_path):
     assert not find(run(root), "stale-index")
 
 
-def test_index_hand_edited(tmp_path):
-    root = make_shelf(tmp_path, index_format="docshelf")
-    shelve_three(root)
+def test_index_hand_edited(tmp_path, three):
+    root = three(index_format="docshelf")
     assert not find(run(root), "index-hand-edited")
     write(root, "INDEX.md", "# My notes\n\n- things\n")
     assert_finding(run(root), "index-hand-edited", "error", "derived", "INDEX.md")
@@ -628,18 +638,16 @@ def test_index_bloat_link_term_in_docshelf_format(tmp_path):
     assert "--index-format compact" in bloat["fix"]
 
 
-def test_index_within_budget_and_injection_cap(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_index_within_budget_and_injection_cap(tmp_path, three):
+    root = three()
     result = run(root)
     assert not find(result, "index-bloat") and not find(result, "index-injection-cap")
     write(root, "memshelf.json", json.dumps({"derived": "auto", "hook_index_chars": 100}))
     assert_finding(run(root), "index-injection-cap", "info", "derived", "INDEX.md")
 
 
-def test_index_links_unsupported(tmp_path):
-    root = make_shelf(tmp_path, index_format="docshelf")
-    shelve_three(root)
+def test_index_links_unsupported(tmp_path, three):
+    root = three(index_format="docshelf")
     cfg = json.loads(read(root, ".docshelf.json"))
     cfg.update(remote="https://github.com/example/shelf", provider="github")
     write(root, ".docshelf.json", json.dumps(cfg, indent=2))
@@ -757,9 +765,8 @@ def test_served_code_differs(tmp_path, monkeypatch):
 
 # --- order ---------------------------------------------------------------------------------
 
-def test_findings_follow_the_step_order(tmp_path):
-    root = make_shelf(tmp_path)
-    shelve_three(root)
+def test_findings_follow_the_step_order(tmp_path, three):
+    root = three()
     os.remove(os.path.join(root, "POLICY.md"))                              # step 3
     episode(root, GOOD.replace("kind: topic", "kind: memo"), stem="2026-07-27-b")   # step 5
     episode(root, GOOD.replace("mode: live", "mode: x"), stem="2026-07-27-a")       # step 5
@@ -845,9 +852,8 @@ CORPUS = [
 
 
 @pytest.mark.parametrize("kind,codes", CORPUS, ids=[k for k, _ in CORPUS])
-def test_validator_rule_corpus(tmp_path, kind, codes):
-    root = make_shelf(tmp_path, index_format="docshelf")
-    shelve_three(root)
+def test_validator_rule_corpus(tmp_path, three, kind, codes):
+    root = three(index_format="docshelf")
     memshelf.rebuild(shelf_path=root)
     assert run(root)["errors"] == 0
     _broken(kind, root)

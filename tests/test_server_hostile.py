@@ -1,7 +1,6 @@
 """server.py under hostile input: after every malformed line or argument the server answers as
 mcp-server.md § 2 and § 5.3 say, keeps running, and still answers a ping (quality-bars.md)."""
 
-import json
 import os
 import subprocess
 import sys

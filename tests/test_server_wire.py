@@ -137,6 +137,14 @@ def test_unknown_argument_is_a_usage_error():
     assert out.returncode == 2 and out.stdout == ""
 
 
+def test_memshelf_serve_runs_this_server(tmp_path):
+    c = McpClient([sys.executable, MEMSHELF, "serve"], env=server_env(), cwd=str(tmp_path))
+    assert c.initialize()["serverInfo"]["name"] == "memshelf"
+    assert len(c.list_tools()) == 14
+    c.assert_clean()
+    assert c.close() == 0
+
+
 def test_eof_exits_zero(tmp_path):
     c = spawn(tmp_path)
     c.initialize()
@@ -158,22 +166,19 @@ def test_watchdog_exits_3_without_initialize(tmp_path):
     c.assert_clean()
 
 
-def test_watchdog_disarmed_by_initialize(tmp_path):
-    c = spawn(tmp_path, MEMSHELF_HANDSHAKE_TIMEOUT="1")
-    c.initialize()
+def test_watchdog_disarmed_by_initialize_or_a_modern_request(tmp_path):
+    classic = spawn(tmp_path, MEMSHELF_HANDSHAKE_TIMEOUT="1")
+    modern = spawn(tmp_path, MEMSHELF_HANDSHAKE_TIMEOUT="1")
+    classic.initialize()
+    modern.request("server/discover", {"_meta": modern_meta()})
     with pytest.raises(subprocess.TimeoutExpired):
-        c.proc.wait(2)
-    assert c.request("ping") == {}
-    assert c.close() == 0
-
-
-def test_watchdog_disarmed_by_a_modern_request(tmp_path):
-    c = spawn(tmp_path, MEMSHELF_HANDSHAKE_TIMEOUT="1")
-    c.request("server/discover", {"_meta": modern_meta()})
-    with pytest.raises(subprocess.TimeoutExpired):
-        c.proc.wait(2)
-    assert "tools" in c.request("tools/list", {"_meta": modern_meta()})
-    assert c.close() == 0
+        classic.proc.wait(2)
+    assert modern.proc.poll() is None
+    assert classic.request("ping") == {}
+    assert "tools" in modern.request("tools/list", {"_meta": modern_meta()})
+    for c in (classic, modern):
+        c.assert_clean()
+        assert c.close() == 0
 
 
 @pytest.mark.skipif(os.name != "posix", reason="SIGTERM delivery is POSIX")
@@ -372,7 +377,7 @@ def test_unknown_methods_before_and_after_initialize(tmp_path):
 
 
 @pytest.mark.parametrize("method, params", [
-    ("tools/list", []), ("tools/list", "x"), ("tools/list", None),
+    ("tools/list", []), ("tools/list", "x"), ("tools/list", None), ("tools/list", 5),
     ("tools/list", {"cursor": "abc"}),
     ("tools/call", {}), ("tools/call", {"name": 5}),
     ("tools/call", {"name": "memshelf_index", "arguments": []}),
@@ -764,6 +769,59 @@ def test_resources_read_not_found(stocked, uri):
     assert error["code"] in (-32002, -32602)
     if "missing" in uri or "such" in uri:
         assert error["code"] == -32002 and error["data"] == {"uri": uri}
+
+
+def write_episode(shelf_dir, slug, body="- a decision"):
+    """An episode file written by hand (as a person with an editor would), no tool involved."""
+    path = os.path.join(shelf_dir, "docs", "topics", slug + ".md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"# {slug}\n\n---\nid: {slug}\nkind: topic\ndate: {slug[:10]}\ntags: []\n"
+                f"approx_tokens: 0\n---\n\n## Digest\n{DIGEST}\n\n## Decisions\n{body}\n")
+    return path
+
+
+def test_resources_list_pages_and_big_episodes(tmp_path, fresh_shelf):
+    import memshelf
+    if not hasattr(memshelf, "list_episodes"):
+        pytest.skip("memshelf.list_episodes is not there yet")
+    for day in range(1, 29):
+        for k in range(4):
+            write_episode(fresh_shelf, f"2026-02-{day:02d}-topic-{k}")
+    big = "- " + "\u00e9" * (1024 * 1024) + "\n"      # 2 MiB of two-byte characters
+    write_episode(fresh_shelf, "2026-03-01-huge", big)
+    c = spawn(tmp_path, MEMSHELF_SHELF=fresh_shelf)
+    c.initialize()
+    first = c.request("resources/list")
+    names = [r["name"] for r in first["resources"] if r["uri"].startswith("memshelf://episode/")]
+    assert len(names) == 100 and names[0] == "2026-03-01-huge"
+    assert first["resources"][0]["uri"] == "memshelf://index"
+    second = c.request("resources/list", {"cursor": first["nextCursor"]})
+    rest = [r["name"] for r in second["resources"]]
+    assert len(rest) == 13 and "nextCursor" not in second
+    assert not set(rest) & set(names)
+    assert sorted(names + rest, reverse=True) == names + rest
+    text = c.request("resources/read", {"uri": "memshelf://episode/2026-03-01-huge"})[
+        "contents"][0]["text"]
+    assert len(text.encode("utf-8")) < 1024 * 1024 + 2000
+    assert "memshelf_recall" in text.rsplit("\n", 1)[-1] and "offset=" in text
+    c.assert_clean()
+    assert c.close() == 0
+
+
+def test_archive_index_resource(tmp_path, fresh_shelf):
+    c = spawn(tmp_path, MEMSHELF_SHELF=fresh_shelf)
+    c.initialize()
+    uris = [r["uri"] for r in c.request("resources/list")["resources"]]
+    assert "memshelf://archive/index" not in uris
+    error = c.request_raw("resources/read", {"uri": "memshelf://archive/index"})["error"]
+    assert error["code"] == -32002
+    os.makedirs(os.path.join(fresh_shelf, "archive", "docs", "topics"))
+    uris = [r["uri"] for r in c.request("resources/list")["resources"]]
+    assert uris[:2] == ["memshelf://index", "memshelf://archive/index"]
+    archive = c.request("resources/read", {"uri": "memshelf://archive/index"})["contents"][0]
+    assert archive["mimeType"] == "text/markdown" and isinstance(archive["text"], str)
+    c.assert_clean()
+    assert c.close() == 0
 
 
 # --- prompts ---------------------------------------------------------------------------------
