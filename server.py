@@ -815,8 +815,10 @@ class _Server:
 
     def _context(self, req):
         sink = _ProgressSink(self, req) if req.progress_token is not None else None
+        def log(level, message, **data):
+            self.log(level if level in _LEVELS else "info", message, req, **data)
         return self.core.run_context(progress=sink, cancelled=req.is_cancelled,
-                                     client_name=req.client_name or "mcp")
+                                     client_name=req.client_name or "mcp", log=log)
 
     def _run_tool(self, req):
         core = self.core
