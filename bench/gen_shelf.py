@@ -220,9 +220,10 @@ def _raw_line_pool(rng, size=4000):
                 f"$ make test SERVICE={who} SHARD={rng.randrange(1, 9)}",
                 f"$ du -sh /var/lib/{who}/data"]))
         elif kind < 0.8:
+            path = f"/v{rng.randrange(1, 4)}/{who}/{rng.randrange(1, 999)}"
             pool.append(json.dumps({"ts": stamp, "svc": who, "latency_ms": rng.randrange(1, 900),
                                     "status": rng.choice([200, 200, 200, 404, 500, 503]),
-                                    "path": f"/v{rng.randrange(1, 4)}/{who}/{rng.randrange(1, 999)}"}))
+                                    "path": path}))
         elif kind < 0.92:
             pool.append(rng.choice([
                 f"    def handle_{who}(self, batch):",

@@ -538,7 +538,8 @@ class McpSession:
 
 def tool_failure(ans):
     if "error" in ans:
-        return f"JSON-RPC error {ans['error'].get('code')}: {str(ans['error'].get('message'))[:160]}"
+        err = ans["error"]
+        return f"JSON-RPC error {err.get('code')}: {str(err.get('message'))[:160]}"
     res = ans.get("result") or {}
     if res.get("isError"):
         text = " ".join(c.get("text", "") for c in res.get("content", []) if isinstance(c, dict))
@@ -582,9 +583,14 @@ def ensure_shelf(n, seed, raw_kb, fmt, git, code_dir):
         json.dump(stamp, open(stamp_path, "w"), indent=2)
     elif stamp.get("rendered_by") != code_hash:
         log("bench: memshelf.py changed; re-rendering the cached shelf's derived files")
-        subprocess.run([PYTHON, os.path.join(code_dir, "memshelf.py"), "rebuild", "--shelf",
-                        shelf, "--quiet"], env=clean_env(), stdout=subprocess.DEVNULL)
+        proc = subprocess.run([PYTHON, os.path.join(code_dir, "memshelf.py"), "rebuild",
+                               "--shelf", shelf, "--quiet"], env=clean_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         shutil.rmtree(os.path.join(shelf, ".memshelf"), ignore_errors=True)
+        if proc.returncode != 0:  # keep the old render; try again on the next run
+            log("bench: rebuild failed, derived files left as they were: "
+                + proc.stderr.strip()[:200])
+            return shelf, queries, stamp.get("summary", {})
         if git:
             st = subprocess.run(["git", "status", "--porcelain"], cwd=shelf, env=clean_env(),
                                 stdout=subprocess.PIPE, text=True).stdout

@@ -2,6 +2,7 @@
 and provenance fields; refusals write nothing."""
 import json
 import os
+import shutil
 
 import pytest
 
@@ -14,8 +15,16 @@ SECTIONS = {"topic": {"Decisions": "- Decided in the episode."},
 
 
 def make_shelf(tmp_path, storage="git-local", **kw):
+    # no local hooks: each would start a Python process per commit (test_hooks covers them)
     root = tmp_path / "shelf"
-    memshelf.init(shelf_path=str(root), storage=storage, **kw)
+    memshelf.init(shelf_path=str(root), storage=storage, hooks=False, **kw)
+    return root
+
+
+def clone(template, tmp_path):
+    """A private copy of a shelf built once per module (git history included)."""
+    root = tmp_path / "shelf"
+    shutil.copytree(template, root, symlinks=True, ignore=shutil.ignore_patterns(".memshelf"))
     return root
 
 
@@ -38,14 +47,19 @@ def read(root, rel):
         return f.read()
 
 
-@pytest.fixture
-def period(tmp_path):
+@pytest.fixture(scope="module")
+def period_template(tmp_path_factory):
     """Two January episodes and one February episode on a git-local shelf."""
-    root = make_shelf(tmp_path)
+    root = make_shelf(tmp_path_factory.mktemp("period"))
     put(root, "2026-01-05-auth-refactor", display_title="Auth refactor", tags=["auth"])
     put(root, "2026-01-10-redis-cache", kind="research", tags=["redis"])
     put(root, "2026-02-10-release-prep", kind="session")
     return root
+
+
+@pytest.fixture
+def period(period_template, tmp_path):
+    return clone(period_template, tmp_path)
 
 
 ROLLUP_DIGEST = ("January: Dana chose JWT middleware and Priya chose allkeys-lru for the cache. "
@@ -306,9 +320,9 @@ def test_rollup_on_a_plain_shelf(tmp_path):
 
 # --- purge ----------------------------------------------------------------------------------
 
-@pytest.fixture
-def retained(tmp_path):
-    root = make_shelf(tmp_path)
+@pytest.fixture(scope="module")
+def retained_template(tmp_path_factory):
+    root = make_shelf(tmp_path_factory.mktemp("retained"))
     put(root, "2026-01-05-old", retain_until="2026-02-01")
     put(root, "2026-01-06-folded", retain_until="2026-02-15")
     put(root, "2026-01-07-today", retain_until="2026-03-01")
@@ -317,6 +331,11 @@ def retained(tmp_path):
     memshelf.rollup(shelf_path=str(root), slug="2026-01-31-r", episode_ids=["2026-01-06-folded"],
                     digest=ROLLUP_DIGEST)
     return root
+
+
+@pytest.fixture
+def retained(retained_template, tmp_path):
+    return clone(retained_template, tmp_path)
 
 
 def test_purge_is_a_dry_run_by_default(retained):
