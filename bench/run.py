@@ -227,22 +227,33 @@ def _repo_commit(repo):
     return None
 
 
+_PROBE = r"""
+import json, platform, sqlite3
+fts5 = True
+try:
+    con = sqlite3.connect(":memory:")
+    con.execute("create virtual table t using fts5(x)")
+    con.close()
+except sqlite3.Error:
+    fts5 = False
+print(json.dumps({"python": platform.python_version(), "sqlite": sqlite3.sqlite_version,
+                  "fts5": fts5}))
+"""
+
+
 def environment(code_dir):
-    import sqlite3
-    fts5 = True
+    """The machine, and the interpreter memshelf runs on (its SQLite and FTS5, not ours)."""
     try:
-        con = sqlite3.connect(":memory:")
-        con.execute("create virtual table t using fts5(x)")
-        con.close()
-    except sqlite3.Error:
-        fts5 = False
+        probe = json.loads(subprocess.run([PYTHON, "-c", _PROBE], stdout=subprocess.PIPE,
+                                          text=True, timeout=60).stdout)
+    except (ValueError, OSError, subprocess.SubprocessError):
+        probe = {"python": None, "sqlite": None, "fts5": None}
     cpu = _first("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(),
-            "os": platform.platform(), "python": platform.python_version(),
-            "python_path": PYTHON, "git": _cmd_output(["git", "--version"]),
-            "sqlite": sqlite3.sqlite_version, "fts5": fts5,
-            "memshelf_commit": _repo_commit(code_dir)}
+            "os": platform.platform(), "python": probe["python"], "python_path": PYTHON,
+            "git": _cmd_output(["git", "--version"]), "sqlite": probe["sqlite"],
+            "fts5": probe["fts5"], "memshelf_commit": _repo_commit(code_dir)}
 
 
 def clean_env(extra=None):
@@ -277,6 +288,7 @@ class Impl:
         self.key, self.label, self.ref = key, label, ref
         self.console, self.script, self.server = console, script, server
         self.version = None
+        self.interpreter = console[0] if console and "python" in console[0] else None
 
     def argv(self, verb, shelf, **kw):
         """The CLI argv for a verb, or None when the implementation has no such verb."""
@@ -360,7 +372,15 @@ def ref_impl(ref_cmd, ref_server_cmd=None):
     if server is None:
         sibling = os.path.join(os.path.dirname(console[0]), "memshelf-mcp")
         server = [sibling] if os.path.exists(sibling) else None
-    return Impl("ref", "memshelf-mcp 0.4.0", console, server=server, ref=True)
+    impl = Impl("ref", "memshelf-mcp 0.4.0", console, server=server, ref=True)
+    try:  # the interpreter its launcher names, for the machine block
+        with open(shutil.which(console[0]) or console[0], "rb") as f:
+            first = f.readline().decode("utf-8", "replace").strip()
+        if first.startswith("#!"):
+            impl.interpreter = os.path.realpath(first[2:].split()[0])
+    except OSError:
+        pass
+    return impl
 
 
 # ==========================================================================================
@@ -1246,7 +1266,9 @@ def markdown(results, targets, check):
     out.append(f"- memshelf: {results['versions'].get('ours') or 'n/a'}"
                + (f" (commit {env['memshelf_commit']})" if env.get("memshelf_commit") else ""))
     if results["versions"].get("ref"):
-        out.append(f"- reference: {results['versions']['ref']} (`{cfg['ref_cmd']}`)")
+        out.append(f"- reference: {results['versions']['ref']} (`{cfg['ref_cmd']}`"
+                   + (f" on `{cfg['ref_interpreter']}`" if cfg.get("ref_interpreter") else "")
+                   + ")")
     out.append(f"- repeat {cfg['repeat']} (cold: new process per run after one untimed "
                f"warm-up; median and p90)" + (", smoke run: no thresholds" if cfg["smoke"] else ""))
     for size, data in results["sizes"].items():
@@ -1388,7 +1410,8 @@ def _fmt_verdict(v, unit):
 
 
 def write_files(results, text, want_json, want_md, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
+    if want_json or want_md:
+        os.makedirs(out_dir, exist_ok=True)
     host = "".join(c if c.isalnum() or c in "-_" else "-" for c in results["environment"]["host"])
     stem = os.path.join(out_dir, f"{datetime.date.today().isoformat()}-{host}")
     written = []
@@ -1486,7 +1509,8 @@ def main(argv=None, force_ref=False):
                "config": {"sizes": args.size_list, "repeat": args.repeat, "smoke": args.smoke,
                           "cases": args.cases, "ref_cmd": args.ref_cmd if len(impls) > 1 else None,
                           "retrieval_queries_per_label": args.retrieval_queries,
-                          "interpreter": PYTHON},
+                          "interpreter": PYTHON,
+                          "ref_interpreter": impls[1].interpreter if len(impls) > 1 else None},
                "versions": {}, "sizes": {}}
     bench = Bench(args, impls, runner)
     for n in args.size_list:

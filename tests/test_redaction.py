@@ -859,15 +859,29 @@ def test_against_installed_040_when_available():
 # Robustness
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("unit", [
+ADVERSARIAL_UNITS = [
     "a", "token=", "glpat-", "-----BEGIN PRIVATE KEY-----\n", "x://a:", "Bearer ", "password=token=",
     "sk-", "eyJ" + "a" * 20 + ".", "AKIA", "'password': '", "Cookie: a=b;", "mysql -p", "\\n",
-    "X-API-Key-", "a-", "kind: Secret\ndata:\n  k: v\n", "=" * 3, "«redacted:", "${{ ",
-])
+    "X-API-Key-", "a-", "kind: Secret\ndata:\n  k: v\n", "===", "«redacted:", "${{ ", "Q~", ":AA",
+]
+
+
+@pytest.mark.parametrize("unit", ["password=token=", "'password': '", "-----BEGIN PRIVATE KEY-----\n",
+                                  "kind: Secret\ndata:\n  k: v\n", "eyJ" + "a" * 20 + "."])
 def test_adversarial_megabyte_returns(unit):
     text = unit * (1_000_000 // len(unit))
     out, report = redact(text, legacy_compat=True)
     assert isinstance(out, str) and isinstance(report["total"], int)
+
+
+def test_adversarial_mixed_megabyte_returns():
+    rng = random.Random(7)
+    parts, size = [], 0
+    while size < 1_000_000:
+        unit = rng.choice(ADVERSARIAL_UNITS) * rng.randint(1, 400)
+        parts.append(unit)
+        size += len(unit)
+    text = "".join(parts)
     assert isinstance(find_secrets(text), list)
 
 
