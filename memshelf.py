@@ -1662,7 +1662,8 @@ _TRIVIAL_VALUES = frozenset((
 _MASK_CHARS = frozenset("*xX•.-_#0…")
 _CODE_CALL_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)*\s*[(\[]")
 _CODE_PATH_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+\Z")
-_PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11})*[-_.](.)\1*\Z")
+_PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11})*[-_.](?:(.)\1*)?\Z")
+_HEX_COLOR_RE = _re_lazy(r"#(?:[0-9a-fA-F]{3,4}|[0-9a-fA-F]{6}|[0-9a-fA-F]{8})\Z")
 _REFERENCE_WORD_RE = _re_lazy(r"[A-Za-z_]*_[A-Za-z_]*\Z")
 _REFERENCE_HINTS = ("key", "token", "secret", "pass", "pwd", "cred", "auth")
 _KEYCH = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
@@ -1713,7 +1714,6 @@ class _Shapes:
         self.pem_line = c(r"[A-Za-z0-9+/=]{8,}(?:\.\.\.|…)?\Z")
         self.pem_header = c(r"[A-Za-z][A-Za-z-]*: \S")
         self.escaped_break = c(r"(?:\\+r)?\\+n")
-        self.unit_break = c(r"\n|(?:\\+r)?\\+n")
         self.slack_webhook = c(r"https?://hooks\.slack\.com/(?:services|workflows|triggers)/"
                                r"[A-Za-z0-9_/+-]{8,400}")
         self.discord_webhook = c(r"https://(?:(?:ptb|canary)\.)?discord(?:app)?\.com/api/"
@@ -1765,9 +1765,18 @@ class _Shapes:
         self.k8s_entry = c(r"([ \t]+)([\w.-]+)[ \t]*:[ \t]*(.*)")
         # One literal-led pattern per key word, run on the lower-cased text: the key word,
         # the rest of the key and a separator (prose that merely mentions a token fails fast).
-        key_tail = r"[a-z0-9_.-]{0,128}(?:[\"']\]?)?[ \t]*(?::=|=>|=(?![=~>])|:(?![:/\\]))"
+        key_tail = r"[a-z0-9_.-]{0,128}(?:\\?[\"']\]?)?[ \t]*(?::=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))"
+        self.php_define = c(r"(?i)(?<![\w$])define\([ \t]*(['\"])([A-Za-z0-9_]{1,128})\1[ \t]*,[ \t]*"
+                            r"(['\"])((?:(?!\3)[^\n\\]|\\.){1,512})\3[ \t]*\)")
+        self.xml_element = c(r"<([A-Za-z][\w.:-]{0,64})>([^<>\n]{1,512})</\1>")
+        self.netrc = c(r"(?<![\w-])machine[ \t]+\S{1,256}(?:[ \t\n]+login[ \t]+\S{1,256})?[ \t\n]+"
+                       r"password[ \t]+(\S{1,512})")
+        self.k8s_env = c(r"(?m)^([ \t]*)-?[ \t]*name:[ \t]*[\"']?([A-Za-z_][A-Za-z0-9_.-]{0,127})"
+                         r"[\"']?[ \t]*\r?\n[ \t]*value:[ \t]*(\S[^\n]{0,1023})")
+        self.aws_configure = c(r"(?<![\w-])aws[ \t]+configure[ \t]+set[ \t]+([\w.]{1,128})[ \t]+"
+                               r"([^\s'\"]{1,1024})")
         self.keywords = [(word, c(word + rest + key_tail)) for word, rest in _KEY_LEADS]
-        self.separator = c(r"[ \t]*(:=|=>|=(?![=~>])|:(?![:/\\]))[ \t]*")
+        self.separator = c(r"[ \t]*(:=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))[ \t]*")
         self.unquoted = c(r"[^\s;,\"'`]{1,4096}")
         self.quoted = {q: c(q + r"(?:[^" + q + r"\\\n]|\\.){0,1024}" + q) for q in "\"'`"}
         self.pem_end = c(r"-----END ([A-Z0-9]+(?: [A-Z0-9]+)*) ?-----")
@@ -1976,9 +1985,9 @@ def _private_key_spans(sc):
         label = m.group(1)
         if "PRIVATE KEY" not in label:
             continue
-        line_start = text.rfind("\n", 0, m.start()) + 1
-        prefix = text[line_start:m.start()]
-        if len(prefix) > 16 or prefix.strip(" \t>#/*;\"'") != "":
+        line_start = sc.line_bounds(m.start())[0]
+        prefix = text[max(line_start, m.start() - 17):m.start()]
+        if m.start() - line_start > 16 or prefix.strip(" \t>#/*;\"'") != "":
             prefix = ""
         limit = begins[i + 1].start() if i + 1 < len(begins) else len(text)
         end_at = -1
@@ -2039,6 +2048,20 @@ def _pem_body(text, start, end, prefix):
     return (start, stop) if stop > start else None
 
 
+def _next_break(text, pos, limit):
+    """(start, end) of the next real or escaped (`\\n`) line break before limit, or None."""
+    newline = text.find("\n", pos, limit)
+    stop = newline if newline >= 0 else limit
+    rx = _shapes().escaped_break
+    slash = text.find("\\", pos, stop)
+    while slash >= 0:
+        m = rx.match(text, slash, stop)
+        if m:
+            return m.start(), m.end()
+        slash = text.find("\\", slash + 1, stop)
+    return (newline, newline + 1) if newline >= 0 else None
+
+
 def _pem_unterminated(text, start, prefix):
     """An unterminated block masks through its last base64-looking line."""
     shapes = _shapes()
@@ -2047,8 +2070,8 @@ def _pem_unterminated(text, start, prefix):
     for _ in range(5000):
         if pos >= len(text):
             break
-        brk = shapes.unit_break.search(text, pos)
-        unit_end = brk.start() if brk else len(text)
+        brk = _next_break(text, pos, pos + 8192)   # key lines are short
+        unit_end = brk[0] if brk else min(len(text), pos + 8192)
         unit = text[pos:unit_end]
         piece = unit.strip(" \t\r>#*;\"',")
         tail = pos + len(unit.rstrip(" \t\r\"',"))
@@ -2060,7 +2083,7 @@ def _pem_unterminated(text, start, prefix):
             break
         if not brk:
             break
-        pos = brk.end()
+        pos = brk[1]
     if last is None or last <= body_start:
         return None
     return body_start, last
@@ -2450,12 +2473,15 @@ def _assignment_spans(sc):
             pos += 1
             if text.startswith("]", pos):
                 pos += 1
+        elif quote and text.startswith("\\" + quote, ke) and text[ks - 2:ks - 1] == "\\":
+            key_quoted = True   # JSON inside a string, as logs print it: {\"password\":\"…\"}
+            pos += 2
         sep = shapes.separator.match(text, pos)
         if not sep:
             continue
         read = _read_value(text, sep.end(), ks > 0 and text[ks - 1] in "?&")
         if read is None:
-            if sep.end() < n and text[sep.end()] in "\"'`":
+            if sep.end() < n and text[sep.end()] in "\"'":
                 resume = sc.line_bounds(sep.end())[1]   # an unclosed string runs to its line end
             continue
         vs, ve, quoted = read
@@ -2470,12 +2496,78 @@ def _assignment_spans(sc):
                 continue
         if key_quoted and not quoted and re.fullmatch(r"[a-z_][a-z_]*", value):
             continue   # {'password': pw} passes a variable; JSON would quote a literal
+        if not quoted and _is_code_value(value, sep.group(0), sc, ks, op):
+            continue
+        if quoted and _is_description(value):
+            continue
         if _not_a_secret(value, info, text[ks:ke]):
             continue
         kind = "aws-secret-key" if info[1] and _is_aws_secret(value) else "env-secret"
         if kind in sc.disable:
             continue
         out.append((vs, ve, kind))
+    return out
+
+
+_CODE_WORDS = frozenset(("new", "await", "yield", "function", "lambda", "this", "self", "require",
+                         "import", "typeof", "not", "async", "static", "const", "let", "var"))
+_CODE_EXPRESSION_RE = _re_lazy(r"[A-Za-z_][\w.]*[-+*/%|&]")
+_IDENTIFIER_RE = _re_lazy(r"[A-Za-z_]+\Z")
+
+
+def _is_code_value(value, separator, sc, key_start, op):
+    """`token = Error`, `pass = new PassThrough()`, `f(token=tok)`: code names a value, it
+    holds none. Only with spaces on both sides of the separator, where .env and shell never
+    put them, or as a keyword argument inside an open parenthesis."""
+    if sc.in_config_fence(key_start):
+        return False
+    if op == "=" and (value[0].isalpha() or value[0] == "_"):
+        line_start = sc.line_bounds(key_start)[0]
+        head = sc.text[max(line_start, key_start - 300):key_start]
+        paren = head.rfind("(")
+        if paren > 0 and (head[paren - 1].isalnum() or head[paren - 1] == "_") and \
+                ")" not in head[paren:]:
+            return True   # f(api_key=key, token=tok): an argument passes a variable on
+    if not (separator[:1] in " \t" and separator[-1:] in " \t"):
+        return False
+    if value in _CODE_WORDS or _CODE_EXPRESSION_RE.match(value):
+        return True
+    return _IDENTIFIER_RE.match(value) is not None
+
+
+def _is_description(value):
+    """A quoted sentence that names what it is ("Password used to generate key") is a label."""
+    if not any(ch.isspace() for ch in value):
+        return False
+    low = value.lower()
+    return any(word in low for word in ("password", "passphrase", "secret", "token", "key"))
+
+
+def _assignment_form_spans(sc):
+    """Assignments in other syntaxes: PHP define(), XML elements, .netrc lines, a Kubernetes
+    env entry (name: KEY / value: …) and `aws configure set KEY VALUE`."""
+    text, low, shapes, out = sc.text, sc.lower, _shapes(), []
+    found = []   # (key, value_start, value_end)
+    if "define(" in low:
+        found.extend((m.group(2), m.start(4), m.end(4)) for m in shapes.php_define.finditer(text))
+    if "</" in text:
+        found.extend((m.group(1), m.start(2), m.end(2)) for m in shapes.xml_element.finditer(text))
+    if "machine" in low and "password" in low:
+        found.extend(("password", m.start(1), m.end(1)) for m in shapes.netrc.finditer(text))
+    if "value:" in low and "name:" in low:
+        for m in shapes.k8s_env.finditer(text):
+            vs, ve = _strip_quotes(text, m.start(3), m.start(3) + len(m.group(3).rstrip()))
+            found.append((m.group(2), vs, ve))
+    if "aws configure" in low:
+        found.extend((m.group(1), m.start(2), m.end(2)) for m in shapes.aws_configure.finditer(text))
+    for key, vs, ve in found:
+        info = _key_info(key)
+        value = text[vs:ve]
+        if info is None or ve <= vs or _not_a_secret(value, info, key):
+            continue
+        kind = "aws-secret-key" if info[1] and _is_aws_secret(value) else "env-secret"
+        if kind not in sc.disable:
+            out.append((vs, ve, kind))
     return out
 
 
@@ -2494,9 +2586,21 @@ def _read_value(text, vs, in_query):
     if vs >= len(text):
         return None
     ch = text[vs]
-    if ch in "\"'`":
+    if ch in "rbfuRBFU" and text[vs + 1:vs + 2] in ("'", '"'):
+        vs += 1   # r'...', b"...", f"..." are quoted strings with a prefix
+        ch = text[vs]
+    elif ch in "rbfRBF" and text[vs + 1:vs + 2] in ("r", "b", "f", "R", "B", "F") and \
+            text[vs + 2:vs + 3] in ("'", '"'):
+        vs += 2
+        ch = text[vs]
+    if ch in "\"'":
         m = _shapes().quoted[ch].match(text, vs)
         return (vs + 1, m.end() - 1, True) if m else None
+    if ch == "\\" and text[vs + 1:vs + 2] in ("'", '"'):
+        close = text.find("\\" + text[vs + 1], vs + 2, vs + 1024)
+        if close < 0 or "\n" in text[vs:close]:
+            return None
+        return vs + 2, close, True
     m = _shapes().unquoted.match(text, vs)
     if not m:
         return None
@@ -2509,13 +2613,18 @@ def _read_value(text, vs, in_query):
         if cut >= 0:
             ve = cut
     value = text[vs:ve]
-    # Closers the value did not open belong to the code around it: f(token=abc).
-    while value and value[-1] in ")]}>" and \
-            value.count(value[-1]) > value.count({")": "(", "]": "[", "}": "{", ">": "<"}[value[-1]]):
-        value = value[:-1]
-    if len(value) > 1 and value[-1] == "." and (vs + len(value) >= len(text) or
-                                                text[vs + len(value)].isspace()):
-        value = value[:-1]
+    # Closers the value did not open belong to the code around it: f(token=abc), and
+    # a final full stop or colon belongs to the sentence or the statement.
+    openers = {")": "(", "]": "[", "}": "{", ">": "<"}
+    while len(value) > 1:
+        last = value[-1]
+        if last in openers and value.count(last) > value.count(openers[last]):
+            value = value[:-1]
+        elif last in ".:" and (vs + len(value) >= len(text) or
+                               not text[vs + len(value)].isalnum()):
+            value = value[:-1]
+        else:
+            break
     return (vs, vs + len(value), False) if value else None
 
 
@@ -2548,6 +2657,10 @@ def _not_a_secret(value, info, key):
         return True   # MAX_TOKENS=4096, TOKEN_TTL=3600
     if low == key.lower():
         return True   # password=password passes a variable on
+    if value[0] in "([{":
+        return True   # a tuple, list or object literal, or an interpolation such as {token}
+    if _HEX_COLOR_RE.match(value):
+        return True
     if _REFERENCE_WORD_RE.match(value) and any(h in low for h in _REFERENCE_HINTS):
         return True   # api_key=openai_api_key names another variable
     return False
@@ -2673,7 +2786,8 @@ def _select(sc, rules):
         for m in _MASK_RE.finditer(text):
             taken.add(m.start(), m.end())
     keys = _private_key_spans(sc)
-    tiers = [_token_spans(sc), keys, _url_spans(sc), _header_spans(sc), _assignment_spans(sc)]
+    tiers = [_token_spans(sc), keys, _url_spans(sc), _header_spans(sc),
+             _assignment_spans(sc) + _assignment_form_spans(sc)]
     if rules:
         tiers.append(_policy_spans(sc, rules))
     if keys:
@@ -2699,10 +2813,14 @@ def _replacement(text, start, end):
     """After `=`, a mask never stays inside the quotes of a value it fills (§ 3.3)."""
     if start and end < len(text) and text[start - 1] in "\"'" and text[end] == text[start - 1]:
         i = start - 2
+        while i >= 0 and start - 2 - i < 2 and text[i] in "rbfuRBFU":
+            i -= 1   # a string prefix: r"...", b'...', f"..."
+        first = i + 1
         while i >= 0 and text[i] in " \t":
             i -= 1
-        if i >= 0 and text[i] == "=" and (i == 0 or text[i - 1] not in "=!<>"):
-            return start - 1, end + 1
+        if i >= 0 and text[i] == "=" and (i == 0 or text[i - 1] not in "=!<>") and \
+                (first == start - 1 or not text[first - 1].isalnum()):
+            return first, end + 1
     return start, end
 
 
@@ -6988,7 +7106,8 @@ def _semantic_list(root, query, k, requested):
     if ranked is None and requested in ("semantic", "hybrid"):
         raise _semantic_unavailable(requested, "the semantic extra is not installed"
                                     if rank is None else "MEMSHELF_SEMANTIC is off" if off
-                                    else "the semantic index is not built")
+                                    else (globals().get("_SEMANTIC_MISS") or [None])[0]
+                                    or "the semantic index is not built")
     return ranked
 
 
@@ -8262,7 +8381,11 @@ def _push_rejected(words):
 def _push(root, git, result, report, amend=True):
     remote, branch = report["remote"], report["branch"]
     report.update(push_requested=True, performed=True)
-    p = git.run("push", "-q", remote, f"HEAD:refs/heads/{branch}", check=False)
+    # the first push of a fresh git-remote shelf also records the upstream, so plain
+    # `git pull` and doctor's judgement of the renderer work from then on
+    local = git.out("symbolic-ref", "--short", "-q", "HEAD", check=False, read_only=True)
+    track = [] if git.ok("config", "--get", f"branch.{local}.merge", read_only=True) else ["-u"]
+    p = git.run("push", "-q", *track, remote, f"HEAD:refs/heads/{branch}", check=False)
     if p.returncode == 0:
         report.update(pushed=True, error=None, hint=None)
         return
@@ -8361,15 +8484,20 @@ def _publish(root, git, result, report):
             return
     report.update(published_branch=name, error=None, hint=None)
     url = git.out("remote", "get-url", "--", remote, check=False, read_only=True)
-    web = _remote_probe_base(url) if url else None
-    if web and web != "local":
-        from urllib.parse import quote
-        if "gitlab" in web.split("/")[2]:
-            report["compare_url"] = (
-                f"{web}/-/merge_requests/new?merge_request%5Bsource_branch%5D={quote(name)}"
-                f"&merge_request%5Btarget_branch%5D={quote(branch)}")
-        else:
-            report["compare_url"] = f"{web}/compare/{quote(branch)}...{quote(name)}?expand=1"
+    report["compare_url"] = _compare_url(url, branch, name) if url else None
+
+
+def _compare_url(remote_url, branch, published):
+    """The page that opens a pull (GitHub form) or merge request (GitLab hosts), or None when
+    the remote has no web address. Credentials never reach the link."""
+    from urllib.parse import quote
+    web = _remote_probe_base(remote_url)
+    if not web or web == "local":
+        return None
+    if "gitlab" in web.split("/")[2]:
+        return (f"{web}/-/merge_requests/new?merge_request%5Bsource_branch%5D="
+                f"{quote(published)}&merge_request%5Btarget_branch%5D={quote(branch)}")
+    return f"{web}/compare/{quote(branch)}...{quote(published)}?expand=1"
 
 
 def _await_render(root, git, report, seconds, published):
@@ -9766,7 +9894,8 @@ def _resolve_locked(root, commit):
                      for n in stages}
             text = {n: p.stdout.decode("utf-8", "replace") for n, p in sides.items()
                     if p.returncode == 0}
-            merged = _union_recall_logs(text.get(2, ""), text.get(3, ""), text.get(1))
+            # no stage 1 = both sides added the log: the common base is an empty log
+            merged = _union_recall_logs(text.get(2, ""), text.get(3, ""), text.get(1, ""))
             _atomic_write(log_path, merged)
             git.run("add", "--", rel)
             result["resolved"].append(rel)
@@ -12110,7 +12239,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
 # prune-splits removes legacy H2 split directories (the only view that writes).
 
 _EXPORT_EXCLUDE_DEFAULT = ("private", "sensitive-*")
-_QUARTER = re.compile(r"(\d{4})[Qq]([1-4])\Z")
+_QUARTER = _re_lazy(r"(\d{4})[Qq]([1-4])\Z")
 _VIEW_ID_BOUNDARY = (r"(?<![\w-])", r"(?![\w-])")
 _FORK_SECTION_CAP = 80
 
@@ -12721,7 +12850,8 @@ body{margin:0;background:var(--bg);color:var(--fg);
 font:17px/1.6 system-ui,-apple-system,"Segoe UI",Roboto,"Noto Sans",Helvetica,Arial,sans-serif}
 .wrap{max-width:44rem;margin:0 auto;padding:.75rem 1rem 4rem}
 h1{font-size:1.55rem;line-height:1.25;margin:.75rem 0 .25rem}
-h2{font-size:1.15rem;margin:1.75rem 0 .25rem;padding-bottom:.2rem;border-bottom:1px solid var(--line)}
+h2{font-size:1.15rem;margin:1.75rem 0 .25rem;padding-bottom:.2rem;
+border-bottom:1px solid var(--line)}
 h3,h4,h5,h6{font-size:1.02rem;margin:1.1rem 0 .3rem}
 p{margin:.45rem 0}
 a{color:var(--accent);text-decoration-thickness:1px;text-underline-offset:2px}
@@ -12785,12 +12915,12 @@ if(m){try{q.value=decodeURIComponent(m[1].replace(/\\+/g," "));}catch(e){q.value
 box.hidden=false;q.addEventListener("input",apply);apply();})();
 """.strip()
 
-_MD_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})(.*)$")
-_MD_HEADING = re.compile(r" {0,3}(#{1,6})(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$")
-_MD_RULE = re.compile(r" {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$")
-_MD_ITEM = re.compile(r"( {0,12})([-*+]|\d{1,9}[.)])(?:[ \t]+(.*)|$)")
-_MD_TABLE_RULE = re.compile(r" {0,3}\|?[ \t]*:?-+:?[ \t]*(?:\|[ \t]*:?-+:?[ \t]*)*\|?[ \t]*$")
-_MD_INLINE = re.compile(
+_MD_FENCE = _re_lazy(r" {0,3}(`{3,}|~{3,})(.*)$")
+_MD_HEADING = _re_lazy(r" {0,3}(#{1,6})(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$")
+_MD_RULE = _re_lazy(r" {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$")
+_MD_ITEM = _re_lazy(r"( {0,12})([-*+]|\d{1,9}[.)])(?:[ \t]+(.*)|$)")
+_MD_TABLE_RULE = _re_lazy(r" {0,3}\|?[ \t]*:?-+:?[ \t]*(?:\|[ \t]*:?-+:?[ \t]*)*\|?[ \t]*$")
+_MD_INLINE = _re_lazy(
     r"(?P<code>(`+)(?P<codetext>.+?)(?<!`)\2(?!`))"
     r"|(?P<img>!\[(?P<alt>[^\]\n]*)\]\((?P<isrc>[^()\s]*(?:\([^()\s]*\)[^()\s]*)*)"
     r"(?:\s+\"[^\"]*\")?\))"
@@ -12800,7 +12930,7 @@ _MD_INLINE = re.compile(
     r"|(?P<bare>https?://[^\s<>\"'`]+[^\s<>\"'`.,;:!?)\]])"
     r"|(?P<bold>\*\*(?=\S)(?P<btext>.+?)(?<=\S)\*\*)"
     r"|(?P<em>(?<![\w*])\*(?=[^\s*])(?P<etext>[^*\n]+?)(?<=\S)\*(?![\w*]))")
-_DATA_IMAGE = re.compile(r"data:image/(?:png|gif|jpeg|webp);base64,[A-Za-z0-9+/=]+\Z")
+_DATA_IMAGE = _re_lazy(r"data:image/(?:png|gif|jpeg|webp);base64,[A-Za-z0-9+/=]+\Z")
 
 
 def _esc(text):
@@ -13555,8 +13685,13 @@ def _view_verbs():
     ]
 
 
+_VIEW_VERBS = []
+
+
 def _view_verb(name):
-    return next(v for v in _view_verbs() if v.name == name)
+    if not _VIEW_VERBS:
+        _VIEW_VERBS.extend(_view_verbs())
+    return next(v for v in _VIEW_VERBS if v.name == name)
 
 
 _EXTRA_VERB_FACTORIES.append(lambda: _view_verb("freshness"))
@@ -14853,12 +14988,13 @@ def tools_verb(format="mcp", verb=None):
         data = [{"name": t["name"], "description": t["description"],
                  "input_schema": t["inputSchema"]} for t in tools]
     else:
-        return {"status": "ok", "text": _tools_markdown(tools), "tools": len(tools)}
+        return {"status": "ok", "text": _tools_markdown(tools, include_cli=not verb),
+                "tools": len(tools)}
     return {"status": "ok", "text": json.dumps(data, ensure_ascii=False, indent=2),
             "tools": len(tools), "definitions": data}
 
 
-def _tools_markdown(tools):
+def _tools_markdown(tools, include_cli=False):
     out = ["# memshelf tools reference", "",
            "Generated by `memshelf tools --format markdown` from the verb table. "
            "Do not edit by hand.", ""]
@@ -14877,8 +15013,30 @@ def _tools_markdown(tools):
                 kind += ": " + " / ".join(f"`{e}`" for e in p.enum)
             default = "" if p.default is None or p.required else f"`{json.dumps(p.default)}`"
             cli = "positional" if p.positional else (p.negate or p.flags[0])
-            out.append(f"| `{p.name}` | {kind} | {default} | `{cli}` | {p.help} |")
+            out.append(f"| `{p.name}` | {kind} | {default} | `{cli}` | "
+                       f"{p.help.replace('|', chr(92) + '|')} |")
         out.append("")
+    if include_cli:
+        out += ["# CLI-only verbs", "",
+                "These run from the command line (`memshelf VERB`, `python3 memshelf.py VERB`); "
+                "every one accepts `--json` and `--quiet`.", ""]
+        for v in _verb_table():
+            if v.mcp:
+                continue
+            out += [f"## `memshelf {v.name}` — {v.title}", ""]
+            if v.description:
+                out += [v.description, ""]
+            rows = [p for p in v.params if p.cli]
+            if rows:
+                out += ["| argument | type | default | meaning |", "|---|---|---|---|"]
+                for p in rows:
+                    spell = (p.metavar or p.name.upper()) if p.positional else \
+                        (p.negate or p.flags[0])
+                    default = "" if p.default in (None, "", [], {}) or p.required else \
+                        f"`{json.dumps(p.default)}`"
+                    out.append(f"| `{spell}` | {p.type} | {default} | "
+                               f"{p.help.replace('|', chr(92) + '|')} |")
+                out.append("")
     return "\n".join(out)
 
 

@@ -3,7 +3,6 @@ runs under its CSP hash and filters as you type (pre-filled from #q=...), a tamp
 blocked and the page still reads without it, and the light and dark themes both apply.
 
 CI installs the browser with `apt-get install -y chromium`; only these tests skip without it."""
-import os
 import re
 import shutil
 import struct

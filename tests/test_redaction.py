@@ -404,6 +404,22 @@ def _corpus():
     v = rand(ALNUM, 22)
     add("env-secret", "prose", f"The signing secret for staging is signing_key={v} until rotation.\n", [v],
         ["until rotation"])
+    v = rand(ALNUM, 16)
+    add("env-secret", "log", '2024-05-02 INFO POST /login body="{\\"user\\":\\"bob\\",\\"password\\":\\"%s\\"}"\n' % v,
+        [v], ['\\"user\\":\\"bob\\"'])
+    v = rand(ALNUM, 24)
+    add("env-secret", "yaml", f"```yaml\nenv:\n  - name: API_TOKEN\n    value: {v}\n```\n", [v], ["name: API_TOKEN"])
+    v = rand(ALNUM, 12)
+    add("env-secret", "code", f"define('DB_PASSWORD', '{v}');\n", [v], ["define('DB_PASSWORD', "])
+    v = rand(ALNUM, 12)
+    add("env-secret", "xml", f"<server>\n  <id>nexus</id>\n  <password>{v}</password>\n</server>\n", [v],
+        ["<password>", "</password>"])
+    v = rand(ALNUM, 30)
+    add("env-secret", "netrc", f"machine api.heroku.com\n  login ops@acme.io\n  password {v}\n", [v],
+        ["login ops@acme.io"])
+    v = rand(ALNUM + "/+", 40)
+    add("aws-secret-key", "shell", f"aws configure set aws_secret_access_key {v}\n", [v],
+        ["aws configure set aws_secret_access_key "])
     return s
 
 
@@ -669,7 +685,8 @@ def test_key_shapes():
 def test_value_stops_at_separators():
     assert redact("password=hunter22;user=bob\n")[0] == "password=«redacted:env-secret»;user=bob\n"
     assert redact("password=hunter22, user=bob\n")[0] == "password=«redacted:env-secret», user=bob\n"
-    assert redact("a(token=abc123def)\n")[0] == "a(token=«redacted:env-secret»)\n"
+    assert redact("(see token=abc123def)\n")[0] == "(see token=«redacted:env-secret»)\n"
+    assert redact("client(token=tok_value, password=pw)\n")[1]["total"] == 0
     assert redact("GET /cb?access_token=a1b2c3d4e5&state=xyz\n")[0] == \
         "GET /cb?access_token=«redacted:env-secret»&state=xyz\n"
 

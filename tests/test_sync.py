@@ -259,10 +259,15 @@ def test_publish_pushes_a_new_branch_without_switching(tmp_path):
     assert head(bare, "main") == main_before
     assert git(a, "symbolic-ref", "--short", "HEAD").strip() == "main"
     assert not any("derived files" in w for w in res["warnings"])
-    # the same id again (an amend): the name is taken, so the short sha qualifies it
-    res = shelve(a, "2026-07-02-pr", "--publish", "--amend", "--no-sync", "--notes", "v2")
-    short = head(a)[:7]
-    assert res["sync"]["published_branch"] == f"shelve/2026-07-02-pr-{short}"
+    # a second writer publishes the same id: the name is taken, so the short sha qualifies it
+    b = clone(bare, tmp_path / "b")
+    res = shelve(b, "2026-07-02-pr", "--publish")
+    assert res["sync"]["published_branch"] == f"shelve/2026-07-02-pr-{head(b)[:7]}"
+    assert head(bare, "shelve/2026-07-02-pr") == head(a)
+    # an amend on top of a published branch simply moves it forward
+    res = shelve(a, "2026-07-02-pr", "--publish", "--amend", "--notes", "v2")
+    assert res["sync"]["published_branch"] == "shelve/2026-07-02-pr"
+    assert head(bare, "shelve/2026-07-02-pr") == head(a)
     r = run_cli(*shelve_args(a, slug="2026-07-03-x", extra=["--publish", "--push"]))
     assert r.code == 2
 
@@ -296,7 +301,7 @@ def test_await_render_pulls_the_renderers_commit(tmp_path):
     bot = tmp_path / "bot"
     subprocess.run(["git", "clone", "-q", str(bare), str(bot)], check=True)
     proc = subprocess.Popen([sys.executable, "-m", "memshelf",
-                             *shelve_args(a, slug="2026-07-02-awaited")[1:],
+                             *shelve_args(a, slug="2026-07-02-awaited"),
                              "--push", "--await-render", "40", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -370,6 +370,7 @@ def test_prune_splits_dry_run_apply_and_tracked(tmp_path):
     assert all(os.path.isfile(os.path.join(topics, s + ".md")) for s in (
         "2026-05-01-alpha-topic", "2026-05-02-beta-topic"))
     assert run_cli("prune-splits", "--shelf", root).out.startswith("keep")
+    assert run_cli("prune-splits", "--shelf", tmp_path, "--apply").code == 1   # not a shelf
 
 
 # --- freshness ----------------------------------------------------------------------------
