@@ -1662,7 +1662,8 @@ _TRIVIAL_VALUES = frozenset((
 _MASK_CHARS = frozenset("*xX•.-_#0…")
 _CODE_CALL_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)*\s*[(\[]")
 _CODE_PATH_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+\Z")
-_PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11})*[-_.](?:(.)\1*)?\Z")
+_PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11})*[-_.]"
+                             r"(?:(.)\1*)?\Z")
 _HEX_COLOR_RE = _re_lazy(r"#(?:[0-9a-fA-F]{3,4}|[0-9a-fA-F]{6}|[0-9a-fA-F]{8})\Z")
 _REFERENCE_WORD_RE = _re_lazy(r"[A-Za-z_]*_[A-Za-z_]*\Z")
 _REFERENCE_HINTS = ("key", "token", "secret", "pass", "pwd", "cred", "auth")
@@ -1736,7 +1737,8 @@ class _Shapes:
         self.basic = c(r"(?i)basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})"
                        r"(?![A-Za-z0-9+/=])")
         self.header_name = c(r"(?i)" + "|".join(_HEADER_SUFFIXES))
-        self.header_rest = c(r"[ \t]*:[ \t]*(\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'|[^\s\"',;]{1,1024})")
+        self.header_rest = c(r"[ \t]*:[ \t]*(\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'"
+                             r"|[^\s\"',;]{1,1024})")
         self.cookie = c(r"(?i)(set-)?cookie[\"']?[ \t]*:[ \t]*[\"']?")
         self.cookie_pair = c(r"[ \t]*([^=;\s\"',]{1,128})[ \t]*=[ \t]*([^;\s\"',]{0,4096})")
         self.cookie_name = c(r"(?i)(?:session|sessionid|session_id|sessid|sid|connect\.sid|auth|"
@@ -1765,9 +1767,10 @@ class _Shapes:
         self.k8s_entry = c(r"([ \t]+)([\w.-]+)[ \t]*:[ \t]*(.*)")
         # One literal-led pattern per key word, run on the lower-cased text: the key word,
         # the rest of the key and a separator (prose that merely mentions a token fails fast).
-        key_tail = r"[a-z0-9_.-]{0,128}(?:\\?[\"']\]?)?[ \t]*(?::=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))"
-        self.php_define = c(r"(?i)(?<![\w$])define\([ \t]*(['\"])([A-Za-z0-9_]{1,128})\1[ \t]*,[ \t]*"
-                            r"(['\"])((?:(?!\3)[^\n\\]|\\.){1,512})\3[ \t]*\)")
+        key_tail = (r"[a-z0-9_.-]{0,128}(?:\\?[\"']\]?)?[ \t]*"
+                    r"(?::=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))")
+        self.php_define = c(r"(?i)(?<![\w$])define\([ \t]*(['\"])([A-Za-z0-9_]{1,128})\1"
+                            r"[ \t]*,[ \t]*(['\"])((?:(?!\3)[^\n\\]|\\.){1,512})\3[ \t]*\)")
         self.xml_element = c(r"<([A-Za-z][\w.:-]{0,64})>([^<>\n]{1,512})</\1>")
         self.netrc = c(r"(?<![\w-])machine[ \t]+\S{1,256}(?:[ \t\n]+login[ \t]+\S{1,256})?[ \t\n]+"
                        r"password[ \t]+(\S{1,512})")
@@ -1777,7 +1780,7 @@ class _Shapes:
                                r"([^\s'\"]{1,1024})")
         self.keywords = [(word, c(word + rest + key_tail)) for word, rest in _KEY_LEADS]
         self.separator = c(r"[ \t]*(:=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))[ \t]*")
-        self.unquoted = c(r"[^\s;,\"'`]{1,4096}")
+        self.unquoted = c(r"[^\s;,\"'`«]{1,1024}")
         self.quoted = {q: c(q + r"(?:[^" + q + r"\\\n]|\\.){0,1024}" + q) for q in "\"'`"}
         self.pem_end = c(r"-----END ([A-Z0-9]+(?: [A-Z0-9]+)*) ?-----")
         self.fence = c(r"(?m)^[ \t>]*(`{3,}|~{3,})[ \t]*([A-Za-z0-9_.+-]*)")
@@ -2301,8 +2304,7 @@ def _cookie_spans(sc):
     for m in _matches_at(sc, ("cookie", "set-cookie"), shapes.cookie, left="-"):
         set_cookie = bool(m.group(1))
         pos = m.end()
-        line_end = text.find("\n", pos)
-        line_end = len(text) if line_end < 0 else line_end
+        line_end = sc.line_bounds(pos)[1]
         while pos < line_end:
             p = shapes.cookie_pair.match(text, pos, line_end)
             if not p:
@@ -2416,8 +2418,6 @@ def _key_info(key):
             hit = i
         elif seg in ("key", "keys") and i and segs[i - 1] in _KEY_PAIR_HEADS:
             hit = i
-        elif seg in ("secret", "secrets"):
-            hit = i
     info = None
     if hit >= 0 and not any(seg in _KEY_META for seg in segs[hit + 1:]) and \
             key.lower() not in _SHELL_PWD_KEYS:
@@ -2434,7 +2434,7 @@ def _key_info(key):
     return info
 
 
-def _assignment_spans(sc):
+def _assignment_spans(sc, taken):
     text, low, shapes, out = sc.text, sc.lower, _shapes(), []
     if "env-secret" in sc.disable and "aws-secret-key" in sc.disable:
         return out
@@ -2481,11 +2481,8 @@ def _assignment_spans(sc):
             continue
         read = _read_value(text, sep.end(), ks > 0 and text[ks - 1] in "?&")
         if read is None:
-            if sep.end() < n and text[sep.end()] in "\"'":
-                resume = sc.line_bounds(sep.end())[1]   # an unclosed string runs to its line end
             continue
         vs, ve, quoted = read
-        resume = max(resume, ve)
         value = text[vs:ve]
         op = sep.group(1)
         if op in (":", "=>") and not (quoted or key_quoted or sc.in_config_fence(ks)):
@@ -2506,6 +2503,8 @@ def _assignment_spans(sc):
         if kind in sc.disable:
             continue
         out.append((vs, ve, kind))
+        if taken.free(vs, ve):
+            resume = ve   # the value stays whole, so keys inside it need no look of their own
     return out
 
 
@@ -2559,7 +2558,8 @@ def _assignment_form_spans(sc):
             vs, ve = _strip_quotes(text, m.start(3), m.start(3) + len(m.group(3).rstrip()))
             found.append((m.group(2), vs, ve))
     if "aws configure" in low:
-        found.extend((m.group(1), m.start(2), m.end(2)) for m in shapes.aws_configure.finditer(text))
+        found.extend((m.group(1), m.start(2), m.end(2))
+                     for m in shapes.aws_configure.finditer(text))
     for key, vs, ve in found:
         info = _key_info(key)
         value = text[vs:ve]
@@ -2602,8 +2602,8 @@ def _read_value(text, vs, in_query):
             return None
         return vs + 2, close, True
     m = _shapes().unquoted.match(text, vs)
-    if not m:
-        return None
+    if not m or text.startswith(_MASK_PREFIX, m.end()):
+        return None   # nothing, or a run cut short by a mask
     ve = m.end()
     if ch in "<{[(" or text.startswith(("${", "$(", "%"), vs):
         ve = max(ve, _balanced_end(text, vs))   # <your key>, ${{ secrets.X }}, $(cat f)
@@ -2752,8 +2752,8 @@ def _legacy_spans(text, disable):
 def _legacy_value_end(text, vs, ve):
     """Grow 0.4.0's `\\S+` over a quoted or bracketed value; stop before any mask."""
     end = ve
-    line_end = text.find("\n", vs)
-    line_end = len(text) if line_end < 0 else line_end
+    line_end = text.find("\n", vs, vs + 4096)
+    line_end = min(len(text), vs + 4096) if line_end < 0 else line_end
     if text[vs] in "\"'":
         close = text.find(text[vs], vs + 1, line_end)
         if close > 0:
@@ -2786,10 +2786,7 @@ def _select(sc, rules):
         for m in _MASK_RE.finditer(text):
             taken.add(m.start(), m.end())
     keys = _private_key_spans(sc)
-    tiers = [_token_spans(sc), keys, _url_spans(sc), _header_spans(sc),
-             _assignment_spans(sc) + _assignment_form_spans(sc)]
-    if rules:
-        tiers.append(_policy_spans(sc, rules))
+    tokens = _token_spans(sc)
     if keys:
         # A token-shaped run inside a key body is base64 noise; the whole body is the secret.
         key_starts = [k[0] for k in keys]
@@ -2797,12 +2794,18 @@ def _select(sc, rules):
         def inside_key(pos):
             i = bisect.bisect_right(key_starts, pos) - 1
             return i >= 0 and pos < keys[i][1]
-        tiers[0] = [t for t in tiers[0] if not inside_key(t[0])]
+        tokens = [t for t in tokens if not inside_key(t[0])]
     accepted = []
-    for tier in tiers:
+    tiers = (lambda: tokens, lambda: keys, lambda: _url_spans(sc), lambda: _header_spans(sc),
+             lambda: _assignment_spans(sc, taken) + _assignment_form_spans(sc),
+             lambda: _policy_spans(sc, rules) if rules else [])
+    for tier_spans in tiers:
+        tier = tier_spans()
         tier.sort(key=lambda s: (s[0], s[0] - s[1]))
         for start, end, kind in tier:
-            if end > start and taken.free(start, end):
+            # A run cut short by a mask was longer before that mask was written; leaving it
+            # alone keeps a second pass from finding what the first one did not.
+            if end > start and taken.free(start, end) and not text.startswith(_MASK_PREFIX, end):
                 taken.add(start, end)
                 accepted.append((start, end, kind))
     accepted.sort()
@@ -2857,7 +2860,7 @@ def _map_back(pos, moves):
 
 
 def _run(text, rules, disable, legacy_compat, rewrite):
-    """(redacted text or None, [(start, end, kind)] in original coordinates)."""
+    """(redacted text or None, [(start, end, kind)] in original coordinates, the scan)."""
     if not isinstance(text, str):
         raise TypeError("redaction works on str")
     sc = _Scan(text, frozenset(disable or ()))
@@ -2879,7 +2882,7 @@ def _run(text, rules, disable, legacy_compat, rewrite):
                 history.append(new_moves)
                 out = new_out
             spans.sort()
-    return out, spans
+    return out, spans, sc
 
 
 def _report(kinds_lines, part):
@@ -2904,17 +2907,15 @@ def _finish_report(counts, hits):
 def redact(text, rules=None, *, disable=(), legacy_compat=False, part="text"):
     """Mask every credential-shaped string: (redacted_text, report). The report holds kinds,
     parts and line numbers, never a value. Idempotent."""
-    out, spans = _run(text, rules, disable, legacy_compat, True)
+    out, spans, sc = _run(text, rules, disable, legacy_compat, True)
     if not spans:
         return text, _finish_report({}, [])
-    sc = _Scan(text, ())
     return out, _report([(kind, sc.line_of(start)) for start, _end, kind in spans], part)
 
 
 def find_secrets(text, rules=None, *, disable=(), legacy_compat=False):
     """The same detection as redact, without rewriting: [{kind, line, start, end}]."""
-    _out, spans = _run(text, rules, disable, legacy_compat, False)
-    sc = _Scan(text, ())
+    _out, spans, sc = _run(text, rules, disable, legacy_compat, False)
     return [{"kind": kind, "line": sc.line_of(start), "start": start, "end": end}
             for start, end, kind in spans]
 
@@ -7939,8 +7940,10 @@ class _Git:
             self.run("add", "-A", "--", *present)
         if gone:
             self.run("rm", "-r", "--cached", "--ignore-unmatch", "-q", "--", *gone)
-        staged = [n for n in self.out("diff", "--cached", "--name-only", "-z", "--relative", "--",
-                                      *(present + gone), read_only=True).split("\x00")
+        # --no-renames: a move must list both its paths, or the commit keeps the old one
+        staged = [n for n in self.out("diff", "--cached", "--name-only", "--no-renames", "-z",
+                                      "--relative", "--", *(present + gone),
+                                      read_only=True).split("\x00")
                   if n] if (present or gone) else []
         if not staged:
             return None
@@ -8032,8 +8035,19 @@ def _launcher():
 
 
 def _this_code():
-    """The interpreter and file running now, for drivers memshelf passes to its own git calls."""
-    return f"{_shell_quote(sys.executable)} {_shell_quote(os.path.abspath(__file__))}"
+    """The interpreter and file running now, as a shell command.
+
+    The file is imported rather than run as a script so its cached bytecode is used: a hook
+    or driver in script mode recompiles the whole file on every commit (~0.2 s). sys.path
+    gains the file's folder first, exactly as `python3 memshelf.py` would."""
+    path = os.path.abspath(__file__)
+    folder, name = os.path.split(path)
+    module = name[:-3] if name.endswith(".py") else ""
+    if not module.isidentifier():
+        return f"{_shell_quote(sys.executable)} {_shell_quote(path)}"
+    code = (f"import sys; sys.path.insert(0, {folder!r}); import {module}; "
+            f"sys.exit({module}.main())")
+    return f"{_shell_quote(sys.executable)} -c {_shell_quote(code)}"
 
 
 _HOOKS = {
@@ -8328,6 +8342,9 @@ def _after_commit_sync(root, git, result, report, a):
     push = bool(a.get("push")) or (not publish and
                                    _memshelf_config(root).get("autopush") is True)
     wait = a.get("await_render_seconds") or 0
+    if report and (report["skipped_reason"] or "").startswith("fetch failed"):
+        # offline must not cost the episode, but the writer should know it was not synced
+        result.setdefault("warnings", []).append(report["summary"])
     if not (a.get("sync", True) or push or publish or wait):
         return report
     target, reason = _sync_target(git)
@@ -8353,6 +8370,8 @@ def _after_commit_sync(root, git, result, report, a):
             _await_render(root, git, report, float(wait), publish)
     except ShelfError as exc:
         report["error"] = exc.message
+    except OSError as exc:   # the commit is made; a failure after it is reported, not raised
+        report["error"] = f"{type(exc).__name__}: {exc}"
     report["final_sha"] = git.head()
     report["summary"] = _sync_summary(report)
     if (push and not report["pushed"]) or (publish and not report["published_branch"]):
@@ -8374,8 +8393,10 @@ def _sync_incomplete(root, result, report, target):
 
 
 def _push_rejected(words):
-    """A rejection that a rebase (or another branch name) can cure, not an outage."""
-    return any(k in words for k in ("[rejected]", "non-fast-forward", "fetch first"))
+    """A rejection that a rebase (or another branch name) can cure, not an outage. A lost race
+    for the remote's ref lock ("is at X but expected Y") means the same: the branch moved."""
+    return any(k in words for k in ("[rejected]", "non-fast-forward", "fetch first")) or \
+        ("cannot lock ref" in words and "but expected" in words)
 
 
 def _push(root, git, result, report, amend=True):
@@ -8667,11 +8688,13 @@ def _union_recall_logs(ours, theirs, base=None):
     for k in set(co) | set(ct):
         want[k] = max(co[k] + ct[k] - cb[k], co[k], ct[k]) if cb is not None else \
             max(co[k], ct[k])
-    out, emitted = [], Counter()
-    for row in o + t:
+    # ours in order, then the copies only theirs holds: its last ones (logs grow at the end)
+    out = [spelling[_row_key(row)] for row in o]
+    seen = Counter()
+    for row in t:
         k = _row_key(row)
-        if emitted[k] < want[k]:
-            emitted[k] += 1
+        seen[k] += 1
+        if seen[k] > ct[k] - (want[k] - co[k]):
             out.append(spelling[k])
     header = _RECALL_LOG_HEADER
     for text in (ours, theirs, base or ""):

@@ -34,14 +34,12 @@ def bare_remote(tmp_path, name="remote.git"):
 
 
 def first_shelf(tmp_path, bare, derived="auto", name="a"):
-    """`memshelf init --storage git-remote`, one episode pushed: the remote has main."""
+    """`init --storage git-remote`, one episode pushed: the remote has main."""
     root = tmp_path / name
-    r = run_cli("init", "--shelf", root, "--storage", "git-remote", "--remote", bare,
-                "--derived", derived)
-    assert r.code == 0, r
+    memshelf.init(shelf_path=str(root), storage="git-remote", remote=str(bare), derived=derived)
     if derived == "bot":
         install_renderer_workflow(root)
-    res = shelve(root, "2026-07-01-first", "--push")
+    res = put(root, "2026-07-01-first", push=True)
     assert res["sync"]["pushed"], res
     return root
 
@@ -58,9 +56,22 @@ def install_renderer_workflow(root):
 def clone(bare, path):
     """A second machine: git clone, then `memshelf sync` installs the drivers and hooks."""
     subprocess.run(["git", "clone", "-q", str(bare), str(path)], check=True)
-    r = run_cli("sync", "--shelf", path, "--json")
-    assert r.code == 0, r
+    assert memshelf.sync_verb(shelf_path=str(path))["status"] == "ok"
     return path
+
+
+DIGEST = ("Dana chose JWT middleware over sessions; rejected per-route decorators. "
+          "Open: key rotation.")
+
+
+def put(root, slug, **kw):
+    """An in-process shelve for set-up steps; the CLI path has tests of its own."""
+    kw.setdefault("sections", {"Decisions": "- JWT verified once per request in middleware."})
+    return memshelf.shelve(shelf_path=str(root), slug=slug, kind="topic", digest=DIGEST, **kw)
+
+
+def recall(root, section=None):
+    memshelf.recall(shelf_path=str(root), episode_id="2026-07-01-first", section=section)
 
 
 def shelve(root, slug, *extra, code=0):
@@ -74,12 +85,11 @@ def head(root, ref="HEAD"):
 
 
 def rebuild_check(root):
-    return run_cli("rebuild", "--shelf", root, "--check").code == 0
+    return memshelf.rebuild(shelf_path=str(root), check=True)["ok"]
 
 
-def doctor(root, *extra):
-    r = run_cli("doctor", "--shelf", root, "--json", *extra)
-    return r.json()
+def doctor(root, hours=None):
+    return memshelf.doctor(shelf_path=str(root), derived_stale_after_hours=hours)
 
 
 def codes(report, level=None):
@@ -94,8 +104,13 @@ def listed(root, rel):
 
 def test_first_push_creates_the_branch_and_reports(tmp_path):
     bare = bare_remote(tmp_path)
-    a = first_shelf(tmp_path, bare)
-    assert head(bare, "main") == head(a)
+    a = tmp_path / "a"
+    r = run_cli("init", "--shelf", a, "--storage", "git-remote", "--remote", bare)
+    assert r.code == 0, r
+    res = shelve(a, "2026-07-01-first", "--push")
+    assert res["sync"]["skipped_reason"] == "remote has no main yet"
+    assert res["sync"]["pushed"] and head(bare, "main") == head(a)
+    assert git(a, "rev-parse", "--abbrev-ref", "@{u}").strip() == "origin/main"
     res = shelve(a, "2026-07-02-second", "--push")
     sync = res["sync"]
     assert set(sync) == SYNC_KEYS
@@ -115,7 +130,7 @@ def test_preflight_fast_forwards_before_writing(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
     b = clone(bare, tmp_path / "b")
-    shelve(b, "2026-07-02-from-b", "--push")
+    put(b, "2026-07-02-from-b", push=True)
     res = shelve(a, "2026-07-03-from-a")
     assert res["sync"]["commits_pulled"] == 1
     assert res["sync"]["summary"] == "sync: pulled 1"
@@ -133,8 +148,8 @@ def test_preflight_refuses_a_dirty_tree_before_writing(tmp_path):
     # derived files and the recall log never count as dirty
     with open(a / "INDEX.md", "a", encoding="utf-8") as f:
         f.write("\n")
-    run_cli("recall", "--shelf", a, "--id", "2026-07-01-first")
-    shelve(a, "2026-07-02-ok")
+    recall(a)
+    put(a, "2026-07-02-ok")
     with open(a / "POLICY.md", "a", encoding="utf-8") as f:
         f.write("\nA local edit.\n")
     before = snapshot(a)
@@ -153,8 +168,8 @@ def test_preflight_refuses_a_diverged_clone(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
     b = clone(bare, tmp_path / "b")
-    shelve(a, "2026-07-02-local-only", "--no-sync")
-    shelve(b, "2026-07-02-on-remote", "--push")
+    put(a, "2026-07-02-local-only", sync=False)
+    put(b, "2026-07-02-on-remote", push=True)
     before = snapshot(a)
     r = run_cli(*shelve_args(a, slug="2026-07-03-refused", extra=["--json"]))
     assert r.code == 1
@@ -183,21 +198,12 @@ def test_offline_only_warns(tmp_path):
     assert git(a, "log", "-1", "--format=%s").strip() == "shelve: 2026-07-03-unpushed"
 
 
-def test_remote_has_no_branch_yet(tmp_path):
-    bare = bare_remote(tmp_path)
-    root = tmp_path / "a"
-    assert run_cli("init", "--shelf", root, "--storage", "git-remote", "--remote", bare).code == 0
-    res = shelve(root, "2026-07-01-first")
-    assert res["sync"]["skipped_reason"] == "remote has no main yet"
-    assert res["sync"]["summary"] == "sync: skipped — remote has no main yet"
-
-
 def test_push_rejected_rebases_once_and_regenerates(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
     b = clone(bare, tmp_path / "b")
-    run_cli("recall", "--shelf", b, "--id", "2026-07-01-first")       # a pending recall row
-    shelve(a, "2026-07-02-from-a", "--push")
+    recall(b)       # a pending recall row
+    put(a, "2026-07-02-from-a", push=True)
     # b has not fetched: its push is rejected, rebased onto a's commit and retried once
     res = shelve(b, "2026-07-03-from-b", "--push", "--no-sync")
     sync = res["sync"]
@@ -261,7 +267,7 @@ def test_publish_pushes_a_new_branch_without_switching(tmp_path):
     assert not any("derived files" in w for w in res["warnings"])
     # a second writer publishes the same id: the name is taken, so the short sha qualifies it
     b = clone(bare, tmp_path / "b")
-    res = shelve(b, "2026-07-02-pr", "--publish")
+    res = shelve(b, "2026-07-02-pr", "--publish", "--notes", "written by b")
     assert res["sync"]["published_branch"] == f"shelve/2026-07-02-pr-{head(b)[:7]}"
     assert head(bare, "shelve/2026-07-02-pr") == head(a)
     # an amend on top of a published branch simply moves it forward
@@ -313,7 +319,7 @@ def test_await_render_pulls_the_renderers_commit(tmp_path):
                 break
             time.sleep(0.3)
         # the renderer: what shelf-derived.yml runs
-        assert run_cli("rebuild", "--shelf", bot, "--commit").code == 0
+        assert memshelf.rebuild(shelf_path=str(bot), commit=True)["committed"]
         git(bot, "push", "-q", "origin", "main")
         out, err = proc.communicate(timeout=60)
     finally:
@@ -347,15 +353,17 @@ def test_sync_verb_pulls_reports_and_installs(tmp_path):
     a = first_shelf(tmp_path, bare)
     subprocess.run(["git", "clone", "-q", str(bare), str(tmp_path / "b")], check=True)
     b = tmp_path / "b"
+    assert "merge-driver-missing" in codes(doctor(b), "info")
     r = run_cli("sync", "--shelf", b, "--json")
     assert r.code == 0, r
     first = r.json()
+    assert "merge-driver-missing" not in codes(doctor(b))
     assert "merge.memshelf-recall-log.driver" in first["installed"]
     assert "post-merge hook" in first["installed"]
     assert git(b, "config", "merge.memshelf-derived.driver").strip() == "true"
     assert os.access(b / ".git" / "hooks" / "post-merge", os.X_OK)
-    shelve(a, "2026-07-02-new", "--push")
-    shelve(a, "2026-07-01-first", "--amend", "--push", "--notes", "changed")
+    put(a, "2026-07-02-new", push=True)
+    put(a, "2026-07-01-first", amend=True, push=True, notes="changed")
     r = run_cli("sync", "--shelf", b, "--json")
     res = r.json()
     assert set(SYNC_KEYS) <= set(res)
@@ -366,7 +374,7 @@ def test_sync_verb_pulls_reports_and_installs(tmp_path):
     r = run_cli("sync", "--shelf", b)
     assert r.code == 0 and r.out.startswith("sync: pulled 0"), r
     # --push sends local commits; a refused push is exit 1
-    shelve(b, "2026-07-03-from-b", "--no-sync")
+    put(b, "2026-07-03-from-b", sync=False)
     r = run_cli("sync", "--shelf", b, "--push", "--json")
     assert r.code == 0 and r.json()["pushed"], r
     assert head(bare, "main") == head(b)
@@ -389,10 +397,10 @@ def test_pulling_two_clones_leaves_a_correct_shelf(tmp_path, rebase):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
     b = clone(bare, tmp_path / "b")
-    for root in (a, b):
-        run_cli("recall", "--shelf", root, "--id", "2026-07-01-first", "--section", "Decisions")
-    shelve(a, "2026-07-02-from-a")
-    shelve(b, "2026-07-02-from-b")
+    recall(a, "Decisions")
+    recall(b)
+    put(a, "2026-07-02-from-a")
+    put(b, "2026-07-02-from-b")
     git(a, "push", "-q", "origin", "main")
     mode = "--rebase" if rebase else "--no-rebase"
     p = subprocess.run(["git", "-C", str(b), "pull", "-q", mode, "--no-edit", "origin", "main"],
@@ -405,8 +413,8 @@ def test_pulling_two_clones_leaves_a_correct_shelf(tmp_path, rebase):
     assert "<<<<<<<" not in index
     assert git(b, "log", "-1", "--format=%s").strip() == \
         "rebuild: regenerate derived files after merge"
-    rows = [l for l in (b / "recall-log.tsv").read_text(encoding="utf-8").splitlines()[1:]]
-    assert len(rows) == 2 and all(r.startswith("2026-07-01-first\tDecisions") for r in rows)
+    rows = (b / "recall-log.tsv").read_text(encoding="utf-8").splitlines()[1:]
+    assert sorted(r.split("\t")[1] for r in rows) == ["", "Decisions"]     # the union
     assert codes(doctor(b), "error") == [] and codes(doctor(b), "warning") == []
 
 
@@ -415,10 +423,10 @@ def test_resolve_finishes_a_merge_without_drivers(tmp_path):
     a = first_shelf(tmp_path, bare)
     b = tmp_path / "b"
     subprocess.run(["git", "clone", "-q", str(bare), str(b)], check=True)  # no drivers, no hooks
-    for root in (a, b):
-        run_cli("recall", "--shelf", root, "--id", "2026-07-01-first")
-    shelve(a, "2026-07-02-from-a", "--push")
-    shelve(b, "2026-07-02-from-b", "--no-sync")
+    recall(a, "Decisions")
+    recall(b)
+    put(a, "2026-07-02-from-a", push=True)
+    put(b, "2026-07-02-from-b", sync=False)
     p = subprocess.run(["git", "-C", str(b), "pull", "-q", "--no-rebase", "--no-edit", "origin",
                         "main"], capture_output=True, text=True)
     assert p.returncode != 0                     # text merge of derived files: conflicts
@@ -441,8 +449,8 @@ def test_resolve_reports_an_episode_conflict_without_touching_it(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
     b = clone(bare, tmp_path / "b")
-    shelve(a, "2026-07-01-first", "--amend", "--notes", "from a", "--push")
-    shelve(b, "2026-07-01-first", "--amend", "--notes", "from b", "--no-sync")
+    put(a, "2026-07-01-first", amend=True, notes="from a", push=True)
+    put(b, "2026-07-01-first", amend=True, notes="from b", sync=False)
     p = subprocess.run(["git", "-C", str(b), "pull", "-q", "--no-rebase", "--no-edit", "origin",
                         "main"], capture_output=True, text=True)
     assert p.returncode != 0
@@ -465,8 +473,9 @@ def test_resolve_reports_an_episode_conflict_without_touching_it(tmp_path):
 
 
 def test_resolve_outside_a_merge_is_rebuild_and_doctor(tmp_path, shelf):
-    shelve(shelf, "2026-07-01-first")
+    put(shelf, "2026-07-01-first")
     (shelf / "INDEX.md").write_text("stale\n", encoding="utf-8")
+    git(shelf, "commit", "-q", "-m", "a hand edit", "--", "INDEX.md")
     r = run_cli("resolve", "--shelf", shelf, "--commit", "--json")
     assert r.code == 0, r
     res = r.json()
@@ -520,11 +529,11 @@ def test_doctor_judges_the_renderer_from_the_clones_own_evidence(tmp_path):
     git(a, "push", "-q", "origin", "main")
     git(a, "branch", "-q", "--set-upstream-to", "origin/main")
     # rendered by hand once, so the pushed episode is counted
-    assert run_cli("rebuild", "--shelf", a, "--commit").code == 0
+    memshelf.rebuild(shelf_path=str(a), commit=True)
     git(a, "push", "-q", "origin", "main")
     assert codes(doctor(a), "warning") == []
     # local only: episode-unpushed
-    shelve(a, "2026-07-02-local", "--no-sync")
+    put(a, "2026-07-02-local", sync=False)
     report = doctor(a)
     assert "episode-unpushed" in codes(report, "warning")
     assert "derived-stale" not in codes(report)
@@ -535,14 +544,14 @@ def test_doctor_judges_the_renderer_from_the_clones_own_evidence(tmp_path):
         set(codes(report))
     # ... and a wait past the threshold is proven
     time.sleep(1.2)
-    report = doctor(a, "--derived-stale-hours", "0.0002")
+    report = doctor(a, 0.0002)
     assert "derived-stale" in codes(report, "error")
     stale = [f for f in report["findings"] if f["code"] == "derived-stale"][0]
     assert "2026-07-02-local" in stale["detail"] and "renderer" in stale["fix"]
     # a fresh clone holds no record of the arrival: unknown, not stale, however old the commit
     c = tmp_path / "c"
     subprocess.run(["git", "clone", "-q", str(bare), str(c)], check=True)
-    report = doctor(c, "--derived-stale-hours", "0.0002")
+    report = doctor(c, 0.0002)
     assert "renderer-wait-unknown" in codes(report, "unknown")
     assert "derived-stale" not in codes(report)
     assert report["healthy"]
@@ -551,10 +560,10 @@ def test_doctor_judges_the_renderer_from_the_clones_own_evidence(tmp_path):
 def test_doctor_upstream_not_rendered_and_upstream_unknown(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
-    assert run_cli("rebuild", "--shelf", a, "--commit").code == 0
+    memshelf.rebuild(shelf_path=str(a), commit=True)
     git(a, "push", "-q", "origin", "main")
     git(a, "checkout", "-q", "-b", "topic")
-    shelve(a, "2026-07-02-on-branch", "--no-sync")
+    put(a, "2026-07-02-on-branch", sync=False)
     git(a, "push", "-q", "-u", "origin", "topic")
     report = doctor(a)
     assert "upstream-not-rendered" in codes(report, "warning")
@@ -567,8 +576,8 @@ def test_doctor_upstream_not_rendered_and_upstream_unknown(tmp_path):
 def test_doctor_derived_age_unknown_in_a_shallow_clone(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
-    assert run_cli("rebuild", "--shelf", a, "--commit").code == 0
-    shelve(a, "2026-07-02-second", "--push")
+    memshelf.rebuild(shelf_path=str(a), commit=True)
+    put(a, "2026-07-02-second", push=True)
     c = tmp_path / "c"
     subprocess.run(["git", "clone", "-q", "--depth", "1", "file://" + str(bare), str(c)],
                    check=True)
@@ -585,7 +594,7 @@ def test_doctor_derived_age_unknown_in_a_shallow_clone(tmp_path):
 
 def test_a_remote_on_an_unreachable_public_host_is_never_called_private(tmp_path, shelf):
     git(shelf, "remote", "add", "origin", "https://shelf-host.invalid/acme/shelf.git")
-    report = doctor(shelf, "--check-remote")
+    report = memshelf.doctor(shelf_path=str(shelf), check_remote=True)
     assert "remote-unverified" in codes(report, "warning")
     assert "remote-private" not in codes(report)
 
@@ -603,3 +612,35 @@ def test_templates_name_the_renderer(tmp_path):
     assert "chore: regenerate derived files [skip ci]" in text
     guard = open(os.path.join(TEMPLATES, "workflows", "shelf-pr-guard.yml")).read()
     assert "rebuild --check" not in guard.replace("does not run `rebuild --check`", "")
+
+
+# --- the git wrapper's commits and hooks -----------------------------------------------------
+
+def test_commits_hold_exactly_their_paths_and_record_moves(tmp_path, shelf):
+    put(shelf, "2026-07-01-first")
+    (shelf / "notes.txt").write_text("the user's own work\n")
+    git(shelf, "add", "notes.txt")                       # staged by the user: stays out
+    res = memshelf.shelve(shelf_path=str(shelf), slug="2026-07-01-first", kind="session",
+                          digest=DIGEST, amend=True,
+                          sections={"Timeline": "1. Met.", "Open threads": "- Keys."})
+    assert res["moved_from"] == "docs/topics/2026-07-01-first.md"
+    changed = git(shelf, "show", "--name-status", "--no-renames", "--format=",
+                  "HEAD").split("\n")
+    assert "D\tdocs/topics/2026-07-01-first.md" in changed
+    assert "A\tdocs/sessions/2026-07-01-first.md" in changed
+    assert "notes.txt" not in git(shelf, "show", "--name-only", "--format=", "HEAD")
+    assert git(shelf, "status", "--porcelain") == "A  notes.txt\n"
+
+
+def test_the_pre_commit_guard_blocks_a_secret(tmp_path, shelf):
+    leak = shelf / "docs" / "topics" / "2026-07-01-leak.md"
+    leak.write_text("token ghp_a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8\n")
+    git(shelf, "add", str(leak))
+    p = subprocess.run(["git", "-C", str(shelf), "commit", "-q", "-m", "leak"],
+                       capture_output=True, text=True)
+    assert p.returncode == 1
+    assert "memshelf pre-commit: [github-token] docs/topics/2026-07-01-leak.md:1" in p.stderr
+    p = subprocess.run(["git", "-C", str(shelf), "commit", "-q", "-m", "leak"],
+                       capture_output=True, text=True, env=dict(os.environ,
+                                                                 MEMSHELF_SKIP_GUARD="1"))
+    assert p.returncode == 0 and "nothing was scanned" in p.stderr
