@@ -8045,8 +8045,10 @@ def _this_code():
     module = name[:-3] if name.endswith(".py") else ""
     if not module.isidentifier():
         return f"{_shell_quote(sys.executable)} {_shell_quote(path)}"
-    code = (f"import sys; sys.path.insert(0, {folder!r}); import {module}; "
-            f"sys.exit({module}.main())")
+    # a moved or deleted file exits 127, which the hooks read as "memshelf could not run"
+    code = (f"import sys, importlib.util; sys.path.insert(0, {folder!r}); "
+            f"sys.exit(127 if importlib.util.find_spec({module!r}) is None "
+            f"else __import__({module!r}).main())")
     return f"{_shell_quote(sys.executable)} -c {_shell_quote(code)}"
 
 
@@ -8073,10 +8075,20 @@ def _hook_script(name, launcher, root):
             f"{tail}\n")
 
 
+def _ignored_by_enclosing(git, root):
+    """True when the repository around the shelf ignores the shelf's folder."""
+    top = git.toplevel()
+    rel = os.path.relpath(os.path.realpath(root), top).replace(os.sep, "/")
+    probe = _Git(top).run("check-ignore", "-q", "--", rel + "/", check=False, read_only=True)
+    return probe.returncode == 0
+
+
 def _git_init_shelf(root, storage, remote, hooks, created, updated):
     """init's git steps: repository, remote, attributes, merge drivers, local hooks."""
     git = _Git(root)
     enclosing = None
+    if git.is_repo() and not git.is_root() and _ignored_by_enclosing(git, root):
+        git._top = None   # a shelf inside a repository that ignores it keeps its own history
     if not git.is_repo():
         git.run("init", "-q")
         git.run("symbolic-ref", "HEAD", "refs/heads/main")
@@ -11242,6 +11254,8 @@ class _DoctorRun:
                                     f"{rec['stem']} exists only in this checkout (not on "
                                     f"{short_upstream})"))
         if visible:
+            # the oldest work carries the verdict; a cap keeps a long outage cheap to judge
+            visible = sorted(visible, key=lambda r: (r.get("date") or "", r["path"]))[:200]
             out += self.renderer_wait(render, short_render, visible, full)
         return out
 

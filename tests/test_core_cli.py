@@ -633,3 +633,15 @@ def test_ci_runs_the_readme_test_command():
     assert blocks[0] == "python3 memshelf.py demo"
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         assert blocks[1] in f.read().split("\n")
+
+
+def test_init_inside_a_repository_that_ignores_the_folder(tmp_path, cli):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    subprocess.run(["git", "init", "-q", str(proj)], check=True)
+    (proj / ".gitignore").write_text("cache/\n")
+    r = cli("init", "--shelf", proj / "cache" / "shelf", "--json")
+    assert r.code == 0, r
+    assert r.json()["enclosing_repo"] is None and r.json()["committed"]
+    assert git(proj / "cache" / "shelf", "rev-parse", "--show-toplevel").strip() == \
+        str((proj / "cache" / "shelf").resolve())
