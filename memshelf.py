@@ -5455,6 +5455,19 @@ class _Journal:
         self.write(rel, content)
         return True
 
+    def move(self, src, dst):
+        """Rename within the shelf: atomic, so a crash leaves the file in one place, never two."""
+        source = self._remember(src)
+        target = self._remember(dst)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.replace(source, target)
+        except OSError as exc:
+            raise ShelfError("io-error", f"cannot move {src} to {dst}: {exc.strerror}",
+                             "check permissions", {"path": src}) from None
+        _fsync_dir(os.path.dirname(target))
+        _fsync_dir(os.path.dirname(source))
+
     def remove(self, rel):
         path = self._remember(rel)
         try:
@@ -8259,8 +8272,10 @@ class _SetAside:
         p = git.run("status", "--porcelain", "-z", "--untracked-files=all", "--", *specs,
                     check=False, read_only=True)
         prefix = git.prefix()
+        skip = False
         for item in p.stdout.decode("utf-8", "replace").split("\x00"):
-            if len(item) < 4 or item[0] in "RC":
+            if skip or len(item) < 4 or item[0] in "RC":
+                skip = not skip and item[:1] in ("R", "C")   # a rename's source follows
                 continue
             rel = item[3:][len(prefix):] if prefix and item[3:].startswith(prefix) else item[3:]
             untracked = item.startswith("??")
@@ -9104,14 +9119,12 @@ def _rollup_locked(root, a):
         if not os.path.exists(os.path.join(root, "archive", ".docshelf.json")):
             journal.write("archive/.docshelf.json", _archive_config_text(root))
             paths.append("archive/.docshelf.json")
-        # copies first, originals last: an interruption leaves a duplicate, never a loss
+        # atomic renames: an interruption leaves each episode either live or archived, never
+        # both and never lost; rebuild then re-renders and doctor explains the rest
         for i, move in enumerate(moves):
             progress.update(i, "archiving episodes")
-            with open(_shelf_join(root, *move["from"].split("/")), "rb") as f:
-                journal.write(move["to"], f.read())
+            journal.move(move["from"], move["to"])
         journal.write(address, text)
-        for move in moves:
-            journal.remove(move["from"])
         paths += [m["from"] for m in moves] + [m["to"] for m in moves] + [address]
         if mode == "auto":
             rendered = _render_derived(root)
@@ -14873,6 +14886,9 @@ def render_text(verb_name, result):
 
 def _text_summary(result):
     lines = [result.get("summary") or result.get("status", "ok")]
+    sync = result.get("sync")
+    if isinstance(sync, dict) and sync.get("summary"):
+        lines.append(sync["summary"])
     for w in result.get("digest_warnings") or []:
         lines.append(f"[warning] {w.get('code')}: {w.get('message')}" if isinstance(w, dict)
                      else f"warning: {w}")

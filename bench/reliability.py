@@ -527,8 +527,10 @@ def main(argv=None):
         else:
             shutil.rmtree(work, ignore_errors=True)
     print()
+    git_version = subprocess.run(["git", "--version"], capture_output=True,
+                                 text=True).stdout.strip()
     print(f"memshelf {memshelf.__version__} ({memshelf.code_hash()}), Python "
-          f"{sys.version.split()[0]}, {subprocess.run(['git', '--version'], capture_output=True, text=True).stdout.strip()}")
+          f"{sys.version.split()[0]}, {git_version}")
     print(table(rows))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:

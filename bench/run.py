@@ -108,12 +108,15 @@ if spec["mode"] == "run":
     t0 = time.perf_counter()
     p = subprocess.Popen(spec["argv"], stdin=stdin, stdout=out, stderr=err,
                          cwd=spec.get("cwd"), env=spec["env"])
-    try:
-        rc = p.wait(timeout=spec["timeout"])
-    except subprocess.TimeoutExpired:
-        p.kill(); p.wait(); rc = "timeout"
+    # a blocking wait: Popen.wait(timeout=...) polls with sleeps of up to 50 ms, which would
+    # round every timing up to that grid; a timer thread enforces the timeout instead
+    fired = []
+    timer = threading.Timer(spec["timeout"], lambda: (fired.append(1), p.kill()))
+    timer.start()
+    rc = p.wait()
     res["wall"] = time.perf_counter() - t0
-    res["rc"] = rc
+    timer.cancel()
+    res["rc"] = "timeout" if fired else rc
 else:  # mcp: spawn -> initialize answer; then the idle RSS of the server
     err = open(spec["stderr"], "wb")
     t0 = time.perf_counter()

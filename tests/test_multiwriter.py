@@ -1,7 +1,7 @@
 """Many writers at once: processes sharing one clone through the shelf lock, and two or three
 clones shelving and pushing to one bare remote at the same moment (git-and-sync.md §§ 3, 7;
 quality-bars.md § 6). Nothing may be lost; derived files must equal a fresh render."""
-import os
+import json
 import shutil
 import subprocess
 import sys
@@ -103,7 +103,6 @@ def make_remote(tmp_path, clones):
 
 def test_two_clones_shelving_at_once_and_pushing(tmp_path):
     bare, (a, b) = make_remote(tmp_path, 2)
-    import json
     slugs = []
     for rnd in range(2):
         pair = [f"2026-07-{10 + rnd:02d}-from-{n}" for n in ("a", "b")]
@@ -123,7 +122,6 @@ def test_two_clones_shelving_at_once_and_pushing(tmp_path):
 
 def test_three_clones_converge_with_the_catch_up_hint(tmp_path):
     bare, roots = make_remote(tmp_path, 3)
-    import json
     slugs = [f"2026-07-20-from-{i}" for i in range(3)]
     procs = [spawn(*shelve_args(root, slug=slug, extra=["--push", "--json"]))
              for root, slug in zip(roots, slugs)]

@@ -96,10 +96,6 @@ def codes(report, level=None):
     return sorted(f["code"] for f in report["findings"] if level in (None, f["level"]))
 
 
-def listed(root, rel):
-    return git(root, "ls-tree", "-r", "--name-only", "HEAD").split().count(rel) == 1
-
-
 # --- preflight, push, the sync report ------------------------------------------------------
 
 def test_first_push_creates_the_branch_and_reports(tmp_path):
