@@ -85,19 +85,21 @@ def tokens(text):
 
 
 class _LazyPattern:
-    """A regex compiled on first use: module import stays fast for one-shot CLI calls."""
+    """A regex compiled on first use: module import stays fast for one-shot CLI calls.
 
-    __slots__ = ("pattern", "flags", "_compiled")
+    Each method looked up is kept on the instance, so hot loops pay a plain attribute lookup."""
 
     def __init__(self, pattern, flags=0):
         self.pattern = pattern
         self.flags = flags
-        self._compiled = None
+        self.compiled = None
 
     def __getattr__(self, name):
-        if self._compiled is None:
-            self._compiled = re.compile(self.pattern, self.flags)
-        return getattr(self._compiled, name)
+        if self.compiled is None:
+            self.compiled = re.compile(self.pattern, self.flags)
+        value = getattr(self.compiled, name)
+        setattr(self, name, value)
+        return value
 
 
 def _re_lazy(pattern, flags=0):
@@ -2940,23 +2942,6 @@ def merge_redaction_reports(reports):
 # Episodes replay captured text into future contexts, so instruction-shaped text is flagged,
 # never rewritten (contracts.md § 4). Two passes: the raw text, then a normalised copy that
 # undoes common obfuscation; a hit seen only in the second pass is reported as obfuscated.
-
-class _LazyPattern:
-    """A regex compiled on its first use, so that importing memshelf stays fast.
-
-    Each method looked up is kept on the instance, so later calls cost a plain attribute
-    lookup."""
-
-    def __init__(self, source, flags=0):
-        self.source, self.flags, self.compiled = source, flags, None
-
-    def __getattr__(self, name):
-        if self.compiled is None:
-            self.compiled = re.compile(self.source, self.flags)
-        value = getattr(self.compiled, name)
-        setattr(self, name, value)
-        return value
-
 
 _HIDDEN_CHAR_CLASS = "\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069\U000e0000-\U000e007f"
 _HIDDEN_CHAR_RE = _LazyPattern("[" + _HIDDEN_CHAR_CLASS + "]")
@@ -8031,7 +8016,7 @@ def _is_derived_path(path):
     return bool(_DERIVED_PATH.fullmatch(path))
 
 
-_DERIVED_PATH = re.compile(r"(ledger\.tsv|INDEX\.md|stats\.svg|docs/[^/]+/\.meta\.json|"
+_DERIVED_PATH = _re_lazy(r"(ledger\.tsv|INDEX\.md|stats\.svg|docs/[^/]+/\.meta\.json|"
                            r"archive/INDEX\.md|archive/docs/[^/]+/\.meta\.json|"
                            r"docs/[^/]+/[^/]+/SUBINDEX\.md)")
 # what a renderer commit touches (the render bot's `git add` list)
@@ -8673,7 +8658,7 @@ def scan_verb(paths=None, secrets=False, instructions=False, staged=False, shelf
             "scanned": len(items), "text": "\n".join(lines)}
 
 
-_CONFLICT_START = re.compile(r"^<{7}(?: |$)", re.M)
+_CONFLICT_START = _re_lazy(r"^<{7}(?: |$)", re.M)
 
 
 def _recall_log_rows(text):
@@ -8798,8 +8783,8 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("merge-driver", merge_driver_verb, [
 
 _ROLLUP_MAX_KEYWORDS = 8
 _ROLLUP_RESERVED_SECTION = "Archived"
-_KEYWORD_WORD = re.compile(r"[^\W\d_]+")
-_KEYWORD_MASK = re.compile(r"«redacted:[^»]*»")
+_KEYWORD_WORD = _re_lazy(r"[^\W\d_]+")
+_KEYWORD_MASK = _re_lazy(r"«redacted:[^»]*»")
 # function words never name a topic; first-person forms stay out so the keyword sentence can
 # never trip the digest contract's referent rule
 _KEYWORD_STOP = frozenset("""
@@ -9294,24 +9279,24 @@ _IMPORT_SNIPPET_CHARS = 140
 _CUT_GAP_SECONDS = 3600
 _CUT_MIN_MESSAGES = 2
 _SILENT_BLOCKS = ("thinking", "redacted_thinking", "image", "document")
-_TOPIC_CHANGE = re.compile(
+_TOPIC_CHANGE = _re_lazy(
     r"^\W*(?:(?:ok(?:ay)?|thanks|thank you|great|cool|good)\b[\s,.!-]*)?"
     r"(?:new topic|next topic|different topic|another topic|change of topic|switching gears|"
     r"switching to|moving on|let'?s move on|let us move on|now let'?s|next question|"
     r"another question|unrelated|separate question|on another note|"
     r"новая тема|другая тема|другой вопрос|следующий вопрос|переходим к|теперь давай)\b",
     re.IGNORECASE)
-_HEADING_LIKE = re.compile(r"^(?:#{1,6}\s+\S|(?:topic|task|subject|тема|задача)\s*:)",
+_HEADING_LIKE = _re_lazy(r"^(?:#{1,6}\s+\S|(?:topic|task|subject|тема|задача)\s*:)",
                            re.IGNORECASE)
 _MD_ROLES = {"user": "user", "human": "user", "you": "user", "me": "user",
              "assistant": "assistant", "claude": "assistant", "chatgpt": "assistant",
              "gpt": "assistant", "ai": "assistant", "model": "assistant", "bot": "assistant"}
-_MD_SPEAKER = re.compile(
+_MD_SPEAKER = _re_lazy(
     r"^(?:#{1,6}[ \t]+(?:\[\d+\][ \t]+)?(?P<h>[A-Za-z]+)[ \t]*:?[ \t]*$"
     r"|(?:>[ \t]*)?\*\*(?P<b>[A-Za-z]+)[ \t]*:\*\*[ \t]?(?P<brest>.*)$"
     r"|(?:>[ \t]*)?\*\*(?P<b2>[A-Za-z]+)\*\*[ \t]*:[ \t]?(?P<b2rest>.*)$"
     r"|(?P<p>[A-Za-z]+):[ \t]?(?P<prest>.*)$)")
-_ISO_STAMP = re.compile(r"(\d{4})-(\d{2})-(\d{2})[T ](\d{2}):(\d{2}):(\d{2})")
+_ISO_STAMP = _re_lazy(r"(\d{4})-(\d{2})-(\d{2})[T ](\d{2}):(\d{2}):(\d{2})")
 
 
 def _not_a_transcript(path, why, fix=None):
@@ -10307,21 +10292,19 @@ _DOCTOR_CACHE_SCHEMA = "1"   # bump when a per-file check changes, so cached ver
 _INDEX_BASE_TOKENS = 200
 _INDEX_ALLOWANCE = {"compact": {"key": 10, "title": 20, "description": 30, "markup": 4},
                     "docshelf": {"title": 20, "link": 27, "description": 30, "markup": 3}}
-_HOOK_INDEX_CHARS = 9500
 _MANIFEST_KEYS = ("spec_version", "mode", "name", "profile", "docs_root", "categories", "index",
                   "ledger", "policy", "extra_dirs", "agents", "provenance")
 _MANIFEST_BLOCKS = {"index": ("path", "generated_by"), "ledger": ("path",),
                     "policy": ("path", "patterns"), "agents": ("path",),
                     "provenance": ("dir", "required")}
-_MANIFEST_LINE = re.compile(r"^( *)(?:- +|([^\s:#][^:]*):[ \t]+)(.*)$")
+_MANIFEST_LINE = _re_lazy(r"^( *)(?:- +|([^\s:#][^:]*):[ \t]+)(.*)$")
 _MEMSHELF_JSON_KEYS = ("derived", "autopush", "redaction", "export_exclude_tags",
                        "context_window", "derived_stale_hours", "hook_index_chars")
 _LEDGER_COLUMNS = ["date", "episode_id", "mode", "approx_tokens_in", "digest_tokens", "notes"]
-_EPISODE_REL = re.compile(r"(?:archive/)?docs/(?:topics|research|sessions)/[^/]+\.md\Z")
+_EPISODE_REL = _re_lazy(r"(?:archive/)?docs/(?:topics|research|sessions)/[^/]+\.md\Z")
 _REQUIRED_FIELDS = ("id", "kind", "span", "tags", "approx_tokens")
-_QUOTED_APPROX = re.compile(r"^approx_tokens:[ \t]*[\"']", re.M)
-_CJK_RUN = re.compile("(?:" + _CJK.pattern + ")+")
-_WORD_RUN = re.compile(r"\w{4,}")
+_QUOTED_APPROX = _re_lazy(r"^approx_tokens:[ \t]*[\"']", re.M)
+_WORD_RUN = _re_lazy(r"\w{4,}")
 # Grounding ignores these: common English and Russian words of 4+ letters that carry no topic.
 _STOP_WORDS = frozenset("""
 about above after again against also among another anything around because been before being
@@ -10634,8 +10617,8 @@ def _content_hash(data):
 
 # --- INDEX parsing (doctor's budget and stats' entry count) --------------------------------
 
-_DOCSHELF_PLAIN_ENTRY = re.compile(r"^- \*\*(.+?)\*\*(?: — (.*?))? — `([^`]+)`$")
-_DOCSHELF_LINK_ENTRY = re.compile(r"^- \[\*\*(.+?)\*\*\]\(([^)]*)\)(?: — (.*))?$")
+_DOCSHELF_PLAIN_ENTRY = _re_lazy(r"^- \*\*(.+?)\*\*(?: — (.*?))? — `([^`]+)`$")
+_DOCSHELF_LINK_ENTRY = _re_lazy(r"^- \[\*\*(.+?)\*\*\]\(([^)]*)\)(?: — (.*))?$")
 
 
 def _index_entries(text, fmt):
@@ -11941,8 +11924,6 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     return result
 
 
-def advise(**kwargs):
-    raise ShelfError("internal", "advise is not implemented yet", "")
 # <<< part: accounting
 
 # >>> part: advisor
