@@ -1707,7 +1707,7 @@ class _Shapes:
     """Every compiled pattern, built once on first use so importing stays cheap."""
 
     def __init__(self):
-        c = re.compile
+        c = _re_lazy   # each pattern compiles on its first use; most texts touch few
         self.tokens = [(kind, anchors, offsets, c(src)) for kind, anchors, offsets, src
                        in _TOKEN_TABLE]
         self.discord_gate = c(r"\.[A-Za-z0-9_-]{6}\.")
@@ -4793,6 +4793,7 @@ class _Catalog:
         return found
 
     def records(self, archive=True, progress=None):
+        self.dirs_before = _category_dirs_fingerprint(self.root)
         files = self.scan(archive)
         cached = {}
         if self.db is not None:
@@ -4833,6 +4834,8 @@ class _Catalog:
                                             [(p,) for p in gone])
             except Exception:
                 pass
+        if archive:
+            _remember_supersedes(self.root, out, self.dirs_before)
         return out
 
     def close(self):
@@ -5269,6 +5272,8 @@ def _shelve_locked(root, a):
         raise ShelfError("episode-archived", f"{slug} was folded into a rollup ({existing_rel})",
                          "shelve a new episode instead; archived episodes are read-only")
     old = _read_episode(root, existing_rel) if existing_rel else None
+    window = _context_window(root)
+    base_aggregate = _current_aggregate(root, window)   # totals without a rescan when current
     # 5. redact every free-text part
     rules, problems = _shelf_policy(root)
     for p in problems:
@@ -5367,8 +5372,10 @@ def _shelve_locked(root, a):
         if moved_from:
             journal.remove(moved_from)
         written = []
+        rendered_records = None
         if mode == "auto":
             rendered = _render_derived(root)
+            rendered_records = rendered["records"]
             for rel, content in rendered["files"].items():
                 if journal.write_if_changed(rel, content):
                     written.append(rel)
@@ -5391,8 +5398,18 @@ def _shelve_locked(root, a):
     # 13. push / publish (git-and-sync.md § 7)
     if git.is_repo() and result["committed"]:
         result["sync"] = _after_commit_sync(root, git, result, sync_report, a)
-    totals = _shelf_totals(root)
-    result["ledger_row"] = _ledger_row(_read_episode(root, address))
+    new_rec = _read_episode(root, address)
+    if rendered_records is not None:
+        agg = _episode_aggregate(rendered_records, window)
+        _remember_aggregate(root, agg, _category_dirs_fingerprint(root))
+        totals = _shelf_totals(root, window=window, aggregate=agg)
+    elif base_aggregate is not None:
+        agg = _aggregate_step(_aggregate_step(base_aggregate, old, -1), new_rec, 1)
+        _remember_aggregate(root, agg, _category_dirs_fingerprint(root))
+        totals = _shelf_totals(root, window=window, aggregate=agg)
+    else:
+        totals = _shelf_totals(root, window=window)
+    result["ledger_row"] = _ledger_row(new_rec)
     result["shelf_totals"] = totals
     result["next"] = "the topic can be replaced in context by its digest and address"
     result["summary"] = (f"+{approx:,} tok shelved · " if approx else "shelved (unmeasured) · ") + \
@@ -5501,28 +5518,66 @@ def _ledger_row(rec):
                       str(rec["digest_tokens"]), rec.get("notes") or ""])
 
 
-def _shelf_totals(root, records=None, window=None):
-    if records is None:
-        cat = _Catalog(root)
-        try:
-            records = cat.records()
-        finally:
-            cat.close()
+def _episode_aggregate(records, window):
+    """The per-episode sums behind shelf totals (what INDEX adds is read separately)."""
+    eps = [r for r in records if r.get("id")]
+    measured = [r for r in eps if r.get("approx_src") != "unmeasured"]
+    return {"episodes": len(eps), "digest_tokens": sum(r["digest_tokens"] for r in eps),
+            "mass": sum(min(max(r["approx_tokens"] or 0, 0), window) for r in measured),
+            "unmeasured": len(eps) - len(measured),
+            "unmeasured_digest": sum(r["digest_tokens"] for r in eps
+                                     if r.get("approx_src") == "unmeasured"),
+            "window": window}
+
+
+def _aggregate_step(agg, rec, sign):
+    """Add (sign 1) or remove (sign -1) one episode's share of the aggregate."""
+    if not rec or not rec.get("id"):
+        return agg
+    one = _episode_aggregate([rec], agg["window"])
+    return dict(agg, **{k: agg[k] + sign * one[k] for k in
+                        ("episodes", "digest_tokens", "mass", "unmeasured", "unmeasured_digest")})
+
+
+def _current_aggregate(root, window):
+    """The aggregate remembered in state.json while no episode folder changed since, else None."""
+    stored = _state(root).get("aggregate")
+    if isinstance(stored, dict) and stored.get("window") == window and \
+            stored.get("dirs") == _category_dirs_fingerprint(root):
+        return {k: v for k, v in stored.items() if k != "dirs"}
+    return None
+
+
+def _remember_aggregate(root, agg, dirs):
+    if dirs == _category_dirs_fingerprint(root):
+        _save_state(root, aggregate=dict(agg, dirs=dirs))
+
+
+def _shelf_totals(root, records=None, window=None, aggregate=None):
     window = window or _context_window(root)
+    if aggregate is None and records is None:
+        aggregate = _current_aggregate(root, window)
+        if aggregate is None:
+            dirs = _category_dirs_fingerprint(root)
+            cat = _Catalog(root)
+            try:
+                records = cat.records()
+            finally:
+                cat.close()
+            aggregate = _episode_aggregate(records, window)
+            _remember_aggregate(root, aggregate, dirs)
+    elif aggregate is None:
+        aggregate = _episode_aggregate(records, window)
     try:
         index_tokens = tokens(_read_text(os.path.join(root, "INDEX.md")))
     except (OSError, ShelfError):
         index_tokens = 0
-    eps = [r for r in records if r.get("id")]
-    digest_tokens = sum(r["digest_tokens"] for r in eps)
-    measured = [r for r in eps if r.get("approx_src") != "unmeasured"]
-    mass = sum(min(max(r["approx_tokens"] or 0, 0), window) for r in measured)
-    unmeasured_digest = sum(r["digest_tokens"] for r in eps if r.get("approx_src") == "unmeasured")
-    standing = index_tokens + digest_tokens
-    divisor = standing - unmeasured_digest
-    return {"episodes": len(eps), "standing_cost": standing, "shelved_mass": mass,
-            "compression_ratio": round(mass / divisor, 1) if divisor > 0 else 0.0,
-            "unmeasured": len(eps) - len(measured)}
+    standing = index_tokens + aggregate["digest_tokens"]
+    divisor = standing - aggregate["unmeasured_digest"]
+    return {"episodes": aggregate["episodes"], "standing_cost": standing,
+            "shelved_mass": aggregate["mass"],
+            "compression_ratio": round(aggregate["mass"] / divisor, 1) if divisor > 0 else 0.0,
+            "unmeasured": aggregate["unmeasured"]}
 
 
 def _banner_core(t):
@@ -5581,7 +5636,33 @@ def _page(text, offset, max_bytes):
     return data[start:end].decode("utf-8"), start, end, size
 
 
+def _category_dirs_fingerprint(root):
+    """Modification times of the six episode folders: any add, delete or rename changes one."""
+    out = []
+    for base in ("docs", "archive/docs"):
+        for cat in CATEGORIES:
+            try:
+                out.append(os.stat(os.path.join(root, base, cat)).st_mtime_ns)
+            except OSError:
+                out.append(None)
+    return out
+
+
+def _remember_supersedes(root, records, dirs_before):
+    """Keep the supersedes links of the last full scan, so recall needs no scan of its own."""
+    links = _superseded_map(records)
+    if dirs_before != _category_dirs_fingerprint(root):
+        return   # something changed during the scan; the next one records it
+    state = _state(root)
+    if state.get("supersedes") != links or state.get("supersedes_dirs") != dirs_before:
+        _save_state(root, supersedes=links, supersedes_dirs=dirs_before)
+
+
 def _superseded_by(root, stem):
+    state = _state(root)
+    if state.get("supersedes_dirs") == _category_dirs_fingerprint(root) and \
+            isinstance(state.get("supersedes"), dict):
+        return list(state["supersedes"].get(stem, []))
     cat = _Catalog(root)
     try:
         recs = cat.records()
