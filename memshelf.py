@@ -4839,12 +4839,17 @@ class _Catalog:
         return out
 
     def close(self):
-        if self.db is not None:
-            try:
-                self.db.close()
-            except Exception:
-                pass
-            self.db = None
+        self.db = _close_db(self.db)
+
+
+def _close_db(db):
+    """Close a cache connection quietly; returns None to clear the holder's attribute."""
+    if db is not None:
+        try:
+            db.close()
+        except Exception:
+            pass
+    return None
 
 
 def _cache_db(root):
@@ -10683,12 +10688,7 @@ class _DoctorFileCache:
             pass
 
     def close(self):
-        if self.db is not None:
-            try:
-                self.db.close()
-            except Exception:
-                pass
-            self.db = None
+        self.db = _close_db(self.db)
 
 
 def _content_hash(data):
