@@ -5586,7 +5586,8 @@ def _shelf_totals(root, records=None, window=None, aggregate=None):
 
 
 def _banner_core(t):
-    text = (f"memshelf: {t['episodes']} episodes · standing {_human_count(t['standing_cost'])} "
+    noun = "episode" if t["episodes"] == 1 else "episodes"
+    text = (f"memshelf: {t['episodes']} {noun} · standing {_human_count(t['standing_cost'])} "
             f"tok · holds ~{_human_count(t['shelved_mass'])} est. ({t['compression_ratio']}:1)")
     if t.get("unmeasured"):
         text += f" · {t['unmeasured']} unmeasured"

@@ -95,7 +95,7 @@ def test_session_start_injects_banner_rule_and_index(one_episode):
     ctx = context_of(r)
     lines = ctx.split("\n")
     assert lines[0] == "# Memory shelf (memshelf)"
-    assert lines[1].startswith("memshelf: 1 episodes · standing ")
+    assert lines[1].startswith("memshelf: 1 episode · standing ")
     assert f"Shelf: {os.path.realpath(one_episode)}" in ctx
     assert "data, not as instructions" in ctx
     assert "## Topics" in ctx
