@@ -4760,28 +4760,12 @@ class _Catalog:
             self.db = _cache_db(root)
 
     def scan(self, archive=True):
-        """(relative path, archived, stat) of every episode file, skipping symlinks and temps."""
-        found = []
-        bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
-        for base, archived in bases:
-            for cat in CATEGORIES:
-                d = os.path.join(self.root, base, cat)
-                try:
-                    entries = list(os.scandir(d))
-                except OSError:
-                    continue
-                for e in entries:
-                    name = e.name
-                    if not name.endswith(".md") or name.startswith(".") or \
-                            e.is_symlink() or not e.is_file():
-                        continue
-                    found.append((f"{base}/{cat}/{name}", archived, e.stat()))
-        found.sort(key=lambda t: t[0])
-        return found
+        return _scan_episode_files(self.root, archive)
 
-    def records(self, archive=True, progress=None):
+    def records(self, archive=True, progress=None, files=None):
+        """Every episode's record; `files` is a scan made just before (saves a second one)."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
-        files = self.scan(archive)
+        files = self.scan(archive) if files is None else files
         cached = {}
         if self.db is not None:
             try:
@@ -4827,6 +4811,32 @@ class _Catalog:
 
     def close(self):
         self.db = _close_db(self.db)
+
+
+def _scan_episode_files(root, archive=True, subdirs=None):
+    """(relative path, archived, stat) of every episode file, skipping symlinks and temps.
+
+    With a `subdirs` list, the folders met inside category folders (legacy split sections) are
+    appended to it as (relative path, mtime_ns)."""
+    found = []
+    bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
+    for base, archived in bases:
+        for cat in CATEGORIES:
+            d = os.path.join(root, base, cat)
+            try:
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+            for e in entries:
+                name = e.name
+                if not name.endswith(".md") or name.startswith(".") or \
+                        e.is_symlink() or not e.is_file():
+                    if subdirs is not None and not e.is_symlink() and e.is_dir():
+                        subdirs.append((f"{base}/{cat}/{name}", e.stat().st_mtime_ns))
+                    continue
+                found.append((f"{base}/{cat}/{name}", archived, e.stat()))
+    found.sort(key=lambda t: t[0])
+    return found
 
 
 def _close_db(db):
@@ -5092,7 +5102,7 @@ def init(shelf_path=None, name="Memory shelf", storage="git-local", remote=None,
         if storage != "plain":
             git_info = _git_init_shelf(root, storage, remote, hooks, created, updated)
         rendered = _render_derived(root)
-        written, _, deleted = _write_derived(root, rendered["files"])
+        written, _, deleted = _write_derived(root, rendered["files"], rendered)
         created += [w for w in written if w not in created]
         committed, commit = False, None
         if storage != "plain":
@@ -5387,6 +5397,8 @@ def _shelve_locked(root, a):
         journal.restore()
         raise
     _after_write(root)
+    if mode == "auto":
+        _remember_render(root, rendered)
     # 13. push / publish (git-and-sync.md § 7)
     if git.is_repo() and result["committed"]:
         result["sync"] = _after_commit_sync(root, git, result, sync_report, a)
@@ -6011,14 +6023,24 @@ def _superseded_map(records):
 
 
 def _render_derived(root, records=None, fmt=None, progress=None):
-    """Every derived file of the shelf as {relative path: text or None (delete)}."""
+    """Every derived file of the shelf as {relative path: text or None (delete)}.
+
+    Without `records`, the whole shelf is read; when nothing a render reads has changed since
+    the last render known to be on disk, the files on disk are the answer (records: None)."""
+    fmt = fmt or _index_format(root)
+    key = None
     if records is None:
+        subdirs = []
+        scanned = _scan_episode_files(root, subdirs=subdirs)
+        key = _render_key(root, fmt, scanned, subdirs)
+        memo = _render_memo_hit(root, key)
+        if memo is not None:
+            return memo
         cat = _Catalog(root)
         try:
-            records = cat.records(progress=progress)
+            records = cat.records(progress=progress, files=scanned)
         finally:
             cat.close()
-    fmt = fmt or _index_format(root)
     cfg = _docshelf_config(root)
     live = [r for r in records if not r["archived"]]
     archived = [r for r in records if r["archived"]]
@@ -6053,10 +6075,78 @@ def _render_derived(root, records=None, fmt=None, progress=None):
         else:
             files[prefix + "INDEX.md"] = _render_compact(c["name"], c["preamble"], recs,
                                                          superseded)
-    return {"files": files, "warnings": warnings, "records": records}
+    return {"files": files, "warnings": warnings, "records": records, "key": key,
+            "episodes": len([r for r in records if r.get("id")])}
 
 
-def _write_derived(root, files):
+def _render_key(root, fmt, scanned, subdirs):
+    """A digest of all a full render reads: code, format, settings, folders, episode stats."""
+    import hashlib
+    parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
+    for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
+        try:
+            st = os.stat(os.path.join(root, rel))
+            parts.append(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}")
+        except OSError:
+            parts.append(f"{rel}\0-")
+    parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
+    for base in ("docs", "archive/docs"):
+        for cat in CATEGORIES:
+            parts.append(f"{base}/{cat}\0{os.path.isdir(os.path.join(root, base, cat))}")
+    parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
+    parts += [f"{rel}\0{st.st_size}\0{st.st_mtime_ns}" for rel, _, st in scanned]
+    return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _render_memo_hit(root, key):
+    """The last render, read back from disk, when its key matches and no file was touched."""
+    memo = _state(root).get("render_memo")
+    if not isinstance(memo, dict) or memo.get("key") != key or \
+            not isinstance(memo.get("files"), dict):
+        return None
+    files = {}
+    for rel, stamp in memo["files"].items():
+        path = os.path.join(root, rel)
+        try:
+            if stamp is None:
+                if os.path.lexists(path):
+                    return None
+                files[rel] = None
+                continue
+            st = os.stat(path)
+            if [st.st_size, st.st_mtime_ns] != stamp:
+                return None
+            files[rel] = _read_text(path)
+        except (OSError, ShelfError):
+            return None
+    return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
+            "key": key, "episodes": memo.get("episodes") or 0}
+
+
+def _remember_render(root, rendered, files=None):
+    """After the derived files on disk equal a full render: remember it (stat per file)."""
+    if not rendered.get("key"):
+        return
+    stamps = {}
+    for rel, content in (rendered["files"] if files is None else files).items():
+        path = os.path.join(root, rel)
+        if content is None:
+            if os.path.lexists(path):
+                return
+            stamps[rel] = None
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        stamps[rel] = [st.st_size, st.st_mtime_ns]
+    _save_state(root, render_memo={"key": rendered["key"], "files": stamps,
+                                   "episodes": rendered["episodes"],
+                                   "warnings": rendered["warnings"]})
+
+
+def _write_derived(root, files, rendered=None):
+    """Write what differs; with the full render it came from, remember that render."""
     written, unchanged, deleted = [], [], []
     for rel, content in sorted(files.items()):
         path = _shelf_join(root, *rel.split("/"))
@@ -6076,6 +6166,8 @@ def _write_derived(root, files):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _atomic_write(path, data)
         written.append(rel)
+    if rendered is not None:
+        _remember_render(root, rendered, files)
     return written, unchanged, deleted
 
 
@@ -6132,7 +6224,7 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
                 files[rel] = None
     if "stats.svg" not in files and os.path.exists(os.path.join(root, "stats.svg")):
         files["stats.svg"] = None
-    episodes = len([r for r in rendered["records"] if r.get("id")])
+    episodes = rendered["episodes"]
     result = {"status": "ok", "ok": True, "episodes": episodes, "written": [], "unchanged": [],
               "drifted": [], "deleted": [], "warnings": rendered["warnings"],
               "committed": False, "commit": None}
@@ -6147,6 +6239,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
             except OSError:
                 same = content is None
             (result["unchanged"] if same else result["drifted"]).append(rel)
+        if not result["drifted"]:
+            _remember_render(root, rendered, files)
         if result["drifted"]:
             result.update(status="drift", ok=False)
             _note("derived files diverge from the episodes: " + ", ".join(result["drifted"]))
@@ -6155,7 +6249,7 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
                              " — run memshelf rebuild")
         progress.done()
         return result
-    written, unchanged, deleted = _write_derived(root, files)
+    written, unchanged, deleted = _write_derived(root, files, rendered)
     for temp in _leftover_temps(root):
         try:
             os.unlink(os.path.join(root, temp))
@@ -6318,26 +6412,30 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
             on_disk = "stale"
             listed = {m.group(1) or m.group(2) for m in
                       (_ENTRY_LINE.match(l) for l in on_disk_text.split("\n")) if m}
-            lag = len([r for r in rendered["records"] if r["archived"] == archive and
+            lag = len([r for r in rendered["records"] or [] if r["archived"] == archive and
                        r["stem"] not in listed and fmt == "compact"])
         text = fresh
         source = "file" if on_disk == "current" else "rendered"
         if on_disk == "current" and not archive and fmt != "manual":
             _after_write(root)
-    lines = text.split("\n")
-    entry_idx = [i for i, l in enumerate(lines) if l.startswith("- ")]
-    total = len(entry_idx)
+    total = shown = _entry_count(text)
     if category or since:
-        text = _filter_index(lines, category, since)
+        text = _filter_index(text.split("\n"), category, since)
+        shown = _entry_count(text)
+    truncated, next_offset = False, None
+    if offset or (max_chars and len(text) > max_chars):
         lines = text.split("\n")
         entry_idx = [i for i, l in enumerate(lines) if l.startswith("- ")]
-    shown, truncated, next_offset = len(entry_idx), False, None
-    if offset or (max_chars and len(text) > max_chars):
         text, shown, truncated, next_offset = _cap_index(lines, entry_idx, max_chars, offset)
     return {"status": "ok", "index": text, "format": fmt if fmt != "manual" else "manual",
             "source": source, "on_disk": on_disk, "lag_episodes": lag,
             "entries_total": total, "entries_shown": shown, "truncated": truncated,
             "next_offset": next_offset, "tokens": tokens(text)}
+
+
+def _entry_count(text):
+    """Lines that start with "- " (INDEX entries), without splitting a megabyte into lines."""
+    return text.count("\n- ") + text.startswith("- ")
 
 
 def _filter_index(lines, category, since):
@@ -8531,7 +8629,7 @@ def _push_retry(root, git, remote, branch, result, report, first_words, amend):
     report["commits_pulled"] += behind
     if _derived_mode(root) == "auto":
         rendered = _render_derived(root)
-        written, _, deleted = _write_derived(root, rendered["files"])
+        written, _, deleted = _write_derived(root, rendered["files"], rendered)
         if written or deleted:
             git.commit(written + deleted, "rebuild: regenerate derived files", amend=amend,
                        config=(_NO_HOOKS,))
@@ -13664,7 +13762,7 @@ def prune_splits(shelf_path=None, apply=False, tracked=False):
                 removed.append(r["path"])
             if _index_format(root) == "docshelf" and _derived_mode(root) == "auto":
                 rendered = _render_derived(root)
-                written, _, deleted = _write_derived(root, rendered["files"])
+                written, _, deleted = _write_derived(root, rendered["files"], rendered)
                 derived = written + deleted
                 _after_write(root)
             if gone:
@@ -14303,7 +14401,7 @@ def _hook_git_regenerate(shelf_path):
         return {"status": "ok", "text": ""}
     with _ShelfLock(root):
         rendered = _render_derived(root)
-        written, _, deleted = _write_derived(root, rendered["files"])
+        written, _, deleted = _write_derived(root, rendered["files"], rendered)
         if written or deleted:
             git.commit(written + deleted, "rebuild: regenerate derived files after merge")
         _after_write(root)
@@ -15159,7 +15257,18 @@ def _build_parser(only=None):
     """The argparse tree; with `only`, arguments are added for that verb alone (faster start)."""
     import argparse
 
+    class Formatter(argparse.HelpFormatter):
+        # argparse's default width imports shutil on every parser built; the start-up path
+        # builds several, and only --help output needs the width
+        def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
+            super().__init__(prog, indent_increment, max_help_position,
+                             width or _terminal_columns() - 2)
+
     class Parser(argparse.ArgumentParser):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("formatter_class", Formatter)
+            super().__init__(*args, **kwargs)
+
         def error(self, message):
             raise _ArgumentError(message)
 
@@ -15207,6 +15316,20 @@ def _build_parser(only=None):
         p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
         _CLI_EXTRA.get(v.name, lambda p: None)(p)
     return parser
+
+
+def _terminal_columns():
+    """What shutil.get_terminal_size() answers: $COLUMNS, the terminal, else 80."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+        if columns > 0:
+            return columns
+    except ValueError:
+        pass
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
+    except (AttributeError, ValueError, OSError):
+        return 80
 
 
 # Verb-specific CLI extras (legacy flag spellings of memshelf-mcp 0.4.0 and friends).
@@ -15360,9 +15483,15 @@ def _fail(error, verb_name, want_json):
 
 
 def _self_hash():
-    import hashlib
-    with open(os.path.abspath(__file__), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:12]
+    """The first 12 hex digits of this file's SHA-256 (read once per process)."""
+    if not _SELF_HASH:
+        import hashlib
+        with open(os.path.abspath(__file__), "rb") as f:
+            _SELF_HASH.append(hashlib.sha256(f.read()).hexdigest()[:12])
+    return _SELF_HASH[0]
+
+
+_SELF_HASH = []
 
 
 # --- demo: the README's first command ------------------------------------------------------

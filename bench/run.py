@@ -348,11 +348,28 @@ class Impl:
         return args
 
 
+def bench_venv():
+    """A venv of the bench interpreter, without pip: ours runs the way pip installs it.
+
+    memshelf-mcp 0.4.0 runs from its own venv, whose site skips the base interpreter's
+    site-packages and their .pth files; a machine with heavy .pth files (certifi hooks and the
+    like) would otherwise charge their start-up cost to memshelf alone."""
+    venv = os.path.join(CACHE, "venv")
+    py = os.path.join(venv, "bin", "python3")
+    cfg = os.path.join(venv, "pyvenv.cfg")
+    want = f"executable = {PYTHON}"
+    if not (os.path.exists(py) and os.path.exists(cfg) and want in open(cfg).read()):
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([PYTHON, "-m", "venv", "--without-pip", venv], check=True)
+    return py  # not realpath'd: the symlink is what makes it a venv interpreter
+
+
 def our_impl(code_dir):
+    python = bench_venv()
     launcher = os.path.join(CACHE, "bin", "memshelf")
     os.makedirs(os.path.dirname(launcher), exist_ok=True)
     # what pip's console-script launcher does; the module is imported, so its bytecode is cached
-    text = (f"#!{PYTHON}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
+    text = (f"#!{python}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
             f"sys.path.insert(0, {code_dir!r})\nfrom memshelf import main\n"
             "if __name__ == '__main__':\n"
             "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
@@ -362,9 +379,9 @@ def our_impl(code_dir):
             f.write(text)
         os.chmod(launcher, 0o755)
     server = os.path.join(code_dir, "server.py")
-    return Impl("ours", "memshelf", [PYTHON, launcher],
-                script=[PYTHON, os.path.join(code_dir, "memshelf.py")],
-                server=[PYTHON, server] if os.path.exists(server) else None)
+    return Impl("ours", "memshelf", [python, launcher],
+                script=[python, os.path.join(code_dir, "memshelf.py")],
+                server=[python, server] if os.path.exists(server) else None)
 
 
 def ref_impl(ref_cmd, ref_server_cmd=None):
@@ -1512,7 +1529,7 @@ def main(argv=None, force_ref=False):
                "config": {"sizes": args.size_list, "repeat": args.repeat, "smoke": args.smoke,
                           "cases": args.cases, "ref_cmd": args.ref_cmd if len(impls) > 1 else None,
                           "retrieval_queries_per_label": args.retrieval_queries,
-                          "interpreter": PYTHON,
+                          "interpreter": PYTHON, "venv": impls[0].console[0],
                           "ref_interpreter": impls[1].interpreter if len(impls) > 1 else None},
                "versions": {}, "sizes": {}}
     bench = Bench(args, impls, runner)

@@ -1,0 +1,135 @@
+"""rebuild on an unchanged shelf reuses the last render; anything a render reads breaks that.
+
+The memo lives in .memshelf/state.json: a key over the code, the INDEX format, the settings
+files, the episode folders and every episode's (size, mtime_ns), plus the (size, mtime_ns) of
+each derived file as written. These tests change one input at a time and check that rebuild
+and `rebuild --check` see the change exactly as a full render would.
+"""
+import json
+import os
+import shutil
+
+import pytest
+
+EPISODES = [
+    ("2026-03-01-cache-layer", "Mira chose a write-through cache for the billing reads. "
+     "Open: eviction metrics."),
+    ("2026-03-02-login-flow", "Ravi moved the login flow to one redirect handler. "
+     "Open: nothing left."),
+    ("2026-03-03-audit-trail", "Chen kept the audit trail append-only in one table. "
+     "Open: retention length."),
+]
+
+
+@pytest.fixture
+def filled(plain_shelf, cli):
+    for slug, digest in EPISODES:
+        r = cli("shelve", "--shelf", plain_shelf, "--slug", slug, "--kind", "topic",
+                "--digest", digest, "--section", "Decisions=- Chosen as the digest says.")
+        assert r.code == 0, r
+    return plain_shelf
+
+
+def rebuild(cli, root, *extra):
+    r = cli("rebuild", "--shelf", root, "--json", *extra)
+    assert r.code in (0, 1), r
+    return r.json()
+
+
+def memo(root):
+    with open(os.path.join(root, ".memshelf", "state.json"), encoding="utf-8") as f:
+        return json.load(f).get("render_memo")
+
+
+def test_unchanged_shelf_is_answered_from_the_memo(filled, cli):
+    first = rebuild(cli, filled)
+    m = memo(filled)
+    assert m and m["episodes"] == 3 and "INDEX.md" in m["files"]
+    before = {rel: (filled / rel).read_bytes() for rel in m["files"] if m["files"][rel]}
+    second = rebuild(cli, filled)
+    assert second["written"] == [] and second["episodes"] == 3
+    assert sorted(second["unchanged"]) == sorted(first["written"] + first["unchanged"])
+    assert {rel: (filled / rel).read_bytes() for rel in before} == before
+    assert rebuild(cli, filled, "--check")["ok"] is True
+
+
+def test_an_episode_edited_in_place_is_seen(filled, cli):
+    rebuild(cli, filled)
+    path = filled / "docs" / "topics" / "2026-03-02-login-flow.md"
+    text = path.read_text()
+    old = 'description: "Ravi moved the login flow to one redirect handler."'
+    assert old in text
+    path.write_text(text.replace(old, 'description: "Login now goes through one handler."'))
+    check = rebuild(cli, filled, "--check")
+    assert check["ok"] is False and "INDEX.md" in check["drifted"]
+    res = rebuild(cli, filled)
+    assert "INDEX.md" in res["written"]
+    assert "Login now goes through one handler." in (filled / "INDEX.md").read_text()
+    assert rebuild(cli, filled)["written"] == []
+
+
+def test_a_tampered_or_deleted_derived_file_is_repaired(filled, cli):
+    rebuild(cli, filled)
+    good_index = (filled / "INDEX.md").read_text()
+    good_ledger = (filled / "ledger.tsv").read_text()
+    (filled / "INDEX.md").write_text(good_index.replace("Mira", "Nobody"))
+    os.unlink(filled / "ledger.tsv")
+    check = rebuild(cli, filled, "--check")
+    assert check["ok"] is False and {"INDEX.md", "ledger.tsv"} <= set(check["drifted"])
+    res = rebuild(cli, filled)
+    assert {"INDEX.md", "ledger.tsv"} <= set(res["written"])
+    assert (filled / "INDEX.md").read_text() == good_index
+    assert (filled / "ledger.tsv").read_text() == good_ledger
+
+
+def test_added_and_removed_episodes_are_seen(filled, cli, tmp_path):
+    rebuild(cli, filled)
+    src = filled / "docs" / "topics" / "2026-03-03-audit-trail.md"
+    moved = tmp_path / "aside.md"
+    shutil.move(str(src), str(moved))
+    res = rebuild(cli, filled)
+    assert res["episodes"] == 2 and "INDEX.md" in res["written"]
+    assert "2026-03-03-audit-trail" not in (filled / "INDEX.md").read_text()
+    shutil.move(str(moved), str(src))
+    res = rebuild(cli, filled)
+    assert res["episodes"] == 3 and "2026-03-03-audit-trail" in (filled / "INDEX.md").read_text()
+
+
+def test_settings_and_format_changes_are_seen(filled, cli):
+    rebuild(cli, filled)
+    cfg_path = filled / ".docshelf.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["name"] = "Renamed shelf"
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    res = rebuild(cli, filled)
+    assert "INDEX.md" in res["written"]
+    assert "Renamed shelf" in (filled / "INDEX.md").read_text()
+    res = rebuild(cli, filled, "--index-format", "docshelf")
+    assert "INDEX.md" in res["written"]
+    assert rebuild(cli, filled, "--check")["ok"] is True
+
+
+def test_a_broken_or_missing_state_file_only_costs_a_full_render(filled, cli):
+    rebuild(cli, filled)
+    good = (filled / "INDEX.md").read_text()
+    state = filled / ".memshelf" / "state.json"
+    state.write_text("{not json")
+    res = rebuild(cli, filled)
+    assert res["ok"] is True and res["written"] == [] and res["episodes"] == 3
+    assert memo(filled)["episodes"] == 3
+    shutil.rmtree(filled / ".memshelf")
+    res = rebuild(cli, filled)
+    assert res["ok"] is True and res["written"] == []
+    assert (filled / "INDEX.md").read_text() == good
+
+
+def test_a_memo_for_other_inputs_is_never_used(filled, cli):
+    rebuild(cli, filled)
+    state_path = filled / ".memshelf" / "state.json"
+    state = json.loads(state_path.read_text())
+    # a memo whose file stamps claim the current files but whose key is someone else's
+    state["render_memo"]["key"] = "0" * 40
+    state_path.write_text(json.dumps(state))
+    (filled / "INDEX.md").write_text("# stale\n")
+    res = rebuild(cli, filled)
+    assert "INDEX.md" in res["written"] and "Mira" in (filled / "INDEX.md").read_text()
