@@ -1226,37 +1226,47 @@ def _section_slug(name):
     return re.sub(r"[^0-9a-z]+", "-", unicodedata.normalize("NFKC", name).lower()).strip("-")
 
 
-def _h2_lines(lines):
-    """Indexes of the lines that are H2 headings, skipping fenced code (CommonMark fences)."""
+# Lines that can open or close a fence or be an H2: the only lines _h2_spans looks at. The
+# leading \n (not ^ with re.M) lets the engine jump from newline to newline.
+_H2_OR_FENCE = _re_lazy(r"\n(?: {0,3}(?:```|~~~)|##)")
+
+
+def _h2_spans(text):
+    """(start, end) offsets of the H2 heading lines, skipping fenced code (CommonMark fences).
+
+    Only candidate lines are visited (a regex finds them), so a long body costs one scan."""
     found = []
     fence = None
-    for i, line in enumerate(lines):
+    for m in _H2_OR_FENCE.finditer("\n" + text):
+        start = m.start()   # the line's offset in text: one past the \n, one less for the prefix
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        line = text[start:end]
         if fence:
-            m = _FENCE_OPEN.match(line)
-            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and \
-                    not m.group(2).strip():
+            f = _FENCE_OPEN.match(line)
+            if f and f.group(1)[0] == fence[0] and len(f.group(1)) >= len(fence) and \
+                    not f.group(2).strip():
                 fence = None
             continue
-        m = _FENCE_OPEN.match(line)
-        if m and not (m.group(1)[0] == "`" and "`" in m.group(2)):
-            fence = m.group(1)
+        f = _FENCE_OPEN.match(line)
+        if f and not (f.group(1)[0] == "`" and "`" in f.group(2)):
+            fence = f.group(1)
             continue
         if line.startswith("## ") or line.rstrip() == "##":
-            found.append(i)
+            found.append((start, end))
     return found
 
 
 def _split_sections(body):
     """Body -> (preamble, [(heading, text)]) with fence-aware H2 detection; texts not stripped."""
-    lines = body.split("\n")
-    heads = _h2_lines(lines)
+    heads = _h2_spans(body)
     if not heads:
         return body, []
-    preamble = "\n".join(lines[:heads[0]])
+    preamble = body[:max(heads[0][0] - 1, 0)]
     sections = []
-    for n, i in enumerate(heads):
-        end = heads[n + 1] if n + 1 < len(heads) else len(lines)
-        sections.append((lines[i][3:].strip(), "\n".join(lines[i + 1:end])))
+    for n, (start, end) in enumerate(heads):
+        stop = heads[n + 1][0] - 1 if n + 1 < len(heads) else len(body)
+        sections.append((body[start + 3:end].strip(), body[end + 1:stop] if end < stop else ""))
     return preamble, sections
 
 
@@ -1275,16 +1285,19 @@ def _find_section(sections, wanted):
 
 def _ledger_digest(body):
     """The digest by the simple, non-fence-aware rule the ledger keeps for byte compatibility."""
-    lines = body.split("\n")
-    out = None
-    for line in lines:
+    out, pos, size = None, 0, len(body)
+    while pos <= size:   # line by line without splitting the whole body (the digest comes first)
+        end = body.find("\n", pos)
+        end = size if end < 0 else end
+        line = body[pos:end]
+        pos = end + 1
         if out is None:
             if line.strip() == "## Digest":
                 out = []
-            continue
-        if line.startswith("## "):
+        elif line.startswith("## "):
             break
-        out.append(line)
+        else:
+            out.append(line)
     return "\n".join(out).strip() if out is not None else ""
 
 
@@ -1355,7 +1368,7 @@ def _read_episode(root, rel, archived=False, stat=None):
     stem = rel.rsplit("/", 1)[-1][:-3]
     rec = {"path": rel, "stem": stem, "category": category, "archived": archived,
            "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fm_ok": False, "fm_error": None,
-           "fields": {}, "has_block": False}
+           "fields": {}, "has_block": False, "portability": []}
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -1455,11 +1468,13 @@ def _compose_episode(fields, digest, sections):
 
 def _demote_headings(text):
     """Demote H2 lines outside fences to H3 so the writer's structure survives."""
-    lines = text.split("\n")
-    heads = _h2_lines(lines)
-    for i in heads:
-        lines[i] = "#" + lines[i]
-    return "\n".join(lines), len(heads)
+    heads = _h2_spans(text)
+    out, last = [], 0
+    for start, _ in heads:
+        out += [text[last:start], "#"]
+        last = start
+    out.append(text[last:])
+    return "".join(out), len(heads)
 
 
 def _canonical_sections(sections):
@@ -4747,7 +4762,7 @@ def _check_section_name(name):
 
 # --- the episode catalog and its cache -----------------------------------------------------
 
-_CACHE_SCHEMA = "1"
+_CACHE_SCHEMA = "2"   # bump when the cached record changes shape
 
 
 class _Catalog:
@@ -4763,54 +4778,98 @@ class _Catalog:
         return _scan_episode_files(self.root, archive)
 
     def records(self, archive=True, progress=None, files=None):
-        """Every episode's record; `files` is a scan made just before (saves a second one)."""
+        """Every episode's record; `files` is a scan made just before (saves a second one).
+
+        Cached rows are read in path order alongside the sorted scan, one at a time, so memory
+        holds the records and not a second copy of the cache."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
         files = self.scan(archive) if files is None else files
-        cached = {}
-        if self.db is not None:
-            try:
-                cached = {p: (s, m, r) for p, s, m, r in
-                          self.db.execute("SELECT path, size, mtime_ns, rec FROM episodes")}
-            except Exception:
-                cached = {}
-        out, fresh = [], []
+        rows = self._rows()
+        row = next(rows, None)
+        out, fresh, gone = [], [], []
         for n, (rel, archived, st) in enumerate(files):
-            hit = cached.get(rel)
+            while row is not None and row[0] < rel:
+                gone.append(row[0])
+                row = next(rows, None)
             rec = None
-            if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
-                try:
-                    rec = json.loads(hit[2])
-                except ValueError:
-                    rec = None
+            if row is not None and row[0] == rel:
+                if row[1] == st.st_size and row[2] == st.st_mtime_ns:
+                    rec = _record_from_row(row[3])
+                row = next(rows, None)
             if rec is None:
                 rec = _read_episode(self.root, rel, archived, st)
                 fresh.append(rec)
                 if progress is not None:
                     progress.update(n, "reading episodes")
             out.append(rec)
-        if self.db is not None:
-            try:
-                with self.db:
-                    if fresh:
-                        self.db.executemany(
-                            "INSERT OR REPLACE INTO episodes(path, size, mtime_ns, rec) "
-                            "VALUES (?, ?, ?, ?)",
-                            [(r["path"], r["size"], r["mtime_ns"],
-                              json.dumps(r, ensure_ascii=False)) for r in fresh])
-                    present = {f[0] for f in files}
-                    gone = [p for p in cached if p not in present and
-                            (archive or not p.startswith("archive/"))]
-                    if gone:
-                        self.db.executemany("DELETE FROM episodes WHERE path = ?",
-                                            [(p,) for p in gone])
-            except Exception:
-                pass
+        while row is not None:
+            gone.append(row[0])
+            row = next(rows, None)
+        gone = [p for p in gone if archive or not p.startswith("archive/")]
+        self._store(fresh, gone)
         if archive:
             _remember_supersedes(self.root, out, self.dirs_before)
         return out
 
+    def _rows(self):
+        """(path, size, mtime_ns, row) of the cache in path order; stops quietly on any error."""
+        if self.db is None:
+            return
+        try:
+            for row in self.db.execute(
+                    "SELECT path, size, mtime_ns, rec FROM episodes ORDER BY path"):
+                yield row
+        except Exception:
+            return
+
+    def _store(self, fresh, gone):
+        if self.db is None or not (fresh or gone):
+            return
+        try:
+            with self.db:
+                self.db.executemany(
+                    "INSERT OR REPLACE INTO episodes(path, size, mtime_ns, rec) VALUES (?, ?, ?, ?)",
+                    ((r["path"], r["size"], r["mtime_ns"], _record_to_row(r)) for r in fresh))
+                self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
+        except Exception:
+            pass
+
     def close(self):
         self.db = _close_db(self.db)
+
+
+# A cached record is a JSON array in this key order (object keys would be stored, decoded and
+# held once per record; at 100,000 episodes that is a third of the catalog's memory).
+_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "fm_ok", "fm_error",
+                "fields", "has_block", "portability", "id", "kind", "date", "span",
+                "display_title", "description", "tags", "supersedes", "approx_tokens",
+                "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
+                "sections", "body_chars")
+# Promoted string fields that usually equal their frontmatter value: one object serves both.
+_SHARED_FIELDS = ("id", "kind", "span", "date", "display_title", "description", "mode")
+
+
+def _record_to_row(rec):
+    return json.dumps([rec.get(k) for k in _RECORD_KEYS], ensure_ascii=False)
+
+
+def _record_from_row(text):
+    """A record from its cache row, or None when the row is not one (then the file is re-read)."""
+    try:
+        values = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(values, list) or len(values) != len(_RECORD_KEYS) or \
+            not isinstance(values[8], dict):
+        return None
+    rec = dict(zip(_RECORD_KEYS, values))
+    fields = {sys.intern(k): v for k, v in values[8].items()}
+    for key in _SHARED_FIELDS:
+        value = rec[key]
+        if value is not None and fields.get(key) == value:
+            fields[key] = value
+    rec["fields"] = fields
+    return rec
 
 
 def _scan_episode_files(root, archive=True, subdirs=None):
