@@ -1663,6 +1663,31 @@ _TOKEN_TABLE = (
 _TOKEN_LEFT = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _AZURE_LEFT = _TOKEN_LEFT | frozenset("~.")
 _TELEGRAM_LEFT = frozenset("0123456789")   # api.telegram.org/bot<token>/ glues it to "bot"
+# Every byte that is not an ASCII letter or digit becomes a space: what is left are the words
+# a prefixed token can open.
+_ALNUM_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 122) else 32
+                     for b in range(256))
+
+
+# Anchors whose rule can match fewer than 16 characters: such a match may sit in a short run.
+_SHORT_TOKEN_ANCHORS = frozenset(("xoxa-", "xoxb-", "xoxp-", "xoxo-", "xoxs-", "xoxr-", "xoxe-",
+                                  "sk-"))
+
+
+# Every byte but a-z, _ and - becomes a space (the words of _Scan.words).
+_LETTER_BYTES = bytes(b if (97 <= b <= 122 or b in (45, 95)) else 32 for b in range(256))
+
+
+def _token_gate(anchor, offsets):
+    """The ASCII word (bytes) that opens every match of an anchor like `ghp_` or `dp.pt.` in
+    the long runs, or None when the anchor is looked for as a substring of the runs instead.
+
+    A match lies in one run, starts at the anchor with no letter, digit, _ or - on its left,
+    and the anchor goes on past its leading letters and digits, so those are a whole word."""
+    head = re.match(r"[A-Za-z0-9]*", anchor).group(0)
+    if offsets != (0,) or not head or head == anchor or anchor in _SHORT_TOKEN_ANCHORS:
+        return None
+    return head.encode()
 
 _PLACEHOLDER_WORDS = (
     "example", "placeholder", "changeme", "change_me", "change-me", "your_", "your-",
@@ -1719,8 +1744,8 @@ class _Shapes:
 
     def __init__(self):
         c = _re_lazy   # each pattern compiles on its first use; most texts touch few
-        self.tokens = [(kind, anchors, offsets, c(src)) for kind, anchors, offsets, src
-                       in _TOKEN_TABLE]
+        self.tokens = [(kind, tuple((a, _token_gate(a, offsets)) for a in anchors), offsets,
+                        c(src)) for kind, anchors, offsets, src in _TOKEN_TABLE]
         self.discord_gate = c(r"\.[A-Za-z0-9_-]{6}\.")
         self.discord_token = c(r"[MNO][A-Za-z0-9_-]{23,27}\.[A-Za-z0-9_-]{6}\."
                                r"[A-Za-z0-9_-]{27,40}(?![A-Za-z0-9_-])")
@@ -1831,8 +1856,19 @@ class _Scan:
         self.disable = disable
         self.memo = {}
         self._lower = None
+        self._words = None
         self._breaks = None
         self._fences = None
+
+    @property
+    def words(self):
+        """The distinct runs of a-z, _ and - in the lower-cased text, joined by spaces: a needle
+        made of those characters only is in the lower-cased text exactly when it is in here, and
+        this string is a fraction of the text's length."""
+        if self._words is None:
+            pieces = self.lower.encode("utf-8", "surrogatepass").translate(_LETTER_BYTES).split()
+            self._words = b" ".join(set(pieces)).decode("ascii")
+        return self._words
 
     @property
     def lower(self):
@@ -1947,17 +1983,19 @@ def _token_spans(sc):
     text, out = sc.text, []
     shapes = _shapes()
     # Every prefixed token is a run of at least 16 token characters; looking for anchors in
-    # those runs only keeps the many anchor searches off ordinary prose.
-    runs = " ".join(w for w in text.split() if len(w) >= 16)
+    # those runs only keeps the many anchor searches off ordinary prose, and an anchor that
+    # opens a word is looked up in the set of the runs' words instead.
+    runs = _long_runs(text)
     if not runs:
         return out
+    words = set(runs.encode("utf-8", "surrogatepass").translate(_ALNUM_BYTES).split())
     for kind, anchors, offsets, rx in shapes.tokens:
         if kind in sc.disable:
             continue
         left = _AZURE_LEFT if kind == "azure-client-secret" else \
             _TELEGRAM_LEFT if kind == "telegram-token" else _TOKEN_LEFT
-        for anchor in anchors:
-            if anchor not in runs:
+        for anchor, head in anchors:
+            if (head is not None and head not in words) or anchor not in runs:
                 continue
             at = text.find(anchor)
             while at >= 0:
@@ -1979,6 +2017,11 @@ def _token_spans(sc):
             if not _is_placeholder_token(m.group(0)):
                 out.append((m.start(), m.end(), "discord-token"))
     return out
+
+
+def _long_runs(text):
+    """The whitespace-free runs of 16 or more characters, joined by spaces."""
+    return " ".join(w for w in text.split() if len(w) >= 16)
 
 
 def _is_placeholder_token(value):
@@ -2108,16 +2151,17 @@ def _pem_unterminated(text, start, prefix):
 # --- tier 3: URL and connection credentials -----------------------------------------------
 
 def _url_spans(sc):
-    text, shapes, out, dis = sc.text, _shapes(), [], sc.disable
-    if "hooks.slack.com" in text and "slack-webhook" not in dis:
+    text, shapes, out, dis, words = sc.text, _shapes(), [], sc.disable, sc.words
+    # Each literal below holds a lower-case word that must then be in sc.words, a cheaper look.
+    if "slack" in words and "hooks.slack.com" in text and "slack-webhook" not in dis:
         for m in shapes.slack_webhook.finditer(text):
             if not _is_placeholder_token(m.group(0)):
                 out.append((m.start(), m.end(), "slack-webhook"))
-    if "/api/webhooks/" in text and "discord-webhook" not in dis:
+    if "webhooks" in words and "/api/webhooks/" in text and "discord-webhook" not in dis:
         for m in shapes.discord_webhook.finditer(text):
             if not _is_placeholder(m.group(1)) and not _is_repeated_body(m.group(1), ""):
                 out.append((m.start(1), m.end(1), "discord-webhook"))
-    if "sig=" in text and "azure-sas" not in dis:
+    if "sig" in words and "sig=" in text and "azure-sas" not in dis:
         for m in shapes.azure_sas.finditer(text):
             ls, le = sc.line_bounds(m.start())
             in_url = sc.memo.get(("sas", ls))
@@ -2127,7 +2171,7 @@ def _url_spans(sc):
             if in_url and not _is_placeholder(m.group(1)):
                 out.append((m.start(1), m.end(1), "azure-sas"))
     low = sc.lower
-    if ("accountkey" in low or "sharedaccesskey" in low) and "azure-storage-key" not in dis:
+    if ("accountkey" in words or "sharedaccesskey" in words) and "azure-storage-key" not in dis:
         for m in _matches_at(sc, ("accountkey", "sharedaccesskey"), shapes.azure_storage):
             if len(m.group(1)) >= 40 and not _is_placeholder(m.group(1)):
                 out.append((m.start(1), m.end(1), "azure-storage-key"))
@@ -2145,7 +2189,7 @@ def _url_spans(sc):
                 if not _is_placeholder(pw) and not _example_host(host):
                     out.append((m.start(2), m.end(2), "connection-string"))
         at = text.find("://", at + 3)
-    if "password" in low or "pwd" in low:
+    if "password" in words or "pwd" in words:
         for m in shapes.conn_password.finditer(low):
             if m.start() and (low[m.start() - 1].isalnum() or low[m.start() - 1] in "_.-"):
                 continue
@@ -2194,35 +2238,36 @@ def _example_host(host):
 
 def _header_spans(sc):
     text, low, shapes, out, dis = sc.text, sc.lower, _shapes(), [], sc.disable
-    if "bearer" in low and "bearer" not in dis:
+    words = sc.words   # a cheaper look for the lower-case words of the literals below
+    if "bearer" in words and "bearer" not in dis:
         for m in _matches_at(sc, ("bearer",), shapes.bearer):
             vs, ve = m.start(1), m.end(1)
             while ve > vs and text[ve - 1] == ".":
                 ve -= 1
             if ve - vs >= 16 and not _is_header_placeholder(text[vs:ve]):
                 out.append((vs, ve, "bearer"))
-    if "basic" in low and "basic-auth" not in dis:
+    if "basic" in words and "basic-auth" not in dis:
         for m in _matches_at(sc, ("basic",), shapes.basic):
             pair = _decode_user_password(m.group(1))
             if pair and not _is_placeholder(pair[1]):
                 out.append((m.start(1), m.end(1), "basic-auth"))
-    if "api-key-header" not in dis and any(w in low for w in _HEADER_SUFFIXES):
+    if "api-key-header" not in dis and any(w in words for w in _HEADER_SUFFIXES):
         out.extend(_api_key_header_spans(sc))
-    if "cookie" in low and "session-cookie" not in dis:
+    if "cookie" in words and "session-cookie" not in dis:
         out.extend(_cookie_spans(sc))
     if "cli-password" not in dis:
         out.extend(_cli_spans(sc))
-    if "_authtoken" in low and "npm-token" not in dis:
+    if "_authtoken" in words and "npm-token" not in dis:
         for m in _matches_at(sc, ("_authtoken",), shapes.npm_auth, left=""):
             vs, ve = _strip_quotes(text, m.start(1), m.end(1))
             if ve > vs and not _is_placeholder(text[vs:ve]):
                 out.append((vs, ve, "npm-token"))
-    if '"auth"' in text and "docker-token" not in dis:
+    if "auth" in words and '"auth"' in text and "docker-token" not in dis:
         for m in shapes.docker_auth.finditer(text):
             pair = _decode_user_password(m.group(1))
             if pair and not _is_placeholder(pair[1]):
                 out.append((m.start(1), m.end(1), "docker-token"))
-    if "Secret" in text and "k8s-secret" not in dis:
+    if "secret" in words and "Secret" in text and "k8s-secret" not in dis:
         out.extend(_k8s_spans(sc))
     return out
 
@@ -2333,16 +2378,16 @@ def _cookie_spans(sc):
 
 
 def _cli_spans(sc):
-    text, low, shapes, out = sc.text, sc.lower, _shapes(), []
+    text, low, shapes, out, words = sc.text, sc.lower, _shapes(), [], sc.words
     gates = ("mysql", "sshpass", "redis-cli", "login")
     for gate, rx in zip(gates, shapes.cli):
-        if gate in low:
+        if gate in words:
             for m in rx.finditer(text):
                 vs, ve = _strip_quotes(text, m.start(1), m.end(1))
                 if ve > vs and not _is_header_placeholder(text[vs:ve]):
                     out.append((vs, ve, "cli-password"))
-    if any(flag in text for flag in ("--pass", "--token", "--api", "--auth", "--access",
-                                      "--secret", "--client")):
+    flags = ("--pass", "--token", "--api", "--auth", "--access", "--secret", "--client")
+    if any(flag in words for flag in flags) and any(flag in text for flag in flags):
         for m in shapes.cli_flag.finditer(text):
             if m.start() and (text[m.start() - 1].isalnum() or text[m.start() - 1] in "_-"):
                 continue
@@ -2353,7 +2398,7 @@ def _cli_spans(sc):
             if m.group(1) != "=" and not _looks_like_token(value):
                 continue   # "use --password prompts" is prose, not a password
             out.append((vs, ve, "cli-password"))
-    if ("curl" in low or "wget" in low or "http" in low) and \
+    if ("curl" in words or "wget" in words or "http" in words) and \
             (" -u" in text or "--user" in text):
         for m in shapes.cli_user.finditer(text):
             if not _is_header_placeholder(m.group(2)):
@@ -2451,13 +2496,14 @@ def _assignment_spans(sc, taken):
     text, low, shapes, out = sc.text, sc.lower, _shapes(), []
     if "env-secret" in sc.disable and "aws-secret-key" in sc.disable:
         return out
-    if ("=" not in text and ":" not in text) or not any(g in low for g in _KEY_GATES):
+    words = sc.words   # the key words are a-z only: a cheaper look than the text
+    if ("=" not in text and ":" not in text) or not any(g in words for g in _KEY_GATES):
         return out
     n = len(text)
     resume = 0
     hits = []
     for word, rx in shapes.keywords:
-        if word in low:
+        if word in words:
             hits.extend(rx.finditer(low))
     if len(hits) > 1:
         hits.sort(key=lambda h: h.start())
@@ -2558,19 +2604,19 @@ def _is_description(value):
 def _assignment_form_spans(sc):
     """Assignments in other syntaxes: PHP define(), XML elements, .netrc lines, a Kubernetes
     env entry (name: KEY / value: …) and `aws configure set KEY VALUE`."""
-    text, low, shapes, out = sc.text, sc.lower, _shapes(), []
+    text, low, shapes, out, words = sc.text, sc.lower, _shapes(), [], sc.words
     found = []   # (key, value_start, value_end)
-    if "define(" in low:
+    if "define" in words and "define(" in low:
         found.extend((m.group(2), m.start(4), m.end(4)) for m in shapes.php_define.finditer(text))
     if "</" in text:
         found.extend((m.group(1), m.start(2), m.end(2)) for m in shapes.xml_element.finditer(text))
-    if "machine" in low and "password" in low:
+    if "machine" in words and "password" in words:
         found.extend(("password", m.start(1), m.end(1)) for m in shapes.netrc.finditer(text))
-    if "value:" in low and "name:" in low:
+    if "value" in words and "name" in words and "value:" in low and "name:" in low:
         for m in shapes.k8s_env.finditer(text):
             vs, ve = _strip_quotes(text, m.start(3), m.start(3) + len(m.group(3).rstrip()))
             found.append((m.group(2), vs, ve))
-    if "aws configure" in low:
+    if "configure" in words and "aws configure" in low:
         found.extend((m.group(1), m.start(2), m.end(2))
                      for m in shapes.aws_configure.finditer(text))
     for key, vs, ve in found:
@@ -3875,11 +3921,11 @@ def _foreign_send_line(match):
 
 _CODE_FENCE_LINE = _LazyPattern(r"^[ \t]*(?:>[ \t]*)*(`{3,}|~{3,})([^\n]*)$", re.MULTILINE)
 _PARAGRAPH_BREAK = _LazyPattern(r"\n[ \t]*\n")
-_NON_BREAK_RUN = _LazyPattern(r"[^\n]+")
 
 
 def _spaces_for(segment):
-    return _NON_BREAK_RUN.sub(lambda m: " " * len(m.group(0)), segment)
+    # Every character but a line break becomes a space; split/join beats a regex callback.
+    return "\n".join([" " * len(line) for line in segment.split("\n")])
 
 
 def _code_fence_lines(text):
@@ -4259,7 +4305,9 @@ _SINGLE_LETTERS = frozenset(bytes([b]) for b in range(97, 123))
 _CYRILLIC_GREEK_LEADS = (b"\xce", b"\xcf", b"\xd0", b"\xd1", b"\xd2", b"\xd3")
 _SPACED_BYTES = _LazyPattern(b"[ .][a-z0-9@$][ .][a-z0-9@$](?![a-z0-9@$])")
 # Leetspeak: digits standing between letters ("y0u", "pr3v10u5"); "03z" or "fts5" do not count.
-_LEET_BYTES = _LazyPattern(b"[013457@$]+[a-z]")
+# The letter before is part of the match (the mark is one past its start): far fewer matches
+# than runs of digits alone, which log lines are full of.
+_LEET_BYTES = _LazyPattern(b"[a-z][013457@$]+(?=[a-z])")
 _HIDDEN_BYTES = _LazyPattern(
     b"\xe2\x80[\x8b-\x8d\xaa-\xae]|\xe2\x81[\xa0\xa6-\xa9]|\xef\xbb\xbf|\xf3\xa0[\x80\x81]")
 
@@ -4319,8 +4367,7 @@ def scan_instructions(text):
 
     # The second pass reads only the lines the normaliser may change.
     low = scan.low
-    marks = [m.start() for m in _LEET_BYTES.finditer(low)
-             if m.start() and 97 <= low[m.start() - 1] <= 122]
+    marks = [m.start() + 1 for m in _LEET_BYTES.finditer(low)]
     if len(scan.tokens.intersection(_SINGLE_LETTERS)) >= 5:
         marks.extend(m.start() for m in _SPACED_BYTES.finditer(low))
     if not scan.ascii:
@@ -10610,16 +10657,32 @@ def _kind_counts(kinds):
 
 # --- per-file checks: format and content (cached) ------------------------------------------
 
+# ASCII bytes outside \w become spaces; bytes of other characters stay, to be read as text.
+_WORD_OR_WIDE_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 122 or b == 95
+                                  or b >= 128) else 32 for b in range(256))
+
+
 def _content_words(text):
     """Grounding vocabulary: lower-cased 4+ character words (no digits, no stop words); CJK
     runs contribute their character bigrams (doctor.md § 3.3)."""
-    words = set()
     low = text.lower()
-    if _CJK.search(low):
-        for run in _CJK_RUN.findall(low):
-            words.update(run[i:i + 2] for i in range(len(run) - 1))
-        low = _CJK_RUN.sub(" ", low)
-    words.update(_WORD_RUN.findall(low))
+    # Split at ASCII non-word characters (C speed): an all-ASCII piece is a whole \w run, and
+    # only the distinct pieces holding other characters go through the regexes.
+    pieces = set(low.encode("utf-8", "surrogatepass").translate(_WORD_OR_WIDE_BYTES).split())
+    ascii_words, wide = [], []
+    for piece in pieces:
+        if not piece.isascii():
+            wide.append(piece)
+        elif len(piece) >= 4:
+            ascii_words.append(piece)
+    words = set(b" ".join(ascii_words).decode("ascii").split())
+    if wide:
+        low = b" ".join(wide).decode("utf-8", "surrogatepass")
+        if _CJK.search(low):
+            for run in _CJK_RUN.findall(low):
+                words.update(run[i:i + 2] for i in range(len(run) - 1))
+            low = _CJK_RUN.sub(" ", low)
+        words.update(_WORD_RUN.findall(low))
     words.difference_update(_STOP_WORDS)
     return {w for w in words if not w.isdigit()}
 

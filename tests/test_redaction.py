@@ -916,3 +916,38 @@ def test_crlf_and_unicode():
 def test_rejects_non_text():
     with pytest.raises(TypeError):
         redact(b"TOKEN=abc")
+
+
+def test_prefilters_keep_every_context_of_a_token():
+    # The anchor word gate: a token opens a word after any punctuation, also in a long run;
+    # glued to a word it is something else; a short token counts only in a long run.
+    token = "ghp_" + rand(ALNUM, 36)
+    doppler = "dp.pt." + rand(ALNUM, 42)
+    for left in (" ", "(", '"', "=", "«x» ", "é", "/", ":", "\n"):
+        for value, kind in ((token, "github-token"), (doppler, "doppler-token")):
+            hits = find_secrets("see" + left + value + ".")
+            assert [h["kind"] for h in hits] == [kind], (left, value)
+    assert find_secrets("xghp_" + token[4:]) == find_secrets("a-" + token) == []
+    short = "xoxb-" + rand(DIGITS, 10)
+    assert find_secrets("token " + short + " here") == []
+    assert [h["kind"] for h in find_secrets("token " + short + ".and.more.text")] == \
+        ["slack-token"]
+
+
+def test_prefilters_read_keywords_in_any_case():
+    # The gates look at lower-cased words; the rules themselves keep their own case rules.
+    secret = rand(ALNUM, 24)
+    cases = {
+        f"DB_PASSWORD={secret}": "env-secret",
+        f"Authorization: BEARER {secret}": "bearer",
+        f"X-API-KEY: {secret}": "api-key-header",
+        f"COOKIE: SESSIONID={secret}": "session-cookie",
+        f"MYSQL -u root -p{secret}": None,
+        f"mysql -u root -p{secret}": "cli-password",
+        f"Server=db;Database=app;PASSWORD={secret};": "connection-string",
+        f"//registry.npmjs.org/:_AUTHTOKEN={secret}": "npm-token",
+        f"curl --TOKEN {secret}": None,
+        f"curl --token {secret}": "cli-password",
+    }
+    for text, kind in cases.items():
+        assert [h["kind"] for h in find_secrets(text)] == ([kind] if kind else []), text
