@@ -207,6 +207,64 @@ class _Progress:
 _QUIET = [False]
 
 
+def _worker_count(items):
+    """Worker processes for `items` independent per-file jobs: 1 (serial) unless a CLI run on
+    Linux has several cores and enough work. MEMSHELF_WORKERS=N sets the count (1 turns it off).
+
+    Only fork is used, and only from a single-threaded process (never inside the MCP server):
+    the workers inherit the shelf state instead of re-importing and pickling it."""
+    raw = os.environ.get("MEMSHELF_WORKERS", "").strip()
+    forced = int(raw) if raw.isdigit() else None
+    if forced is not None and forced <= 1:
+        return 1
+    if items < (2 if forced else 256) or not sys.platform.startswith("linux") or \
+            _context("mcp") or threading.active_count() > 1:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(forced or cores, 8, items))
+
+
+_FORKED_JOB = []   # (func, items) for the forked workers of _parallel_map, set before the fork
+
+
+def _run_forked_item(index):
+    func, items = _FORKED_JOB[0]
+    return func(items[index])
+
+
+def _parallel_map(func, items, progress=None, message=None):
+    """[func(item) for item in items], in order, spread over worker processes when it pays.
+
+    func and items are inherited through fork, never pickled; results come back pickled."""
+    workers = _worker_count(len(items))
+    if workers < 2:
+        out = []
+        for n, item in enumerate(items):
+            out.append(func(item))
+            if progress is not None:
+                progress.update(n, message)
+        return out
+    import gc
+    import multiprocessing
+    _FORKED_JOB[:] = [(func, items)]
+    gc.freeze()   # objects the workers inherit stay shared: their collector never touches them
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            out = []
+            chunk = max(8, min(256, len(items) // (workers * 16) or 1))
+            for n, result in enumerate(pool.imap(_run_forked_item, range(len(items)), chunk)):
+                out.append(result)
+                if progress is not None:
+                    progress.update(n, message)
+            return out
+    finally:
+        gc.unfreeze()
+        _FORKED_JOB[:] = []
+
+
 def _isatty(stream):
     try:
         return stream.isatty()
@@ -4836,8 +4894,8 @@ class _Catalog:
         files = self.scan(archive) if files is None else files
         rows = self._rows()
         row = next(rows, None)
-        out, fresh, gone = [], [], []
-        for n, (rel, archived, st) in enumerate(files):
+        out, missing, gone = [], [], []
+        for rel, archived, st in files:
             while row is not None and row[0] < rel:
                 gone.append(row[0])
                 row = next(rows, None)
@@ -4847,15 +4905,17 @@ class _Catalog:
                     rec = _record_from_row(row[3])
                 row = next(rows, None)
             if rec is None:
-                rec = _read_episode(self.root, rel, archived, st)
-                fresh.append(rec)
-                if progress is not None:
-                    progress.update(n, "reading episodes")
+                missing.append((len(out), rel, archived, st))
             out.append(rec)
         while row is not None:
             gone.append(row[0])
             row = next(rows, None)
         gone = [p for p in gone if archive or not p.startswith("archive/")]
+        root = self.root
+        fresh = _parallel_map(lambda job: _read_episode(root, *job[1:]), missing, progress,
+                              "reading episodes")
+        for (slot, *_), rec in zip(missing, fresh):
+            out[slot] = _share_values(rec)
         self._store(fresh, gone)
         if archive:
             _remember_supersedes(self.root, out, self.dirs_before)
@@ -4916,9 +4976,6 @@ def _record_from_row(text):
         return None
     rec = dict(zip(_RECORD_KEYS, values))
     rec["fields"] = {sys.intern(k): v for k, v in values[8].items()}
-    for section in rec["sections"] if isinstance(rec["sections"], list) else ():
-        if isinstance(section, list) and section and isinstance(section[0], str):
-            section[0] = sys.intern(section[0])
     return _share_values(rec)
 
 
@@ -4942,6 +4999,9 @@ def _share_values(rec):
     source = fields.get("approx_tokens_source")
     if isinstance(source, str):
         fields["approx_tokens_source"] = sys.intern(source)
+    for section in rec["sections"] if isinstance(rec["sections"], list) else ():
+        if isinstance(section, list) and section and isinstance(section[0], str):
+            section[0] = sys.intern(section[0])
     return rec
 
 
@@ -6250,7 +6310,16 @@ def _render_key(root, fmt, scanned, subdirs):
     return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _render_memo_hit(root, key):
+def _render_is_current(root, fmt=None):
+    """True when the derived files on disk are the last full render of the current inputs."""
+    fmt = fmt or _index_format(root)
+    subdirs = []
+    scanned = _scan_episode_files(root, subdirs=subdirs)
+    return _render_memo_hit(root, _render_key(root, fmt, scanned, subdirs), read=False) \
+        is not None
+
+
+def _render_memo_hit(root, key, read=True):
     """The last render, read back from disk, when its key matches and no file was touched."""
     memo = _state(root).get("render_memo")
     if not isinstance(memo, dict) or memo.get("key") != key or \
@@ -6268,7 +6337,7 @@ def _render_memo_hit(root, key):
             st = os.stat(path)
             if [st.st_size, st.st_mtime_ns] != stamp:
                 return None
-            files[rel] = _read_text(path)
+            files[rel] = _read_text(path) if read else None
         except (OSError, ShelfError):
             return None
     return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
@@ -10908,19 +10977,30 @@ class _DoctorFileCache:
             return json.loads(findings), data
         return None, data
 
-    def store(self, rec, data, findings):
+    def store(self, rec, digest, findings):
+        """Remember findings for rec; digest is _content_hash of the bytes checked."""
         if self.db is not None:
-            self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], _content_hash(data),
+            self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], digest,
                                json.dumps(findings, ensure_ascii=False)))
+            if len(self.fresh) >= 1000:   # written in batches: memory stays flat on big shelves
+                self._flush()
+
+    def _flush(self):
+        try:
+            with self.db:
+                self.db.executemany("INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?)",
+                                    self.fresh)
+        except Exception:
+            pass
+        self.fresh = []
 
     def finish(self, present):
         if self.db is None:
             return
+        if self.fresh:
+            self._flush()
         try:
             with self.db:
-                if self.fresh:
-                    self.db.executemany("INSERT OR REPLACE INTO doctor_files VALUES "
-                                        "(?, ?, ?, ?, ?)", self.fresh)
                 gone = [(p,) for p in self.rows if p not in present]
                 if gone:
                     self.db.executemany("DELETE FROM doctor_files WHERE path = ?", gone)
@@ -10929,6 +11009,15 @@ class _DoctorFileCache:
 
     def close(self):
         self.db = _close_db(self.db)
+
+
+def _read_bytes(root, rec):
+    """An episode file's bytes for the per-file checks (b'' when it cannot be read)."""
+    try:
+        with open(os.path.join(root, rec["path"]), "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _content_hash(data):
@@ -11465,12 +11554,13 @@ class _DoctorRun:
         steps = []
         done = 0
         try:
+            known = self.cached_verdicts(live + archived, cache, progress)
             for group in (live, archived):
                 step = []
                 for rec in group:
                     progress.update(done)
                     done += 1
-                    step += self.episode(rec, cache)
+                    step += known[rec["path"]]
                     missing = [s for s in rec.get("supersedes") or [] if s not in ids]
                     if missing:
                         step.append(_finding("supersedes-unknown", rec["path"],
@@ -11488,26 +11578,27 @@ class _DoctorRun:
             progress.done()
         return steps
 
-    def episode(self, rec, cache):
-        path = os.path.join(self.root, rec["path"])
-        box = []
+    def cached_verdicts(self, records, cache, progress):
+        """{path: findings} of every episode file: cached, else checked (in parallel when it
+        pays; the content checks are most of an empty-cache doctor run)."""
+        known, todo = {}, []
+        for rec in records:
+            findings, _data = cache.lookup(rec, lambda rec=rec: _read_bytes(self.root, rec))
+            if findings is None:
+                todo.append(rec)
+            else:
+                known[rec["path"]] = findings
+        root, policy = self.root, self.policy
 
-        def read():
-            try:
-                with open(path, "rb") as f:
-                    box.append(f.read())
-            except OSError:
-                box.append(b"")
-            return box[0]
+        def check(rec):
+            data = _read_bytes(root, rec)
+            return _episode_file_findings(rec, data, policy), _content_hash(data)
 
-        findings, data = cache.lookup(rec, read)
-        if findings is not None:
-            return findings
-        if data is None:
-            data = read()
-        findings = _episode_file_findings(rec, data, self.policy)
-        cache.store(rec, data, findings)
-        return findings
+        for rec, (findings, digest) in zip(todo, _parallel_map(check, todo, progress,
+                                                                "checking episodes")):
+            cache.store(rec, digest, findings)
+            known[rec["path"]] = findings
+        return known
 
     # 6. derived-layer freshness and git state -------------------------------------------
 
@@ -11750,7 +11841,8 @@ class _DoctorRun:
                 on_disk = f.read().decode("utf-8", "replace")
         except OSError:
             on_disk = None
-        if self.fmt != "manual":
+        # a render remembered as on disk for these very inputs needs no second render
+        if self.fmt != "manual" and not _render_is_current(root, self.fmt):
             rendered = _render_derived(root, self.records, self.fmt)["files"]
             level = "info" if self.mode == "bot" else "warning"
             fix = "wait for the renderer; it rewrites INDEX.md" if self.mode == "bot" \
