@@ -4870,7 +4870,7 @@ def _check_section_name(name):
 
 # --- the episode catalog and its cache -----------------------------------------------------
 
-_CACHE_SCHEMA = "2"   # bump when the cached record changes shape
+_CACHE_SCHEMA = "3"   # bump when the cached record changes shape
 
 
 class _Catalog:
@@ -4886,27 +4886,39 @@ class _Catalog:
         return _scan_episode_files(self.root, archive)
 
     def records(self, archive=True, progress=None, files=None):
-        """Every episode's record; `files` is a scan made just before (saves a second one).
-
-        Cached rows are read in path order alongside the sorted scan, one at a time, so memory
-        holds the records and not a second copy of the cache."""
+        """Every episode's record; `files` is a scan made just before (saves a second one)."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
+        out = self._merge(archive, progress, files, "rec",
+                          lambda rel, archived, row: _record_from_row(row), lambda rec: rec)
+        if archive:
+            _remember_supersedes(self.root, out, self.dirs_before)
+        return out
+
+    def summaries(self, archive=True, progress=None):
+        """What accounting needs of every episode (_SUMMARY_KEYS), without decoding records."""
+        return self._merge(archive, progress, None, ", ".join(_SUMMARY_KEYS[1:]),
+                           _summary_from_row, _summary_of)
+
+    def _merge(self, archive, progress, files, columns, from_row, from_record):
+        """One object per episode file, from its cache row when (size, mtime_ns) match, else
+        from a fresh parse (stored for next time). Cached rows are read in path order alongside
+        the sorted scan, one at a time: memory never holds a second copy of the cache."""
         files = self.scan(archive) if files is None else files
-        rows = self._rows()
+        rows = self._rows(columns)
         row = next(rows, None)
         out, missing, gone = [], [], []
         for rel, archived, st in files:
             while row is not None and row[0] < rel:
                 gone.append(row[0])
                 row = next(rows, None)
-            rec = None
+            obj = None
             if row is not None and row[0] == rel:
                 if row[1] == st.st_size and row[2] == st.st_mtime_ns:
-                    rec = _record_from_row(row[3])
+                    obj = from_row(rel, archived, row[3])
                 row = next(rows, None)
-            if rec is None:
+            if obj is None:
                 missing.append((len(out), rel, archived, st))
-            out.append(rec)
+            out.append(obj)
         while row is not None:
             gone.append(row[0])
             row = next(rows, None)
@@ -4915,20 +4927,19 @@ class _Catalog:
         fresh = _parallel_map(lambda job: _read_episode(root, *job[1:]), missing, progress,
                               "reading episodes")
         for (slot, *_), rec in zip(missing, fresh):
-            out[slot] = _share_values(rec)
+            out[slot] = from_record(_share_values(rec))
         self._store(fresh, gone)
-        if archive:
-            _remember_supersedes(self.root, out, self.dirs_before)
         return out
 
-    def _rows(self):
-        """(path, size, mtime_ns, row) of the cache in path order; stops quietly on any error."""
+    def _rows(self, columns):
+        """(path, size, mtime_ns, the other columns as a tuple, or the one column's value) of
+        the cache in path order; stops quietly on any error."""
         if self.db is None:
             return
         try:
-            for row in self.db.execute(
-                    "SELECT path, size, mtime_ns, rec FROM episodes ORDER BY path"):
-                yield row
+            for row in self.db.execute(f"SELECT path, size, mtime_ns, {columns} FROM episodes "
+                                       "ORDER BY path"):
+                yield row if len(row) == 4 else row[:3] + (row[3:],)
         except Exception:
             return
 
@@ -4938,8 +4949,11 @@ class _Catalog:
         try:
             with self.db:
                 self.db.executemany(
-                    "INSERT OR REPLACE INTO episodes(path, size, mtime_ns, rec) VALUES (?, ?, ?, ?)",
-                    ((r["path"], r["size"], r["mtime_ns"], _record_to_row(r)) for r in fresh))
+                    f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, rec, "
+                    f"{', '.join(_SUMMARY_KEYS[1:])}) VALUES (?, ?, ?, ?"
+                    f"{', ?' * (len(_SUMMARY_KEYS) - 1)})",
+                    ((r["path"], r["size"], r["mtime_ns"], _record_to_row(r)) +
+                     tuple(r[k] for k in _SUMMARY_KEYS[1:]) for r in fresh))
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
         except Exception:
             pass
@@ -4955,6 +4969,21 @@ _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "fm_
                 "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
                 "sections", "body_chars")
+# What stats and other accounting read of every episode: cache columns beside the record.
+_SUMMARY_KEYS = ("path", "stem", "archived", "id", "date", "digest_tokens", "approx_tokens",
+                 "approx_src")
+
+
+def _summary_of(rec):
+    return {k: rec[k] for k in _SUMMARY_KEYS}
+
+
+def _summary_from_row(rel, archived, columns):
+    summary = dict(zip(_SUMMARY_KEYS, (rel,) + columns))
+    summary["archived"] = archived   # the scan's word (SQLite has no booleans)
+    return summary
+
+
 # Promoted string fields that usually equal their frontmatter value: one object serves both.
 _SHARED_FIELDS = ("id", "kind", "span", "date", "display_title", "description", "mode")
 # Values drawn from a handful of words: one shared object each.
@@ -5078,7 +5107,9 @@ def _cache_db(root):
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
                 db.commit()
             db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
-                       " mtime_ns INTEGER, rec TEXT)")
+                       " mtime_ns INTEGER, rec TEXT, stem TEXT, archived INTEGER, id TEXT,"
+                       " date TEXT, digest_tokens INTEGER, approx_tokens INTEGER,"
+                       " approx_src TEXT)")
             db.commit()
             return db
         except Exception:
@@ -11124,7 +11155,7 @@ def _read_ledger(root):
         if mode not in ("live", "import"):
             problems.append(f"line {number}: mode {mode!r} is not live or import")
         for name, value in (("approx_tokens_in", tokens_in), ("digest_tokens", digest_tokens)):
-            if not re.fullmatch(r"[0-9]+", value):
+            if not (value.isascii() and value.isdigit()):
                 problems.append(f"line {number}: {name} {value!r} is not a non-negative "
                                 "integer")
     return text, problems, ids
@@ -12240,7 +12271,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     window = _stats_window(root, context_window)
     catalog = _Catalog(root)
     try:
-        records = catalog.records()
+        records = catalog.records() if chart else catalog.summaries()
     finally:
         catalog.close()
     eps = [r for r in records if r.get("id")]

@@ -119,6 +119,18 @@ def test_numbers_by_hand(shelf):
     assert memshelf.stats(shelf_path=shelf)["ledger_lag"] == 0
 
 
+def test_same_numbers_from_cache_columns_and_from_the_files(shelf):
+    # stats reads summary columns of the cache; a cold cache parses the files instead
+    shutil.rmtree(os.path.join(shelf, ".memshelf"), ignore_errors=True)
+    cold = memshelf.stats(shelf_path=shelf, per_episode=True)
+    warm = memshelf.stats(shelf_path=shelf, per_episode=True)
+    assert cold == warm
+    assert [e["archived"] for e in warm["per_episode"]] == [True, False, False, False]
+    charted = memshelf.stats(shelf_path=shelf, per_episode=True, chart=True)
+    charted.pop("chart")
+    assert charted == warm
+
+
 def test_window_cap(shelf, monkeypatch):
     r = memshelf.stats(shelf_path=shelf, context_window=10000)
     assert r["shelved_mass"] == 10000 + 10000 + 5000
