@@ -8453,7 +8453,8 @@ def _this_code():
 
     The file is imported rather than run as a script so its cached bytecode is used: a hook
     or driver in script mode recompiles the whole file on every commit (~0.2 s). sys.path
-    gains the file's folder first, exactly as `python3 memshelf.py` would."""
+    gains the file's folder first, exactly as `python3 memshelf.py` would; -S skips the site
+    packages (and their .pth start-up code), which a stdlib-only module never needs."""
     path = os.path.abspath(__file__)
     folder, name = os.path.split(path)
     module = name[:-3] if name.endswith(".py") else ""
@@ -8463,7 +8464,7 @@ def _this_code():
     code = (f"import sys, importlib.util; sys.path.insert(0, {folder!r}); "
             f"sys.exit(127 if importlib.util.find_spec({module!r}) is None "
             f"else __import__({module!r}).main())")
-    return f"{_shell_quote(sys.executable)} -c {_shell_quote(code)}"
+    return f"{_shell_quote(sys.executable)} -S -c {_shell_quote(code)}"
 
 
 _HOOKS = {
@@ -10975,8 +10976,8 @@ class _DoctorFileCache:
 
     def __init__(self, root, fingerprint, enabled):
         self.db = _cache_db(root) if enabled else None
-        self.rows = {}
         self.fresh = []
+        self.gone = []
         if self.db is None:
             return
         try:
@@ -10989,24 +10990,49 @@ class _DoctorFileCache:
                     self.db.execute("DELETE FROM doctor_files")
                     self.db.execute("INSERT OR REPLACE INTO meta VALUES ('doctor_files', ?)",
                                     (fingerprint,))
-            self.rows = {r[0]: r[1:] for r in self.db.execute(
-                "SELECT path, size, mtime_ns, hash, findings FROM doctor_files")}
         except Exception:
             self.close()
 
-    def lookup(self, rec, read):
-        """Cached findings for rec, else None; read() -> bytes is called at most once."""
-        hit = self.rows.get(rec["path"])
-        if hit is None:
-            return None, None
-        size, mtime_ns, digest, findings = hit
-        if size == rec["size"] and mtime_ns == rec["mtime_ns"]:
-            return json.loads(findings), None
-        data = read()
-        if size == len(data) and digest == _content_hash(data):
-            self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], digest, findings))
-            return json.loads(findings), data
-        return None, data
+    def _rows(self):
+        if self.db is None:
+            return
+        try:
+            yield from self.db.execute("SELECT path, size, mtime_ns, hash, findings "
+                                       "FROM doctor_files ORDER BY path")
+        except Exception:
+            return
+
+    def lookup_all(self, records, read):
+        """({path: cached findings}, [records to check]); read(rec) -> bytes is called only
+        when a file's stamp changed but its content may not have. Cached rows are read in path
+        order beside the records (sorted by path), one at a time."""
+        known, todo = {}, []
+        rows = self._rows()
+        row = next(rows, None)
+        for rec in sorted(records, key=lambda r: r["path"]):
+            path = rec["path"]
+            while row is not None and row[0] < path:
+                self.gone.append(row[0])
+                row = next(rows, None)
+            findings = None
+            if row is not None and row[0] == path:
+                _, size, mtime_ns, digest, cached = row
+                row = next(rows, None)
+                if size == rec["size"] and mtime_ns == rec["mtime_ns"]:
+                    findings = _decode_findings(cached)
+                else:
+                    data = read(rec)
+                    if size == len(data) and digest == _content_hash(data):
+                        self.fresh.append((path, rec["size"], rec["mtime_ns"], digest, cached))
+                        findings = _decode_findings(cached)
+            if findings is None:
+                todo.append(rec)
+            else:
+                known[path] = findings
+        while row is not None:
+            self.gone.append(row[0])
+            row = next(rows, None)
+        return known, todo
 
     def store(self, rec, digest, findings):
         """Remember findings for rec; digest is _content_hash of the bytes checked."""
@@ -11025,21 +11051,26 @@ class _DoctorFileCache:
             pass
         self.fresh = []
 
-    def finish(self, present):
+    def finish(self):
         if self.db is None:
             return
         if self.fresh:
             self._flush()
-        try:
-            with self.db:
-                gone = [(p,) for p in self.rows if p not in present]
-                if gone:
-                    self.db.executemany("DELETE FROM doctor_files WHERE path = ?", gone)
-        except Exception:
-            pass
+        if self.gone:
+            try:
+                with self.db:
+                    self.db.executemany("DELETE FROM doctor_files WHERE path = ?",
+                                        [(p,) for p in self.gone])
+            except Exception:
+                pass
 
     def close(self):
         self.db = _close_db(self.db)
+
+
+def _decode_findings(text):
+    """Cached findings; the usual empty answer is one shared empty tuple, not a list each."""
+    return () if text == "[]" else json.loads(text)
 
 
 def _read_bytes(root, rec):
@@ -11603,7 +11634,7 @@ class _DoctorRun:
                         step.append(_finding("no-ledger-row", rec["path"],
                                              f"ledger.tsv has no row for {rec['id']}", row_fix))
                 steps.append(step)
-            cache.finish({r["path"] for r in self.records})
+            cache.finish()
         finally:
             cache.close()
             progress.done()
@@ -11612,14 +11643,8 @@ class _DoctorRun:
     def cached_verdicts(self, records, cache, progress):
         """{path: findings} of every episode file: cached, else checked (in parallel when it
         pays; the content checks are most of an empty-cache doctor run)."""
-        known, todo = {}, []
-        for rec in records:
-            findings, _data = cache.lookup(rec, lambda rec=rec: _read_bytes(self.root, rec))
-            if findings is None:
-                todo.append(rec)
-            else:
-                known[rec["path"]] = findings
         root, policy = self.root, self.policy
+        known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec))
 
         def check(rec):
             data = _read_bytes(root, rec)

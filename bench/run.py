@@ -379,9 +379,11 @@ def our_impl(code_dir):
             f.write(text)
         os.chmod(launcher, 0o755)
     server = os.path.join(code_dir, "server.py")
-    return Impl("ours", "memshelf", [python, launcher],
+    impl = Impl("ours", "memshelf", [python, launcher],
                 script=[python, os.path.join(code_dir, "memshelf.py")],
                 server=[python, server] if os.path.exists(server) else None)
+    impl.code_dir = code_dir
+    return impl
 
 
 def ref_impl(ref_cmd, ref_server_cmd=None):
@@ -651,14 +653,14 @@ def work_copy(base_shelf, impl, key):
     if os.path.isdir(hooks):
         for name in os.listdir(hooks):
             path = os.path.join(hooks, name)
-            text = _read(path)
-            if "installed by memshelf" not in text:
-                continue
-            if impl.ref:
+            if "installed by memshelf" in _read(path):
                 os.remove(path)  # 0.4.0 installs no hooks; ours must not run on its commits
-            else:
-                with open(path, "w") as f:
-                    f.write(text.replace(base_shelf, dest))
+        if not impl.ref:
+            # the hooks memshelf's init writes, for this copy and the code and interpreter
+            # under test (the cached shelf's hooks name whatever generated it)
+            subprocess.run([impl.console[0], "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                            "import memshelf; memshelf._install_git_hooks(memshelf._Git(sys.argv[2]))",
+                            impl.code_dir, dest], check=True, env=clean_env({}))
     return dest
 
 
