@@ -6263,11 +6263,12 @@ def _superseded_map(records):
     return {k: sorted(v) for k, v in sup.items()}
 
 
-def _render_derived(root, records=None, fmt=None, progress=None):
+def _render_derived(root, records=None, fmt=None, progress=None, index_only=False):
     """Every derived file of the shelf as {relative path: text or None (delete)}.
 
     Without `records`, the whole shelf is read; when nothing a render reads has changed since
-    the last render known to be on disk, the files on disk are the answer (records: None)."""
+    the last render known to be on disk, the files on disk are the answer (records: None).
+    index_only: INDEX.md and archive/INDEX.md alone (what a reader compares)."""
     fmt = fmt or _index_format(root)
     key = None
     if records is None:
@@ -6288,20 +6289,23 @@ def _render_derived(root, records=None, fmt=None, progress=None):
     archived = [r for r in records if r["archived"]]
     superseded = _superseded_map(records)
     files, warnings = {}, []
-    ledger, w = _render_ledger(records)
-    warnings += w
-    files["ledger.tsv"] = ledger
-    chart = _render_chart(ledger)
-    if chart is not None:
-        files["stats.svg"] = chart
+    if not index_only:
+        ledger, w = _render_ledger(records)
+        warnings += w
+        files["ledger.tsv"] = ledger
+        chart = _render_chart(ledger)
+        if chart is not None:
+            files["stats.svg"] = chart
     for base, recs in (("docs", live), ("archive/docs", archived)):
         metas = {}
         for cat in CATEGORIES:
-            if not os.path.isdir(os.path.join(root, base, cat)):
+            if not os.path.isdir(os.path.join(root, base, cat)) or \
+                    (index_only and fmt != "docshelf"):
                 continue
             text, w = _render_meta([r for r in recs if r["category"] == cat])
             warnings += w
-            files[f"{base}/{cat}/.meta.json"] = text
+            if not index_only:
+                files[f"{base}/{cat}/.meta.json"] = text
             if fmt == "docshelf":
                 metas[cat] = json.loads(text) if text else {}
         prefix = "" if base == "docs" else "archive/"
@@ -6318,7 +6322,8 @@ def _render_derived(root, records=None, fmt=None, progress=None):
         else:
             files[prefix + "INDEX.md"] = _render_compact(c["name"], c["preamble"], recs,
                                                          superseded)
-    return {"files": files, "warnings": warnings, "records": records, "key": key,
+    return {"files": files, "warnings": warnings, "records": records,
+            "key": None if index_only else key,   # a partial render is never remembered
             "episodes": len([r for r in records if r.get("id")])}
 
 
@@ -9498,7 +9503,8 @@ def _rollup_locked(root, a):
                 r = dict(r, path=moved[r["path"]], archived=True)
             after.append(r)
         after.append(_episode_record_from_text(address, text))
-        rendered = _render_derived(root, records=after)["files"].get("INDEX.md")
+        rendered = _render_derived(root, records=after,
+                                   index_only=True)["files"].get("INDEX.md")
         result.update(status="dry-run", episode_text=text,
                       index_tokens_after=tokens(rendered) if rendered is not None
                       else index_before,
@@ -9554,7 +9560,7 @@ def _rollup_locked(root, a):
         _after_write(root)
         result["index_tokens_after"] = _rollup_index_tokens(root)
     else:
-        fresh = _render_derived(root)["files"].get("INDEX.md")
+        fresh = _render_derived(root, index_only=True)["files"].get("INDEX.md")
         result["index_tokens_after"] = tokens(fresh) if fresh is not None else index_before
     result["summary"] = (f"rolled up {n} episode{'s' if n != 1 else ''} into {slug} · INDEX "
                          f"~{result['index_tokens_before']} → ~{result['index_tokens_after']} "
@@ -11899,7 +11905,7 @@ class _DoctorRun:
             on_disk = None
         # a render remembered as on disk for these very inputs needs no second render
         if self.fmt != "manual" and not _render_is_current(root, self.fmt):
-            rendered = _render_derived(root, self.records, self.fmt)["files"]
+            rendered = _render_derived(root, self.records, self.fmt, index_only=True)["files"]
             level = "info" if self.mode == "bot" else "warning"
             fix = "wait for the renderer; it rewrites INDEX.md" if self.mode == "bot" \
                 else self.derived_fix("stale-index")
@@ -12603,7 +12609,8 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     index_tokens = tokens(index_text)   # what a session actually loads, stale or not
     line_costs = _advise_index_lines(index_text, fmt)
     if not line_costs and live:   # no usable INDEX on disk: price the lines a render would have
-        fresh = _render_derived(root, records=records, fmt=fmt)["files"].get("INDEX.md") or ""
+        fresh = _render_derived(root, records=records, fmt=fmt,
+                                index_only=True)["files"].get("INDEX.md") or ""
         line_costs = _advise_index_lines(fresh, fmt)
     listed = len(_index_entries(index_text, fmt)) if index_text else 0
     allowance = sum(_INDEX_ALLOWANCE[fmt].values())
@@ -13180,7 +13187,7 @@ def _export_index(root, records, hidden):
     fmt = _index_format(root)
     if fmt != "manual":
         kept = [r for r in records if r["stem"] not in hidden]
-        return _render_derived(root, records=kept, fmt=fmt)["files"]["INDEX.md"]
+        return _render_derived(root, records=kept, fmt=fmt, index_only=True)["files"]["INDEX.md"]
     text = index(root)["index"]
     if not hidden:
         return text
