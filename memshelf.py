@@ -11853,8 +11853,10 @@ class _DoctorRun:
     def uncommitted(self):
         if not self.in_git:
             return []
+        # not read_only: git may refresh its stat cache (an optional lock, skipped when busy);
+        # without that, a copied or touched shelf makes every later status re-hash every file
         proc = self.git.run("status", "--porcelain", "-z", "--untracked-files=all", "--",
-                            "docs", "archive", check=False, read_only=True)
+                            "docs", "archive", check=False)
         if proc.returncode != 0:
             return []
         prefix = self.git_prefix()
