@@ -360,7 +360,12 @@ def bench_venv():
     want = f"executable = {PYTHON}"
     if not (os.path.exists(py) and os.path.exists(cfg) and want in open(cfg).read()):
         shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run([PYTHON, "-m", "venv", "--without-pip", venv], check=True)
+        made = subprocess.run([PYTHON, "-m", "venv", "--without-pip", venv],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if made.returncode != 0 or not os.path.exists(py):
+            log("bench: could not make a venv (" + made.stderr.decode(errors="replace").strip()
+                + "); memshelf runs on the bare interpreter")
+            return PYTHON
     return py  # not realpath'd: the symlink is what makes it a venv interpreter
 
 
