@@ -1420,8 +1420,9 @@ def _episode_date(fields, stem):
     return ""
 
 
-def _read_episode(root, rel, archived=False, stat=None):
-    """Parse one episode file into a plain record (the unit the cache stores)."""
+def _read_episode(root, rel, archived=False, stat=None, also=None):
+    """Parse one episode file into a plain record (the unit the cache stores); with `also`,
+    (record, also(record, the file's bytes)): per-file work that shares the one read."""
     path = os.path.join(root, rel)
     st = stat or os.stat(path)
     category = sys.intern(rel.split("/")[-2])
@@ -1429,6 +1430,7 @@ def _read_episode(root, rel, archived=False, stat=None):
     rec = {"path": rel, "stem": stem, "category": category, "archived": archived,
            "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fm_ok": False, "fm_error": None,
            "fields": {}, "has_block": False, "portability": []}
+    raw = b""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -1454,7 +1456,7 @@ def _read_episode(root, rel, archived=False, stat=None):
         except FrontmatterError as exc:
             rec["fm_error"] = f"{exc.error_class}: {exc}"
     _fill_record(rec, body)
-    return rec
+    return rec if also is None else (rec, also(rec, raw))
 
 
 def _fill_record(rec, body):
@@ -4879,17 +4881,22 @@ class _Catalog:
     def __init__(self, root, use_cache=True):
         self.root = root
         self.db = None
+        self.extras = {}
         if use_cache:
             self.db = _cache_db(root)
 
     def scan(self, archive=True):
         return _scan_episode_files(self.root, archive)
 
-    def records(self, archive=True, progress=None, files=None):
-        """Every episode's record; `files` is a scan made just before (saves a second one)."""
+    def records(self, archive=True, progress=None, files=None, also=None):
+        """Every episode's record; `files` is a scan made just before (saves a second one).
+
+        also(record, bytes) runs beside each file parsed afresh (in its worker); its answers
+        are left in self.extras by path."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
         out = self._merge(archive, progress, files, "rec",
-                          lambda rel, archived, row: _record_from_row(row), lambda rec: rec)
+                          lambda rel, archived, row: _record_from_row(row), lambda rec: rec,
+                          also)
         if archive:
             _remember_supersedes(self.root, out, self.dirs_before)
         return out
@@ -4899,7 +4906,7 @@ class _Catalog:
         return self._merge(archive, progress, None, ", ".join(_SUMMARY_KEYS[1:]),
                            _summary_from_row, _summary_of)
 
-    def _merge(self, archive, progress, files, columns, from_row, from_record):
+    def _merge(self, archive, progress, files, columns, from_row, from_record, also=None):
         """One object per episode file, from its cache row when (size, mtime_ns) match, else
         from a fresh parse (stored for next time). Cached rows are read in path order alongside
         the sorted scan, one at a time: memory never holds a second copy of the cache."""
@@ -4924,8 +4931,11 @@ class _Catalog:
             row = next(rows, None)
         gone = [p for p in gone if archive or not p.startswith("archive/")]
         root = self.root
-        fresh = _parallel_map(lambda job: _read_episode(root, *job[1:]), missing, progress,
-                              "reading episodes")
+        fresh = _parallel_map(lambda job: _read_episode(root, *job[1:], also=also), missing,
+                              progress, "reading episodes")
+        if also is not None:
+            self.extras = {rec["path"]: extra for rec, extra in fresh}
+            fresh = [rec for rec, _extra in fresh]
         for (slot, *_), rec in zip(missing, fresh):
             out[slot] = from_record(_share_values(rec))
         self._store(fresh, gone)
@@ -5003,9 +5013,7 @@ def _record_from_row(text):
     if not isinstance(values, list) or len(values) != len(_RECORD_KEYS) or \
             not isinstance(values[8], dict):
         return None
-    rec = dict(zip(_RECORD_KEYS, values))
-    rec["fields"] = {sys.intern(k): v for k, v in values[8].items()}
-    return _share_values(rec)
+    return _share_values(dict(zip(_RECORD_KEYS, values)))
 
 
 def _share_values(rec):
@@ -5017,7 +5025,8 @@ def _share_values(rec):
         rec["id"] = rec["stem"]
     if rec["span"] == rec["date"]:
         rec["span"] = rec["date"]
-    fields = rec["fields"]
+    # keys decoded from the cache or unpickled from a worker are copies; interned, one each
+    fields = rec["fields"] = {sys.intern(k): v for k, v in rec["fields"].items()}
     for key in _SHARED_FIELDS:
         value = rec[key]
         if value is not None and fields.get(key) == value:
@@ -6068,7 +6077,8 @@ def _render_compact(name, preamble, records, superseded):
         out += [f"## {_HEADINGS[cat]}", ""]
         out += [_compact_entry(r, superseded) for r in eps]
         out.append("")
-    return "\n".join(out) + "\n" + _COMPACT_FOOTER
+    out.append(_COMPACT_FOOTER)   # joined once: at 100k entries a second copy is 20 MB
+    return "\n".join(out)
 
 
 def _title_from_stem(stem):
@@ -6125,7 +6135,8 @@ def _render_docshelf(cfg, records, metas, root, base):
             else:
                 out.append(f"- **{title}**{d} — `{fname}`")
         out.append("")
-    return "\n".join(out) + "\n" + _DOCSHELF_FOOTER
+    out.append(_DOCSHELF_FOOTER)
+    return "\n".join(out)
 
 
 def _legacy_split_sections(root, base, cat, stem):
@@ -11214,6 +11225,7 @@ class _DoctorRun:
         self.git = _Git(root) if _git_available() else None
         self.in_git = bool(self.git and self.git.is_repo())
         self.records = []
+        self.prechecked = {}             # {path: (findings, content hash)} from the catalog pass
         self.manifest = {}               # shelf.yml as parsed (step 1); {} when unreadable
         self.policy = ([], {})           # POLICY.patterns rules and redaction switches (step 3)
         self.ledger_ids = None           # {episode_id: line} of ledger.tsv (step 4)
@@ -11222,9 +11234,17 @@ class _DoctorRun:
     def run(self):
         steps = []
         catalog = _Catalog(self.root, use_cache=self.use_cache)
+        policy = (_shelf_policy(self.root)[0], _redaction_switches(self.root))
+
+        def check(rec, data):
+            # a file parsed afresh is checked in the same worker, while this process is
+            # still small (a worker forked later would start as big as all the records)
+            return _episode_file_findings(rec, data, policy) or (), _content_hash(data)
+
         try:
             progress = _Progress("reading episodes")
-            self.records = catalog.records(progress=progress)
+            self.records = catalog.records(progress=progress, also=check)
+            self.prechecked = catalog.extras
             progress.done()
         finally:
             catalog.close()
@@ -11236,6 +11256,7 @@ class _DoctorRun:
                                [r for r in self.records if r["archived"]])
         steps.append(self.freshness())
         steps.append(self.orphan_rows())
+        self.ledger_ids = None   # read by the steps above only; INDEX needs the memory
         steps.append(self.index())
         if self.check_remote:
             steps.append(self.remotes())
@@ -11644,6 +11665,7 @@ class _DoctorRun:
         finally:
             cache.close()
             progress.done()
+        self.prechecked = {}   # done with; the INDEX step that follows needs the memory
         return steps
 
     def cached_verdicts(self, records, cache, progress):
@@ -11651,6 +11673,15 @@ class _DoctorRun:
         pays; the content checks are most of an empty-cache doctor run)."""
         root, policy = self.root, self.policy
         known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec))
+        later = []
+        for rec in todo:
+            done = self.prechecked.get(rec["path"])
+            if done is None:
+                later.append(rec)
+            else:
+                cache.store(rec, done[1], list(done[0]))
+                known[rec["path"]] = done[0]
+        todo = later
 
         def check(rec):
             data = _read_bytes(root, rec)
@@ -11900,11 +11931,9 @@ class _DoctorRun:
     def index(self):
         out = []
         root = self.root
-        try:
-            with open(os.path.join(root, "INDEX.md"), "rb") as f:
-                on_disk = f.read().decode("utf-8", "replace")
-        except OSError:
-            on_disk = None
+        # compared as bytes, decoded after: at 100k entries each text copy is ~20 MB
+        raw = _read_bytes(root, {"path": "INDEX.md"}) \
+            if os.path.isfile(os.path.join(root, "INDEX.md")) else None
         # a render remembered as on disk for these very inputs needs no second render
         if self.fmt != "manual" and not _render_is_current(root, self.fmt):
             rendered = _render_derived(root, self.records, self.fmt, index_only=True)["files"]
@@ -11914,22 +11943,21 @@ class _DoctorRun:
             for rel in ("INDEX.md", "archive/INDEX.md"):
                 if rel not in rendered:
                     continue
-                if rel == "INDEX.md":
-                    current = on_disk
-                else:
-                    try:
-                        with open(os.path.join(root, rel), "rb") as f:
-                            current = f.read().decode("utf-8", "replace")
-                    except OSError:
-                        current = None
+                current = raw if rel == "INDEX.md" else \
+                    _read_bytes(root, {"path": rel}) if os.path.isfile(os.path.join(root, rel)) \
+                    else None
                 if current is None:
                     out.append(_finding("stale-index", rel, f"{rel} is missing", fix, level))
-                elif current != rendered[rel]:
-                    have = len(_index_entries(current, self.fmt))
+                elif current != rendered[rel].encode("utf-8", "surrogatepass"):
+                    have = len(_index_entries(current.decode("utf-8", "replace"), self.fmt))
                     want = len(_index_entries(rendered[rel], self.fmt))
                     out.append(_finding("stale-index", rel,
                                         f"{rel} differs from a fresh render ({have} entries on "
                                         f"disk, {want} rendered)", fix, level))
+                rendered[rel] = None
+            del rendered
+        on_disk = raw.decode("utf-8", "replace") if raw is not None else None
+        del raw
         if on_disk is None:
             return out
         if self.fmt == "docshelf" and "*Auto-generated by [docshelf-mcp]" not in on_disk:

@@ -7,6 +7,7 @@ files must be identical both ways.
 import json
 import os
 import shutil
+import sqlite3
 
 import pytest
 
@@ -66,6 +67,29 @@ def test_doctor_in_workers_finds_exactly_what_one_process_finds(shelf_with_work)
     again = run_cli("doctor", "--shelf", shelf_with_work, "--json",
                     env={"MEMSHELF_WORKERS": "2"})
     assert again.json() == serial.json()
+
+
+def test_doctor_checks_in_workers_when_only_its_own_cache_is_void(shelf_with_work):
+    # the episode cache stays warm; a new POLICY.patterns rule voids every cached verdict, so
+    # the checks run in their own pass instead of beside the parse
+    run_cli("doctor", "--shelf", shelf_with_work, "--json", env={"MEMSHELF_WORKERS": "2"})
+    with open(shelf_with_work / "POLICY.patterns", "a", encoding="utf-8") as f:
+        f.write("\nqueue-word \\bjitter\\b\n")
+    results = []
+    for workers in ("2", "1"):
+        db = shelf_with_work / ".memshelf" / "shelf.sqlite"
+        assert db.exists()
+        r = run_cli("doctor", "--shelf", shelf_with_work, "--json",
+                    env={"MEMSHELF_WORKERS": workers})
+        assert r.code == 1, r
+        results.append(r.json())
+        # void the verdicts again for the next run, keep the episode rows
+        con = sqlite3.connect(db)
+        con.execute("DELETE FROM doctor_files")
+        con.commit()
+        con.close()
+    assert results[0] == results[1]
+    assert any(f["code"] == "policy-pattern-at-rest" for f in results[0]["findings"])
 
 
 def test_rebuild_in_workers_writes_the_same_files(shelf_with_work):
