@@ -260,8 +260,9 @@ def environment(code_dir):
 
 
 def clean_env(extra=None):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MEMSHELF_") and k != "PYTHONDONTWRITEBYTECODE"}
+    env = {k: v for k, v in os.environ.items()   # MEMSHELF_WORKERS is a measuring choice
+           if not (k.startswith("MEMSHELF_") and k != "MEMSHELF_WORKERS") and
+           k != "PYTHONDONTWRITEBYTECODE"}
     env.update(GIT_ENV)
     env.update(extra or {})
     return env
