@@ -23,6 +23,7 @@ arguments. Standard library only; optional extras are imported lazily where they
 
 __version__ = "0.5.0"
 
+import collections
 import json
 import os
 import re
@@ -1488,7 +1489,6 @@ def _fill_record(rec, body):
     rec["digest"] = digest
     rec["sections"] = [[h, tokens(t.strip())] for h, t in sections]
     rec["body_chars"] = len(body)
-    _share_values(rec)
 
 
 def _record_description(rec):
@@ -4872,7 +4872,7 @@ def _check_section_name(name):
 
 # --- the episode catalog and its cache -----------------------------------------------------
 
-_CACHE_SCHEMA = "3"   # bump when the cached record changes shape
+_CACHE_SCHEMA = "4"   # bump when the cached record changes shape
 
 
 class _Catalog:
@@ -4895,7 +4895,7 @@ class _Catalog:
         are left in self.extras by path."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
         out = self._merge(archive, progress, files, "rec",
-                          lambda rel, archived, row: _record_from_row(row), lambda rec: rec,
+                          lambda rel, archived, row: _record_from_row(row[0]), lambda rec: rec,
                           also)
         if archive:
             _remember_supersedes(self.root, out, self.dirs_before)
@@ -4903,7 +4903,7 @@ class _Catalog:
 
     def summaries(self, archive=True, progress=None):
         """What accounting needs of every episode (_SUMMARY_KEYS), without decoding records."""
-        return self._merge(archive, progress, None, ", ".join(_SUMMARY_KEYS[1:]),
+        return self._merge(archive, progress, None, ", ".join(_SUMMARY_COLUMNS),
                            _summary_from_row, _summary_of)
 
     def _merge(self, archive, progress, files, columns, from_row, from_record, also=None):
@@ -4911,24 +4911,17 @@ class _Catalog:
         from a fresh parse (stored for next time). Cached rows are read in path order alongside
         the sorted scan, one at a time: memory never holds a second copy of the cache."""
         files = self.scan(archive) if files is None else files
-        rows = self._rows(columns)
-        row = next(rows, None)
-        out, missing, gone = [], [], []
-        for rel, archived, st in files:
-            while row is not None and row[0] < rel:
-                gone.append(row[0])
-                row = next(rows, None)
+        gone = []
+        rows = _cache_rows(self.db, f"SELECT path, size, mtime_ns, {columns} FROM episodes "
+                                    "ORDER BY path")
+        out, missing = [], []
+        for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
             obj = None
-            if row is not None and row[0] == rel:
-                if row[1] == st.st_size and row[2] == st.st_mtime_ns:
-                    obj = from_row(rel, archived, row[3])
-                row = next(rows, None)
+            if row is not None and row[1] == st.st_size and row[2] == st.st_mtime_ns:
+                obj = from_row(rel, archived, row[3:])
             if obj is None:
                 missing.append((len(out), rel, archived, st))
             out.append(obj)
-        while row is not None:
-            gone.append(row[0])
-            row = next(rows, None)
         gone = [p for p in gone if archive or not p.startswith("archive/")]
         root = self.root
         fresh = _parallel_map(lambda job: _read_episode(root, *job[1:], also=also), missing,
@@ -4941,18 +4934,6 @@ class _Catalog:
         self._store(fresh, gone)
         return out
 
-    def _rows(self, columns):
-        """(path, size, mtime_ns, the other columns as a tuple, or the one column's value) of
-        the cache in path order; stops quietly on any error."""
-        if self.db is None:
-            return
-        try:
-            for row in self.db.execute(f"SELECT path, size, mtime_ns, {columns} FROM episodes "
-                                       "ORDER BY path"):
-                yield row if len(row) == 4 else row[:3] + (row[3:],)
-        except Exception:
-            return
-
     def _store(self, fresh, gone):
         if self.db is None or not (fresh or gone):
             return
@@ -4960,10 +4941,10 @@ class _Catalog:
             with self.db:
                 self.db.executemany(
                     f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, rec, "
-                    f"{', '.join(_SUMMARY_KEYS[1:])}) VALUES (?, ?, ?, ?"
-                    f"{', ?' * (len(_SUMMARY_KEYS) - 1)})",
+                    f"{', '.join(_SUMMARY_COLUMNS)}) VALUES (?, ?, ?, ?"
+                    f"{', ?' * len(_SUMMARY_COLUMNS)})",
                     ((r["path"], r["size"], r["mtime_ns"], _record_to_row(r)) +
-                     tuple(r[k] for k in _SUMMARY_KEYS[1:]) for r in fresh))
+                     tuple(r[k] for k in _SUMMARY_COLUMNS) for r in fresh))
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
         except Exception:
             pass
@@ -4979,9 +4960,10 @@ _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "fm_
                 "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
                 "sections", "body_chars")
-# What stats and other accounting read of every episode: cache columns beside the record.
-_SUMMARY_KEYS = ("path", "stem", "archived", "id", "date", "digest_tokens", "approx_tokens",
-                 "approx_src")
+# What stats and other accounting read of every episode: path, stem and archived come from
+# the scan, the rest from cache columns beside the record.
+_SUMMARY_COLUMNS = ("id", "date", "digest_tokens", "approx_tokens", "approx_src")
+_SUMMARY_KEYS = ("path", "stem", "archived") + _SUMMARY_COLUMNS
 
 
 def _summary_of(rec):
@@ -4989,9 +4971,38 @@ def _summary_of(rec):
 
 
 def _summary_from_row(rel, archived, columns):
-    summary = dict(zip(_SUMMARY_KEYS, (rel,) + columns))
-    summary["archived"] = archived   # the scan's word (SQLite has no booleans)
-    return summary
+    return dict(zip(_SUMMARY_KEYS, (rel, rel.rsplit("/", 1)[-1][:-3], archived) + columns))
+
+
+def _cache_rows(db, sql):
+    """The rows of a cache query, one at a time; none at all (quietly) on any SQLite error."""
+    if db is None:
+        return
+    try:
+        yield from db.execute(sql)
+    except Exception:
+        return
+
+
+def _beside(rows, items, path_of, gone):
+    """(item, its row or None) for each item, items and rows both sorted by path (a row's path
+    comes first); the paths of rows no item has are appended to gone. A merge of two sorted
+    streams: neither side is copied into memory."""
+    rows = iter(rows)
+    row = next(rows, None)
+    for item in items:
+        path = path_of(item)
+        while row is not None and row[0] < path:
+            gone.append(row[0])
+            row = next(rows, None)
+        if row is not None and row[0] == path:
+            yield item, row
+            row = next(rows, None)
+        else:
+            yield item, None
+    while row is not None:
+        gone.append(row[0])
+        row = next(rows, None)
 
 
 # Promoted string fields that usually equal their frontmatter value: one object serves both.
@@ -5065,22 +5076,15 @@ def _scan_episode_files(root, archive=True, subdirs=None):
                         subdirs.append((f"{base}/{cat}/{name}", e.stat().st_mtime_ns))
                     continue
                 st = e.stat()
-                # two numbers, not the stat result: at 100,000 files that is ~50 MB less
                 found.append((f"{base}/{cat}/{name}", archived,
                               _FileStamp(st.st_size, st.st_mtime_ns)))
     found.sort(key=lambda t: t[0])
     return found
 
 
-class _FileStamp(tuple):
-    """(size, mtime_ns) of a file, readable like the stat result it comes from."""
-    __slots__ = ()
-
-    def __new__(cls, size, mtime_ns):
-        return tuple.__new__(cls, (size, mtime_ns))
-
-    st_size = property(lambda self: self[0])
-    st_mtime_ns = property(lambda self: self[1])
+# (size, mtime_ns) of a file, read like the stat result it stands for: two numbers instead of
+# a whole stat result per episode (~50 MB less at 100,000 files).
+_FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns")
 
 
 def _close_db(db):
@@ -5116,9 +5120,8 @@ def _cache_db(root):
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
                 db.commit()
             db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
-                       " mtime_ns INTEGER, rec TEXT, stem TEXT, archived INTEGER, id TEXT,"
-                       " date TEXT, digest_tokens INTEGER, approx_tokens INTEGER,"
-                       " approx_src TEXT)")
+                       " mtime_ns INTEGER, rec TEXT, id TEXT, date TEXT, digest_tokens INTEGER,"
+                       " approx_tokens INTEGER, approx_src TEXT)")
             db.commit()
             return db
         except Exception:
@@ -6283,9 +6286,7 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
     fmt = fmt or _index_format(root)
     key = None
     if records is None:
-        subdirs = []
-        scanned = _scan_episode_files(root, subdirs=subdirs)
-        key = _render_key(root, fmt, scanned, subdirs)
+        key, scanned = _render_key(root, fmt)
         memo = _render_memo_hit(root, key)
         if memo is not None:
             return memo
@@ -6338,9 +6339,12 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
             "episodes": len([r for r in records if r.get("id")])}
 
 
-def _render_key(root, fmt, scanned, subdirs):
-    """A digest of all a full render reads: code, format, settings, folders, episode stats."""
+def _render_key(root, fmt):
+    """(digest, scan): a digest of all a full render reads (code, format, settings, folders,
+    episode stats), and the episode scan it was made from."""
     import hashlib
+    subdirs = []
+    scanned = _scan_episode_files(root, subdirs=subdirs)
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
         try:
@@ -6354,16 +6358,13 @@ def _render_key(root, fmt, scanned, subdirs):
             parts.append(f"{base}/{cat}\0{os.path.isdir(os.path.join(root, base, cat))}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += [f"{rel}\0{st.st_size}\0{st.st_mtime_ns}" for rel, _, st in scanned]
-    return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
+    return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest(), scanned
 
 
 def _render_is_current(root, fmt=None):
     """True when the derived files on disk are the last full render of the current inputs."""
-    fmt = fmt or _index_format(root)
-    subdirs = []
-    scanned = _scan_episode_files(root, subdirs=subdirs)
-    return _render_memo_hit(root, _render_key(root, fmt, scanned, subdirs), read=False) \
-        is not None
+    key, _scanned = _render_key(root, fmt or _index_format(root))
+    return _render_memo_hit(root, key, read=False) is not None
 
 
 def _render_memo_hit(root, key, read=True):
@@ -11010,31 +11011,18 @@ class _DoctorFileCache:
         except Exception:
             self.close()
 
-    def _rows(self):
-        if self.db is None:
-            return
-        try:
-            yield from self.db.execute("SELECT path, size, mtime_ns, hash, findings "
-                                       "FROM doctor_files ORDER BY path")
-        except Exception:
-            return
-
     def lookup_all(self, records, read):
         """({path: cached findings}, [records to check]); read(rec) -> bytes is called only
         when a file's stamp changed but its content may not have. Cached rows are read in path
-        order beside the records (sorted by path), one at a time."""
+        order beside the records, one at a time."""
         known, todo = {}, []
-        rows = self._rows()
-        row = next(rows, None)
-        for rec in sorted(records, key=lambda r: r["path"]):
-            path = rec["path"]
-            while row is not None and row[0] < path:
-                self.gone.append(row[0])
-                row = next(rows, None)
+        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, hash, findings "
+                                    "FROM doctor_files ORDER BY path")
+        for rec, row in _beside(rows, sorted(records, key=lambda r: r["path"]),
+                                lambda r: r["path"], self.gone):
             findings = None
-            if row is not None and row[0] == path:
-                _, size, mtime_ns, digest, cached = row
-                row = next(rows, None)
+            if row is not None:
+                path, size, mtime_ns, digest, cached = row
                 if size == rec["size"] and mtime_ns == rec["mtime_ns"]:
                     findings = _decode_findings(cached)
                 else:
@@ -11045,10 +11033,7 @@ class _DoctorFileCache:
             if findings is None:
                 todo.append(rec)
             else:
-                known[path] = findings
-        while row is not None:
-            self.gone.append(row[0])
-            row = next(rows, None)
+                known[rec["path"]] = findings
         return known, todo
 
     def store(self, rec, digest, findings):
@@ -11090,10 +11075,10 @@ def _decode_findings(text):
     return () if text == "[]" else json.loads(text)
 
 
-def _read_bytes(root, rec):
-    """An episode file's bytes for the per-file checks (b'' when it cannot be read)."""
+def _read_bytes(root, rel):
+    """A shelf file's bytes for the checks (b'' when it cannot be read)."""
     try:
-        with open(os.path.join(root, rec["path"]), "rb") as f:
+        with open(os.path.join(root, rel), "rb") as f:
             return f.read()
     except OSError:
         return b""
@@ -11227,14 +11212,16 @@ class _DoctorRun:
         self.records = []
         self.prechecked = {}             # {path: (findings, content hash)} from the catalog pass
         self.manifest = {}               # shelf.yml as parsed (step 1); {} when unreadable
-        self.policy = ([], {})           # POLICY.patterns rules and redaction switches (step 3)
+        self.policy = ([], {})           # POLICY.patterns rules and redaction switches (run)
+        self.policy_problems = []        # lines of POLICY.patterns that do not parse (run)
         self.ledger_ids = None           # {episode_id: line} of ledger.tsv (step 4)
         self.uncounted = []              # episodes without a ledger row (step 5)
 
     def run(self):
         steps = []
         catalog = _Catalog(self.root, use_cache=self.use_cache)
-        policy = (_shelf_policy(self.root)[0], _redaction_switches(self.root))
+        rules, self.policy_problems = _shelf_policy(self.root)
+        policy = self.policy = (rules, _redaction_switches(self.root))
 
         def check(rec, data):
             # a file parsed afresh is checked in the same worker, while this process is
@@ -11612,11 +11599,9 @@ class _DoctorRun:
         path = policy.get("path") if isinstance(policy.get("path"), str) else "POLICY.md"
         if not os.path.isfile(os.path.join(self.root, path)):
             out.append(_finding("no-policy", path, f"no {path}"))
-        rules, problems = _shelf_policy(self.root)
-        for p in problems:
+        for p in self.policy_problems:
             out.append(_finding("policy-pattern-invalid", "POLICY.patterns",
                                 f"line {p.get('line')}: {p.get('reason')}"))
-        self.policy = (rules, _redaction_switches(self.root))
         return out
 
     # 4. the ledger register -------------------------------------------------------------
@@ -11672,7 +11657,7 @@ class _DoctorRun:
         """{path: findings} of every episode file: cached, else checked (in parallel when it
         pays; the content checks are most of an empty-cache doctor run)."""
         root, policy = self.root, self.policy
-        known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec))
+        known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec["path"]))
         later = []
         for rec in todo:
             done = self.prechecked.get(rec["path"])
@@ -11684,7 +11669,7 @@ class _DoctorRun:
         todo = later
 
         def check(rec):
-            data = _read_bytes(root, rec)
+            data = _read_bytes(root, rec["path"])
             return _episode_file_findings(rec, data, policy), _content_hash(data)
 
         for rec, (findings, digest) in zip(todo, _parallel_map(check, todo, progress,
@@ -11932,8 +11917,8 @@ class _DoctorRun:
         out = []
         root = self.root
         # compared as bytes, decoded after: at 100k entries each text copy is ~20 MB
-        raw = _read_bytes(root, {"path": "INDEX.md"}) \
-            if os.path.isfile(os.path.join(root, "INDEX.md")) else None
+        raw = _read_bytes(root, "INDEX.md") if os.path.isfile(os.path.join(root, "INDEX.md")) \
+            else None
         # a render remembered as on disk for these very inputs needs no second render
         if self.fmt != "manual" and not _render_is_current(root, self.fmt):
             rendered = _render_derived(root, self.records, self.fmt, index_only=True)["files"]
@@ -11943,9 +11928,8 @@ class _DoctorRun:
             for rel in ("INDEX.md", "archive/INDEX.md"):
                 if rel not in rendered:
                     continue
-                current = raw if rel == "INDEX.md" else \
-                    _read_bytes(root, {"path": rel}) if os.path.isfile(os.path.join(root, rel)) \
-                    else None
+                current = raw if rel == "INDEX.md" else _read_bytes(root, rel) \
+                    if os.path.isfile(os.path.join(root, rel)) else None
                 if current is None:
                     out.append(_finding("stale-index", rel, f"{rel} is missing", fix, level))
                 elif current != rendered[rel].encode("utf-8", "surrogatepass"):
