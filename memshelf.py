@@ -6375,6 +6375,8 @@ def _render_memo_hit(root, key, read=True):
         return None
     files = {}
     for rel, stamp in memo["files"].items():
+        if not isinstance(rel, str) or not _is_derived_path(rel):
+            return None   # state.json is a local file anyone may edit: only derived names count
         path = os.path.join(root, rel)
         try:
             if stamp is None:

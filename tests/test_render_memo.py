@@ -133,3 +133,18 @@ def test_a_memo_for_other_inputs_is_never_used(filled, cli):
     (filled / "INDEX.md").write_text("# stale\n")
     res = rebuild(cli, filled)
     assert "INDEX.md" in res["written"] and "Mira" in (filled / "INDEX.md").read_text()
+
+
+def test_a_memo_naming_files_outside_the_derived_set_is_never_used(filled, cli, tmp_path):
+    rebuild(cli, filled)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not a shelf file\n")
+    state_path = filled / ".memshelf" / "state.json"
+    state = json.loads(state_path.read_text())
+    st = os.stat(outside)
+    state["render_memo"]["files"]["../outside.txt"] = [st.st_size, st.st_mtime_ns]
+    state_path.write_text(json.dumps(state))
+    res = rebuild(cli, filled)
+    assert res["ok"] is True and res["written"] == []
+    assert outside.read_text() == "not a shelf file\n"
+    assert "../outside.txt" not in memo(filled)["files"]
