@@ -289,6 +289,23 @@ def _note(message):
         sys.stderr.write(f"memshelf: {message}\n")
 
 
+def _file_bytes(path, size=-1):
+    """A whole file's bytes through one descriptor: no buffered file object per read, which
+    counts at 10,000 episodes. `size` (from a stat just made) lets one read usually do."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        data = os.read(fd, size + 1 if size >= 0 else 1 << 16)
+        if 0 <= size and len(data) <= size:
+            return data
+        chunks = [data]
+        while data:
+            data = os.read(fd, 1 << 16)
+            chunks.append(data)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 # --- atomic writes and the shelf lock ------------------------------------------------------
 
 _TEMP_MARK = ".memshelf-tmp-"
@@ -1204,12 +1221,46 @@ def _parse_frontmatter_detail(text):
     block = text[start:end]
     line_count = close_line - open_line - 1
     _fm_check_block(block, open_line + 1, line_count, "frontmatter block", open_line)
-    lines = block.split("\n")[:line_count] if line_count else []
-    parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
-    fields = parser.parse()
+    fields = _fm_canonical_fields(block)
+    portability = []
+    if fields is None:
+        lines = block.split("\n")[:line_count] if line_count else []
+        parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
+        fields = parser.parse()
+        portability = parser.portability
     return {"fields": fields, "body": text[body_start:],
             "has_block": True, "h1": h1, "block_line": open_line,
-            "body_line": close_line + 1, "portability": parser.portability}
+            "body_line": close_line + 1, "portability": portability}
+
+
+# A frontmatter line in the form shelve writes it: a lower-case key, one space, then a
+# double-quoted value without escapes, a flow list of simple words, or one simple word. The
+# grammar gives such a line exactly the value the regex captures and no portability finding.
+_FM_WORD = r"[A-Za-z0-9](?:[A-Za-z0-9_.:/+-]*[A-Za-z0-9_./+-])?"
+_FM_CANONICAL_LINE = _re_lazy(r'([a-z_][a-z0-9_]*): (?:"([^"\\\n\t]*)"|(\[(?:%s(?:, %s)*)?\])'
+                              r'|(%s))\n' % (_FM_WORD, _FM_WORD, _FM_WORD))
+_FM_CANONICAL_BLOCK = _re_lazy(r"(?:%s)+\Z" % _FM_CANONICAL_LINE.pattern)
+
+
+def _fm_canonical_fields(block):
+    """The fields of a block made only of canonical lines (the common case, parsed at C
+    speed), or None: then the full grammar parses it, with every error and finding."""
+    if not _FM_CANONICAL_BLOCK.match(block):
+        return None
+    fields = {}
+    for key, quoted, flow, plain in _FM_CANONICAL_LINE.findall(block):
+        if key in fields:
+            return None   # a duplicate key: the grammar reports it
+        if plain:
+            if key == "id" and _yaml_implicit_type(plain) is not None:
+                return None   # a loader would retype this id: the grammar says how
+            value = plain
+        elif flow:
+            value = flow[1:-1].split(", ") if len(flow) > 2 else []
+        else:
+            value = quoted
+        fields[sys.intern(key)] = value
+    return fields
 
 
 def parse_frontmatter(text):
@@ -1301,6 +1352,12 @@ def _h2_spans(text):
         start = m.start()   # the line's offset in text: one past the \n, one less for the prefix
         end = text.find("\n", start)
         end = len(text) if end < 0 else end
+        if text[start] == "#":
+            # never a fence line; a heading only outside fences
+            if fence is None and (text.startswith("## ", start) or
+                                  text[start:end].rstrip() == "##"):
+                found.append((start, end))
+            continue
         line = text[start:end]
         if fence:
             f = _FENCE_OPEN.match(line)
@@ -1311,9 +1368,6 @@ def _h2_spans(text):
         f = _FENCE_OPEN.match(line)
         if f and not (f.group(1)[0] == "`" and "`" in f.group(2)):
             fence = f.group(1)
-            continue
-        if line.startswith("## ") or line.rstrip() == "##":
-            found.append((start, end))
     return found
 
 
@@ -1404,8 +1458,11 @@ def _collapse(text):
     return " ".join(str(text).split())
 
 
+_INTEGER = _re_lazy(r"-?\d+\Z")
+
+
 def _int_or_none(value):
-    if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+    if isinstance(value, str) and _INTEGER.match(value.strip()):
         return int(value.strip())
     return None
 
@@ -1433,8 +1490,7 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
            "fields": {}, "has_block": False, "portability": []}
     raw = b""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = _file_bytes(path, st.st_size)
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
@@ -1444,7 +1500,8 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
         text = ""
     if text.startswith("\ufeff"):
         text = text[1:]
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
     body = text
     if rec["fm_error"] is None:
         try:
@@ -4923,18 +4980,24 @@ class _Catalog:
                 missing.append((len(out), rel, archived, st))
             out.append(obj)
         gone = [p for p in gone if archive or not p.startswith("archive/")]
-        root = self.root
-        fresh = _parallel_map(lambda job: _read_episode(root, *job[1:], also=also), missing,
-                              progress, "reading episodes")
+        root, cached = self.root, self.db is not None
+
+        def parse(job):
+            # the cache row is encoded in the worker too: the parent only stores it
+            rec, extra = _read_episode(root, *job[1:], also=also) if also else \
+                (_read_episode(root, *job[1:]), None)
+            return rec, _record_to_row(rec) if cached else None, extra
+
+        fresh = _parallel_map(parse, missing, progress, "reading episodes")
         if also is not None:
-            self.extras = {rec["path"]: extra for rec, extra in fresh}
-            fresh = [rec for rec, _extra in fresh]
-        for (slot, *_), rec in zip(missing, fresh):
+            self.extras = {rec["path"]: extra for rec, _row, extra in fresh}
+        for (slot, *_), (rec, _row, _extra) in zip(missing, fresh):
             out[slot] = from_record(_share_values(rec))
         self._store(fresh, gone)
         return out
 
     def _store(self, fresh, gone):
+        """Cache rows for fresh (record, encoded row, extra) triples; rows of gone paths go."""
         if self.db is None or not (fresh or gone):
             return
         try:
@@ -4943,8 +5006,8 @@ class _Catalog:
                     f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, rec, "
                     f"{', '.join(_SUMMARY_COLUMNS)}) VALUES (?, ?, ?, ?"
                     f"{', ?' * len(_SUMMARY_COLUMNS)})",
-                    ((r["path"], r["size"], r["mtime_ns"], _record_to_row(r)) +
-                     tuple(r[k] for k in _SUMMARY_COLUMNS) for r in fresh))
+                    ((r["path"], r["size"], r["mtime_ns"], row) +
+                     tuple(r[k] for k in _SUMMARY_COLUMNS) for r, row, _extra in fresh))
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
         except Exception:
             pass
@@ -11080,8 +11143,7 @@ def _decode_findings(text):
 def _read_bytes(root, rel):
     """A shelf file's bytes for the checks (b'' when it cannot be read)."""
     try:
-        with open(os.path.join(root, rel), "rb") as f:
-            return f.read()
+        return _file_bytes(os.path.join(root, rel))
     except OSError:
         return b""
 

@@ -749,3 +749,67 @@ def test_portability_findings_match_pyyaml():
         assert portability(block) == [], block
         loaded = yaml.safe_load(block)
         assert loaded == fields_of(block), block
+
+
+# ------------------------------------------------------------------------------------------
+# The canonical-line fast path gives what the grammar gives
+# ------------------------------------------------------------------------------------------
+
+def _grammar(block):
+    """The full grammar's (fields, portability) for a block, or the error it raises."""
+    parser = memshelf._YamlSubsetParser(block.split("\n")[:-1], 2, nested=False)
+    try:
+        return parser.parse(), parser.portability
+    except FrontmatterError as exc:
+        return "error", str(exc)
+
+
+def test_canonical_fast_path_agrees_with_the_grammar():
+    import random
+    rnd = random.Random(11)
+    alphabet = list("abcdefgh09AZ_-.:/+ #\"'[]{},?!&*|>%@`\\\t\u2028é中")
+    keys = ["id", "kind", "tags", "a_b", "x1", "_k", "Key", "da-te"]
+
+    def value():
+        pick = rnd.random()
+        word = lambda n: "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, n)))
+        if pick < 0.3:
+            return '"' + word(8) + '"'
+        if pick < 0.6:
+            return "[" + ", ".join(word(5) for _ in range(rnd.randint(0, 3))) + "]"
+        return word(8) or "x"
+
+    taken = 0
+    for _ in range(60000):
+        block = "".join(rnd.choice(keys) + rnd.choice([": ", ": ", ":", ":  "]) + value() + "\n"
+                        for _ in range(rnd.randint(1, 4)))
+        fast = memshelf._fm_canonical_fields(block)
+        if fast is not None:
+            taken += 1
+            assert _grammar(block) == (fast, []), block
+    assert taken > 1000   # the generator reaches the fast path often enough to mean something
+
+
+@pytest.mark.parametrize("block", [
+    "id: a\nid: b",                      # duplicate key: the grammar's error
+    "id: 123",                           # an id a loader retypes... canonical integer, no finding
+    "id: 0x1F",                          # ...and one whose text changes: a portability finding
+    "id: yes",
+    "id: 2024-01-01",
+    "title: ends with:",
+    "tags: [a, b:]",
+    "title: a #comment",
+    "tags: [a,b]",
+    "title:  two spaces",
+    "Title: Upper",
+    "title: \"a \\\" quote\"",
+])
+def test_lines_off_the_fast_path_keep_the_grammar_outcome(block):
+    text = fm(block)
+    assert memshelf._fm_canonical_fields(block + "\n") is None
+    try:
+        detail = memshelf._parse_frontmatter_detail(text)
+        got = detail["fields"], detail["portability"]
+    except FrontmatterError as exc:
+        got = "error", str(exc)
+    assert got == _grammar(block + "\n")
