@@ -4929,7 +4929,7 @@ def _check_section_name(name):
 
 # --- the episode catalog and its cache -----------------------------------------------------
 
-_CACHE_SCHEMA = "4"   # bump when the cached record changes shape
+_CACHE_SCHEMA = "6"   # bump when the cached record changes shape
 
 
 class _Catalog:
@@ -4956,6 +4956,15 @@ class _Catalog:
                           also)
         if archive:
             _remember_supersedes(self.root, out, self.dirs_before)
+        return out
+
+    def render_records(self, progress=None, files=None):
+        """What the derived renders read of every episode (_RENDER_KEYS), from a short cache
+        column: a render after one shelve decodes a few values per episode, not records."""
+        self.dirs_before = _category_dirs_fingerprint(self.root)
+        out = self._merge(True, progress, files, "size, " + ", ".join(_CACHE_COLUMNS),
+                          _render_record_from_row, _render_record_of)
+        _remember_supersedes(self.root, out, self.dirs_before)
         return out
 
     def summaries(self, archive=True, progress=None):
@@ -4986,7 +4995,7 @@ class _Catalog:
             # the cache row is encoded in the worker too: the parent only stores it
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
                 (_read_episode(root, *job[1:]), None)
-            return rec, _record_to_row(rec) if cached else None, extra
+            return rec, (_record_to_row(rec),) + _cache_columns(rec) if cached else None, extra
 
         fresh = _parallel_map(parse, missing, progress, "reading episodes")
         if also is not None:
@@ -5004,10 +5013,9 @@ class _Catalog:
             with self.db:
                 self.db.executemany(
                     f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, rec, "
-                    f"{', '.join(_SUMMARY_COLUMNS)}) VALUES (?, ?, ?, ?"
-                    f"{', ?' * len(_SUMMARY_COLUMNS)})",
-                    ((r["path"], r["size"], r["mtime_ns"], row) +
-                     tuple(r[k] for k in _SUMMARY_COLUMNS) for r, row, _extra in fresh))
+                    f"{', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, ?"
+                    f"{', ?' * len(_CACHE_COLUMNS)})",
+                    ((r["path"], r["size"], r["mtime_ns"]) + row for r, row, _extra in fresh))
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
         except Exception:
             pass
@@ -5023,10 +5031,51 @@ _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "fm_
                 "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
                 "sections", "body_chars")
-# What stats and other accounting read of every episode: path, stem and archived come from
-# the scan, the rest from cache columns beside the record.
+# What the derived renders (INDEX, ledger, .meta.json, chart, supersedes links) and shelf
+# accounting read of every episode, kept as cache columns beside the record so that neither
+# decodes whole records. `supersedes` is stored as a JSON list; `date_field` is the frontmatter
+# date (the ledger checks it). Path, stem and archived come from the scan.
+_CACHE_COLUMNS = ("category", "id", "date", "display_title", "description", "digest",
+                  "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
+                  "date_field")
 _SUMMARY_COLUMNS = ("id", "date", "digest_tokens", "approx_tokens", "approx_src")
 _SUMMARY_KEYS = ("path", "stem", "archived") + _SUMMARY_COLUMNS
+_RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
+
+
+def _cache_columns(rec):
+    """The values of _CACHE_COLUMNS for a record."""
+    date = rec["fields"].get("date")
+    return tuple(json.dumps(rec[k], ensure_ascii=False) if k == "supersedes" else
+                 (date if isinstance(date, str) else None) if k == "date_field" else rec[k]
+                 for k in _CACHE_COLUMNS)
+
+
+def _render_record(out):
+    """A render record from its _RENDER_KEYS values: supersedes decoded, the date field as the
+    one frontmatter value it holds. None when the values are not what a render needs."""
+    try:
+        out["supersedes"] = [] if out["supersedes"] == "[]" else json.loads(out["supersedes"])
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(out["supersedes"], list) or out["category"] not in CATEGORIES:
+        return None
+    date = out.pop("date_field")
+    out["fields"] = {} if date is None else {"date": date}
+    out["category"] = sys.intern(out["category"])
+    if out["id"] == out["stem"]:
+        out["id"] = out["stem"]
+    return out
+
+
+def _render_record_of(rec):
+    return _render_record(dict(zip(_RENDER_KEYS, (rec["path"], rec["stem"], rec["archived"],
+                                                  rec["size"]) + _cache_columns(rec))))
+
+
+def _render_record_from_row(rel, archived, columns):
+    return _render_record(dict(zip(_RENDER_KEYS, (rel, rel.rsplit("/", 1)[-1][:-3], archived)
+                                   + columns)))
 
 
 def _summary_of(rec):
@@ -5183,8 +5232,7 @@ def _cache_db(root):
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
                 db.commit()
             db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
-                       " mtime_ns INTEGER, rec TEXT, id TEXT, date TEXT, digest_tokens INTEGER,"
-                       " approx_tokens INTEGER, approx_src TEXT)")
+                       " mtime_ns INTEGER, rec TEXT, " + ", ".join(_CACHE_COLUMNS) + ")")
             db.commit()
             return db
         except Exception:
@@ -6106,8 +6154,12 @@ _ARCHIVE_PREAMBLE = ("Archive of episodes folded into rollups on the parent shel
 _HEADINGS = {"topics": "Topics", "research": "Research", "sessions": "Sessions"}
 
 
+_INDEX_KEY_QUOTED = _re_lazy(r"[\s*`\[\];]")
+_RUN_OF_STARS = _re_lazy(r"\*{2,}")
+
+
 def _index_key(stem):
-    if re.search(r"[\s*`\[\];]", stem):
+    if _INDEX_KEY_QUOTED.search(stem):
         return "`" + stem + "`"
     return stem
 
@@ -6117,7 +6169,7 @@ def _compact_entry(rec, superseded):
     line = "- " + key
     title = rec.get("display_title") or ""
     if title and title != rec["stem"]:
-        line += " **" + re.sub(r"\*{2,}", "*", title) + "**"
+        line += " **" + (_RUN_OF_STARS.sub("*", title) if "**" in title else title) + "**"
     desc = _record_description(rec)
     if desc:
         line += " — " + desc
@@ -6355,7 +6407,7 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
             return memo
         cat = _Catalog(root)
         try:
-            records = cat.records(progress=progress, files=scanned)
+            records = cat.render_records(progress=progress, files=scanned)
         finally:
             cat.close()
         del scanned   # a few hundred bytes per episode, not needed while rendering

@@ -148,3 +148,51 @@ def test_a_memo_naming_files_outside_the_derived_set_is_never_used(filled, cli, 
     assert res["ok"] is True and res["written"] == []
     assert outside.read_text() == "not a shelf file\n"
     assert "../outside.txt" not in memo(filled)["files"]
+
+
+# --- renders read cache columns, not whole records ------------------------------------------
+
+def _renders_agree(root):
+    """A render from the cache's render columns equals a render from whole records."""
+    import memshelf
+    root = str(root)
+    memshelf._render_derived(root)          # fills the cache (fresh parses)
+    cat = memshelf._Catalog(root)
+    try:
+        whole = cat.records()
+        light = cat.render_records()        # every row from the cache this time
+    finally:
+        cat.close()
+    assert len(whole) == len(light) and all(set(r) < set(whole[0]) | {"fields"} for r in light)
+    for fmt in ("compact", "docshelf"):
+        a = memshelf._render_derived(root, records=whole, fmt=fmt)
+        b = memshelf._render_derived(root, records=light, fmt=fmt)
+        assert a["files"] == b["files"] and a["warnings"] == b["warnings"], fmt
+        assert memshelf._render_derived(root, fmt=fmt)["files"] == a["files"]
+    return whole
+
+
+def test_renders_from_cache_columns_equal_renders_from_records(filled, cli):
+    r = cli("shelve", "--shelf", filled, "--slug", "2026-03-04-cache-layer-v2", "--kind", "topic",
+            "--digest", "Mira replaced the write-through cache with a read-through one. "
+            "Open: nothing left.", "--section", "Decisions=- Read-through.",
+            "--display-title", "Cache **layer** v2", "--supersedes", "2026-03-01-cache-layer",
+            "--notes", "follow-up", "--approx-tokens", "1200", "--tag", "team:billing",
+            "--description", "A description well over the cap of one hundred and twenty "
+            "characters, so that the INDEX line is cut and a warning is given for it.")
+    assert r.code == 0, r
+    # a hand-written episode: no date field, no description, a CJK digest, a CRLF file
+    (filled / "docs" / "research" / "2026-03-05-索引.md").write_bytes(
+        "---\r\nid: 2026-03-05-索引\r\nkind: research\r\n---\r\n\r\n## Digest\r\n"
+        "陈选择了只追加的审计表。待定：保留期限。\r\n".encode("utf-8"))
+    (filled / "docs" / "sessions" / "2026-03-06-broken.md").write_text(
+        "---\nid: [unclosed\n---\nbody\n")
+    whole = _renders_agree(filled)
+    assert any(r["supersedes"] for r in whole) and any(r["fm_error"] for r in whole)
+
+
+def test_renders_from_cache_columns_on_a_040_shelf(tmp_path):
+    here = os.path.join(os.path.dirname(__file__), "fixtures", "ref040", "shelf-docshelf")
+    root = tmp_path / "shelf"
+    shutil.copytree(here, root)
+    assert len(_renders_agree(root)) > 0
