@@ -4952,8 +4952,7 @@ class _Catalog:
         are left in self.extras by path."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
         out = self._merge(archive, progress, files, "rec",
-                          lambda rel, archived, row: _record_from_row(row[0]), lambda rec: rec,
-                          also)
+                          lambda rel, archived, row: _record_from_row(row[0]), None, also)
         if archive:
             _remember_supersedes(self.root, out, self.dirs_before)
         return out
@@ -4975,7 +4974,10 @@ class _Catalog:
     def _merge(self, archive, progress, files, columns, from_row, from_record, also=None):
         """One object per episode file, from its cache row when (size, mtime_ns) match, else
         from a fresh parse (stored for next time). Cached rows are read in path order alongside
-        the sorted scan, one at a time: memory never holds a second copy of the cache."""
+        the sorted scan, one at a time: memory never holds a second copy of the cache.
+
+        from_record(record) is the object a fresh parse gives, made in the parse worker (only
+        it crosses back); None means the whole record, its strings shared in this process."""
         files = self.scan(archive) if files is None else files
         gone = []
         rows = _cache_rows(self.db, f"SELECT path, size, mtime_ns, {columns} FROM episodes "
@@ -4995,27 +4997,29 @@ class _Catalog:
             # the cache row is encoded in the worker too: the parent only stores it
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
                 (_read_episode(root, *job[1:]), None)
-            return rec, (_record_to_row(rec),) + _cache_columns(rec) if cached else None, extra
+            row = (rec["path"], rec["size"], rec["mtime_ns"], _record_to_row(rec)) + \
+                _cache_columns(rec) if cached else None
+            return rec if from_record is None else from_record(rec), row, extra
 
         fresh = _parallel_map(parse, missing, progress, "reading episodes")
         if also is not None:
-            self.extras = {rec["path"]: extra for rec, _row, extra in fresh}
-        for (slot, *_), (rec, _row, _extra) in zip(missing, fresh):
-            out[slot] = from_record(_share_values(rec))
-        self._store(fresh, gone)
+            self.extras = {job[1]: extra for job, (_obj, _row, extra) in zip(missing, fresh)}
+        for (slot, *_), (obj, _row, _extra) in zip(missing, fresh):
+            out[slot] = _share_values(obj) if from_record is None else obj
+        self._store([row for _obj, row, _extra in fresh], gone)
         return out
 
-    def _store(self, fresh, gone):
-        """Cache rows for fresh (record, encoded row, extra) triples; rows of gone paths go."""
-        if self.db is None or not (fresh or gone):
+    def _store(self, rows, gone):
+        """Cache rows for fresh parses (path, size, mtime_ns, record, columns); rows of gone
+        paths go."""
+        if self.db is None or not (rows or gone):
             return
         try:
             with self.db:
                 self.db.executemany(
                     f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, rec, "
                     f"{', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, ?"
-                    f"{', ?' * len(_CACHE_COLUMNS)})",
-                    ((r["path"], r["size"], r["mtime_ns"]) + row for r, row, _extra in fresh))
+                    f"{', ?' * len(_CACHE_COLUMNS)})", rows)
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
         except Exception:
             pass
@@ -5046,9 +5050,10 @@ _RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
 def _cache_columns(rec):
     """The values of _CACHE_COLUMNS for a record."""
     date = rec["fields"].get("date")
-    return tuple(json.dumps(rec[k], ensure_ascii=False) if k == "supersedes" else
-                 (date if isinstance(date, str) else None) if k == "date_field" else rec[k]
-                 for k in _CACHE_COLUMNS)
+    return (rec["category"], rec["id"], rec["date"], rec["display_title"], rec["description"],
+            rec["digest"], _json_row(rec["supersedes"]) if rec["supersedes"] else "[]",
+            rec["mode"], rec["approx_tokens"], rec["approx_src"], rec["digest_tokens"],
+            rec["notes"], date if isinstance(date, str) else None)
 
 
 def _render_record(out):
@@ -5069,8 +5074,10 @@ def _render_record(out):
 
 
 def _render_record_of(rec):
-    return _render_record(dict(zip(_RENDER_KEYS, (rec["path"], rec["stem"], rec["archived"],
-                                                  rec["size"]) + _cache_columns(rec))))
+    out = {k: rec[k] for k in _RENDER_KEYS[:-1]}
+    date = rec["fields"].get("date")
+    out["fields"] = {"date": date} if isinstance(date, str) else {}
+    return out
 
 
 def _render_record_from_row(rel, archived, columns):
@@ -5124,7 +5131,18 @@ _INTERNED_VALUES = ("category", "kind", "mode", "approx_src", "notes")
 
 
 def _record_to_row(rec):
-    return json.dumps([rec.get(k) for k in _RECORD_KEYS], ensure_ascii=False)
+    return _json_row([rec.get(k) for k in _RECORD_KEYS])
+
+
+def _json_row(value):
+    """Compact-enough JSON for cache cells, UTF-8 kept: json.dumps(value, ensure_ascii=False)
+    through one encoder made once."""
+    if not _ROW_ENCODER:
+        _ROW_ENCODER.append(json.JSONEncoder(ensure_ascii=False, check_circular=False).encode)
+    return _ROW_ENCODER[0](value)
+
+
+_ROW_ENCODER = []
 
 
 def _record_from_row(text):
