@@ -15807,8 +15807,11 @@ def _build_parser(only=None):
             kw = {"dest": prm.name, "help": prm.help}
             if prm.type == "boolean":
                 if prm.negate:
+                    # the help names what the switch turns off: "Don't commit on git
+                    # shelves", not the positive sentence the MCP schema carries
+                    done = prm.help[:1].lower() + prm.help[1:].rstrip(".")
                     p.add_argument(prm.negate, dest=prm.name, action="store_false",
-                                   default=None, help=prm.help + " (on by default)")
+                                   default=None, help=f"Don't {done} (done by default).")
                 else:
                     p.add_argument(*prm.flags, action="store_true", default=None, **kw)
                 continue

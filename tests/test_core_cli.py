@@ -18,6 +18,14 @@ def test_bare_interpreter_help():
     assert "shelve" in proc.stdout and "recall" in proc.stdout
 
 
+def test_off_switches_say_what_they_turn_off():
+    r = run_cli("shelve", "--help")
+    assert r.code == 0
+    text = " ".join(r.out.split())
+    assert "--no-commit Don't commit on git shelves (done by default)." in text
+    assert "--no-sync Don't fast-forward first (done by default)." in text
+
+
 def test_module_and_import(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "memshelf", "--version"], capture_output=True,
                           text=True, cwd=ROOT)
