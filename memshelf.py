@@ -237,30 +237,28 @@ def _run_forked_item(index):
 
 
 def _parallel_map(func, items, progress=None, message=None):
-    """[func(item) for item in items], in order, spread over worker processes when it pays.
+    """func(item) for each item, yielded in order as they come, spread over worker processes
+    when it pays (the caller can store results while later ones are being made).
 
     func and items are inherited through fork, never pickled; results come back pickled."""
     workers = _worker_count(len(items))
     if workers < 2:
-        out = []
         for n, item in enumerate(items):
-            out.append(func(item))
+            yield func(item)
             if progress is not None:
                 progress.update(n, message)
-        return out
+        return
     import gc
     import multiprocessing
     _FORKED_JOB[:] = [(func, items)]
     gc.freeze()   # objects the workers inherit stay shared: their collector never touches them
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
-            out = []
             chunk = max(8, min(256, len(items) // (workers * 16) or 1))
             for n, result in enumerate(pool.imap(_run_forked_item, range(len(items)), chunk)):
-                out.append(result)
+                yield result
                 if progress is not None:
                     progress.update(n, message)
-            return out
     finally:
         gc.unfreeze()
         _FORKED_JOB[:] = []
@@ -5001,12 +4999,20 @@ class _Catalog:
                 _cache_columns(rec) if cached else None
             return rec if from_record is None else from_record(rec), row, extra
 
-        fresh = _parallel_map(parse, missing, progress, "reading episodes")
         if also is not None:
-            self.extras = {job[1]: extra for job, (_obj, _row, extra) in zip(missing, fresh)}
-        for (slot, *_), (obj, _row, _extra) in zip(missing, fresh):
+            self.extras = {}
+        batch = []   # cache rows are stored as they come: they never pile up in memory
+        for (slot, rel, *_), (obj, row, extra) in zip(
+                missing, _parallel_map(parse, missing, progress, "reading episodes")):
             out[slot] = _share_values(obj) if from_record is None else obj
-        self._store([row for _obj, row, _extra in fresh], gone)
+            if also is not None:
+                self.extras[rel] = extra
+            if row is not None:
+                batch.append(row)
+                if len(batch) >= 2000:
+                    self._store(batch, ())
+                    batch = []
+        self._store(batch, gone)
         return out
 
     def _store(self, rows, gone):
