@@ -3060,6 +3060,8 @@ def merge_redaction_reports(reports):
 
 _HIDDEN_CHAR_CLASS = "\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069\U000e0000-\U000e007f"
 _HIDDEN_CHAR_RE = _LazyPattern("[" + _HIDDEN_CHAR_CLASS + "]")
+# The characters of _HIDDEN_CHAR_CLASS below the tags (U+E0000-U+E007F), one by one.
+_HIDDEN_BMP = "\u200b\u200c\u200d\u2060\ufeff\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
 _INSTRUCTION_RULES = None  # compiled on first use: the tables below cost a few milliseconds
 
 # English imperatives must address the reader: line or sentence start, after punctuation,
@@ -3719,29 +3721,26 @@ def _instruction_rule_table():
 
 _TRIGGER_TOKEN_BREAKS = bytes(b if (48 <= b <= 57 or 97 <= b <= 122 or b >= 128) else 32
                       for b in range(256))
-# Non-ASCII punctuation that separates the words of spaced scripts, as UTF-8 (the token pass
-# works on bytes). CJK punctuation is left alone: CJK triggers are substrings, not tokens.
-_WIDE_BREAKS = _LazyPattern(b"|".join(re.escape(ch.encode()) for ch in (
-    "\u00a0\u00ab\u00bb\u2013\u2014\u2018\u2019\u201c\u201d\u2026")))
+# Non-ASCII punctuation that separates the words of spaced scripts. CJK punctuation is left
+# alone: CJK triggers are substrings, not tokens.
+_WIDE_BREAKS = "\u00a0\u00ab\u00bb\u2013\u2014\u2018\u2019\u201c\u201d\u2026"
 # Bytes that can be part of a base64 run; everything else becomes a space.
 _BASE64_BREAKS = bytes(b if (48 <= b <= 57 or 97 <= b <= 122) else 32 for b in range(256))
 _EOL = _LazyPattern("\n")
-# UTF-8 lead bytes of Arabic (U+0600-U+06FF), and the three-byte characters from U+3000 to
-# U+DFFF (kana, CJK, Hangul): the scripts whose triggers are substrings, not whole words.
+# UTF-8 lead bytes of Arabic (U+0600-U+06FF): its triggers are substrings, not whole words.
 _ARABIC_LEADS = (b"\xd8", b"\xd9", b"\xda", b"\xdb")
-_WIDE_CHAR_BYTES = _LazyPattern(b"[\xe3-\xed][\x80-\xbf][\x80-\xbf]")
 
 
 def _trigger_part(word):
     """(kind, byte forms, key) for one trigger word.
 
     kind: "token" (a whole word of a spaced script), "wide" (a CJK, kana or Hangul
-    substring, keyed by its first character), "arabic" (a substring: Arabic glues
+    substring, looked for as the word itself: its key), "arabic" (a substring: Arabic glues
     prefixes to words) or "piece" (any other substring, such as markup)."""
     encoded = word.encode()
     if "\u3040" <= word[0] <= "\u30ff" or "\u3130" <= word[0] <= "\u318f" \
             or "\u3400" <= word[0] <= "\u9fff" or "\uac00" <= word[0] <= "\ud7af":
-        return ("wide", (encoded,), word[0].encode())
+        return ("wide", (encoded,), word)
     if any("\u0600" <= ch <= "\u06ff" for ch in word):
         return ("arabic", (encoded,), None)
     if word.isalnum():
@@ -3751,13 +3750,14 @@ def _trigger_part(word):
 
 
 def _instruction_rules():
-    """(token index, wide-piece index, other pieces, rules), compiled once.
+    """(token index, wide-piece index, other pieces, rules, Arabic pieces), compiled once.
 
     A token opens the (rule, further parts) rows listed under it; a wide piece is tried
-    only when its first character occurs; other pieces are substring tests."""
+    only when its first character occurs, an Arabic one only in Arabic text; other pieces
+    are substring tests."""
     global _INSTRUCTION_RULES
     if _INSTRUCTION_RULES is None:
-        rules, tokens, wide, pieces = [], {}, {}, []
+        rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
         for number, (kind, triggers, source, check, flags, also) in enumerate(
                 _instruction_rule_table()):
             gate = tuple(tuple(_trigger_part(w) for w in entry.split("+"))
@@ -3771,10 +3771,10 @@ def _instruction_rules():
                     for form in first[1]:
                         tokens.setdefault(form, []).append((number, rest, form))
                 elif first[0] == "wide":
-                    wide.setdefault(first[2], []).append((first, number, rest))
+                    wide.setdefault(first[2][0], []).append((first, number, rest))
                 else:
-                    pieces.append((first, number, rest))
-        _INSTRUCTION_RULES = (tokens, wide, pieces, rules)
+                    (arabic if first[0] == "arabic" else pieces).append((first, number, rest))
+        _INSTRUCTION_RULES = (tokens, wide, pieces, rules, arabic)
     return _INSTRUCTION_RULES
 
 
@@ -3785,39 +3785,43 @@ class _TriggerScan:
         self.text = text
         self.low = text.encode("utf-8", "surrogatepass").lower()
         self.ascii = len(self.low) == len(text)
-        words = self.low if self.ascii else _WIDE_BREAKS.sub(b" ", self.low)
+        words, self.wide, self.arabic = self.low, set(), False
+        if not self.ascii:
+            # Finding one character in the str is C speed; regexes over the UTF-8 are not.
+            spaced = text
+            for ch in _WIDE_BREAKS:
+                spaced = spaced.replace(ch, " ")
+            words = spaced.encode("utf-8", "surrogatepass").lower()
+            self.wide = {key for key in _instruction_rules()[1] if key in text}
+            self.arabic = any(lead in self.low for lead in _ARABIC_LEADS)
         self.tokens = set(words.translate(_TRIGGER_TOKEN_BREAKS).split())
-        self.wide = set(_WIDE_CHAR_BYTES.findall(self.low)) if not self.ascii else set()
-        self.arabic = not self.ascii and any(lead in self.low for lead in _ARABIC_LEADS)
         self.lowered = None
 
     def has(self, part):
         kind, forms, key = part
         if kind == "token":
-            return any(f in self.tokens for f in forms)
+            return not self.tokens.isdisjoint(forms)
         if kind == "wide":
-            return key in self.wide and forms[0] in self.low
+            return key in self.text
         if kind == "arabic":
             return self.arabic and forms[0] in self.low
         return forms[0] in self.low
 
     def fired(self):
         """{rule number: [byte forms whose lines the rule must read]}."""
-        tokens, wide, pieces, _ = _instruction_rules()
+        tokens, wide, pieces, rules, arabic = _instruction_rules()
         fired = {}
         for token in self.tokens.intersection(tokens):
             for number, rest, form in tokens[token]:
                 if all(self.has(part) for part in rest):
                     fired.setdefault(number, []).append(form)
-        if not self.ascii:
-            for key in self.wide.intersection(wide):
-                for first, number, rest in wide[key]:
-                    if first[1][0] in self.low and all(self.has(part) for part in rest):
-                        fired.setdefault(number, []).append(first[1][0])
-        for first, number, rest in pieces:
+        for key in self.wide:
+            for first, number, rest in wide[key]:
+                if first[2] in self.text and all(self.has(part) for part in rest):
+                    fired.setdefault(number, []).append(first[1][0])
+        for first, number, rest in pieces + arabic if self.arabic else pieces:
             if self.has(first) and all(self.has(part) for part in rest):
                 fired.setdefault(number, []).append(first[1][0])
-        rules = _instruction_rules()[3]
         return {number: forms for number, forms in fired.items()
                 if not rules[number][3] or any(all(self.has(part) for part in entry)
                                                for entry in rules[number][3])}
@@ -4368,8 +4372,18 @@ _SPACED_BYTES = _LazyPattern(b"[ .][a-z0-9@$][ .][a-z0-9@$](?![a-z0-9@$])")
 # The letter before is part of the match (the mark is one past its start): far fewer matches
 # than runs of digits alone, which log lines are full of.
 _LEET_BYTES = _LazyPattern(b"[a-z][013457@$]+(?=[a-z])")
-_HIDDEN_BYTES = _LazyPattern(
-    b"\xe2\x80[\x8b-\x8d\xaa-\xae]|\xe2\x81[\xa0\xa6-\xa9]|\xef\xbb\xbf|\xf3\xa0[\x80\x81]")
+# Letters become a, leet characters 1: a _LEET_BYTES match leaves a1a, or a11 and 11a.
+_LEET_SHAPE = bytes(97 if 97 <= b <= 122 else 49 if b in b"013457@$" else 32 for b in range(256))
+_ASCII_BYTES = bytes(range(128))
+
+
+def _holds_hidden(text):
+    """Whether _HIDDEN_CHAR_RE matches in text: a C-speed find per character beats the regex;
+    tag characters need the UTF-8 lead byte \\xf3, so only then does the regex run."""
+    if text.isascii():
+        return False
+    return any(ch in text for ch in _HIDDEN_BMP) or (
+        b"\xf3" in text.encode("utf-8", "surrogatepass") and bool(_HIDDEN_CHAR_RE.search(text)))
 
 
 # --- public API ----------------------------------------------------------------------------
@@ -4413,25 +4427,27 @@ def scan_instructions(text):
             add("context-escape", offset, False)
 
     # hidden-text reads everything, code included.
-    raw = scan.low if prose is text else None
-    if not text.isascii():
-        raw = raw or text.encode("utf-8", "surrogatepass").lower()
-        if _HIDDEN_BYTES.search(raw):
-            for m in _HIDDEN_CHAR_RE.finditer(text):
-                if not (m.start() == 0 and m.group(0) == "\ufeff"):
-                    add("hidden-text", m.start(), False)
+    if _holds_hidden(text):
+        for m in _HIDDEN_CHAR_RE.finditer(text):
+            if not (m.start() == 0 and m.group(0) == "\ufeff"):
+                add("hidden-text", m.start(), False)
     if "<" in text:
-        raw = raw or text.encode("utf-8", "surrogatepass").lower()
+        raw = scan.low if prose is text else text.encode("utf-8", "surrogatepass").lower()
         for offset in _hidden_markup(text, raw, lambda at: prose[at] != text[at]):
             add("hidden-text", offset, False)
 
-    # The second pass reads only the lines the normaliser may change.
+    # The second pass reads only the lines the normaliser may change. The regexes are slow
+    # over the whole text, so cheaper tests of the same shapes go first.
     low = scan.low
-    marks = [m.start() + 1 for m in _LEET_BYTES.finditer(low)]
+    shape = low.translate(_LEET_SHAPE)
+    marks = [m.start() + 1 for m in _LEET_BYTES.finditer(low)] \
+        if b"a1a" in shape or (b"a11" in shape and b"11a" in shape) else []
     if len(scan.tokens.intersection(_SINGLE_LETTERS)) >= 5:
         marks.extend(m.start() for m in _SPACED_BYTES.finditer(low))
     if not scan.ascii:
-        marks.extend(m.start() for m in _NEEDS_NORMALISING_WIDE.finditer(low))
+        # Its matches start at lead bytes and lie in one character: dropping ASCII keeps them.
+        if _NEEDS_NORMALISING_WIDE.search(low.translate(None, _ASCII_BYTES)):
+            marks.extend(m.start() for m in _NEEDS_NORMALISING_WIDE.finditer(low))
         if any(lead in low for lead in _CYRILLIC_GREEK_LEADS):
             marks.extend(m.start() for m in _MIXED_SCRIPT_BYTES.finditer(low))
     # A base64 run of 40 or more characters leaves a token of 20 or more between + and /.
@@ -4476,7 +4492,7 @@ def _hidden_characters(text):
     the very start is not hidden. doctor reports these as hidden-characters."""
     out = []
     seen = set()
-    if not text or not _HIDDEN_CHAR_RE.search(text):
+    if not _holds_hidden(text):
         return out
     line = 1
     position = 0
