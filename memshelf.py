@@ -3760,8 +3760,11 @@ def _instruction_rules():
         rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
         for number, (kind, triggers, source, check, flags, also) in enumerate(
                 _instruction_rule_table()):
-            gate = tuple(tuple(_trigger_part(w) for w in entry.split("+"))
-                         for entry in also.split())
+            entries = [tuple(_trigger_part(w) for w in entry.split("+")) for entry in also.split()]
+            one_word = [e for e in entries if len(e) == 1 and e[0][0] == "token"]
+            # (the forms of the one-word entries, for one set lookup; the other entries)
+            gate = (frozenset(f for e in one_word for f in e[0][1]),
+                    tuple(e for e in entries if e not in one_word)) if entries else None
             # Compiled when a text first needs the rule: most texts fire a handful of rules.
             rules.append((kind, _LazyPattern(source, flags | re.MULTILINE), check, gate))
             for entry in triggers.split():
@@ -3822,9 +3825,15 @@ class _TriggerScan:
         for first, number, rest in pieces + arabic if self.arabic else pieces:
             if self.has(first) and all(self.has(part) for part in rest):
                 fired.setdefault(number, []).append(first[1][0])
-        return {number: forms for number, forms in fired.items()
-                if not rules[number][3] or any(all(self.has(part) for part in entry)
-                                               for entry in rules[number][3])}
+        return {number: forms for number, forms in fired.items() if self.opens(rules[number][3])}
+
+    def opens(self, gate):
+        """Whether the text holds one entry of a rule's gate (its `also` words); None opens."""
+        if gate is None:
+            return True
+        words, entries = gate
+        return not self.tokens.isdisjoint(words) or any(all(self.has(part) for part in entry)
+                                                         for entry in entries)
 
     def spans(self, forms):
         """Offset ranges of the text around each occurrence of the forms; None when lower-casing
