@@ -1421,9 +1421,22 @@ def _episode_date(fields, stem):
     return ""
 
 
+# An episode file as _read_episode parsed it: its normalised text, the body after the
+# frontmatter block, and the body's preamble and [(heading, text)] sections.
+_EpisodeText = collections.namedtuple("_EpisodeText", "text body preamble sections")
+
+
+def _normalised(text):
+    """Text as every episode reader sees it: no byte order mark, \n line ends."""
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def _read_episode(root, rel, archived=False, stat=None, also=None):
     """Parse one episode file into a plain record (the unit the cache stores); with `also`,
-    (record, also(record, the file's bytes)): per-file work that shares the one read."""
+    (record, also(record, the file's bytes, its _EpisodeText)): per-file work that shares
+    the one read and parse."""
     path = os.path.join(root, rel)
     st = stat or os.stat(path)
     category = sys.intern(rel.split("/")[-2])
@@ -1442,9 +1455,7 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
     except OSError as exc:
         rec["fm_error"] = f"io: {exc.strerror}"
         text = ""
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = _normalised(text)
     body = text
     if rec["fm_error"] is None:
         try:
@@ -1456,11 +1467,13 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
             body = detail["body"]
         except FrontmatterError as exc:
             rec["fm_error"] = f"{exc.error_class}: {exc}"
-    _fill_record(rec, body)
-    return rec if also is None else (rec, also(rec, raw))
+    split = _fill_record(rec, body)
+    return rec if also is None else (rec, also(rec, raw, _EpisodeText(text, body, *split)))
 
 
 def _fill_record(rec, body):
+    """Fill the record's fields from its frontmatter and body; returns the body's
+    (preamble, sections)."""
     f = rec["fields"]
 
     def s(key):
@@ -1484,11 +1497,12 @@ def _fill_record(rec, body):
     rec["retain_until"] = s("retain_until")
     ledger_digest = _ledger_digest(body)
     rec["digest_tokens"] = tokens(ledger_digest)
-    _, sections = _split_sections(body)
+    preamble, sections = _split_sections(body)
     digest = _digest_of(sections)
     rec["digest"] = digest
     rec["sections"] = [[h, tokens(t.strip())] for h, t in sections]
     rec["body_chars"] = len(body)
+    return preamble, sections
 
 
 def _record_description(rec):
@@ -2081,7 +2095,7 @@ def _token_spans(sc):
 
 def _long_runs(text):
     """The whitespace-free runs of 16 or more characters, joined by spaces."""
-    return " ".join(w for w in text.split() if len(w) >= 16)
+    return " ".join([w for w in text.split() if len(w) >= 16])
 
 
 def _is_placeholder_token(value):
@@ -4375,14 +4389,17 @@ _NEEDS_NORMALISING_WIDE = _LazyPattern(
 _MIXED_SCRIPT_BYTES = _LazyPattern(b"[\xce-\xd3](?:(?<=[a-z][\xce-\xd3])|[\x80-\xbf][a-z])")
 _BASE64_BYTES = _LazyPattern(b"[a-z0-9+/_-]{40,}")
 _SINGLE_LETTERS = frozenset(bytes([b]) for b in range(97, 123))
-_CYRILLIC_GREEK_LEADS = (b"\xce", b"\xcf", b"\xd0", b"\xd1", b"\xd2", b"\xd3")
 _SPACED_BYTES = _LazyPattern(b"[ .][a-z0-9@$][ .][a-z0-9@$](?![a-z0-9@$])")
 # Leetspeak: digits standing between letters ("y0u", "pr3v10u5"); "03z" or "fts5" do not count.
 # The letter before is part of the match (the mark is one past its start): far fewer matches
 # than runs of digits alone, which log lines are full of.
 _LEET_BYTES = _LazyPattern(b"[a-z][013457@$]+(?=[a-z])")
-# Letters become a, leet characters 1: a _LEET_BYTES match leaves a1a, or a11 and 11a.
-_LEET_SHAPE = bytes(97 if 97 <= b <= 122 else 49 if b in b"013457@$" else 32 for b in range(256))
+# One letter per byte for cheap tests of the normaliser's byte regexes: a (a-z), 1 (leet
+# characters), c (Cyrillic or Greek lead byte), x (UTF-8 continuation byte), else a space.
+# A _LEET_BYTES match leaves a1a, or a11 and 11a; a _MIXED_SCRIPT_BYTES one ac or cxa.
+_NORMALISING_SHAPE = bytes(97 if 97 <= b <= 122 else 49 if b in b"013457@$" else
+                           99 if 0xce <= b <= 0xd3 else 120 if 0x80 <= b <= 0xbf else 32
+                           for b in range(256))
 _ASCII_BYTES = bytes(range(128))
 
 
@@ -4448,7 +4465,7 @@ def scan_instructions(text):
     # The second pass reads only the lines the normaliser may change. The regexes are slow
     # over the whole text, so cheaper tests of the same shapes go first.
     low = scan.low
-    shape = low.translate(_LEET_SHAPE)
+    shape = low.translate(_NORMALISING_SHAPE)
     marks = [m.start() + 1 for m in _LEET_BYTES.finditer(low)] \
         if b"a1a" in shape or (b"a11" in shape and b"11a" in shape) else []
     if len(scan.tokens.intersection(_SINGLE_LETTERS)) >= 5:
@@ -4457,7 +4474,7 @@ def scan_instructions(text):
         # Its matches start at lead bytes and lie in one character: dropping ASCII keeps them.
         if _NEEDS_NORMALISING_WIDE.search(low.translate(None, _ASCII_BYTES)):
             marks.extend(m.start() for m in _NEEDS_NORMALISING_WIDE.finditer(low))
-        if any(lead in low for lead in _CYRILLIC_GREEK_LEADS):
+        if b"ac" in shape or b"cxa" in shape:
             marks.extend(m.start() for m in _MIXED_SCRIPT_BYTES.finditer(low))
     # A base64 run of 40 or more characters leaves a token of 20 or more between + and /.
     words = scan.tokens if scan.ascii else low.translate(_BASE64_BREAKS).split()
@@ -4544,6 +4561,8 @@ _CUE_ZH = ("决定", "否决", "拒绝", "选择", "选定", "待办", "未决",
 
 def count_words(text):
     """Words of a digest: CJK characters count half a word each (contracts.md § 1.1)."""
+    if not _CJK.search(text):
+        return len(text.split())
     n = 0
     for tok in text.split():
         c = len(_CJK.findall(tok))
@@ -4916,8 +4935,8 @@ class _Catalog:
     def records(self, archive=True, progress=None, files=None, also=None):
         """Every episode's record; `files` is a scan made just before (saves a second one).
 
-        also(record, bytes) runs beside each file parsed afresh (in its worker); its answers
-        are left in self.extras by path."""
+        also(record, bytes, _EpisodeText) runs beside each file parsed afresh (in its worker);
+        its answers are left in self.extras by path."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
         out = self._merge(archive, progress, files, "rec",
                           lambda rel, archived, row: _record_from_row(row[0]), lambda rec: rec,
@@ -10811,10 +10830,14 @@ _WORD_OR_WIDE_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 1
 def _content_words(text):
     """Grounding vocabulary: lower-cased 4+ character words (no digits, no stop words); CJK
     runs contribute their character bigrams (doctor.md § 3.3)."""
-    low = text.lower()
+    # Lower-casing goes character by character but for these (İ and K lower to ASCII, Σ by
+    # context); without them the ASCII is lowered as bytes and the rest piece by piece.
+    if "\u0130" in text or "\u212a" in text or "\u03a3" in text:
+        text = text.lower()
     # Split at ASCII non-word characters (C speed): an all-ASCII piece is a whole \w run, and
     # only the distinct pieces holding other characters go through the regexes.
-    pieces = set(low.encode("utf-8", "surrogatepass").translate(_WORD_OR_WIDE_BYTES).split())
+    pieces = set(text.encode("utf-8", "surrogatepass").lower().translate(_WORD_OR_WIDE_BYTES)
+                 .split())
     ascii_words, wide = [], []
     for piece in pieces:
         if not piece.isascii():
@@ -10823,7 +10846,7 @@ def _content_words(text):
             ascii_words.append(piece)
     words = set(b" ".join(ascii_words).decode("ascii").split())
     if wide:
-        low = b" ".join(wide).decode("utf-8", "surrogatepass")
+        low = b" ".join(wide).decode("utf-8", "surrogatepass").lower()
         if _CJK.search(low):
             for run in _CJK_RUN.findall(low):
                 words.update(run[i:i + 2] for i in range(len(run) - 1))
@@ -10839,7 +10862,8 @@ def _digest_may_fail(digest):
     text = digest.strip()
     if not text or len(text) > MAX_DIGEST_CHARS or count_words(text) > MAX_DIGEST_WORDS:
         return True
-    return bool(_WE_EN.search(text) or _WE_RU.search(text) or any(w in text for w in _WE_ZH))
+    return bool(_WE_EN.search(text) or (not text.isascii() and _WE_RU.search(text))
+                or any(w in text for w in _WE_ZH))
 
 
 def _grounding(digest, body_text):
@@ -10850,12 +10874,36 @@ def _grounding(digest, body_text):
     bwords = _content_words(body_text)
     if len(bwords) < 40:
         return None
-    prefixes = {w[:5] for w in bwords}
-    grounded = sum(1 for w in dwords if w[:5] in prefixes)
+    grounded = _grounded_count(dwords, bwords)
     return grounded / len(dwords), len(dwords), grounded
 
 
-def _format_findings(rec, text, detail):
+def _grounded_count(dwords, bwords):
+    """How many digest words share their first five characters with a body word."""
+    prefixes = {w[:5] for w in bwords}
+    return sum(1 for w in dwords if w[:5] in prefixes)
+
+
+# Characters of the body read first: they ground most digests, at a fraction of the cost.
+_GROUNDING_OPENING = 1000
+
+
+def _digest_mismatch(digest, body_text):
+    """_grounding's measure when the digest shares under 20% of its content words with the
+    body, else None. Grounded words only add up as the body goes on, so a body whose opening
+    lines already ground 20% is not read to the end."""
+    cut = body_text.rfind("\n", 0, _GROUNDING_OPENING) + 1
+    if cut and len(body_text) > 2 * _GROUNDING_OPENING:
+        dwords = _content_words(digest)
+        if len(dwords) < 8:
+            return None
+        if _grounded_count(dwords, _content_words(body_text[:cut])) / len(dwords) >= 0.2:
+            return None
+    measured = _grounding(digest, body_text)
+    return measured if measured is not None and measured[0] < 0.2 else None
+
+
+def _format_findings(rec, text, body_start):
     out = []
     path = rec["path"]
     fields = rec.get("fields") or {}
@@ -10894,7 +10942,7 @@ def _format_findings(rec, text, detail):
         if "approx_tokens" in fields:
             value = fields["approx_tokens"]
             number = _int_or_none(value) if isinstance(value, str) else None
-            block = text[:detail["body_start"]] if detail else ""
+            block = text[:body_start]
             if number is None:
                 out.append(_finding("bad-approx-tokens", path,
                                     f"approx_tokens {value!r} is not an integer"))
@@ -10940,8 +10988,9 @@ def _format_findings(rec, text, detail):
     return out
 
 
-def _content_findings(rec, text, body, policy):
+def _content_findings(rec, parsed, policy):
     out = []
+    text = parsed.text
     path = rec["path"]
     rules, switches = policy
     has_digest = any(h.casefold() == "digest" for h, _ in rec.get("sections") or [])
@@ -10960,10 +11009,9 @@ def _content_findings(rec, text, body, policy):
             out.append(_finding("digest-secret", path, "secret-shaped text in the digest ("
                                 + _kind_counts(h["kind"] for h in digest_hits) + ")",
                                 _with_path(_DOCTOR_CODES["digest-secret"][2], path)))
-        preamble, sections = _split_sections(body)
-        rest = "\n".join(t for h, t in sections if h.casefold() != "digest")
-        measured = _grounding(digest, preamble + "\n" + rest)
-        if measured is not None and measured[0] < 0.2:
+        rest = "\n".join(t for h, t in parsed.sections if h.casefold() != "digest")
+        measured = _digest_mismatch(digest, parsed.preamble + "\n" + rest)
+        if measured is not None:
             share, total, grounded = measured
             out.append(_finding("digest-body-mismatch", path,
                                 f"the digest shares {round(share * 100)}% of its content words "
@@ -10996,24 +11044,24 @@ def _content_findings(rec, text, body, policy):
     return out
 
 
-def _episode_file_findings(rec, data, policy):
-    """Every finding one episode file yields by itself: format, then content."""
-    text = data.decode("utf-8", "replace")
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    detail = None
-    body = text
-    if rec.get("has_block") and not rec.get("fm_error"):
-        try:
-            # only where the block ends is needed; the catalog already parsed the fields
-            located = _fm_locate(text)
-            if located[1] is not None:
-                body = text[located[5]:]
-                detail = {"body_start": located[5]}
-        except FrontmatterError:
-            pass
-    return _format_findings(rec, text, detail) + _content_findings(rec, text, body, policy)
+def _episode_file_findings(rec, data, policy, parsed=None):
+    """Every finding one episode file yields by itself: format, then content. `parsed` is
+    the file's _EpisodeText from the read that made rec; without it, data is parsed again."""
+    if parsed is None:
+        text = _normalised(data.decode("utf-8", "replace"))
+        body = text
+        if rec.get("has_block") and not rec.get("fm_error"):
+            try:
+                # only where the block ends is needed; the catalog already parsed the fields
+                located = _fm_locate(text)
+                if located[1] is not None:
+                    body = text[located[5]:]
+            except FrontmatterError:
+                pass
+        parsed = _EpisodeText(text, body, *_split_sections(body))
+    # the body is the text's tail: the frontmatter block (with any H1) is what precedes it
+    body_start = len(parsed.text) - len(parsed.body)
+    return _format_findings(rec, parsed.text, body_start) + _content_findings(rec, parsed, policy)
 
 
 class _DoctorFileCache:
@@ -11250,10 +11298,10 @@ class _DoctorRun:
         rules, self.policy_problems = _shelf_policy(self.root)
         policy = self.policy = (rules, _redaction_switches(self.root))
 
-        def check(rec, data):
+        def check(rec, data, parsed):
             # a file parsed afresh is checked in the same worker, while this process is
             # still small (a worker forked later would start as big as all the records)
-            return _episode_file_findings(rec, data, policy) or (), _content_hash(data)
+            return _episode_file_findings(rec, data, policy, parsed) or (), _content_hash(data)
 
         try:
             progress = _Progress("reading episodes")
