@@ -1476,9 +1476,24 @@ def _episode_date(fields, stem):
     return ""
 
 
+# An episode file as _read_episode parsed it: its normalised text, the body after the
+# frontmatter block, and the body's preamble and [(heading, text)] sections.
+_EpisodeText = collections.namedtuple("_EpisodeText", "text body preamble sections")
+
+
+def _normalised(text):
+    """Text as every episode reader sees it: no byte order mark, \n line ends."""
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
+
+
 def _read_episode(root, rel, archived=False, stat=None, also=None):
     """Parse one episode file into a plain record (the unit the cache stores); with `also`,
-    (record, also(record, the file's bytes)): per-file work that shares the one read."""
+    (record, also(record, the file's bytes, its _EpisodeText)): per-file work that shares
+    the one read and parse."""
     path = os.path.join(root, rel)
     st = stat or os.stat(path)
     category = sys.intern(rel.split("/")[-2])
@@ -1496,10 +1511,7 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
     except OSError as exc:
         rec["fm_error"] = f"io: {exc.strerror}"
         text = ""
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = _normalised(text)
     body = text
     if rec["fm_error"] is None:
         try:
@@ -1511,11 +1523,13 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
             body = detail["body"]
         except FrontmatterError as exc:
             rec["fm_error"] = f"{exc.error_class}: {exc}"
-    _fill_record(rec, body)
-    return rec if also is None else (rec, also(rec, raw))
+    split = _fill_record(rec, body)
+    return rec if also is None else (rec, also(rec, raw, _EpisodeText(text, body, *split)))
 
 
 def _fill_record(rec, body):
+    """Fill the record's fields from its frontmatter and body; returns the body's
+    (preamble, sections)."""
     f = rec["fields"]
 
     def s(key):
@@ -1539,11 +1553,12 @@ def _fill_record(rec, body):
     rec["retain_until"] = s("retain_until")
     ledger_digest = _ledger_digest(body)
     rec["digest_tokens"] = tokens(ledger_digest)
-    _, sections = _split_sections(body)
+    preamble, sections = _split_sections(body)
     digest = _digest_of(sections)
     rec["digest"] = digest
     rec["sections"] = [[h, tokens(t.strip())] for h, t in sections]
     rec["body_chars"] = len(body)
+    return preamble, sections
 
 
 def _record_description(rec):
@@ -2136,7 +2151,7 @@ def _token_spans(sc):
 
 def _long_runs(text):
     """The whitespace-free runs of 16 or more characters, joined by spaces."""
-    return " ".join(w for w in text.split() if len(w) >= 16)
+    return " ".join([w for w in text.split() if len(w) >= 16])
 
 
 def _is_placeholder_token(value):
@@ -3774,29 +3789,26 @@ def _instruction_rule_table():
 
 _TRIGGER_TOKEN_BREAKS = bytes(b if (48 <= b <= 57 or 97 <= b <= 122 or b >= 128) else 32
                       for b in range(256))
-# Non-ASCII punctuation that separates the words of spaced scripts, as UTF-8 (the token pass
-# works on bytes). CJK punctuation is left alone: CJK triggers are substrings, not tokens.
-_WIDE_BREAKS = _LazyPattern(b"|".join(re.escape(ch.encode()) for ch in (
-    "\u00a0\u00ab\u00bb\u2013\u2014\u2018\u2019\u201c\u201d\u2026")))
-# Bytes that can be part of a base64 run; everything else becomes a space.
-_BASE64_BREAKS = bytes(b if (48 <= b <= 57 or 97 <= b <= 122) else 32 for b in range(256))
+# Non-ASCII punctuation that separates the words of spaced scripts. CJK punctuation is left
+# alone: CJK triggers are substrings, not tokens.
+_WIDE_BREAKS = "\u00a0\u00ab\u00bb\u2013\u2014\u2018\u2019\u201c\u201d\u2026"
+# Bytes that can be part of a base64 run become a, everything else a space.
+_BASE64_SHAPE = bytes(97 if (48 <= b <= 57 or 97 <= b <= 122) else 32 for b in range(256))
 _EOL = _LazyPattern("\n")
-# UTF-8 lead bytes of Arabic (U+0600-U+06FF), and the three-byte characters from U+3000 to
-# U+DFFF (kana, CJK, Hangul): the scripts whose triggers are substrings, not whole words.
+# UTF-8 lead bytes of Arabic (U+0600-U+06FF): its triggers are substrings, not whole words.
 _ARABIC_LEADS = (b"\xd8", b"\xd9", b"\xda", b"\xdb")
-_WIDE_CHAR_BYTES = _LazyPattern(b"[\xe3-\xed][\x80-\xbf][\x80-\xbf]")
 
 
 def _trigger_part(word):
     """(kind, byte forms, key) for one trigger word.
 
     kind: "token" (a whole word of a spaced script), "wide" (a CJK, kana or Hangul
-    substring, keyed by its first character), "arabic" (a substring: Arabic glues
+    substring, looked for as the word itself: its key), "arabic" (a substring: Arabic glues
     prefixes to words) or "piece" (any other substring, such as markup)."""
     encoded = word.encode()
     if "\u3040" <= word[0] <= "\u30ff" or "\u3130" <= word[0] <= "\u318f" \
             or "\u3400" <= word[0] <= "\u9fff" or "\uac00" <= word[0] <= "\ud7af":
-        return ("wide", (encoded,), word[0].encode())
+        return ("wide", (encoded,), word)
     if any("\u0600" <= ch <= "\u06ff" for ch in word):
         return ("arabic", (encoded,), None)
     if word.isalnum():
@@ -3806,17 +3818,21 @@ def _trigger_part(word):
 
 
 def _instruction_rules():
-    """(token index, wide-piece index, other pieces, rules), compiled once.
+    """(token index, wide-piece index, other pieces, rules, Arabic pieces), compiled once.
 
     A token opens the (rule, further parts) rows listed under it; a wide piece is tried
-    only when its first character occurs; other pieces are substring tests."""
+    only when its first character occurs, an Arabic one only in Arabic text; other pieces
+    are substring tests."""
     global _INSTRUCTION_RULES
     if _INSTRUCTION_RULES is None:
-        rules, tokens, wide, pieces = [], {}, {}, []
+        rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
         for number, (kind, triggers, source, check, flags, also) in enumerate(
                 _instruction_rule_table()):
-            gate = tuple(tuple(_trigger_part(w) for w in entry.split("+"))
-                         for entry in also.split())
+            entries = [tuple(_trigger_part(w) for w in entry.split("+")) for entry in also.split()]
+            one_word = [e for e in entries if len(e) == 1 and e[0][0] == "token"]
+            # (the forms of the one-word entries, for one set lookup; the other entries)
+            gate = (frozenset(f for e in one_word for f in e[0][1]),
+                    tuple(e for e in entries if e not in one_word)) if entries else None
             # Compiled when a text first needs the rule: most texts fire a handful of rules.
             rules.append((kind, _LazyPattern(source, flags | re.MULTILINE), check, gate))
             for entry in triggers.split():
@@ -3826,10 +3842,10 @@ def _instruction_rules():
                     for form in first[1]:
                         tokens.setdefault(form, []).append((number, rest, form))
                 elif first[0] == "wide":
-                    wide.setdefault(first[2], []).append((first, number, rest))
+                    wide.setdefault(first[2][0], []).append((first, number, rest))
                 else:
-                    pieces.append((first, number, rest))
-        _INSTRUCTION_RULES = (tokens, wide, pieces, rules)
+                    (arabic if first[0] == "arabic" else pieces).append((first, number, rest))
+        _INSTRUCTION_RULES = (tokens, wide, pieces, rules, arabic)
     return _INSTRUCTION_RULES
 
 
@@ -3840,42 +3856,53 @@ class _TriggerScan:
         self.text = text
         self.low = text.encode("utf-8", "surrogatepass").lower()
         self.ascii = len(self.low) == len(text)
-        words = self.low if self.ascii else _WIDE_BREAKS.sub(b" ", self.low)
+        words, self.wide, self.arabic = self.low, set(), False
+        if not self.ascii:
+            # Finding one character in the str is C speed; regexes over the UTF-8 are not.
+            spaced = text
+            for ch in _WIDE_BREAKS:
+                spaced = spaced.replace(ch, " ")
+            words = spaced.encode("utf-8", "surrogatepass").lower()
+            self.wide = {key for key in _instruction_rules()[1] if key in text}
+            self.arabic = any(lead in self.low for lead in _ARABIC_LEADS)
         self.tokens = set(words.translate(_TRIGGER_TOKEN_BREAKS).split())
-        self.wide = set(_WIDE_CHAR_BYTES.findall(self.low)) if not self.ascii else set()
-        self.arabic = not self.ascii and any(lead in self.low for lead in _ARABIC_LEADS)
         self.lowered = None
 
     def has(self, part):
         kind, forms, key = part
         if kind == "token":
-            return any(f in self.tokens for f in forms)
+            return not self.tokens.isdisjoint(forms)
         if kind == "wide":
-            return key in self.wide and forms[0] in self.low
+            return key in self.text
         if kind == "arabic":
             return self.arabic and forms[0] in self.low
-        return forms[0] in self.low
+        # one byte is found at memchr speed, and most texts lack the piece's first
+        return forms[0][:1] in self.low and forms[0] in self.low
 
     def fired(self):
         """{rule number: [byte forms whose lines the rule must read]}."""
-        tokens, wide, pieces, _ = _instruction_rules()
+        tokens, wide, pieces, rules, arabic = _instruction_rules()
         fired = {}
         for token in self.tokens.intersection(tokens):
             for number, rest, form in tokens[token]:
                 if all(self.has(part) for part in rest):
                     fired.setdefault(number, []).append(form)
-        if not self.ascii:
-            for key in self.wide.intersection(wide):
-                for first, number, rest in wide[key]:
-                    if first[1][0] in self.low and all(self.has(part) for part in rest):
-                        fired.setdefault(number, []).append(first[1][0])
-        for first, number, rest in pieces:
+        for key in self.wide:
+            for first, number, rest in wide[key]:
+                if first[2] in self.text and all(self.has(part) for part in rest):
+                    fired.setdefault(number, []).append(first[1][0])
+        for first, number, rest in pieces + arabic if self.arabic else pieces:
             if self.has(first) and all(self.has(part) for part in rest):
                 fired.setdefault(number, []).append(first[1][0])
-        rules = _instruction_rules()[3]
-        return {number: forms for number, forms in fired.items()
-                if not rules[number][3] or any(all(self.has(part) for part in entry)
-                                               for entry in rules[number][3])}
+        return {number: forms for number, forms in fired.items() if self.opens(rules[number][3])}
+
+    def opens(self, gate):
+        """Whether the text holds one entry of a rule's gate (its `also` words); None opens."""
+        if gate is None:
+            return True
+        words, entries = gate
+        return not self.tokens.isdisjoint(words) or any(all(self.has(part) for part in entry)
+                                                         for entry in entries)
 
     def spans(self, forms):
         """Offset ranges of the text around each occurrence of the forms; None when lower-casing
@@ -4417,14 +4444,30 @@ _NEEDS_NORMALISING_WIDE = _LazyPattern(
 _MIXED_SCRIPT_BYTES = _LazyPattern(b"[\xce-\xd3](?:(?<=[a-z][\xce-\xd3])|[\x80-\xbf][a-z])")
 _BASE64_BYTES = _LazyPattern(b"[a-z0-9+/_-]{40,}")
 _SINGLE_LETTERS = frozenset(bytes([b]) for b in range(97, 123))
-_CYRILLIC_GREEK_LEADS = (b"\xce", b"\xcf", b"\xd0", b"\xd1", b"\xd2", b"\xd3")
 _SPACED_BYTES = _LazyPattern(b"[ .][a-z0-9@$][ .][a-z0-9@$](?![a-z0-9@$])")
 # Leetspeak: digits standing between letters ("y0u", "pr3v10u5"); "03z" or "fts5" do not count.
 # The letter before is part of the match (the mark is one past its start): far fewer matches
 # than runs of digits alone, which log lines are full of.
 _LEET_BYTES = _LazyPattern(b"[a-z][013457@$]+(?=[a-z])")
+# One letter per byte for cheap tests of the normaliser's byte regexes: a (a-z), 1 (leet
+# characters), c (Cyrillic or Greek lead byte), x (UTF-8 continuation byte), else a space.
+# A _LEET_BYTES match leaves a1a, or a11 and 11a; a _MIXED_SCRIPT_BYTES one ac or cxa.
+_NORMALISING_SHAPE = bytes(97 if 97 <= b <= 122 else 49 if b in b"013457@$" else
+                           99 if 0xce <= b <= 0xd3 else 120 if 0x80 <= b <= 0xbf else 32
+                           for b in range(256))
+_ASCII_BYTES = bytes(range(128))
+# _HIDDEN_CHAR_CLASS in UTF-8: each branch is a lead byte and the rest of one character.
 _HIDDEN_BYTES = _LazyPattern(
     b"\xe2\x80[\x8b-\x8d\xaa-\xae]|\xe2\x81[\xa0\xa6-\xa9]|\xef\xbb\xbf|\xf3\xa0[\x80\x81]")
+
+
+def _holds_hidden(text):
+    """Whether _HIDDEN_CHAR_RE matches in text. Its byte form is looked for in the text's
+    UTF-8 without the ASCII: a match lies in one character, and the regex is fast over few."""
+    if text.isascii():
+        return False
+    return bool(_HIDDEN_BYTES.search(text.encode("utf-8", "surrogatepass")
+                                     .translate(None, _ASCII_BYTES)))
 
 
 # --- public API ----------------------------------------------------------------------------
@@ -4468,30 +4511,31 @@ def scan_instructions(text):
             add("context-escape", offset, False)
 
     # hidden-text reads everything, code included.
-    raw = scan.low if prose is text else None
-    if not text.isascii():
-        raw = raw or text.encode("utf-8", "surrogatepass").lower()
-        if _HIDDEN_BYTES.search(raw):
-            for m in _HIDDEN_CHAR_RE.finditer(text):
-                if not (m.start() == 0 and m.group(0) == "\ufeff"):
-                    add("hidden-text", m.start(), False)
+    if _holds_hidden(text):
+        for m in _HIDDEN_CHAR_RE.finditer(text):
+            if not (m.start() == 0 and m.group(0) == "\ufeff"):
+                add("hidden-text", m.start(), False)
     if "<" in text:
-        raw = raw or text.encode("utf-8", "surrogatepass").lower()
+        raw = scan.low if prose is text else text.encode("utf-8", "surrogatepass").lower()
         for offset in _hidden_markup(text, raw, lambda at: prose[at] != text[at]):
             add("hidden-text", offset, False)
 
-    # The second pass reads only the lines the normaliser may change.
+    # The second pass reads only the lines the normaliser may change. The regexes are slow
+    # over the whole text, so cheaper tests of the same shapes go first.
     low = scan.low
-    marks = [m.start() + 1 for m in _LEET_BYTES.finditer(low)]
+    shape = low.translate(_NORMALISING_SHAPE)
+    marks = [m.start() + 1 for m in _LEET_BYTES.finditer(low)] \
+        if b"a1a" in shape or (b"a11" in shape and b"11a" in shape) else []
     if len(scan.tokens.intersection(_SINGLE_LETTERS)) >= 5:
         marks.extend(m.start() for m in _SPACED_BYTES.finditer(low))
     if not scan.ascii:
-        marks.extend(m.start() for m in _NEEDS_NORMALISING_WIDE.finditer(low))
-        if any(lead in low for lead in _CYRILLIC_GREEK_LEADS):
+        # Its matches start at lead bytes and lie in one character: dropping ASCII keeps them.
+        if _NEEDS_NORMALISING_WIDE.search(low.translate(None, _ASCII_BYTES)):
+            marks.extend(m.start() for m in _NEEDS_NORMALISING_WIDE.finditer(low))
+        if b"ac" in shape or b"cxa" in shape:
             marks.extend(m.start() for m in _MIXED_SCRIPT_BYTES.finditer(low))
     # A base64 run of 40 or more characters leaves a token of 20 or more between + and /.
-    words = scan.tokens if scan.ascii else low.translate(_BASE64_BREAKS).split()
-    if max(map(len, words), default=0) >= 20:
+    if b"a" * 20 in low.translate(_BASE64_SHAPE):
         marks.extend(m.start() for m in _BASE64_BYTES.finditer(low))
     if marks:
         lines = set()
@@ -4531,7 +4575,7 @@ def _hidden_characters(text):
     the very start is not hidden. doctor reports these as hidden-characters."""
     out = []
     seen = set()
-    if not text or not _HIDDEN_CHAR_RE.search(text):
+    if not _holds_hidden(text):
         return out
     line = 1
     position = 0
@@ -4574,6 +4618,8 @@ _CUE_ZH = ("决定", "否决", "拒绝", "选择", "选定", "待办", "未决",
 
 def count_words(text):
     """Words of a digest: CJK characters count half a word each (contracts.md § 1.1)."""
+    if not _CJK.search(text):
+        return len(text.split())
     n = 0
     for tok in text.split():
         c = len(_CJK.findall(tok))
@@ -4946,8 +4992,8 @@ class _Catalog:
     def records(self, archive=True, progress=None, files=None, also=None):
         """Every episode's record; `files` is a scan made just before (saves a second one).
 
-        also(record, bytes) runs beside each file parsed afresh (in its worker); its answers
-        are left in self.extras by path."""
+        also(record, bytes, _EpisodeText) runs beside each file parsed afresh (in its worker);
+        its answers are left in self.extras by path."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
         out = self._merge(archive, progress, files, "rec",
                           lambda rel, archived, row: _record_from_row(row[0]), None, also)
@@ -10925,10 +10971,14 @@ _WORD_OR_WIDE_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 1
 def _content_words(text):
     """Grounding vocabulary: lower-cased 4+ character words (no digits, no stop words); CJK
     runs contribute their character bigrams (doctor.md § 3.3)."""
-    low = text.lower()
+    # Lower-casing goes character by character but for these (İ and K lower to ASCII, Σ by
+    # context); without them the ASCII is lowered as bytes and the rest piece by piece.
+    if "\u0130" in text or "\u212a" in text or "\u03a3" in text:
+        text = text.lower()
     # Split at ASCII non-word characters (C speed): an all-ASCII piece is a whole \w run, and
     # only the distinct pieces holding other characters go through the regexes.
-    pieces = set(low.encode("utf-8", "surrogatepass").translate(_WORD_OR_WIDE_BYTES).split())
+    pieces = set(text.encode("utf-8", "surrogatepass").lower().translate(_WORD_OR_WIDE_BYTES)
+                 .split())
     ascii_words, wide = [], []
     for piece in pieces:
         if not piece.isascii():
@@ -10937,7 +10987,7 @@ def _content_words(text):
             ascii_words.append(piece)
     words = set(b" ".join(ascii_words).decode("ascii").split())
     if wide:
-        low = b" ".join(wide).decode("utf-8", "surrogatepass")
+        low = b" ".join(wide).decode("utf-8", "surrogatepass").lower()
         if _CJK.search(low):
             for run in _CJK_RUN.findall(low):
                 words.update(run[i:i + 2] for i in range(len(run) - 1))
@@ -10953,23 +11003,41 @@ def _digest_may_fail(digest):
     text = digest.strip()
     if not text or len(text) > MAX_DIGEST_CHARS or count_words(text) > MAX_DIGEST_WORDS:
         return True
-    return bool(_WE_EN.search(text) or _WE_RU.search(text) or any(w in text for w in _WE_ZH))
+    return bool(_WE_EN.search(text) or (not text.isascii() and _WE_RU.search(text))
+                or any(w in text for w in _WE_ZH))
 
 
-def _grounding(digest, body_text):
-    """(share, digest words, grounded) or None when the check abstains."""
+def _grounding(digest, body_text, opening=0):
+    """(share, digest words, grounded) or None when the check abstains. With an opening (a
+    number of characters), None also when the body's opening lines alone ground 20% of the
+    digest words: grounded words only add up as the body goes on, so it would pass."""
     dwords = _content_words(digest)
     if len(dwords) < 8:
         return None
-    bwords = _content_words(body_text)
+    cut = body_text.rfind("\n", 0, opening) + 1 if len(body_text) > 2 * opening else 0
+    bwords = _content_words(body_text[:cut])
+    if cut and _grounded_count(dwords, bwords) / len(dwords) >= 0.2:
+        return None
+    # the words of whole lines add up: the rest of the body is read on its own
+    bwords |= _content_words(body_text[cut:])
     if len(bwords) < 40:
         return None
-    prefixes = {w[:5] for w in bwords}
-    grounded = sum(1 for w in dwords if w[:5] in prefixes)
+    grounded = _grounded_count(dwords, bwords)
     return grounded / len(dwords), len(dwords), grounded
 
 
-def _format_findings(rec, text, detail):
+def _grounded_count(dwords, bwords):
+    """How many digest words share their first five characters with a body word."""
+    prefixes = {w[:5] for w in bwords}
+    return sum(1 for w in dwords if w[:5] in prefixes)
+
+
+# Characters of the body read first by doctor: they ground most digests, at a fraction of
+# the cost.
+_GROUNDING_OPENING = 300
+
+
+def _format_findings(rec, text, body_start):
     out = []
     path = rec["path"]
     fields = rec.get("fields") or {}
@@ -11008,7 +11076,7 @@ def _format_findings(rec, text, detail):
         if "approx_tokens" in fields:
             value = fields["approx_tokens"]
             number = _int_or_none(value) if isinstance(value, str) else None
-            block = text[:detail["body_start"]] if detail else ""
+            block = text[:body_start]
             if number is None:
                 out.append(_finding("bad-approx-tokens", path,
                                     f"approx_tokens {value!r} is not an integer"))
@@ -11054,8 +11122,9 @@ def _format_findings(rec, text, detail):
     return out
 
 
-def _content_findings(rec, text, body, policy):
+def _content_findings(rec, parsed, policy):
     out = []
+    text = parsed.text
     path = rec["path"]
     rules, switches = policy
     has_digest = any(h.casefold() == "digest" for h, _ in rec.get("sections") or [])
@@ -11074,9 +11143,11 @@ def _content_findings(rec, text, body, policy):
             out.append(_finding("digest-secret", path, "secret-shaped text in the digest ("
                                 + _kind_counts(h["kind"] for h in digest_hits) + ")",
                                 _with_path(_DOCTOR_CODES["digest-secret"][2], path)))
-        preamble, sections = _split_sections(body)
-        rest = "\n".join(t for h, t in sections if h.casefold() != "digest")
-        measured = _grounding(digest, preamble + "\n" + rest)
+        # The body's words are the same in any order of its sections; the short ones (mostly
+        # prose) first let the body's opening ground most digests by itself.
+        rest = "\n".join(sorted((t for h, t in parsed.sections if h.casefold() != "digest"),
+                                key=len))
+        measured = _grounding(digest, parsed.preamble + "\n" + rest, _GROUNDING_OPENING)
         if measured is not None and measured[0] < 0.2:
             share, total, grounded = measured
             out.append(_finding("digest-body-mismatch", path,
@@ -11096,13 +11167,15 @@ def _content_findings(rec, text, body, policy):
                                 + _kind_counts(h["kind"] for h in extra) + "; "
                                 + _lines_text(h["line"] for h in extra) + ")",
                                 _with_path(_DOCTOR_CODES["policy-pattern-at-rest"][2], path)))
-    flags = [f for f in scan_instructions(text) if f["kind"] != "hidden-text"]
+    everything = scan_instructions(text)
+    flags = [f for f in everything if f["kind"] != "hidden-text"]
     if flags:
         kinds = sorted({f["kind"] for f in flags})
         out.append(_finding("instruction-shaped", path, "instruction-shaped text ("
                             + ", ".join(kinds) + "; " + _lines_text(f["line"] for f in flags)
                             + ")"))
-    hidden = _hidden_characters(text)
+    # every hidden character is also a hidden-text flag: without one there are none to list
+    hidden = _hidden_characters(text) if len(flags) < len(everything) else []
     if hidden:
         out.append(_finding("hidden-characters", path, "hidden characters ("
                             + _kind_counts(h["codepoint"] for h in hidden) + "; "
@@ -11110,24 +11183,24 @@ def _content_findings(rec, text, body, policy):
     return out
 
 
-def _episode_file_findings(rec, data, policy):
-    """Every finding one episode file yields by itself: format, then content."""
-    text = data.decode("utf-8", "replace")
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    detail = None
-    body = text
-    if rec.get("has_block") and not rec.get("fm_error"):
-        try:
-            # only where the block ends is needed; the catalog already parsed the fields
-            located = _fm_locate(text)
-            if located[1] is not None:
-                body = text[located[5]:]
-                detail = {"body_start": located[5]}
-        except FrontmatterError:
-            pass
-    return _format_findings(rec, text, detail) + _content_findings(rec, text, body, policy)
+def _episode_file_findings(rec, data, policy, parsed=None):
+    """Every finding one episode file yields by itself: format, then content. `parsed` is
+    the file's _EpisodeText from the read that made rec; without it, data is parsed again."""
+    if parsed is None:
+        text = _normalised(data.decode("utf-8", "replace"))
+        body = text
+        if rec.get("has_block") and not rec.get("fm_error"):
+            try:
+                # only where the block ends is needed; the catalog already parsed the fields
+                located = _fm_locate(text)
+                if located[1] is not None:
+                    body = text[located[5]:]
+            except FrontmatterError:
+                pass
+        parsed = _EpisodeText(text, body, *_split_sections(body))
+    # the body is the text's tail: the frontmatter block (with any H1) is what precedes it
+    body_start = len(parsed.text) - len(parsed.body)
+    return _format_findings(rec, parsed.text, body_start) + _content_findings(rec, parsed, policy)
 
 
 class _DoctorFileCache:
@@ -11403,10 +11476,10 @@ class _DoctorRun:
         rules, self.policy_problems = _shelf_policy(self.root)
         policy = self.policy = (rules, _redaction_switches(self.root))
 
-        def check(rec, data):
+        def check(rec, data, parsed):
             # a file parsed afresh is checked in the same worker, while this process is
             # still small (a worker forked later would start as big as all the records)
-            return _episode_file_findings(rec, data, policy) or (), _content_hash(data)
+            return _episode_file_findings(rec, data, policy, parsed) or (), _content_hash(data)
 
         try:
             progress = _Progress("reading episodes")
