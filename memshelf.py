@@ -11370,18 +11370,19 @@ _ENTRY_LINES = _re_lazy(r"^- (?:`[^`\n]+`|\S+)(?: \*\*.+?\*\*)?(?: — .*?)?"
 
 
 def _index_entry_count(text, fmt):
-    """len(_index_entries(text, fmt)), without building the entries (stats, advise, doctor)."""
+    """len(_index_entries(text, fmt)), without building the entries or a list of the lines
+    (stats, advise, doctor; at 100,000 entries either would be tens of megabytes)."""
     if fmt == "docshelf":
         return len(_index_entries(text, fmt))
     count, start = 0, None
     for edge in _INDEX_SECTION_EDGE.finditer(text):
         if start is not None:
-            count += len(_ENTRY_LINES.findall(text, start, edge.start()))
+            count += sum(1 for _ in _ENTRY_LINES.finditer(text, start, edge.start()))
         start = text.find("\n", edge.end()) + 1 if edge.group(1) else None
         if start == 0:
             start = None   # a heading on the last line: nothing follows it
     if start is not None:
-        count += len(_ENTRY_LINES.findall(text, start))
+        count += sum(1 for _ in _ENTRY_LINES.finditer(text, start))
     return count
 
 
