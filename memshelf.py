@@ -4987,7 +4987,7 @@ def _check_section_name(name):
 
 # --- the episode catalog and its cache -----------------------------------------------------
 
-_CACHE_SCHEMA = "6"   # bump when the cached record changes shape
+_CACHE_SCHEMA = "6"   # bump when the cached record or the cache columns change shape
 
 
 class _Catalog:
@@ -5016,8 +5016,8 @@ class _Catalog:
         return out
 
     def render_records(self, progress=None, files=None):
-        """What the derived renders read of every episode (_RENDER_KEYS), from a short cache
-        column: a render after one shelve decodes a few values per episode, not records."""
+        """What the derived renders read of every episode (_RENDER_KEYS), from the cache
+        columns: a render after one shelve decodes a few values per episode, not records."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
         out = self._merge(True, progress, files, "size, " + ", ".join(_CACHE_COLUMNS),
                           _render_record_from_row, _render_record_of)
@@ -5201,8 +5201,8 @@ def _record_to_row(rec):
 
 
 def _json_row(value):
-    """Compact-enough JSON for cache cells, UTF-8 kept: json.dumps(value, ensure_ascii=False)
-    through one encoder made once."""
+    """json.dumps(value, ensure_ascii=False) for cache cells, through one encoder made once
+    (a dumps call with options builds a new encoder every time)."""
     if not _ROW_ENCODER:
         _ROW_ENCODER.append(json.JSONEncoder(ensure_ascii=False, check_circular=False).encode)
     return _ROW_ENCODER[0](value)
@@ -6009,7 +6009,7 @@ def _shelf_totals(root, records=None, window=None, aggregate=None):
             dirs = _category_dirs_fingerprint(root)
             cat = _Catalog(root)
             try:
-                records = cat.records()
+                records = cat.summaries()   # what the aggregate sums, no whole records
             finally:
                 cat.close()
             aggregate = _episode_aggregate(records, window)
@@ -6114,7 +6114,7 @@ def _superseded_by(root, stem):
         return list(state["supersedes"].get(stem, []))
     cat = _Catalog(root)
     try:
-        recs = cat.records()
+        recs = cat.render_records()   # supersedes is a render column
     finally:
         cat.close()
     return sorted(r["stem"] for r in recs if stem in r.get("supersedes", []))
