@@ -228,40 +228,145 @@ def _worker_count(items):
     return max(1, min(forced or cores, 8, items))
 
 
-_FORKED_JOB = []   # (func, items) for the forked workers of _parallel_map, set before the fork
-
-
-def _run_forked_item(index):
-    func, items = _FORKED_JOB[0]
-    return func(items[index])
-
-
 def _parallel_map(func, items, progress=None, message=None):
-    """func(item) for each item, yielded in order as they come, spread over worker processes
-    when it pays (the caller can store results while later ones are being made).
+    """(index, func(item)) for every item, in the order they are done, spread over forked
+    worker processes when it pays. The calling process works too, and the caller consumes
+    each result as it comes (it can store it while later ones are being made).
 
-    func and items are inherited through fork, never pickled; results come back pickled."""
-    workers = _worker_count(len(items))
+    Work is handed out in chunks through a pipe every process reads from, so a slower
+    process simply takes fewer; func and items are inherited through fork, never pickled,
+    and only results come back (pickled, one message per chunk)."""
+    n = len(items)
+    workers = _worker_count(n)
     if workers < 2:
-        for n, item in enumerate(items):
-            yield func(item)
-            if progress is not None:
-                progress.update(n, message)
+        for i, item in enumerate(items):
+            yield i, func(item)
+            if progress is not None and not i % 32:
+                progress.update(i, message)
         return
     import gc
-    import multiprocessing
-    _FORKED_JOB[:] = [(func, items)]
+    import pickle
+    import queue
+    # at most 1,024 chunk numbers of 4 bytes: one write that fits any pipe's buffer
+    step = max(8, min(128, n // (workers * 24) or 1), -(-n // 1024))
+    jobs, feed = os.pipe()
+    os.write(feed, b"".join(k.to_bytes(4, "little") for k in range(0, n, step)))
+    os.close(feed)
+
+    def claim():
+        data = os.read(jobs, 4)
+        return int.from_bytes(data, "little") if data else None
+
+    children = {}   # result pipe -> pid
     gc.freeze()   # objects the workers inherit stay shared: their collector never touches them
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            chunk = max(8, min(256, len(items) // (workers * 16) or 1))
-            for n, result in enumerate(pool.imap(_run_forked_item, range(len(items)), chunk)):
-                yield result
-                if progress is not None:
-                    progress.update(n, message)
+        for _ in range(workers - 1):
+            out, into = os.pipe()
+            pid = os.fork()
+            if pid == 0:   # a worker: chunks until none are left, then a silent exit
+                status = 1
+                try:
+                    os.close(out)
+                    while True:
+                        first = claim()
+                        if first is None:
+                            break
+                        chunk = [func(items[i]) for i in range(first, min(first + step, n))]
+                        _send_message(into, pickle.dumps((first, chunk), -1))
+                    status = 0
+                except BaseException as exc:
+                    _send_failure(into, exc)
+                finally:
+                    os._exit(status)
+            os.close(into)
+            children[out] = pid
+        arrived = queue.SimpleQueue()
+        reader = threading.Thread(target=_read_messages, args=(list(children), arrived),
+                                  daemon=True)
+        reader.start()
+        done, open_pipes = 0, len(children)
+        while True:
+            first = claim()
+            mine = [] if first is None else range(first, min(first + step, n))
+            for i in mine:
+                yield i, func(items[i])
+            done += len(mine)
+            while open_pipes:
+                try:
+                    packet = arrived.get(block=first is None)
+                except queue.Empty:
+                    break
+                if packet is None:
+                    open_pipes -= 1
+                    continue
+                start, results = pickle.loads(packet)
+                if start < 0:
+                    raise results
+                for k, result in enumerate(results):
+                    yield start + k, result
+                done += len(results)
+            if progress is not None:
+                progress.update(done, message)
+            if first is None and not open_pipes:
+                break
+        if done != n:
+            raise RuntimeError(f"a worker process stopped with {n - done} files not done")
     finally:
+        os.close(jobs)
+        for pid in children.values():
+            try:
+                if os.waitpid(pid, os.WNOHANG) == (0, 0):
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+            except OSError:
+                pass
         gc.unfreeze()
-        _FORKED_JOB[:] = []
+
+
+def _send_message(fd, data):
+    """One length-prefixed message down a pipe, whole."""
+    view = memoryview(len(data).to_bytes(8, "little") + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _send_failure(fd, exc):
+    """A worker's exception for the parent to raise (as a RuntimeError if it won't pickle)."""
+    import pickle
+    try:
+        data = pickle.dumps((-1, exc), -1)
+        pickle.loads(data)
+    except Exception:
+        data = pickle.dumps((-1, RuntimeError(f"in a worker process: {exc!r}")), -1)
+    try:
+        _send_message(fd, data)
+    except OSError:
+        pass
+
+
+def _read_messages(pipes, arrived):
+    """The parent's side of the workers' result pipes: each whole message onto `arrived`,
+    then None per pipe at its end. A thread of its own, so that no worker ever waits on a
+    full pipe while the parent works."""
+    import select
+    buffers = {fd: bytearray() for fd in pipes}
+    while buffers:
+        ready, _, _ = select.select(list(buffers), [], [])
+        for fd in ready:
+            data = os.read(fd, 1 << 20)
+            buf = buffers[fd]
+            if not data:
+                del buffers[fd]
+                os.close(fd)
+                arrived.put(None)
+                continue
+            buf += data
+            while len(buf) >= 8:
+                size = int.from_bytes(buf[:8], "little")
+                if len(buf) < 8 + size:
+                    break
+                arrived.put(bytes(buf[8:8 + size]))
+                del buf[:8 + size]
 
 
 def _isatty(stream):
@@ -287,10 +392,13 @@ def _note(message):
         sys.stderr.write(f"memshelf: {message}\n")
 
 
+_O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0)
+
+
 def _file_bytes(path, size=-1):
     """A whole file's bytes through one descriptor: no buffered file object per read, which
     counts at 10,000 episodes. `size` (from a stat just made) lets one read usually do."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    fd = os.open(path, _O_READ)
     try:
         data = os.read(fd, size + 1 if size >= 0 else 1 << 16)
         if 0 <= size and len(data) <= size:
@@ -1171,6 +1279,10 @@ def _fm_scan_single(text, pos, line_no):
         return "".join(parts), quote + 1
 
 
+# Whether any of them types a (non-empty) plain scalar: one match instead of one per type.
+_YAML_IMPLICIT_ANY = _re_lazy("|".join(f"(?:{p.pattern})" for _, p in _YAML_IMPLICIT_TYPES))
+
+
 def _yaml_implicit_type(text):
     """The type a YAML 1.1 (or 1.2 core) loader gives this plain scalar, or None for a string."""
     if not text:
@@ -1235,29 +1347,38 @@ def _parse_frontmatter_detail(text):
 # double-quoted value without escapes, a flow list of simple words, or one simple word. The
 # grammar gives such a line exactly the value the regex captures and no portability finding.
 _FM_WORD = r"[A-Za-z0-9](?:[A-Za-z0-9_.:/+-]*[A-Za-z0-9_./+-])?"
-_FM_CANONICAL_LINE = _re_lazy(r'([a-z_][a-z0-9_]*): (?:"([^"\\\n\t]*)"|(\[(?:%s(?:, %s)*)?\])'
-                              r'|(%s))\n' % (_FM_WORD, _FM_WORD, _FM_WORD))
-_FM_CANONICAL_BLOCK = _re_lazy(r"(?:%s)+\Z" % _FM_CANONICAL_LINE.pattern)
+_FM_CANONICAL_LINE = _re_lazy(r'([a-z_][a-z0-9_]*): (?:"([^"\\\x00-\x1f\x7f-\x9f]*)"'
+                              r'|(\[(?:%s(?:, %s)*)?\])|(%s))\n' % (_FM_WORD, _FM_WORD, _FM_WORD))
+_FM_CANONICAL_PLAIN_ID = _re_lazy(r"(?m)^id: [^\"]")
 
 
 def _fm_canonical_fields(block):
     """The fields of a block made only of canonical lines (the common case, parsed at C
-    speed), or None: then the full grammar parses it, with every error and finding."""
-    if not _FM_CANONICAL_BLOCK.match(block):
+    speed), or None: then the full grammar parses it, with every error and finding.
+
+    The lines found must cover the block: each match is one whole line, so any other line
+    leaves a gap (the matches' lengths are summed from their parts)."""
+    found = _FM_CANONICAL_LINE.findall(block)
+    if not found:
         return None
-    fields = {}
-    for key, quoted, flow, plain in _FM_CANONICAL_LINE.findall(block):
-        if key in fields:
-            return None   # a duplicate key: the grammar reports it
+    fields, covered = {}, 0
+    for key, quoted, flow, plain in found:
         if plain:
-            if key == "id" and _yaml_implicit_type(plain) is not None:
-                return None   # a loader would retype this id: the grammar says how
             value = plain
         elif flow:
             value = flow[1:-1].split(", ") if len(flow) > 2 else []
+            plain = flow
         else:
             value = quoted
+            covered += 2
+        covered += len(key) + len(plain or quoted) + 3
         fields[sys.intern(key)] = value
+    if covered != len(block) or len(fields) < len(found):
+        return None   # another line (the grammar reads it) or a duplicate key (it reports it)
+    ident = fields.get("id")
+    if ident.__class__ is str and _YAML_IMPLICIT_ANY.match(ident) and \
+            _FM_CANONICAL_PLAIN_ID.search(block):
+        return None   # a loader would retype this plain id: the grammar says how
     return fields
 
 
@@ -1344,7 +1465,11 @@ def _h2_spans(text):
     """(start, end) offsets of the H2 heading lines, skipping fenced code (CommonMark fences).
 
     Only candidate lines are visited (a regex finds them), so a long body costs one scan."""
-    found = []
+    return list(_iter_h2_spans(text))
+
+
+def _iter_h2_spans(text):
+    """_h2_spans one heading at a time: a reader that stops early leaves the rest unscanned."""
     fence = None
     for m in _H2_OR_FENCE.finditer("\n" + text):
         start = m.start()   # the line's offset in text: one past the \n, one less for the prefix
@@ -1354,7 +1479,7 @@ def _h2_spans(text):
             # never a fence line; a heading only outside fences
             if fence is None and (text.startswith("## ", start) or
                                   text[start:end].rstrip() == "##"):
-                found.append((start, end))
+                yield start, end
             continue
         line = text[start:end]
         if fence:
@@ -1366,7 +1491,6 @@ def _h2_spans(text):
         f = _FENCE_OPEN.match(line)
         if f and not (f.group(1)[0] == "`" and "`" in f.group(2)):
             fence = f.group(1)
-    return found
 
 
 def _split_sections(body):
@@ -1417,6 +1541,22 @@ def _ledger_digest(body):
 def _digest_of(sections):
     found = _find_section(sections, "Digest")
     return found[1].strip() if found else ""
+
+
+def _digest_early(body):
+    """_digest_of(_split_sections(body)[1]), reading the body only to the end of its Digest
+    section (it comes first); None when only the whole split can tell (a heading that is
+    "digest" by slug alone comes before any that is by name)."""
+    heads = _iter_h2_spans(body)
+    for start, end in heads:
+        name = body[start + 3:end].strip()
+        if name.casefold() == "digest":
+            after = next(heads, None)
+            stop = after[0] - 1 if after else len(body)
+            return body[end + 1:stop].strip() if end < stop else ""
+        if _section_slug(name) == "digest":
+            return None
+    return ""
 
 
 def _first_sentence(text):
@@ -1490,10 +1630,51 @@ def _normalised(text):
     return text
 
 
-def _read_episode(root, rel, archived=False, stat=None, also=None):
+def _episode_head(text):
+    """(fields, body, digest) of normalised episode text in the layout shelve writes (an
+    optional H1 and a blank line, a block of canonical frontmatter lines, then the Digest
+    section with no fence or H2-like line in it), found without the line-by-line readers;
+    None for anything else, which the general readers then parse (with their errors).
+
+    The values are the ones _parse_frontmatter_detail, _ledger_digest and the fence-aware
+    section split give such text: tests/test_frontmatter.py checks that."""
+    if text.startswith("# "):
+        start = text.find("\n", 2) + 1
+        if not start or not text.startswith("\n---\n", start):
+            return None
+        start += 5
+    elif text.startswith("---\n"):
+        start = 4
+    else:
+        return None
+    end = text.find("\n---\n", start - 1)
+    if end < start:
+        return None
+    block = text[start:end + 1]
+    if len(block) > _FM_MAX_BYTES // 4:
+        return None   # the size caps (canonical lines hold no control character to check)
+    fields = _fm_canonical_fields(block)
+    if fields is None:
+        return None
+    body = text[end + 5:]
+    if body.startswith("\n## Digest\n"):
+        pos = 11
+    elif body.startswith("## Digest\n"):
+        pos = 10
+    else:
+        return None
+    stop = body.find("\n## ", pos - 1)
+    digest = body[pos:stop] if stop >= 0 else body[pos:]
+    if "##" in digest or "```" in digest or "~~~" in digest:
+        return None
+    return fields, body, digest.strip()
+
+
+def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
     """Parse one episode file into a plain record (the unit the cache stores); with `also`,
     (record, also(record, the file's bytes, its _EpisodeText)): per-file work that shares
-    the one read and parse."""
+    the one read and parse. whole=False: a record of what the cache columns hold (no
+    sections), which reads the body only to the end of its digest."""
     path = os.path.join(root, rel)
     st = stat or os.stat(path)
     category = sys.intern(rel.split("/")[-2])
@@ -1512,8 +1693,12 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
         rec["fm_error"] = f"io: {exc.strerror}"
         text = ""
     text = _normalised(text)
-    body = text
-    if rec["fm_error"] is None:
+    body, digest = text, None
+    head = _episode_head(text) if rec["fm_error"] is None else None
+    if head is not None:
+        rec["fields"], body, digest = head
+        rec["has_block"] = rec["fm_ok"] = True
+    elif rec["fm_error"] is None:
         try:
             detail = _parse_frontmatter_detail(text)
             rec["fields"] = detail["fields"]
@@ -1523,19 +1708,16 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
             body = detail["body"]
         except FrontmatterError as exc:
             rec["fm_error"] = f"{exc.error_class}: {exc}"
-    split = _fill_record(rec, body)
+    split = _fill_record(rec, body, whole or also is not None, digest)
     return rec if also is None else (rec, also(rec, raw, _EpisodeText(text, body, *split)))
 
 
-def _fill_record(rec, body):
+def _fill_record(rec, body, whole=True, digest=None):
     """Fill the record's fields from its frontmatter and body; returns the body's
-    (preamble, sections)."""
+    (preamble, sections). Not whole: no sections (None), the digest read on its own.
+    `digest`: the body's digest when the caller already found it (_episode_head)."""
     f = rec["fields"]
-
-    def s(key):
-        v = f.get(key)
-        return v if isinstance(v, str) else None
-
+    s = {k: v for k, v in f.items() if isinstance(v, str)}.get   # a string field, else None
     rec["id"] = s("id")
     rec["kind"] = s("kind")
     rec["date"] = _episode_date(f, rec["stem"])
@@ -1551,13 +1733,16 @@ def _fill_record(rec, body):
     rec["mode"] = s("mode")
     rec["notes"] = s("notes") or ""
     rec["retain_until"] = s("retain_until")
-    ledger_digest = _ledger_digest(body)
-    rec["digest_tokens"] = tokens(ledger_digest)
-    preamble, sections = _split_sections(body)
-    digest = _digest_of(sections)
-    rec["digest"] = digest
-    rec["sections"] = [[h, tokens(t.strip())] for h, t in sections]
+    rec["digest_tokens"] = tokens(_ledger_digest(body) if digest is None else digest)
     rec["body_chars"] = len(body)
+    if not whole:
+        rec["digest"] = _digest_early(body) if digest is None else digest
+        if rec["digest"] is not None:
+            rec["sections"] = None
+            return None, None
+    preamble, sections = _split_sections(body)
+    rec["digest"] = _digest_of(sections)
+    rec["sections"] = [[h, tokens(t.strip())] for h, t in sections]
     return preamble, sections
 
 
@@ -5009,8 +5194,8 @@ class _Catalog:
         also(record, bytes, _EpisodeText) runs beside each file parsed afresh (in its worker);
         its answers are left in self.extras by path."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
-        out = self._merge(archive, progress, files, "rec",
-                          lambda rel, archived, row: _record_from_row(row[0]), None, also)
+        out = self._merge(archive, progress, files, None,
+                          lambda rel, archived, row: _record_from_row(row[0]), also)
         if archive:
             _remember_supersedes(self.root, out, self.dirs_before)
         return out
@@ -5019,26 +5204,29 @@ class _Catalog:
         """What the derived renders read of every episode (_RENDER_KEYS), from the cache
         columns: a render after one shelve decodes a few values per episode, not records."""
         self.dirs_before = _category_dirs_fingerprint(self.root)
-        out = self._merge(True, progress, files, "size, " + ", ".join(_CACHE_COLUMNS),
-                          _render_record_from_row, _render_record_of)
+        out = self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
+                          _render_record_from_row)
         _remember_supersedes(self.root, out, self.dirs_before)
         return out
 
     def summaries(self, archive=True, progress=None):
         """What accounting needs of every episode (_SUMMARY_KEYS), without decoding records."""
-        return self._merge(archive, progress, None, ", ".join(_SUMMARY_COLUMNS),
-                           _summary_from_row, _summary_of)
+        return self._merge(archive, progress, None, _SUMMARY_COLUMNS, _summary_from_row)
 
-    def _merge(self, archive, progress, files, columns, from_row, from_record, also=None):
-        """One object per episode file, from its cache row when (size, mtime_ns) match, else
-        from a fresh parse (stored for next time). Cached rows are read in path order alongside
-        the sorted scan, one at a time: memory never holds a second copy of the cache.
+    def _merge(self, archive, progress, files, columns, from_row, also=None):
+        """One object per episode file: from_row(path, archived, values of `columns`) from
+        its cache row when (size, mtime_ns) match, else from a fresh parse (its row stored
+        for next time). Cached rows are read in path order alongside the sorted scan, one at
+        a time: memory never holds a second copy of the cache.
 
-        from_record(record) is the object a fresh parse gives, made in the parse worker (only
-        it crosses back); None means the whole record, its strings shared in this process."""
+        columns None: whole records (the cache's `rec`). Otherwise a fresh parse reads the
+        file only as far as the columns need, and its object is made from the same values a
+        cached row gives, so both paths agree by construction."""
         files = self.scan(archive) if files is None else files
+        whole = columns is None
         gone = []
-        rows = _cache_rows(self.db, f"SELECT path, size, mtime_ns, {columns} FROM episodes "
+        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, "
+                                    f"{'rec' if whole else ', '.join(columns)} FROM episodes "
                                     "ORDER BY path")
         out, missing = [], []
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
@@ -5052,22 +5240,27 @@ class _Catalog:
         root, cached = self.root, self.db is not None
 
         def parse(job):
-            # the cache row is encoded in the worker too: the parent only stores it
+            # the cache row is made in the worker: the parent only stores it. A record read
+            # for columns has no sections: its row keeps the columns alone (a reader of whole
+            # records parses the file again)
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
-                (_read_episode(root, *job[1:]), None)
-            row = (rec["path"], rec["size"], rec["mtime_ns"], _record_to_row(rec)) + \
-                _cache_columns(rec) if cached else None
-            return rec if from_record is None else from_record(rec), row, extra
+                (_read_episode(root, *job[1:], whole=whole), None)
+            row = (rec["path"], rec["size"], rec["mtime_ns"],
+                   _record_to_row(rec) if cached and rec["sections"] is not None else None) + \
+                _cache_columns(rec)
+            return rec if whole else None, row, extra
 
+        take = None if whole else [_ROW_SLOTS[c] for c in columns]
         if also is not None:
             self.extras = {}
         batch = []   # cache rows are stored as they come: they never pile up in memory
-        for (slot, rel, *_), (obj, row, extra) in zip(
-                missing, _parallel_map(parse, missing, progress, "reading episodes")):
-            out[slot] = _share_values(obj) if from_record is None else obj
+        for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
+            slot, rel, archived, _ = missing[n]
+            out[slot] = _share_values(rec) if whole else \
+                from_row(rel, archived, tuple([row[i] for i in take]))
             if also is not None:
                 self.extras[rel] = extra
-            if row is not None:
+            if cached:
                 batch.append(row)
                 if len(batch) >= 2000:
                     self._store(batch, ())
@@ -5109,6 +5302,8 @@ _CACHE_COLUMNS = ("category", "id", "date", "display_title", "description", "dig
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
                   "date_field")
 _SUMMARY_COLUMNS = ("id", "date", "digest_tokens", "approx_tokens", "approx_src")
+# Where each column sits in a cache row as _Catalog stores it.
+_ROW_SLOTS = dict({"size": 1, "rec": 3}, **{c: 4 + n for n, c in enumerate(_CACHE_COLUMNS)})
 _SUMMARY_KEYS = ("path", "stem", "archived") + _SUMMARY_COLUMNS
 _RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
 
@@ -5139,20 +5334,9 @@ def _render_record(out):
     return out
 
 
-def _render_record_of(rec):
-    out = {k: rec[k] for k in _RENDER_KEYS[:-1]}
-    date = rec["fields"].get("date")
-    out["fields"] = {"date": date} if isinstance(date, str) else {}
-    return out
-
-
 def _render_record_from_row(rel, archived, columns):
     return _render_record(dict(zip(_RENDER_KEYS, (rel, rel.rsplit("/", 1)[-1][:-3], archived)
                                    + columns)))
-
-
-def _summary_of(rec):
-    return {k: rec[k] for k in _SUMMARY_KEYS}
 
 
 def _summary_from_row(rel, archived, columns):
@@ -5212,10 +5396,11 @@ _ROW_ENCODER = []
 
 
 def _record_from_row(text):
-    """A record from its cache row, or None when the row is not one (then the file is re-read)."""
+    """A record from its cache row, or None when the row is not one (then the file is re-read);
+    a row with columns alone has no record."""
     try:
         values = json.loads(text)
-    except ValueError:
+    except (TypeError, ValueError):
         return None
     if not isinstance(values, list) or len(values) != len(_RECORD_KEYS) or \
             not isinstance(values[8], dict):
@@ -11941,8 +12126,8 @@ class _DoctorRun:
             data = _read_bytes(root, rec["path"])
             return _episode_file_findings(rec, data, policy), _content_hash(data)
 
-        for rec, (findings, digest) in zip(todo, _parallel_map(check, todo, progress,
-                                                                "checking episodes")):
+        for n, (findings, digest) in _parallel_map(check, todo, progress, "checking episodes"):
+            rec = todo[n]
             cache.store(rec, digest, findings)
             known[rec["path"]] = findings
         return known

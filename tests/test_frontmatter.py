@@ -803,6 +803,9 @@ def test_canonical_fast_path_agrees_with_the_grammar():
     "title:  two spaces",
     "Title: Upper",
     "title: \"a \\\" quote\"",
+    "Xid: a",                            # the line regex matches mid-line: the lines must
+    "id: a\n# a comment",                # cover the block, or the grammar reads it
+    "id: a\n\nkind: topic",
 ])
 def test_lines_off_the_fast_path_keep_the_grammar_outcome(block):
     text = fm(block)
@@ -813,3 +816,93 @@ def test_lines_off_the_fast_path_keep_the_grammar_outcome(block):
     except FrontmatterError as exc:
         got = "error", str(exc)
     assert got == _grammar(block + "\n")
+
+
+@pytest.mark.parametrize("value", ["bell \x07 inside", "next line \x85 inside", "nul \x00"])
+def test_control_characters_leave_the_fast_path_for_the_block_check(value):
+    block = f'title: "{value}"\n'
+    assert memshelf._fm_canonical_fields(block) is None
+    assert memshelf._episode_head(fm(block[:-1], after="## Digest\nx\n")) is None
+    rejected(fm(block[:-1]))
+
+
+# ------------------------------------------------------------------------------------------
+# The episode-head fast path (frontmatter, digest) gives what the general readers give
+# ------------------------------------------------------------------------------------------
+
+def _episode_texts(seed, count):
+    """Episode texts near the layout shelve writes, each part varied so that many leave it."""
+    import random
+    rnd = random.Random(seed)
+    pick = rnd.choice
+    lines = ["id: 2026-01-02-a", "id: 2026-01-02", 'id: "2026"', "id: yes", "kind: topic",
+             'description: "A short one."', 'display_title: "T: x"', "tags: [a, b:c]",
+             "tags: []", "approx_tokens: 1200", "approx_tokens: 12x", "date: 2026-01-02",
+             "date: 2026-13-40", "notes: follow-up", "supersedes: [old-one]", "id: a",
+             "title: a #c", "Title: x", "kind:  two", 'title: "\x01"', "# comment", ""]
+    digests = ["Ana chose X. Open: none.", "", "one\n\ntwo", "has ``` fence", "~~~\ncode\n~~~",
+               "### sub\ntext", "a ## b", "陈选择了只追加的审计表。", "line\n##\nafter",
+               "x\n## \ny"]
+    canonical = lines[:15]
+    for _ in range(count):
+        # half the texts keep every part but the digest and what follows in shelve's layout
+        clean = rnd.random() < 0.5
+        head = pick(["# t\n\n", ""] if clean else
+                    ["# t\n\n", "", "# t\n", "\n# t\n\n", "# \n\n", "#t\n\n"])
+        block = "".join(pick(canonical if clean else lines) + "\n"
+                        for _ in range(rnd.randint(1 if clean else 0, 5)))
+        close = "---\n" if clean else pick(["---\n", "---\n", "--- \n", "----\n"])
+        heading = "## Digest\n" if clean else pick(
+            ["## Digest\n", "## Digest\n", "## digest\n", "## Digest \n", " ## Digest\n",
+             "## Summary\n", "## DIGEST!\n", "## Digest"])
+        lead = pick(["\n", ""] if clean else
+                    ["\n", "", "\n\n", " \n", "\n```\n## Digest\nfenced\n```\n"])
+        after = pick(["\n\n## Decisions\n- d\n", "\n## Next\n", "\n", "", "\n##\nx\n",
+                      "\n## Decisions\n```\n## Digest\nin a fence\n```\n"])
+        yield head + "---\n" + block + close + lead + heading + pick(digests) + after
+
+
+def test_episode_head_agrees_with_the_general_readers():
+    taken = 0
+    for text in _episode_texts(5, 40000):
+        head = memshelf._episode_head(text)
+        digest_early = None
+        try:
+            detail = memshelf._parse_frontmatter_detail(text)
+        except FrontmatterError:
+            assert head is None, text
+            continue
+        body = detail["body"]
+        digest_early = memshelf._digest_early(body)
+        whole = memshelf._digest_of(memshelf._split_sections(body)[1])
+        if digest_early is not None:   # None: only the whole split can tell
+            assert digest_early == whole, text
+        if head is None:
+            continue
+        taken += 1
+        assert head == (detail["fields"], body, whole), text
+        assert memshelf._ledger_digest(body) == whole and detail["portability"] == [], text
+        assert detail["has_block"], text
+    assert taken > 2000
+
+
+def test_a_partial_read_gives_the_columns_a_whole_read_gives(tmp_path):
+    """What the cache columns hold of an episode is the same read for columns only (which
+    stops at the digest) and read whole; the partial record has no sections."""
+    folder = tmp_path / "docs" / "topics"
+    folder.mkdir(parents=True)
+    texts = list(_episode_texts(9, 3000))
+    texts += [t.replace("\n", "\r\n") for t in texts[:200]]
+    texts += ["\ufeff" + t for t in texts[:100]]
+    for n, text in enumerate(texts):
+        rel = f"docs/topics/2026-01-02-e{n}.md"
+        (tmp_path / rel).write_bytes(text.encode("utf-8"))
+        whole = memshelf._read_episode(str(tmp_path), rel)
+        part = memshelf._read_episode(str(tmp_path), rel, whole=False)
+        assert memshelf._cache_columns(part) == memshelf._cache_columns(whole), text
+        assert part["sections"] is None or part["sections"] == whole["sections"]
+        assert {k: v for k, v in part.items() if k != "sections"} == \
+            {k: v for k, v in whole.items() if k != "sections"}, text
+    (tmp_path / "docs" / "topics" / "2026-01-02-bad.md").write_bytes(b"---\nid: \xff\n---\n")
+    part = memshelf._read_episode(str(tmp_path), "docs/topics/2026-01-02-bad.md", whole=False)
+    assert part["fm_error"].startswith("encoding")

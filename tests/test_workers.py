@@ -113,3 +113,91 @@ def test_odd_worker_settings_still_work(shelf_with_work, value):
     r = fresh_run(shelf_with_work, value, "rebuild")
     assert r.code == 0, r
     assert r.json()["episodes"] == len(TOPICS) + len(HAND_WRITTEN)
+
+
+# --- the worker pool itself ----------------------------------------------------------------
+
+POOL_SCRIPT = r'''
+import os, sys, json
+sys.path.insert(0, sys.argv[1])
+import memshelf
+
+parent = os.getpid()
+case = sys.argv[2]
+out = {}
+
+def no_children():
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+if case == "results":
+    for n in (2, 3, 7, 1000, 5001):
+        items = [f"item-{k}" for k in range(n)]
+        got = {}
+        for i, value in memshelf._parallel_map(lambda x: (x.upper(), os.getpid()), items):
+            assert i not in got, i
+            got[i] = value
+        assert sorted(got) == list(range(n)), n
+        assert all(got[i][0] == items[i].upper() for i in got)
+        out[n] = len({pid for _, pid in got.values()})
+elif case in ("raises", "unpicklable", "dies"):
+    class Odd(Exception):
+        def __reduce__(self):
+            raise TypeError("not picklable")
+    def work(x):
+        if os.getpid() != parent:
+            if case == "raises":
+                raise ValueError(f"bad item {x}")
+            if case == "unpicklable":
+                raise Odd("odd")
+            os._exit(3)
+        import time
+        time.sleep(0.001)   # leave the worker time to take a chunk
+        return x
+    try:
+        for _ in memshelf._parallel_map(work, list(range(2000))):
+            pass
+        out["error"] = None
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+elif case == "abandoned":
+    for i, _ in memshelf._parallel_map(lambda x: x, list(range(5000))):
+        break
+out["no_children"] = no_children()
+print(json.dumps(out))
+'''
+
+
+def _pool(case):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    env = dict(os.environ, MEMSHELF_WORKERS="2")
+    r = subprocess.run([sys.executable, "-c", POOL_SCRIPT, ROOT, case], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_the_pool_gives_every_result_once_and_the_parent_works_too():
+    out = _pool("results")
+    assert out["no_children"] is True
+    assert out["5001"] == 2 and out["1000"] == 2   # the parent and one forked worker both did work
+
+
+@pytest.mark.parametrize("case,error", [
+    ("raises", "ValueError: bad item"),
+    ("unpicklable", "RuntimeError: in a worker process: Odd('odd')"),
+    ("dies", "RuntimeError: a worker process stopped with"),
+])
+def test_a_failing_worker_fails_the_call_and_leaves_no_process(case, error):
+    out = _pool(case)
+    assert out["error"] and out["error"].startswith(error), out
+    assert out["no_children"] is True
+
+
+def test_a_consumer_that_stops_early_leaves_no_process():
+    assert _pool("abandoned")["no_children"] is True
