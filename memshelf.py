@@ -1347,8 +1347,9 @@ def _parse_frontmatter_detail(text):
 # double-quoted value without escapes, a flow list of simple words, or one simple word. The
 # grammar gives such a line exactly the value the regex captures and no portability finding.
 _FM_WORD = r"[A-Za-z0-9](?:[A-Za-z0-9_.:/+-]*[A-Za-z0-9_./+-])?"
-_FM_CANONICAL_LINE = _re_lazy(r'([a-z_][a-z0-9_]*): (?:"([^"\\\x00-\x1f\x7f-\x9f]*)"'
-                              r'|(\[(?:%s(?:, %s)*)?\])|(%s))\n' % (_FM_WORD, _FM_WORD, _FM_WORD))
+_FM_CANONICAL_LINE = _re_lazy(r'^([a-z_][a-z0-9_]*): (?:"([^"\\\x00-\x1f\x7f-\x9f]*)"'
+                              r'|(\[(?:%s(?:, %s)*)?\])|(%s))\n' % (_FM_WORD, _FM_WORD, _FM_WORD),
+                              re.M)
 _FM_CANONICAL_PLAIN_ID = _re_lazy(r"(?m)^id: [^\"]")
 
 
@@ -1356,25 +1357,16 @@ def _fm_canonical_fields(block):
     """The fields of a block made only of canonical lines (the common case, parsed at C
     speed), or None: then the full grammar parses it, with every error and finding.
 
-    The lines found must cover the block: each match is one whole line, so any other line
-    leaves a gap (the matches' lengths are summed from their parts)."""
+    A match starts at a line's start and ends at its line break, so one match per line
+    means every line is canonical."""
     found = _FM_CANONICAL_LINE.findall(block)
-    if not found:
-        return None
-    fields, covered = {}, 0
-    for key, quoted, flow, plain in found:
-        if plain:
-            value = plain
-        elif flow:
-            value = flow[1:-1].split(", ") if len(flow) > 2 else []
-            plain = flow
-        else:
-            value = quoted
-            covered += 2
-        covered += len(key) + len(plain or quoted) + 3
-        fields[sys.intern(key)] = value
-    if covered != len(block) or len(fields) < len(found):
-        return None   # another line (the grammar reads it) or a duplicate key (it reports it)
+    if not found or len(found) != block.count("\n") or not block.endswith("\n"):
+        return None   # another line: the grammar reads it
+    fields = {sys.intern(key): plain if plain else
+              (flow[1:-1].split(", ") if len(flow) > 2 else []) if flow else quoted
+              for key, quoted, flow, plain in found}
+    if len(fields) < len(found):
+        return None   # a duplicate key: the grammar reports it
     ident = fields.get("id")
     if ident.__class__ is str and _YAML_IMPLICIT_ANY.match(ident) and \
             _FM_CANONICAL_PLAIN_ID.search(block):
