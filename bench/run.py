@@ -2,8 +2,9 @@
 """memshelf benchmark harness (shared/spec/quality-bars.md § 1-5).
 
 Flow: generate (or reuse) a synthetic shelf per size in bench/.cache/ -> copy it once per
-implementation -> run the cases in a fixed order on that copy -> table (+ JSON/Markdown files)
--> optional --check against bench/targets.json.
+implementation -> run the cases in a fixed order, each case for every implementation in turn
+(on its own copy) -> table (+ JSON/Markdown files) -> optional --check against
+bench/targets.json.
 
 Method (§ 1): cold = a new process per run after one untimed warm-up, median and p90 of
 --repeat runs; every measured child runs under a tiny wrapper process, so the wrapper's
@@ -739,14 +740,19 @@ class Bench:
         episode = pick_episode(base)
         keyword_qs = [q for q, _, label in queries if label == "keyword"] or ["cache"]
         out = {"shelf": facts, "cases": {}, "tokens": {}, "retrieval": {}}
+        ctxs = []
         for impl in self.impls:
             log(f"bench: {n:,} episodes, {impl.label}: copying the shelf ...")
             shelf = work_copy(base, impl, shelf_key(n, a.seed, a.raw_kb, a.format, not a.plain))
-            ctx = {"n": n, "shelf": shelf, "episode": episode, "queries": queries,
-                   "keyword_qs": keyword_qs, "impl": impl}
-            for case in CASE_NAMES:
-                if case not in self.selected or case in ("tokens", "retrieval"):
-                    continue
+            ctxs.append({"n": n, "shelf": shelf, "episode": episode, "queries": queries,
+                         "keyword_qs": keyword_qs, "impl": impl})
+        # case by case, each implementation in turn: the two runs of a case are seconds
+        # apart, so a machine whose speed drifts over the minutes of a run skews no ratio
+        for case in CASE_NAMES:
+            if case not in self.selected or case in ("tokens", "retrieval"):
+                continue
+            for ctx in ctxs:
+                impl = ctx["impl"]
                 t0 = time.perf_counter()
                 try:
                     res = getattr(self, "case_" + case.replace("-", "_"))(ctx)
@@ -757,6 +763,8 @@ class Bench:
                        else "n/a (" + str(res.get("reason")) + ")")
                     + f"  [{time.perf_counter() - t0:.1f} s]")
                 out["cases"].setdefault(case, {})[impl.key] = res
+        for ctx in ctxs:
+            impl, shelf = ctx["impl"], ctx["shelf"]
             if "retrieval" in self.selected:
                 log(f"bench: {n:,} {impl.key}: retrieval")
                 out["retrieval"][impl.key] = self.retrieval(ctx)
