@@ -1669,7 +1669,10 @@ def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
     the one read and parse. whole=False: a record of what the cache columns hold (no
     sections), which reads the body only to the end of its digest."""
     path = os.path.join(root, rel)
-    st = stat or os.stat(path)
+    try:
+        st = stat or os.stat(path)
+    except OSError:
+        st = _stamp((0, 0))   # gone since the listing: the read below says how
     category = sys.intern(rel.split("/")[-2])
     stem = rel.rsplit("/", 1)[-1][:-3]
     rec = {"path": rel, "stem": stem, "category": category, "archived": archived,
@@ -5181,6 +5184,10 @@ class _Catalog:
     def scan(self, archive=True):
         return _scan_episode_files(self.root, archive)
 
+    def has_rows(self):
+        """Whether the cache holds any episode row (False without a cache)."""
+        return any(True for _ in _cache_rows(self.db, "SELECT 1 FROM episodes LIMIT 1"))
+
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
         """Every episode's record; `files` is a scan made just before (saves a second one).
 
@@ -5225,7 +5232,8 @@ class _Catalog:
         out, missing = [], []
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
             obj = None
-            if row is not None and row[1] == st.st_size and row[2] == st.st_mtime_ns:
+            if row is not None and st is not None and row[1] == st.st_size and \
+                    row[2] == st.st_mtime_ns:
                 obj = from_row(rel, archived, row[3:])
             if obj is None:
                 missing.append((len(out), rel, archived, st))
@@ -5253,8 +5261,10 @@ class _Catalog:
         if also is not None:
             self.extras = {}
         batch = []   # cache rows are stored as they come: they never pile up in memory
+        self.stamps = {}   # (size, mtime_ns) of each file read afresh, as read
         for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
             slot, rel, archived, _ = missing[n]
+            self.stamps[rel] = _stamp(row[1:3])
             out[slot] = _share_values(rec) if whole else \
                 from_row(rel, archived, take(row))
             if also is not None:
@@ -5434,11 +5444,12 @@ def _share_values(rec):
     return rec
 
 
-def _scan_episode_files(root, archive=True, subdirs=None):
+def _scan_episode_files(root, archive=True, subdirs=None, stat=True):
     """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps.
 
     With a `subdirs` list, the folders met inside category folders (legacy split sections) are
-    appended to it as (relative path, mtime_ns)."""
+    appended to it as (relative path, mtime_ns). stat=False: None for each stamp (no system
+    call per file; whoever reads the file stats it)."""
     found = []
     bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
     for base, archived in bases:
@@ -5457,8 +5468,11 @@ def _scan_episode_files(root, archive=True, subdirs=None):
                     if subdirs is not None and e.is_dir(follow_symlinks=False):
                         subdirs.append((prefix + name, e.stat().st_mtime_ns))
                     continue
-                st = e.stat()
-                found.append((prefix + name, archived, _stamp((st.st_size, st.st_mtime_ns))))
+                if stat:
+                    st = e.stat()
+                    found.append((prefix + name, archived, _stamp((st.st_size, st.st_mtime_ns))))
+                else:
+                    found.append((prefix + name, archived, None))
     found.sort()   # paths are unique: the comparison never goes past them
     return found
 
@@ -6673,13 +6687,27 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
     fmt = fmt or _index_format(root)
     key = None
     if records is None:
-        key, scanned = _render_key(root, fmt)
-        memo = _render_memo_hit(root, key)
-        if memo is not None:
-            return memo
+        remembered = isinstance(_state(root).get("render_memo"), dict)
+        if remembered:
+            key, scanned = _render_key(root, fmt)
+            memo = _render_memo_hit(root, key)
+            if memo is not None:
+                return memo
         cat = _Catalog(root)
         try:
-            records = cat.render_records(progress=progress, files=scanned)
+            if remembered or cat.has_rows():
+                if not remembered:
+                    key, scanned = _render_key(root, fmt)
+                records = cat.render_records(progress=progress, files=scanned)
+            else:
+                # nothing remembered, nothing cached (a fresh clone, a dropped cache): list
+                # the files without a stat each (each is stat'ed where it is read) and make
+                # the key from the stamps of the reads
+                subdirs = []
+                scanned = _scan_episode_files(root, subdirs=subdirs, stat=False)
+                records = cat.render_records(progress=progress, files=scanned)
+                scanned = [(rel, archived, cat.stamps[rel]) for rel, archived, _ in scanned]
+                key = _render_key_of(root, fmt, scanned, subdirs)
         finally:
             cat.close()
         del scanned   # a few hundred bytes per episode, not needed while rendering
@@ -6729,9 +6757,14 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
 def _render_key(root, fmt):
     """(digest, scan): a digest of all a full render reads (code, format, settings, folders,
     episode stats), and the episode scan it was made from."""
-    import hashlib
     subdirs = []
     scanned = _scan_episode_files(root, subdirs=subdirs)
+    return _render_key_of(root, fmt, scanned, subdirs), scanned
+
+
+def _render_key_of(root, fmt, scanned, subdirs):
+    """The render key of an episode scan and the split folders met on the way."""
+    import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
         try:
@@ -6745,7 +6778,7 @@ def _render_key(root, fmt):
             parts.append(f"{base}/{cat}\0{os.path.isdir(os.path.join(root, base, cat))}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += [f"{rel}\0{st.st_size}\0{st.st_mtime_ns}" for rel, _, st in scanned]
-    return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest(), scanned
+    return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _render_is_current(root, fmt=None):

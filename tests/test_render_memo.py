@@ -53,6 +53,27 @@ def test_unchanged_shelf_is_answered_from_the_memo(filled, cli):
     assert rebuild(cli, filled, "--check")["ok"] is True
 
 
+def test_a_render_on_a_dropped_cache_is_remembered_like_any_other(filled, cli):
+    # nothing remembered, nothing cached: the files are listed without stats and the key is
+    # made from the stamps of the reads; it must be the key a full scan gives
+    import memshelf
+    (filled / "docs" / "topics" / "2026-03-09-split").mkdir()   # a split folder counts too
+    (filled / "docs" / "topics" / "2026-03-09-split.md").write_text(
+        "---\nid: 2026-03-09-split\nkind: topic\n---\n\n## Digest\nSplit. Open: none.\n")
+    first = rebuild(cli, filled)
+    for workers in ("1", "2"):
+        shutil.rmtree(filled / ".memshelf")
+        r = cli("rebuild", "--shelf", filled, "--json", env={"MEMSHELF_WORKERS": workers})
+        assert r.code == 0 and r.json()["episodes"] == 4, r
+        assert r.json()["written"] == [] and r.json()["unchanged"] == \
+            sorted(first["written"] + first["unchanged"])
+        key, _ = memshelf._render_key(str(filled), memshelf._index_format(str(filled)))
+        assert memo(filled)["key"] == key
+        assert memshelf._render_is_current(str(filled))
+    # an episode that goes between the listing and its read is an unreadable file, not a crash
+    assert memshelf._read_episode(str(filled), "docs/topics/gone.md")["fm_error"].startswith("io")
+
+
 def test_an_episode_edited_in_place_is_seen(filled, cli):
     rebuild(cli, filled)
     path = filled / "docs" / "topics" / "2026-03-02-login-flow.md"
