@@ -401,16 +401,30 @@ def _file_bytes(path, size=-1):
     counts at 10,000 episodes. `size` (from a stat just made) lets one read usually do."""
     fd = os.open(path, _O_READ)
     try:
-        data = os.read(fd, size + 1 if size >= 0 else 1 << 16)
-        if 0 <= size and len(data) <= size:
-            return data
-        chunks = [data]
-        while data:
-            data = os.read(fd, 1 << 16)
-            chunks.append(data)
-        return b"".join(chunks)
+        return _fd_bytes(fd, size)
     finally:
         os.close(fd)
+
+
+def _file_bytes_stamped(path):
+    """(bytes, _FileStamp) of a file, the stamp taken from the descriptor that reads it."""
+    fd = os.open(path, _O_READ)
+    try:
+        st = os.fstat(fd)
+        return _fd_bytes(fd, st.st_size), _stamp((st.st_size, st.st_mtime_ns))
+    finally:
+        os.close(fd)
+
+
+def _fd_bytes(fd, size):
+    data = os.read(fd, size + 1 if size >= 0 else 1 << 16)
+    if 0 <= size and len(data) <= size:
+        return data
+    chunks = [data]
+    while data:
+        data = os.read(fd, 1 << 16)
+        chunks.append(data)
+    return b"".join(chunks)
 
 
 # --- atomic writes and the shelf lock ------------------------------------------------------
@@ -1669,25 +1683,29 @@ def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
     the one read and parse. whole=False: a record of what the cache columns hold (no
     sections), which reads the body only to the end of its digest."""
     path = os.path.join(root, rel)
+    raw, failed, st = b"", None, stat
     try:
-        st = stat or os.stat(path)
-    except OSError:
-        st = _stamp((0, 0))   # gone since the listing: the read below says how
+        if st is None:   # listed without a stat: the descriptor that reads it says
+            raw, st = _file_bytes_stamped(path)
+        else:
+            raw = _file_bytes(path, st.st_size)
+    except OSError as exc:
+        failed = exc
+        st = st or _stamp((0, 0))   # gone since the listing
     category = sys.intern(rel.split("/")[-2])
     stem = rel.rsplit("/", 1)[-1][:-3]
     rec = {"path": rel, "stem": stem, "category": category, "archived": archived,
            "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fm_ok": False, "fm_error": None,
            "fields": {}, "has_block": False, "portability": []}
-    raw = b""
-    try:
-        raw = _file_bytes(path, st.st_size)
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
-        text = raw.decode("utf-8", "replace")
-    except OSError as exc:
-        rec["fm_error"] = f"io: {exc.strerror}"
+    if failed is not None:
+        rec["fm_error"] = f"io: {failed.strerror}"
         text = ""
+    else:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
+            text = raw.decode("utf-8", "replace")
     text = _normalised(text)
     body, digest = text, None
     head = _episode_head(text) if rec["fm_error"] is None else None
