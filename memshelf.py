@@ -710,25 +710,25 @@ _FM_YAML_BREAKS = _re_lazy("[\x85\u2028\u2029]")
 # Plain scalars a YAML 1.1 or 1.2-core loader resolves to a non-string (PyYAML's resolvers,
 # plus the 1.1 spec's y/n booleans and the 1.2 core forms such as 1e3 and 0o7).
 _YAML_IMPLICIT_TYPES = (
-    ("null", re.compile(r"(?:~|null|Null|NULL)\Z")),
-    ("boolean", re.compile(
+    ("null", _re_lazy(r"(?:~|null|Null|NULL)\Z")),
+    ("boolean", _re_lazy(
         r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE"
         r"|on|On|ON|off|Off|OFF)\Z")),
-    ("integer", re.compile(
+    ("integer", _re_lazy(
         r"[-+]?(?:0b[01_]+|0o[0-7]+|0[0-7_]+|0x[0-9a-fA-F_]+|[0-9]+|[1-9][0-9_]*"
         r"|[1-9][0-9_]*(?::[0-5]?[0-9])+)\Z")),
-    ("float", re.compile(
+    ("float", _re_lazy(
         r"(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
         r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
         r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
         r"|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*"
         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")),
-    ("date", re.compile(
+    ("date", _re_lazy(
         r"(?:[0-9]{4}-[0-9]{2}-[0-9]{2}"
         r"|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)[0-9]{1,2}:[0-9]{2}:[0-9]{2}"
         r"(?:\.[0-9]*)?(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)\Z")),
-    ("merge key", re.compile(r"<<\Z")),
-    ("value key", re.compile(r"=\Z")),
+    ("merge key", _re_lazy(r"<<\Z")),
+    ("value key", _re_lazy(r"=\Z")),
 )
 
 # First characters that keep a string from being written plain (YAML indicators, plus - ? :).
