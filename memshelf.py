@@ -8931,9 +8931,6 @@ _HOOKS = {
 }
 
 
-_HOOK_MARK = "# installed by memshelf init; safe to delete"
-
-
 def _hook_script(name, launcher):
     body = _HOOKS[name]
     guard = ""
@@ -8944,7 +8941,7 @@ def _hook_script(name, launcher):
     tail = "exit $rc" if name == "pre-commit" else "exit 0"
     # git runs a hook at the top of the work tree, which is the shelf (hooks are installed at
     # a repository's root only): "." follows the shelf when its folder is moved or copied
-    return (f"#!/bin/sh\n{_HOOK_MARK}\n"
+    return ("#!/bin/sh\n# installed by memshelf init; safe to delete\n"
             f"SHELF=.\n{guard}"
             f"{launcher} {body} </dev/null\nrc=$?\n"
             'if [ $rc -eq 127 ] || [ $rc -eq 126 ] || [ $rc -eq 2 ]; then\n'
@@ -9000,19 +8997,11 @@ def _install_git_hooks(git):
     launcher = _launcher()
     for name in _HOOKS:
         path = os.path.join(hooks_dir, name)
-        script = _hook_script(name, launcher)
         if os.path.exists(path):
-            try:
-                current = _read_text(path)
-            except (OSError, ShelfError):
-                current = None
-            # a hook of ours that differs (an older one names the shelf's folder as it was
-            # at init, which a moved shelf no longer is) is ours to renew; any other stays
-            if current is None or current == script or _HOOK_MARK not in current.split("\n")[:2]:
-                skipped.append(name)
-                continue
+            skipped.append(name)
+            continue
         with open(path, "w", encoding="utf-8") as f:
-            f.write(script)
+            f.write(_hook_script(name, launcher))
         os.chmod(path, 0o755)
         installed.append(name)
     return installed, skipped
