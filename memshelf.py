@@ -762,11 +762,7 @@ def _fm_normalise(text):
                 "save the file as UTF-8") from None
     elif not isinstance(text, str):
         raise TypeError("expected str or bytes, got %s" % type(text).__name__)
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text
+    return _normalised(text)
 
 
 def _fm_is_fence(line):
@@ -5186,7 +5182,7 @@ def _check_section_name(name):
 
 # --- the episode catalog and its cache -----------------------------------------------------
 
-_CACHE_SCHEMA = "6"   # bump when the cached record or the cache columns change shape
+_CACHE_SCHEMA = "7"   # bump when the cached record or the cache columns change shape
 
 
 class _Catalog:
@@ -6705,10 +6701,11 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
     fmt = fmt or _index_format(root)
     key = None
     if records is None:
-        remembered = isinstance(_state(root).get("render_memo"), dict)
+        remembered = _state(root).get("render_memo")
+        remembered = remembered if isinstance(remembered, dict) else None
         if remembered:
             key, scanned = _render_key(root, fmt)
-            memo = _render_memo_hit(root, key)
+            memo = _render_memo_hit(root, key, memo=remembered)
             if memo is not None:
                 return memo
         cat = _Catalog(root)
@@ -6805,9 +6802,10 @@ def _render_is_current(root, fmt=None):
     return _render_memo_hit(root, key, read=False) is not None
 
 
-def _render_memo_hit(root, key, read=True):
-    """The last render, read back from disk, when its key matches and no file was touched."""
-    memo = _state(root).get("render_memo")
+def _render_memo_hit(root, key, read=True, memo=None):
+    """The last render, read back from disk, when its key matches and no file was touched.
+    `memo`: the state's render_memo when the caller has just read it."""
+    memo = _state(root).get("render_memo") if memo is None else memo
     if not isinstance(memo, dict) or memo.get("key") != key or \
             not isinstance(memo.get("files"), dict):
         return None
