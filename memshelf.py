@@ -26,6 +26,7 @@ __version__ = "0.5.0"
 import collections
 import functools
 import json
+import operator
 import os
 import re
 import sys
@@ -258,7 +259,7 @@ def _parallel_map(func, items, progress=None, message=None):
         data = os.read(jobs, 4)
         return int.from_bytes(data, "little") if data else None
 
-    children = {}   # result pipe -> pid
+    children, reader = {}, None   # result pipe -> pid
     gc.freeze()   # objects the workers inherit stay shared: their collector never touches them
     try:
         for _ in range(workers - 1):
@@ -321,6 +322,8 @@ def _parallel_map(func, items, progress=None, message=None):
                     os.waitpid(pid, 0)
             except OSError:
                 pass
+        if reader is not None:
+            reader.join()   # every pipe has ended: a later call sees one thread again
         gc.unfreeze()
 
 
@@ -5192,6 +5195,8 @@ class _Catalog:
         self.root = root
         self.db = None
         self.extras = {}
+        # store_behind: rows parsed afresh are stored by a forked writer after the merge
+        self.store_behind, self.writer = False, None
         if use_cache:
             self.db = _cache_db(root)
 
@@ -5270,7 +5275,6 @@ class _Catalog:
                 rec = trim(rec)
             return rec, row, extra
 
-        import operator
         take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
         if also is not None:
             self.extras = {}
@@ -5285,11 +5289,41 @@ class _Catalog:
                 self.extras[rel] = extra
             if cached:
                 batch.append(row)
-                if len(batch) >= 2000:
+                if len(batch) >= 2000 and not self.store_behind:
                     self._store(batch, ())
                     batch = []
-        self._store(batch, gone)
+        if self.store_behind:
+            self._store_behind(batch, gone)
+        else:
+            self._store(batch, gone)
         return out
+
+    def _store_behind(self, rows, gone):
+        """Store the rows in a forked process while this one goes on (close() waits for it):
+        a caller that renders next keeps both cores busy instead of one. The connection is
+        closed first (none may cross a fork) and the writer opens its own; its objects are
+        frozen for the collector, so neither process copies pages by merely scanning them.
+        Where workers are not used (one core, a server, MEMSHELF_WORKERS=1) this just stores."""
+        if self.db is None or not (rows or gone):
+            return
+        if _worker_count(len(rows)) < 2:
+            self._store(rows, gone)
+            return
+        import gc
+        self.db = _close_db(self.db)   # no SQLite connection crosses a fork
+        gc.freeze()
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                gc.disable()
+                self.db = _cache_db(self.root)
+                self._store(rows, gone)
+                self.db = _close_db(self.db)
+                status = 0
+            finally:
+                os._exit(status)
+        self.writer = pid
 
     def _store(self, rows, gone):
         """Cache rows for fresh parses (path, size, mtime_ns, record, columns); rows of gone
@@ -5308,6 +5342,14 @@ class _Catalog:
 
     def close(self):
         self.db = _close_db(self.db)
+        if self.writer is not None:
+            import gc
+            try:
+                os.waitpid(self.writer, 0)   # the rows stored behind are in when this returns
+            except ChildProcessError:
+                pass
+            self.writer = None
+            gc.unfreeze()
 
 
 # A cached record is a JSON array in this key order (object keys would be stored, decoded and
@@ -6174,11 +6216,16 @@ def _dir_fingerprint(root):
     return fp
 
 
+def _ledger_expected(rec):
+    """The ledger's expected-tokens cell of a record: its approx_tokens, 0 when unknown."""
+    approx = rec["approx_tokens"]
+    return approx if approx is not None and approx >= 0 else 0
+
+
 def _ledger_row(rec):
     return "\t".join([rec["date"], rec.get("id") or "", rec.get("mode") or "live",
-                      str(rec["approx_tokens"] if rec["approx_tokens"] is not None and
-                          rec["approx_tokens"] >= 0 else 0),
-                      str(rec["digest_tokens"]), rec.get("notes") or ""])
+                      str(_ledger_expected(rec)), str(rec["digest_tokens"]),
+                      rec.get("notes") or ""])
 
 
 def _episode_aggregate(records, window):
@@ -6593,7 +6640,8 @@ def _render_meta(records):
     return "{\n" + ",\n".join(parts) + "\n}\n", warnings
 
 
-def _render_ledger(records):
+def _ledger_rows(records):
+    """The records ledger.tsv lists, in its order, and warnings for the ones it leaves out."""
     rows, warnings = [], []
     for r in records:
         if not r.get("id"):
@@ -6604,27 +6652,25 @@ def _render_ledger(records):
             warnings.append(f"{r['path']}: no date field; the ledger uses the id's date prefix "
                             "(add date: or run memshelf rebuild --adopt)")
         rows.append(r)
-    rows.sort(key=lambda r: (r["date"], r["id"]))
-    return _LEDGER_HEADER + "".join(_ledger_row(r) + "\n" for r in rows), warnings
+    rows.sort(key=operator.itemgetter("date", "id"))
+    return rows, warnings
 
 
-def _render_chart(ledger_text):
-    """stats.svg: cumulative expected vs actual tokens, log scale (shelf-format.md § 10)."""
+def _render_ledger(rows):
+    return _LEDGER_HEADER + "".join([_ledger_row(r) + "\n" for r in rows])
+
+
+def _render_chart(rows):
+    """stats.svg from the ledger's rows: cumulative expected vs actual tokens per date, log
+    scale (shelf-format.md § 10)."""
     import math
     per_date = {}
-    for line in ledger_text.splitlines()[1:]:
-        if not line.strip():
-            continue
-        cells = line.split("\t")
-        if len(cells) < 5:
-            continue
-        try:
-            exp, act = int(cells[3].strip()), int(cells[4].strip())
-        except ValueError:
-            continue
-        e = per_date.setdefault(cells[0], [0, 0])
-        e[0] += exp
-        e[1] += act
+    for r in rows:
+        e = per_date.get(r["date"])
+        if e is None:
+            e = per_date[r["date"]] = [0, 0]
+        e[0] += _ledger_expected(r)
+        e[1] += r["digest_tokens"]
     if not per_date:
         return None
     dates = sorted(per_date)
@@ -6709,6 +6755,7 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
             if memo is not None:
                 return memo
         cat = _Catalog(root)
+        cat.store_behind = True   # fresh rows are stored while the files are rendered
         try:
             if remembered or cat.has_rows():
                 if not remembered:
@@ -6723,19 +6770,25 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
                 records = cat.render_records(progress=progress, files=scanned)
                 scanned = [(rel, archived, cat.stamps[rel]) for rel, archived, _ in scanned]
                 key = _render_key_of(root, fmt, scanned, subdirs)
+            del scanned   # a few hundred bytes per episode, not needed while rendering
+            return _render_records(root, records, fmt, index_only, key)
         finally:
             cat.close()
-        del scanned   # a few hundred bytes per episode, not needed while rendering
+    return _render_records(root, records, fmt, index_only, key)
+
+
+def _render_records(root, records, fmt, index_only, key):
+    """_render_derived's answer for these records (key: the render key, None if unknown)."""
     cfg = _docshelf_config(root)
     live = [r for r in records if not r["archived"]]
     archived = [r for r in records if r["archived"]]
     superseded = _superseded_map(records)
     files, warnings = {}, []
     if not index_only:
-        ledger, w = _render_ledger(records)
+        rows, w = _ledger_rows(records)
         warnings += w
-        files["ledger.tsv"] = ledger
-        chart = _render_chart(ledger)
+        files["ledger.tsv"] = _render_ledger(rows)
+        chart = _render_chart(rows)
         if chart is not None:
             files["stats.svg"] = chart
     for base, recs in (("docs", live), ("archive/docs", archived)):
@@ -12919,7 +12972,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
                               "fetched_tokens": fetched, "realized_savings": saved})
         result["per_episode"] = breakdown
     if chart:
-        svg = _render_chart(_render_ledger(records)[0])
+        svg = _render_chart(_ledger_rows(records)[0])
         if svg is None:
             raise ShelfError("nothing-to-chart",
                              "no episode with an id yet: nothing to chart",

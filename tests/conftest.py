@@ -109,3 +109,16 @@ def shelve_args(root, slug="2026-07-22-auth-refactor", kind="topic", digest=None
     else:
         args += ["--section", "Findings=allkeys-lru wins at 94 % hit rate."]
     return args + list(extra)
+
+
+def chart_rows(ledger):
+    """The rows 0.4.0 charts from a ledger text: five cells or more, two integer counts."""
+    rows = []
+    for line in ledger.splitlines()[1:]:
+        cells = line.split("\t")
+        try:
+            rows.append({"date": cells[0], "approx_tokens": int(cells[3]),
+                         "digest_tokens": int(cells[4])})
+        except (IndexError, ValueError):
+            continue
+    return rows

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_cli, shelve_args
+from conftest import ROOT, chart_rows, run_cli, shelve_args
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "ref040")
 
@@ -95,9 +95,9 @@ def test_chart_fixtures_are_byte_identical():
     base = os.path.join(FIXTURES, "charts")
     for name in sorted(os.listdir(base)):
         with open(os.path.join(base, name, "ledger.tsv"), encoding="utf-8") as f:
-            ledger = f.read()
+            rows = chart_rows(f.read())
         with open(os.path.join(base, name, "stats.svg"), encoding="utf-8") as f:
-            assert memshelf._render_chart(ledger) == f.read(), name
+            assert memshelf._render_chart(rows) == f.read(), name
 
 
 # --- live: the real memshelf-mcp 0.4.0 CLI ---------------------------------------------------

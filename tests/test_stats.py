@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import memshelf
+from conftest import chart_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "ref040", "shelf-docshelf")
@@ -183,6 +184,9 @@ def test_chart(shelf):
     assert r["chart"] == "stats.svg"
     with open(svg, "rb") as f:
         assert f.read() == rebuilt
+    # drawn from the records, it is the chart 0.4.0 draws from the ledger's text
+    with open(os.path.join(shelf, "ledger.tsv"), encoding="utf-8") as f:
+        assert memshelf._render_chart(chart_rows(f.read())).encode() == rebuilt
 
 
 def test_chart_with_nothing_to_chart(tmp_path):

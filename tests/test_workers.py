@@ -92,17 +92,29 @@ def test_doctor_checks_in_workers_when_only_its_own_cache_is_void(shelf_with_wor
     assert any(f["code"] == "policy-pattern-at-rest" for f in results[0]["findings"])
 
 
+def cache_rows(root):
+    con = sqlite3.connect(root / ".memshelf" / "shelf.sqlite")
+    try:
+        return con.execute("SELECT * FROM episodes ORDER BY path").fetchall()
+    finally:
+        con.close()
+
+
 def test_rebuild_in_workers_writes_the_same_files(shelf_with_work):
     names = ["INDEX.md", "ledger.tsv", "docs/topics/.meta.json", "stats.svg"]
     r = fresh_run(shelf_with_work, "1", "rebuild")
     assert r.code == 0, r
     serial = {n: (shelf_with_work / n).read_bytes() for n in names}
+    serial_rows = cache_rows(shelf_with_work)
+    assert len(serial_rows) == len(TOPICS) + len(HAND_WRITTEN)
     for n in names:
         os.unlink(shelf_with_work / n)
     r = fresh_run(shelf_with_work, "2", "rebuild")
     assert r.code == 0, r
     assert r.json()["episodes"] == len(TOPICS) + len(HAND_WRITTEN)
     assert {n: (shelf_with_work / n).read_bytes() for n in names} == serial
+    # the rows a forked writer stored while the files were rendered are all in, the same
+    assert cache_rows(shelf_with_work) == serial_rows
     check = run_cli("rebuild", "--shelf", shelf_with_work, "--check", "--json",
                     env={"MEMSHELF_WORKERS": "2"})
     assert check.code == 0 and check.json()["ok"] is True, check
