@@ -5185,7 +5185,7 @@ def _check_section_name(name):
 
 # --- the episode catalog and its cache -----------------------------------------------------
 
-_CACHE_SCHEMA = "7"   # bump when the cached record or the cache columns change shape
+_CACHE_SCHEMA = "8"   # bump when the cached record or the cache columns change shape
 
 
 class _Catalog:
@@ -5362,8 +5362,10 @@ _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "fm_
 # What the derived renders (INDEX, ledger, .meta.json, chart, supersedes links) and shelf
 # accounting read of every episode, kept as cache columns beside the record so that neither
 # decodes whole records. `supersedes` is stored as a JSON list; `date_field` is the frontmatter
-# date (the ledger checks it). Path, stem and archived come from the scan.
-_CACHE_COLUMNS = ("category", "id", "date", "display_title", "description", "digest",
+# date (the ledger checks it); `index_entry` and `meta_entry`/`meta_warning` are the episode's
+# own INDEX line and .meta.json entry, formatted once where the file is parsed (in a worker on a
+# cold start), not again by every render. Path, stem and archived come from the scan.
+_CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
                   "date_field")
 _SUMMARY_COLUMNS = ("id", "date", "digest_tokens", "approx_tokens", "approx_src")
@@ -5376,10 +5378,10 @@ _RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
 def _cache_columns(rec):
     """The values of _CACHE_COLUMNS for a record."""
     date = rec["fields"].get("date")
-    return (rec["category"], rec["id"], rec["date"], rec["display_title"], rec["description"],
-            rec["digest"], _json_row(rec["supersedes"]) if rec["supersedes"] else "[]",
-            rec["mode"], rec["approx_tokens"], rec["approx_src"], rec["digest_tokens"],
-            rec["notes"], date if isinstance(date, str) else None)
+    return (rec["category"], rec["id"], rec["date"], _index_entry(rec)) + _meta_entry(rec) + \
+        (_json_row(rec["supersedes"]) if rec["supersedes"] else "[]", rec["mode"],
+         rec["approx_tokens"], rec["approx_src"], rec["digest_tokens"], rec["notes"],
+         date if isinstance(date, str) else None)
 
 
 def _render_record(out):
@@ -5389,7 +5391,10 @@ def _render_record(out):
         out["supersedes"] = [] if out["supersedes"] == "[]" else json.loads(out["supersedes"])
     except (TypeError, ValueError):
         return None
-    if not isinstance(out["supersedes"], list) or out["category"] not in CATEGORIES:
+    if not isinstance(out["supersedes"], list) or out["category"] not in CATEGORIES or \
+            out["index_entry"].__class__ is not str or \
+            not all(v is None or v.__class__ is str for v in (out["meta_entry"],
+                                                              out["meta_warning"])):
         return None
     date = out.pop("date_field")
     out["fields"] = {} if date is None else {"date": date}
@@ -6510,18 +6515,26 @@ def _index_key(stem):
     return stem
 
 
-def _compact_entry(rec, superseded):
-    key = _index_key(rec["stem"])
-    line = "- " + key
+def _index_entry(rec):
+    """An episode's compact INDEX line, but for the superseded note (other episodes make it).
+    Cached (a cache column), like _meta_entry's answer: a change to what either writes needs a
+    _CACHE_SCHEMA bump."""
+    line = "- " + _index_key(rec["stem"])
     title = rec.get("display_title") or ""
     if title and title != rec["stem"]:
         line += " **" + (_RUN_OF_STARS.sub("*", title) if "**" in title else title) + "**"
     desc = _record_description(rec)
     if desc:
         line += " — " + desc
-    if superseded.get(rec["stem"]):
-        line += " [superseded by " + ", ".join(_index_key(s) for s in
-                                                 superseded[rec["stem"]]) + "]"
+    return line
+
+
+def _compact_entry(rec, superseded):
+    """The INDEX line of a record (a render record brings its own, formatted when parsed)."""
+    line = rec["index_entry"] if "index_entry" in rec else _index_entry(rec)
+    later = superseded.get(rec["stem"])
+    if later:
+        line += " [superseded by " + ", ".join(_index_key(s) for s in later) + "]"
     return line
 
 
@@ -6618,26 +6631,36 @@ def _split_label(name):
     return label.capitalize()
 
 
+def _meta_entry(rec):
+    """(an episode's entry in its category's .meta.json as JSON text, None when it has neither
+    title nor description; the description cap's warning or None).
+
+    The text is what json.dumps(..., indent=2, ensure_ascii=False) writes for the entry, made
+    with the C string encoder: the pure-Python indenting encoder costs seconds at 100k."""
+    title = rec.get("display_title") or ""
+    desc_raw = rec.get("description") or ""
+    if not title and not desc_raw:
+        return None, None
+    desc, warn = _cap_description(desc_raw) if desc_raw else ("", None)
+    enc = json.encoder.encode_basestring
+    return (f'  {enc(rec["stem"] + ".md")}: {{\n    "title": '
+            f'{enc(title or (rec.get("id") or rec["stem"]))},\n    "description": {enc(desc)}'
+            '\n  }'), warn
+
+
 def _render_meta(records):
     """docs/<category>/.meta.json text, or None when it would be empty; plus cap warnings."""
     entries, warnings = {}, []
     for r in sorted(records, key=lambda r: (r["date"], r.get("id") or "")):
-        title = r.get("display_title") or ""
-        desc_raw = r.get("description") or ""
-        if not title and not desc_raw:
-            continue
-        desc, warn = _cap_description(desc_raw) if desc_raw else ("", None)
+        entry, warn = (r["meta_entry"], r["meta_warning"]) if "meta_entry" in r else \
+            _meta_entry(r)
         if warn:
             warnings.append(f"{r['stem']}.md: {warn}")
-        entries[r["stem"] + ".md"] = (title or (r.get("id") or r["stem"]), desc)
+        if entry is not None:
+            entries[r["stem"]] = entry
     if not entries:
         return None, warnings
-    # the bytes of json.dumps(entries, indent=2, ensure_ascii=False), built with the C string
-    # encoder: the pure-Python indenting encoder costs seconds and much memory at 100k entries
-    enc = json.encoder.encode_basestring
-    parts = [f'  {enc(name)}: {{\n    "title": {enc(title)},\n    "description": {enc(desc)}\n  }}'
-             for name, (title, desc) in entries.items()]
-    return "{\n" + ",\n".join(parts) + "\n}\n", warnings
+    return "{\n" + ",\n".join(entries.values()) + "\n}\n", warnings
 
 
 def _ledger_rows(records):

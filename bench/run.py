@@ -491,13 +491,13 @@ def failure(res, accept=(0,), need_output=False):
 
 
 def cold(runner, argv_for, env, repeat, before=None, stdin_text=None, accept=(0,),
-         need_output=False, warmup=True):
-    """Cold measurement: one untimed warm-up, then `repeat` new processes; median and p90."""
-    if argv_for(0) is None:
+         need_output=False, warmup=True, first_k=0):
+    """Cold measurement: one untimed warm-up, then `repeat` new processes; median and p90.
+    Runs are numbered from first_k (argv_for and before see the number)."""
+    if argv_for(first_k) is None:
         return {"status": "n/a", "reason": "no such verb"}
     walls, rss, last = [], [], None
-    k = 0
-    for k in range(repeat + (1 if warmup else 0)):
+    for k in range(first_k, first_k + repeat + (1 if warmup else 0)):
         if before:
             before(k)
         res = runner.run(argv_for(k), env, stdin_text=stdin_text)
@@ -505,15 +505,32 @@ def cold(runner, argv_for, env, repeat, before=None, stdin_text=None, accept=(0,
         if why:
             return {"status": "n/a", "reason": why}
         last = res
-        if warmup and k == 0:
+        if warmup and k == first_k:
             continue
         walls.append(res["wall"])
         if res.get("maxrss_kb"):
             rss.append(res["maxrss_kb"])
-    return {"status": "ok", "median": statistics.median(walls), "p90": percentile(walls, 90),
-            "min": min(walls), "n": len(walls), "samples": [round(w, 5) for w in walls],
-            "rss_mb": round(max(rss) / 1024, 1) if rss else None, "rc": last.get("rc"),
-            "stdout": last.get("stdout", ""), "stderr": last.get("stderr", "")}
+    return dict(sample_stats(walls), status="ok",
+                rss_mb=round(max(rss) / 1024, 1) if rss else None, rc=last.get("rc"),
+                stdout=last.get("stdout", ""), stderr=last.get("stderr", ""))
+
+
+def sample_stats(walls):
+    return {"median": statistics.median(walls), "p90": percentile(walls, 90), "min": min(walls),
+            "n": len(walls), "samples": [round(w, 5) for w in walls]}
+
+
+def merge_rounds(results):
+    """One result from a cold case measured one run per round: the samples pooled, the
+    largest peak, the rest (rc, output, notes) from the last round; n/a if any round was."""
+    for res in results:
+        if res.get("status") != "ok":
+            return res
+    merged = dict(results[-1])
+    merged.update(sample_stats([w for res in results for w in res["samples"]]))
+    peaks = [res["rss_mb"] for res in results if res.get("rss_mb")]
+    merged["rss_mb"] = max(peaks) if peaks else None
+    return merged
 
 
 # ==========================================================================================
@@ -723,6 +740,7 @@ class Bench:
     def __init__(self, args, impls, runner):
         self.args, self.impls, self.runner = args, impls, runner
         self.selected = set(args.cases)
+        self.round = None   # (round, rounds) while a cold case runs one run per round
 
     def repeat_for(self, case, n):
         if case in HEAVY and n >= 100000 and not self.args.repeat_explicit:
@@ -746,22 +764,34 @@ class Bench:
             shelf = work_copy(base, impl, shelf_key(n, a.seed, a.raw_kb, a.format, not a.plain))
             ctxs.append({"n": n, "shelf": shelf, "episode": episode, "queries": queries,
                          "keyword_qs": keyword_qs, "impl": impl})
-        # case by case, each implementation in turn: the two runs of a case are seconds
-        # apart, so a machine whose speed drifts over the minutes of a run skews no ratio
+        # case by case, each implementation in turn; a cold case alternates the
+        # implementations run by run (ours, 0.4.0, ours, ...): a machine whose speed drifts
+        # over the seconds of a case slows both alike, and no ratio is skewed by it
         for case in CASE_NAMES:
             if case not in self.selected or case in ("tokens", "retrieval"):
                 continue
+            rounds = self.repeat_for(case, n) if case in CASE_GROUPS["cold"] else 1
+            started = {ctx["impl"].key: time.perf_counter() for ctx in ctxs}
+            results = {ctx["impl"].key: [] for ctx in ctxs}
+            for r in range(rounds):
+                self.round = (r, rounds) if case in CASE_GROUPS["cold"] else None
+                for ctx in ctxs:
+                    got = results[ctx["impl"].key]
+                    if got and got[-1].get("status") != "ok":
+                        continue   # n/a once is n/a
+                    try:
+                        got.append(getattr(self, "case_" + case.replace("-", "_"))(ctx))
+                    except Exception as exc:  # a harness must report, never crash
+                        got.append({"status": "n/a",
+                                    "reason": f"harness: {type(exc).__name__}: {exc}"})
+            self.round = None
             for ctx in ctxs:
                 impl = ctx["impl"]
-                t0 = time.perf_counter()
-                try:
-                    res = getattr(self, "case_" + case.replace("-", "_"))(ctx)
-                except Exception as exc:  # a harness must report, never crash, on a broken verb
-                    res = {"status": "n/a", "reason": f"harness: {type(exc).__name__}: {exc}"}
+                res = merge_rounds(results[impl.key])
                 log(f"bench: {n:,} {impl.key}: {case}: "
                     + (fmt_s(res.get("median")) if res["status"] == "ok"
                        else "n/a (" + str(res.get("reason")) + ")")
-                    + f"  [{time.perf_counter() - t0:.1f} s]")
+                    + f"  [{time.perf_counter() - started[impl.key]:.1f} s]")
                 out["cases"].setdefault(case, {})[impl.key] = res
         for ctx in ctxs:
             impl, shelf = ctx["impl"], ctx["shelf"]
@@ -787,8 +817,13 @@ class Bench:
                          **self._opts(case))
 
     def cold(self, ctx, case, argv_for, **kw):
-        return cold(self.runner, argv_for, ctx["impl"].env(), self.repeat_for(case, ctx["n"]),
-                    warmup=not self.args.smoke, **kw)
+        warmup = not self.args.smoke
+        if self.round is None:
+            return cold(self.runner, argv_for, ctx["impl"].env(), self.repeat_for(case, ctx["n"]),
+                        warmup=warmup, **kw)
+        r = self.round[0]   # one timed run per round, the warm-up before the first
+        return cold(self.runner, argv_for, ctx["impl"].env(), 1, warmup=warmup and r == 0,
+                    first_k=r + (1 if warmup and r else 0), **kw)
 
     @staticmethod
     def _opts(case):
