@@ -6791,8 +6791,8 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
                 subdirs = []
                 scanned = _scan_episode_files(root, subdirs=subdirs, stat=False)
                 records = cat.render_records(progress=progress, files=scanned)
-                scanned = [(rel, archived, cat.stamps[rel]) for rel, archived, _ in scanned]
-                key = _render_key_of(root, fmt, scanned, subdirs)
+                key = _render_key_of(root, fmt, ((rel, archived, cat.stamps[rel])
+                                                 for rel, archived, _ in scanned), subdirs)
             del scanned   # a few hundred bytes per episode, not needed while rendering
             return _render_records(root, records, fmt, index_only, key)
         finally:
@@ -6854,7 +6854,8 @@ def _render_key(root, fmt):
 
 
 def _render_key_of(root, fmt, scanned, subdirs):
-    """The render key of an episode scan and the split folders met on the way."""
+    """The render key of an episode scan (any iterable of its entries) and the split folders
+    met on the way."""
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
