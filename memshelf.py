@@ -5196,7 +5196,7 @@ class _Catalog:
         self.db = None
         self.extras = {}
         # store_behind: rows parsed afresh are stored by a forked writer after the merge
-        self.store_behind, self.writer = False, None
+        self.store_behind, self.writer, self.behind = False, None, None
         if use_cache:
             self.db = _cache_db(root)
 
@@ -5293,6 +5293,7 @@ class _Catalog:
                     self._store(batch, ())
                     batch = []
         if self.store_behind:
+            del missing   # freed before the fork, not page by page beside the writer
             self._store_behind(batch, gone)
         else:
             self._store(batch, gone)
@@ -5323,7 +5324,7 @@ class _Catalog:
                 status = 0
             finally:
                 os._exit(status)
-        self.writer = pid
+        self.writer, self.behind = pid, rows   # rows go once the writer is done with them
 
     def _store(self, rows, gone):
         """Cache rows for fresh parses (path, size, mtime_ns, record, columns); rows of gone
@@ -5348,7 +5349,7 @@ class _Catalog:
                 os.waitpid(self.writer, 0)   # the rows stored behind are in when this returns
             except ChildProcessError:
                 pass
-            self.writer = None
+            self.writer = self.behind = None
             gc.unfreeze()
 
 
