@@ -771,7 +771,7 @@ class Bench:
             if case not in self.selected or case in ("tokens", "retrieval"):
                 continue
             rounds = self.repeat_for(case, n) if case in CASE_GROUPS["cold"] else 1
-            started = {ctx["impl"].key: time.perf_counter() for ctx in ctxs}
+            spent = {ctx["impl"].key: 0.0 for ctx in ctxs}   # seconds each implementation took
             results = {ctx["impl"].key: [] for ctx in ctxs}
             for r in range(rounds):
                 self.round = (r, rounds) if case in CASE_GROUPS["cold"] else None
@@ -779,11 +779,13 @@ class Bench:
                     got = results[ctx["impl"].key]
                     if got and got[-1].get("status") != "ok":
                         continue   # n/a once is n/a
+                    t0 = time.perf_counter()
                     try:
                         got.append(getattr(self, "case_" + case.replace("-", "_"))(ctx))
                     except Exception as exc:  # a harness must report, never crash
                         got.append({"status": "n/a",
                                     "reason": f"harness: {type(exc).__name__}: {exc}"})
+                    spent[ctx["impl"].key] += time.perf_counter() - t0
             self.round = None
             for ctx in ctxs:
                 impl = ctx["impl"]
@@ -791,7 +793,7 @@ class Bench:
                 log(f"bench: {n:,} {impl.key}: {case}: "
                     + (fmt_s(res.get("median")) if res["status"] == "ok"
                        else "n/a (" + str(res.get("reason")) + ")")
-                    + f"  [{time.perf_counter() - started[impl.key]:.1f} s]")
+                    + f"  [{spent[impl.key]:.1f} s]")
                 out["cases"].setdefault(case, {})[impl.key] = res
         for ctx in ctxs:
             impl, shelf = ctx["impl"], ctx["shelf"]
