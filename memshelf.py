@@ -1747,7 +1747,6 @@ def _fill_record(rec, body, whole=True, digest=None):
     rec["notes"] = s("notes") or ""
     rec["retain_until"] = s("retain_until")
     rec["digest_tokens"] = tokens(_ledger_digest(body) if digest is None else digest)
-    rec["body_chars"] = len(body)
     if not whole:
         rec["digest"] = _digest_early(body) if digest is None else digest
         if rec["digest"] is not None:
@@ -5185,7 +5184,7 @@ def _check_section_name(name):
 
 # --- the episode catalog and its cache -----------------------------------------------------
 
-_CACHE_SCHEMA = "8"   # bump when the cached record or the cache columns change shape
+_CACHE_SCHEMA = "9"   # bump when the cached record or the cache columns change shape
 
 
 class _Catalog:
@@ -5268,7 +5267,7 @@ class _Catalog:
                 (_read_episode(root, *job[1:], whole=whole), None)
             row = (rec["path"], rec["size"], rec["mtime_ns"],
                    _record_to_row(rec) if cached and rec["sections"] is not None else None) + \
-                _cache_columns(rec)
+                (_cache_columns(rec) if cached or not whole else ())   # what is read of it
             if not whole:
                 rec = None
             elif trim is not None:
@@ -5278,7 +5277,9 @@ class _Catalog:
         take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
         if also is not None:
             self.extras = {}
-        batch = []   # cache rows are stored as they come: they never pile up in memory
+        # cache rows are stored as they come (they never pile up in memory), or all at once
+        # by a writer beside the caller's next work when stored behind
+        batch = []
         self.stamps = {}   # (size, mtime_ns) of each file read afresh, as read
         for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
             slot, rel, archived, _ = missing[n]
@@ -5359,7 +5360,7 @@ _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "fm_
                 "fields", "has_block", "portability", "id", "kind", "date", "span",
                 "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
-                "sections", "body_chars")
+                "sections")
 # What the derived renders (INDEX, ledger, .meta.json, chart, supersedes links) and shelf
 # accounting read of every episode, kept as cache columns beside the record so that neither
 # decodes whole records. `supersedes` is stored as a JSON list; `date_field` is the frontmatter
