@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import queue
+import re
 import shlex
 import shutil
 import socket
@@ -371,16 +372,30 @@ def bench_venv():
     return py  # not realpath'd: the symlink is what makes it a venv interpreter
 
 
+def console_entry(code_dir):
+    """(module, function) of the `memshelf` console script pyproject.toml declares; an older
+    checkout without one (or without the file) ran memshelf:main."""
+    try:
+        with open(os.path.join(code_dir, "pyproject.toml"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return "memshelf", "main"
+    found = re.search(r'(?m)^memshelf = "([A-Za-z_][\w.]*):([A-Za-z_]\w*)"', text)
+    return found.groups() if found else ("memshelf", "main")
+
+
 def our_impl(code_dir):
     python = bench_venv()
     launcher = os.path.join(CACHE, "bin", "memshelf")
     os.makedirs(os.path.dirname(launcher), exist_ok=True)
-    # what pip's console-script launcher does; the module is imported, so its bytecode is cached
+    # what pip's console-script launcher for pyproject's entry point does; the module is
+    # imported, so its bytecode is cached
+    module, func = console_entry(code_dir)
     text = (f"#!{python}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
-            f"sys.path.insert(0, {code_dir!r})\nfrom memshelf import main\n"
+            f"sys.path.insert(0, {code_dir!r})\nfrom {module} import {func}\n"
             "if __name__ == '__main__':\n"
             "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
-            "    sys.exit(main())\n")
+            f"    sys.exit({func}())\n")
     if not os.path.exists(launcher) or open(launcher).read() != text:
         with open(launcher, "w") as f:
             f.write(text)
