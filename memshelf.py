@@ -112,7 +112,16 @@ _ISO_DATE = _re_lazy(r"\d{4}-\d{2}-\d{2}\Z")
 
 
 def _is_iso_date(value):
-    if not isinstance(value, str) or not _ISO_DATE.match(value):
+    if value.__class__ is not str:
+        if not isinstance(value, str):
+            return False
+        value = str(value)
+    return _iso_date_ok(value)
+
+
+@functools.lru_cache(maxsize=4096)   # a shelf's dates repeat: thousands of episodes, few days
+def _iso_date_ok(value):
+    if not _ISO_DATE.match(value):
         return False
     import datetime
     try:
@@ -1360,7 +1369,9 @@ def _parse_frontmatter_detail(text):
 # A frontmatter line in the form shelve writes it: a lower-case key, one space, then a
 # double-quoted value without escapes, a flow list of simple words, or one simple word. The
 # grammar gives such a line exactly the value the regex captures and no portability finding.
-_FM_WORD = r"[A-Za-z0-9](?:[A-Za-z0-9_.:/+-]*[A-Za-z0-9_./+-])?"
+# (a word ends in anything but a colon: said as a look-behind, which spares the engine a
+# backtrack per word)
+_FM_WORD = r"[A-Za-z0-9][A-Za-z0-9_.:/+-]*(?<=[A-Za-z0-9_./+-])"
 _FM_CANONICAL_LINE = _re_lazy(r'^([a-z_][a-z0-9_]*): (?:"([^"\\\x00-\x1f\x7f-\x9f]*)"'
                               r'|(\[(?:%s(?:, %s)*)?\])|(%s))\n' % (_FM_WORD, _FM_WORD, _FM_WORD),
                               re.M)
@@ -1376,7 +1387,7 @@ def _fm_canonical_fields(block):
     found = _FM_CANONICAL_LINE.findall(block)
     if not found or len(found) != block.count("\n") or not block.endswith("\n"):
         return None   # another line: the grammar reads it
-    fields = {sys.intern(key): plain if plain else
+    fields = {key: plain if plain else
               (flow[1:-1].split(", ") if len(flow) > 2 else []) if flow else quoted
               for key, quoted, flow, plain in found}
     if len(fields) < len(found):
@@ -1606,6 +1617,8 @@ _INTEGER = _re_lazy(r"-?\d+\Z")
 
 
 def _int_or_none(value):
+    if value.__class__ is str and value.isdigit() and value.isascii():
+        return int(value)   # the spelling shelve writes, without the regex
     if isinstance(value, str) and _INTEGER.match(value.strip()):
         return int(value.strip())
     return None
@@ -1682,8 +1695,8 @@ def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
     (record, also(record, the file's bytes, its _EpisodeText)): per-file work that shares
     the one read and parse. whole=False: a record of what the cache columns hold (no
     sections), which reads the body only to the end of its digest."""
-    path = os.path.join(root, rel)
-    raw, failed, st = b"", None, stat
+    path = root + rel if root.endswith(os.sep) else root + os.sep + rel   # os.path.join's
+    raw, failed, st = b"", None, stat                                      # answer, faster
     try:
         if st is None:   # listed without a stat: the descriptor that reads it says
             raw, st = _file_bytes_stamped(path)
@@ -5379,6 +5392,8 @@ _SUMMARY_COLUMNS = ("id", "date", "digest_tokens", "approx_tokens", "approx_src"
 # Where each column sits in a cache row as _Catalog stores it.
 _ROW_SLOTS = dict({"size": 1, "rec": 3}, **{c: 4 + n for n, c in enumerate(_CACHE_COLUMNS)})
 _SUMMARY_KEYS = ("path", "stem", "archived") + _SUMMARY_COLUMNS
+# What a render record holds (_render_record_from_row unpacks the columns in this order and
+# puts the date field under "fields"; tests/test_render_memo.py checks both lists).
 _RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
 
 
@@ -5391,29 +5406,33 @@ def _cache_columns(rec):
          date if isinstance(date, str) else None)
 
 
-def _render_record(out):
-    """A render record from its _RENDER_KEYS values: supersedes decoded, the date field as the
-    one frontmatter value it holds. None when the values are not what a render needs."""
-    try:
-        out["supersedes"] = [] if out["supersedes"] == "[]" else json.loads(out["supersedes"])
-    except (TypeError, ValueError):
-        return None
-    if not isinstance(out["supersedes"], list) or out["category"] not in CATEGORIES or \
-            out["index_entry"].__class__ is not str or \
-            not all(v is None or v.__class__ is str for v in (out["meta_entry"],
-                                                              out["meta_warning"])):
-        return None
-    date = out.pop("date_field")
-    out["fields"] = {} if date is None else {"date": date}
-    out["category"] = sys.intern(out["category"])
-    if out["id"] == out["stem"]:
-        out["id"] = out["stem"]
-    return out
-
-
 def _render_record_from_row(rel, archived, columns):
-    return _render_record(dict(zip(_RENDER_KEYS, (rel, rel.rsplit("/", 1)[-1][:-3], archived)
-                                   + columns)))
+    """A render record (_RENDER_KEYS) from a file's path and its size and _CACHE_COLUMNS values:
+    supersedes decoded, the date field as the one frontmatter value it holds. None when the
+    values are not what a render needs (a cache row is a file anyone may have edited)."""
+    (size, category, ident, date, index_entry, meta_entry, meta_warning, supersedes, mode,
+     approx_tokens, approx_src, digest_tokens, notes, date_field) = columns
+    if supersedes == "[]":
+        supersedes = []
+    else:
+        try:
+            supersedes = json.loads(supersedes)
+        except (TypeError, ValueError):
+            return None
+        if supersedes.__class__ is not list:
+            return None
+    if category not in CATEGORIES or index_entry.__class__ is not str or \
+            (meta_entry is not None and meta_entry.__class__ is not str) or \
+            (meta_warning is not None and meta_warning.__class__ is not str):
+        return None
+    stem = rel.rsplit("/", 1)[-1][:-3]
+    return {"path": rel, "stem": stem, "archived": archived, "size": size,
+            "category": sys.intern(category), "id": stem if ident == stem else ident,
+            "date": date, "index_entry": index_entry, "meta_entry": meta_entry,
+            "meta_warning": meta_warning, "supersedes": supersedes, "mode": mode,
+            "approx_tokens": approx_tokens, "approx_src": approx_src,
+            "digest_tokens": digest_tokens, "notes": notes,
+            "fields": {} if date_field is None else {"date": date_field}}
 
 
 def _summary_from_row(rel, archived, columns):

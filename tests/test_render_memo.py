@@ -191,6 +191,8 @@ def _renders_agree(root):
     # .meta.json entry, formatted when the file was read
     pieces = {"index_entry", "meta_entry", "meta_warning"}
     assert all(set(r) - pieces < set(whole[0]) | {"fields"} for r in light)
+    keys = set(memshelf._RENDER_KEYS) - {"date_field"} | {"fields"}
+    assert all(set(r) == keys for r in light + bare)
     for w, r, b in zip(whole, light, bare):
         assert w["path"] == r["path"] == b["path"]
         assert r["index_entry"] == b["index_entry"] == memshelf._index_entry(w), w["path"]
@@ -232,3 +234,25 @@ def test_renders_from_cache_columns_on_a_040_shelf(tmp_path):
     root = tmp_path / "shelf"
     shutil.copytree(here, root)
     assert len(_renders_agree(root)) > 0
+
+
+@pytest.mark.parametrize("column, value", [
+    ("supersedes", "{not json"), ("supersedes", '{"a": 1}'), ("supersedes", 7),
+    ("category", "nope"), ("index_entry", 5), ("index_entry", None), ("meta_entry", 7),
+    ("meta_warning", b"\x00")])
+def test_a_cache_row_with_values_a_render_cannot_use_is_read_again(filled, cli, column, value):
+    """The cache is a local file anyone may edit: a row whose columns are not what a render
+    needs is re-read from its episode, and the render is the one the episodes give."""
+    import sqlite3
+    before = rebuild(cli, filled)
+    index = (filled / "INDEX.md").read_bytes()
+    (filled / "INDEX.md").write_text("stale\n")
+    db = sqlite3.connect(filled / ".memshelf" / "shelf.sqlite")
+    with db:
+        changed = db.execute(f"UPDATE episodes SET {column} = ? WHERE path LIKE ?",
+                             (value, "%audit-trail.md")).rowcount
+    db.close()
+    assert changed == 1
+    after = rebuild(cli, filled)
+    assert after["ok"] and after["episodes"] == before["episodes"] == len(EPISODES)
+    assert (filled / "INDEX.md").read_bytes() == index
