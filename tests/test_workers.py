@@ -153,6 +153,8 @@ if case == "results":
             time.sleep(0.0002)   # enough work that the forked worker surely takes some
             return x.upper(), os.getpid()
         for i, value in memshelf._parallel_map(work, items):
+            import gc
+            assert not gc.isenabled(), n   # off while the workers read (MEMSHELF_WORKERS=2)
             assert i not in got, i
             got[i] = value
         assert sorted(got) == list(range(n)), n
@@ -182,6 +184,8 @@ elif case == "abandoned":
     for i, _ in memshelf._parallel_map(lambda x: x, list(range(5000))):
         break
 out["no_children"] = no_children()
+import gc
+out["collector"] = [gc.isenabled(), gc.get_freeze_count()]   # as before the call
 print(json.dumps(out))
 '''
 
@@ -199,7 +203,7 @@ def _pool(case):
 
 def test_the_pool_gives_every_result_once_and_the_parent_works_too():
     out = _pool("results")
-    assert out["no_children"] is True
+    assert out["no_children"] is True and out["collector"] == [True, 0]
     assert out["5001"] == 2   # the parent and one forked worker both did work
 
 
@@ -211,8 +215,9 @@ def test_the_pool_gives_every_result_once_and_the_parent_works_too():
 def test_a_failing_worker_fails_the_call_and_leaves_no_process(case, error):
     out = _pool(case)
     assert out["error"] and out["error"].startswith(error), out
-    assert out["no_children"] is True
+    assert out["no_children"] is True and out["collector"] == [True, 0]
 
 
 def test_a_consumer_that_stops_early_leaves_no_process():
-    assert _pool("abandoned")["no_children"] is True
+    out = _pool("abandoned")
+    assert out["no_children"] is True and out["collector"] == [True, 0]
