@@ -1701,8 +1701,10 @@ def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
     (record, also(record, the file's bytes, its _EpisodeText)): per-file work that shares
     the one read and parse. whole=False: a record of what the cache columns hold (no
     sections), which reads the body only to the end of its digest."""
-    path = root + rel if root.endswith(os.sep) else root + os.sep + rel   # os.path.join's
-    raw, failed, st = b"", None, stat                                      # answer, faster
+    # os.path.join's answer for a shelf root (absolute, no separator at the end), faster
+    path = root + os.sep + rel if root[-1:] not in ("", "/", os.sep, ":") else \
+        os.path.join(root, rel)
+    raw, failed, st = b"", None, stat
     try:
         if st is None:   # listed without a stat: the descriptor that reads it says
             raw, st = _file_bytes_stamped(path)
@@ -16479,8 +16481,6 @@ def _print_human(verb, tool_name, result):
     if tool_name:
         inner = _tool(tool_name)
         text = render_text(inner.name, result)
-        code_verdict = inner.verdict
-        _ = code_verdict
     elif verb.text is None:
         text = json.dumps(result, ensure_ascii=False, indent=2, default=_json_default)
     else:
