@@ -270,10 +270,6 @@ def _parallel_map(func, items, progress=None, message=None):
 
     children, reader = {}, None   # result pipe -> pid
     gc.freeze()   # objects the workers inherit stay shared: their collector never touches them
-    # and no process collects while the files are read: parsing makes no reference cycles,
-    # only objects to keep, and each collection would walk the young ones again (2 % of a run)
-    collecting = gc.isenabled()
-    gc.disable()
     try:
         for _ in range(workers - 1):
             out, into = os.pipe()
@@ -337,8 +333,6 @@ def _parallel_map(func, items, progress=None, message=None):
                 pass
         if reader is not None:
             reader.join()   # every pipe has ended: a later call sees one thread again
-        if collecting:
-            gc.enable()
         gc.unfreeze()
 
 
