@@ -388,3 +388,77 @@ def test_git_post_merge_regenerates_derived_files(one_episode):
     assert stem in (one_episode / "INDEX.md").read_text(encoding="utf-8")
     assert "rebuild: regenerate derived files after merge" in git(one_episode, "log", "-1",
                                                                   "--format=%s")
+
+
+def _units_line_by_line(text):
+    """The compact rule, line by line: categories start at `## ` lines after the first one,
+    units are `- ` lines, and everything from the last line that is exactly `---` is footer."""
+    lines = text.rstrip("\n").split("\n")
+    start = next((i for i, l in enumerate(lines) if l.startswith("## ")), len(lines))
+    end = next((i for i in range(len(lines) - 1, start - 1, -1) if lines[i] == "---"),
+               len(lines))
+    cats = []
+    for line in lines[start:end]:
+        if line.startswith("## "):
+            cats.append([line, []])
+        elif line.startswith("- "):
+            cats[-1][1].append([line])
+    return cats
+
+
+def _index_like_texts(seed, count):
+    import random
+    rng = random.Random(seed)
+    pieces = ["# Memory shelf", "", "preamble text", "## Topics", "## Research", "## Sessions",
+              "- `2026-01-02-a` — one", "- 2026-01-03-b **B** — two", "- `2025-12-30-c`",
+              "- ", "-", "-- not an entry", "---", "----", "--- ", " ---", "## ", "##x",
+              "text with --- inside", "_No episodes yet._", "## Topics ---", "- x\r"]
+    for _ in range(count):
+        lines = [rng.choice(pieces) for _ in range(rng.randint(0, 16))]
+        text = "\n".join(lines) + rng.choice(["", "\n", "\n\n"])
+        yield rng.choice(["", "---\n", "## Lead\n", "- lead\n"]) + text
+
+
+def test_compact_units_read_from_the_end_are_the_lines_read_one_by_one():
+    """A compact INDEX too big to fit the hook's cap is not split into lines: its categories
+    are read from the end on demand. Every unit, by index and in order, is the one the line
+    by line reading gives, and so is what the session start shows of it."""
+    import random
+    rng = random.Random(5)
+    checked = 0
+    for text in _index_like_texts(3, 20000):
+        expected = _units_line_by_line(text)
+        lazy = memshelf._compact_units_from_the_end(text)
+        assert [h for h, _ in lazy] == [h for h, _ in expected], repr(text)
+        for (_, units), (_, want) in zip(lazy, expected):
+            assert len(units) == len(want), repr(text)
+            for i in sorted(range(len(want)), key=lambda _: rng.random()):
+                assert units[i] == want[i] and units[i - len(want)] == want[i], repr(text)
+        assert [[h, list(u)] for h, u in memshelf._compact_units_from_the_end(text)] == \
+            expected, repr(text)
+        for cap in (40, 120, 400):
+            head = ["# head", "line"]
+            got = memshelf._fit_context(head, memshelf._index_units(text, "compact", cap),
+                                        True, cap)
+            want = memshelf._fit_context(head, _units_line_by_line(text), True, cap)
+            assert got == want, (repr(text), cap)
+            checked += 1
+    assert checked == 60000
+
+
+def test_a_big_compact_index_shows_what_a_line_by_line_reading_shows(tmp_path):
+    lines = ["# Memory shelf", "", "## Topics", ""]
+    lines += [f"- `2026-01-{d % 28 + 1:02d}-topic-{d}` — topic {d} chose option {d}."
+              for d in range(3000)]
+    lines += ["", "## Research", ""]
+    lines += [f"- 2026-02-{d % 28 + 1:02d}-research-{d} **R{d}** — found {d}." for d in range(2000)]
+    lines += ["", "---", "_footer_", ""]
+    text = "\n".join(lines)
+    for cap in (2000, 9500, 32000):
+        head = ["# memshelf", "banner"]
+        cats = memshelf._index_units(text, "compact", cap)
+        lazy = 3 * 5000 > cap   # more entries than the cap could hold whole
+        assert all(isinstance(u, memshelf._CompactUnits) == lazy for _, u in cats)
+        got = memshelf._fit_context(head, cats, True, cap)
+        want = memshelf._fit_context(head, _units_line_by_line(text), True, cap)
+        assert got == want and 0 < got[1] < 5000
