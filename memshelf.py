@@ -112,11 +112,7 @@ _ISO_DATE = _re_lazy(r"\d{4}-\d{2}-\d{2}\Z")
 
 
 def _is_iso_date(value):
-    if value.__class__ is not str:
-        if not isinstance(value, str):
-            return False
-        value = str(value)
-    return _iso_date_ok(value)
+    return isinstance(value, str) and _iso_date_ok(str(value))   # str(): a subclass hashes too
 
 
 @functools.lru_cache(maxsize=4096)   # a shelf's dates repeat: thousands of episodes, few days
@@ -15079,8 +15075,7 @@ def _index_units(text, fmt, cap=None):
     line or a `### ` block of a legacy split document. A compact INDEX with more entries than
     `cap` characters could hold whole gets _CompactUnits, read from the end on demand.
     """
-    if fmt == "compact" and cap is not None and \
-            3 * (text.count("\n- ") + text.startswith("- ")) > cap:
+    if fmt == "compact" and cap is not None and 3 * _entry_count(text) > cap:
         return _compact_units_from_the_end(text)
     lines = text.rstrip("\n").split("\n")
     start = next((i for i, l in enumerate(lines) if l.startswith("## ")), len(lines))
@@ -15152,9 +15147,12 @@ def _compact_units_from_the_end(text):
     n = len(text)
     while n and text[n - 1] == "\n":
         n -= 1
-    first = 0 if text.startswith("## ") else text.find("\n## ", 0, n) + 1
-    if not first and not text.startswith("## "):
-        return []
+    if text.startswith("## "):
+        first = 0
+    else:
+        first = text.find("\n## ", 0, n) + 1
+        if not first:
+            return []   # no heading: no category
     stop, hi = n, n   # the footer: the last line that is exactly "---" after the first heading
     while True:
         at = text.rfind("---", first, hi)
