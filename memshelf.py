@@ -568,13 +568,28 @@ class _ShelfLock:
 _SHELF_ENV = ("MEMSHELF_SHELF", "MEMSHELF_SHELF_PATH", "MEMSHELF_ROOT")
 
 
+_HOST_DIRS = {"HOME": "", "DESKTOP": "Desktop", "DOCUMENTS": "Documents", "DOWNLOADS": "Downloads"}
+
+
+def _host_expanded(name):
+    """A shelf variable with the Desktop host's ${HOME}, ${DESKTOP}, ${DOCUMENTS}, ${DOWNLOADS},
+    ${/} and ${pathSeparator} expanded (a bundle default may arrive unexpanded); other ${...}
+    stay. ${HOME} is the user's home (the user profile on Windows)."""
+    def sub(m):
+        key, home = m.group(1), os.path.expanduser("~")
+        if key in ("/", "pathSeparator"):
+            return os.sep
+        sub_dir = _HOST_DIRS.get(key)
+        return m.group(0) if sub_dir is None else os.path.join(home, sub_dir) if sub_dir else home
+    return re.sub(r"\$\{([^}]*)\}", sub, os.environ.get(name) or "")
+
+
 def _env_shelf():
     """(value, variable) of the first usable default-shelf variable, else (None, None)."""
     for name in _SHELF_ENV:
-        value = os.environ.get(name)
-        if value is None or not value.strip() or "${" in value:
-            continue
-        return value.strip(), name
+        value = _host_expanded(name).strip()
+        if value and "${" not in value:
+            return value, name
     return None, None
 
 
@@ -583,8 +598,7 @@ def default_shelf_state():
     value, name = _env_shelf()
     if value:
         return {"state": "configured", "path": os.path.expanduser(value), "variable": name}
-    raw = [os.environ.get(n) for n in _SHELF_ENV]
-    if any(v and "${" in v for v in raw):
+    if any("${" in _host_expanded(n) for n in _SHELF_ENV):
         return {"state": "unexpanded", "path": None, "variable": None}
     return {"state": "unset", "path": None, "variable": None}
 

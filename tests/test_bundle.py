@@ -355,7 +355,8 @@ def host_launch(ext, home, shelf_setting=UNSET, path=None):
                  "DOWNLOADS": os.path.join(home, "Downloads"), "pathSeparator": os.sep,
                  "/": os.sep}
     if shelf_setting is not UNSET:
-        variables["user_config.shelf"] = host_substitute(shelf_setting, variables)
+        # as written: the host does not expand ${HOME} inside the setting's default
+        variables["user_config.shelf"] = shelf_setting
     cfg = m["server"]["mcp_config"]
     over = (cfg.get("platform_overrides") or {}).get(PLATFORM, {})
     command = over.get("command", cfg["command"])
@@ -433,7 +434,7 @@ def text_of(result):
 def smoke_default_shelf(argv, env, home, manifest):
     """Case A: the default setting, a fresh home; the first write creates the shelf."""
     shelf = os.path.join(home, "memshelf")
-    assert env["MEMSHELF_SHELF"] == shelf
+    assert env["MEMSHELF_SHELF"] == "${HOME}/memshelf"     # expanded by the server itself
     check_handshakes(argv, env, home, manifest)
     client = strict_client(argv, env, home)
     try:
@@ -604,3 +605,78 @@ def test_python_bundle_with_the_sdk_client(installed):
                                           {"shelf_path": os.path.join(home, "memshelf")}))
         assert not ok.get("isError") and SLUG in ok["structuredContent"]["index"]
     sdk_session(argv, env, home, case_b)
+
+
+# ==========================================================================================
+# The launch config from mcpb's own builder (what Claude Desktop calls), then the SDK client
+# ==========================================================================================
+
+MCPB_JS = os.path.join(ROOT, ".ci", "node", "node_modules", "@anthropic-ai", "mcpb", "dist",
+                       "index.js")
+MCPB_CONFIG = r"""
+const [entry, ext, home, userConfig] = process.argv.slice(2);
+const fs = require("fs"), path = require("path"), url = require("url");
+import(url.pathToFileURL(entry).href).then(async (mcpb) => {
+  const manifest = JSON.parse(fs.readFileSync(path.join(ext, "manifest.json"), "utf8"));
+  const systemDirs = {HOME: home, DESKTOP: path.join(home, "Desktop"),
+                      DOCUMENTS: path.join(home, "Documents"),
+                      DOWNLOADS: path.join(home, "Downloads")};
+  const config = await mcpb.getMcpConfigForManifest({manifest, extensionPath: ext, systemDirs,
+      userConfig: JSON.parse(userConfig), pathSeparator: path.sep});
+  process.stdout.write(JSON.stringify(config));
+});
+"""
+
+
+def mcpb_launch(ext, home, user_config, where):
+    """(argv, env) from mcpb's getMcpConfigForManifest; the env holds only HOME and PATH else."""
+    node = shutil.which("node")
+    if node is None or not os.path.isfile(MCPB_JS):
+        pytest.skip("node or the mcpb package is missing (" + build_mcpb._MCPB_INSTALL + ")")
+    script = os.path.join(where, "mcpb-config.cjs")
+    with open(script, "w", encoding="utf-8") as f:
+        f.write(MCPB_CONFIG)
+    r = subprocess.run([node, script, MCPB_JS, ext, home, json.dumps(user_config)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    config = json.loads(r.stdout)
+    env = {"HOME": home, "PATH": os.environ.get("PATH", "")}
+    if os.name == "nt":
+        env["SYSTEMROOT"] = os.environ.get("SYSTEMROOT", "")
+    env.update(config.get("env") or {})
+    exe = shutil.which(config["command"], path=env["PATH"])
+    if exe is None:
+        pytest.skip(f"{config['command']!r} is not on PATH, so the host could not start it")
+    return [exe] + config["args"], env
+
+
+@pytest.mark.parametrize("setting", ["default", "chosen", "cleared"])
+def test_desktop_launch_from_mcpbs_config_builder(installed, tmp_path, setting):
+    """The setting left at its default reaches the server as the literal ${HOME}/memshelf;
+    the server expands it and the first shelve creates $HOME/memshelf."""
+    ext, home = installed("python")
+    chosen = os.path.join(home, "Documents", "chosen shelf")
+    user_config = {"default": {}, "chosen": {"shelf": chosen}, "cleared": {"shelf": ""}}[setting]
+    argv, env = mcpb_launch(ext, home, user_config, str(tmp_path))
+    assert argv[1:] == [os.path.join(ext, "server.py")]
+    expected = {"default": "${HOME}/memshelf", "chosen": chosen, "cleared": ""}[setting]
+    assert env["MEMSHELF_SHELF"] == expected
+    shelf = {"default": os.path.join(home, "memshelf"), "chosen": chosen, "cleared": None}[setting]
+
+    async def steps(session):
+        shelved = dump(await session.call_tool("memshelf_shelve", shelve_arguments()))
+        index = dump(await session.call_tool("memshelf_index", {}))
+        return shelved, index
+    shelved, index = sdk_session(argv, env, home, steps)
+    if shelf is None:
+        text = " ".join(b.get("text", "") for b in shelved["content"])
+        assert shelved["isError"] is True and "no-shelf" in text and "MEMSHELF_SHELF" in text
+        assert not os.path.exists(os.path.join(home, "memshelf"))
+        return
+    assert not shelved.get("isError"), shelved
+    assert shelved["structuredContent"]["initialized"] is True
+    assert os.path.realpath(shelved["structuredContent"]["initialized_path"]) == \
+        os.path.realpath(shelf)
+    assert os.path.isfile(os.path.join(shelf, "docs", "topics", SLUG + ".md"))
+    assert SLUG in index["structuredContent"]["index"]
+    assert os.listdir(home) == [os.path.relpath(shelf, home).split(os.sep)[0]]

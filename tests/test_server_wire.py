@@ -663,6 +663,27 @@ def test_alias_variables_and_tilde(tmp_path, shelf):
     assert c.close() == 0
 
 
+@pytest.mark.parametrize("value", ["${HOME}${/}shelf", "${DOCUMENTS}/../shelf",
+                                   "${DESKTOP}${pathSeparator}..${/}shelf", "${DOWNLOADS}/../shelf"])
+def test_host_variables_in_the_default_shelf(tmp_path, shelf, value):
+    """A bundle default may arrive with the host's ${...} unexpanded; server and CLI expand it."""
+    home = os.path.dirname(shelf)
+    for name in ("Documents", "Desktop", "Downloads"):
+        os.makedirs(os.path.join(home, name), exist_ok=True)
+    c = spawn(tmp_path, HOME=home, MEMSHELF_SHELF=value)
+    assert c.initialize()["instructions"].endswith("Default shelf: configured.")
+    assert c.call_tool("memshelf_index", {})["isError"] is False
+    c.assert_clean()
+    assert c.close() == 0
+    cli = subprocess.run([sys.executable, MEMSHELF, "index", "--json"], capture_output=True,
+                         text=True, env=server_env(HOME=home, MEMSHELF_SHELF=value), cwd=home)
+    assert cli.returncode == 0 and json.loads(cli.stdout)["status"] == "ok", cli.stderr
+    unknown = subprocess.run([sys.executable, MEMSHELF, "index"], capture_output=True, text=True,
+                             env=server_env(HOME=home, MEMSHELF_SHELF=value + "${APPDATA}"),
+                             cwd=str(tmp_path))
+    assert unknown.returncode == 2 and "no default shelf is set" in unknown.stderr
+
+
 def test_default_shelf_is_created_on_first_write(tmp_path):
     target = str(tmp_path / "fresh" / "shelf")
     c = spawn(tmp_path, MEMSHELF_SHELF=target)
