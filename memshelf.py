@@ -14862,9 +14862,10 @@ _EXTRA_VERB_FACTORIES.append(lambda: _view_verb("mirror"))
 # Host hooks: the shelf reaches an agent's context at session start and after compaction, and
 # the agent is asked to shelve before context is lost. Claude Code's hook contract, in short:
 # SessionStart may add context (hookSpecificOutput.additionalContext, replaced by a preview
-# above ~10,000 characters); PreCompact and SessionEnd cannot reach the model; a Stop hook may
-# answer {"decision": "block", "reason": ...} to make the agent go on, and the next stop of that
-# turn carries stop_hook_active = true.
+# above ~10,000 characters); PreCompact and SessionEnd cannot reach the model (SessionEnd hooks
+# share a budget of about 1.5 s); a Stop hook's hookSpecificOutput.additionalContext makes the
+# agent go on without the "Stop hook error" a {"decision": "block"} shows the user, and the next
+# stop of that turn carries stop_hook_active = true.
 
 _HOOK_INDEX_CHARS = 9500         # memshelf.json hook_index_chars default (whole hook output)
 _HOOK_STDIN_WAIT = 2.0           # seconds to wait for the host's JSON when stdin stays open
@@ -15308,6 +15309,9 @@ def _remember_session(state, session_id, start=None, asked=None):
     """state.json hook_sessions: {id: {start, asked}} for the newest few sessions."""
     sessions = state.get("hook_sessions")
     sessions = dict(sessions) if isinstance(sessions, dict) else {}
+    sessions.pop("", None)
+    if not session_id:
+        return sessions      # no session id: nothing to remember, not a session called ""
     entry = sessions.get(session_id)
     entry = dict(entry) if isinstance(entry, dict) else {}
     if start is not None and "start" not in entry:
@@ -15344,6 +15348,8 @@ def _hook_stop(root, payload):
     session_id = _payload_text(payload, "session_id")
     if payload.get("stop_hook_active") is True:
         return {"text": "", "asked": False, "skipped": "stop_hook_active"}
+    if not session_id:     # "once per session" needs a session to count by
+        return {"text": "", "asked": False, "skipped": "no session id"}
     threshold = _stop_digest_threshold()
     if threshold is None:
         return {"text": "", "asked": False, "skipped": "MEMSHELF_STOP_DIGEST is off"}
@@ -15369,7 +15375,8 @@ def _hook_stop(root, payload):
                                                                   asked=time.time())):
         # without a record of the ask it would come back at every stop
         return {"text": "", "asked": False, "skipped": "state.json is not writable"}
-    text = json.dumps({"decision": "block", "reason": _STOP_ASK}, ensure_ascii=False)
+    text = json.dumps({"hookSpecificOutput": {"hookEventName": "Stop",
+                                              "additionalContext": _STOP_ASK}}, ensure_ascii=False)
     return {"text": text, "asked": True, "transcript_bytes": size}
 
 
@@ -15385,7 +15392,7 @@ def _stop_digest_threshold():
 
 def _session_episode_since(root, start):
     """A session episode written after `start` (directory time first: usually no scan)."""
-    d = os.path.join(root, "docs", "sessions")
+    d, start = os.path.join(root, "docs", "sessions"), start - 1   # file times lag a clock tick
     try:
         if os.stat(d).st_mtime < start:
             return False

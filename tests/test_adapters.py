@@ -71,7 +71,7 @@ def test_hooks_json_wires_every_event_through_run_py():
     hooks = json.loads(read(PLUGIN, "hooks", "hooks.json"))["hooks"]
     assert set(hooks) == {"SessionStart", "PreCompact", "Stop", "SessionEnd"}
     start = hooks["SessionStart"]
-    assert len(start) == 1 and start[0]["matcher"] == "startup|resume|clear|compact"
+    assert len(start) == 1 and start[0]["matcher"] == "startup|resume|clear|compact|fork"
     verbs = {}
     for name, groups in hooks.items():
         for group in groups:

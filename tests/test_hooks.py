@@ -289,14 +289,33 @@ def test_stop_asks_once_for_a_long_session(one_episode, tmp_path):
     r = hook("stop", stop_event(one_episode, transcript), env)
     assert r.code == 0
     answer = json.loads(r.out)
-    assert answer["decision"] == "block"
-    assert "session digest" in answer["reason"] and "/shelve session" in answer["reason"]
-    # asked once: the next stop of this session goes through, and so does a stop after a block
+    # guidance, not {"decision": "block"}: Claude Code shows a block as "Stop hook error"
+    assert set(answer) == {"hookSpecificOutput"}
+    assert set(answer["hookSpecificOutput"]) == {"hookEventName", "additionalContext"}
+    assert answer["hookSpecificOutput"]["hookEventName"] == "Stop"
+    ask = answer["hookSpecificOutput"]["additionalContext"]
+    assert "session digest" in ask and "/shelve session" in ask
+    # asked once: the next stop of this session goes through, and so does a stop after the ask
     assert hook("stop", stop_event(one_episode, transcript), env).out == ""
     assert hook("stop", stop_event(one_episode, transcript, active=True), env).out == ""
     # another session asks again
-    assert json.loads(hook("stop", stop_event(one_episode, transcript, session_id="other"),
-                           env).out)["decision"] == "block"
+    other = json.loads(hook("stop", stop_event(one_episode, transcript, session_id="other"),
+                            env).out)
+    assert other["hookSpecificOutput"]["additionalContext"] == ask
+
+
+def test_an_empty_session_id_is_no_session(one_episode, tmp_path):
+    transcript = tmp_path / "session.jsonl"
+    transcript.write_text('{"type":"user"}\n' * 200)
+    env = {"MEMSHELF_STOP_DIGEST": "2"}
+    state_file = os.path.join(str(one_episode), ".memshelf", "state.json")
+    assert hook("session-start", event("SessionStart", one_episode, session_id="",
+                                       source="fork"), env).code == 0
+    r = hook("stop", stop_event(one_episode, transcript, session_id=""), env, None, "--json")
+    assert r.code == 0 and r.json()["skipped"] == "no session id"
+    assert hook("stop", stop_event(one_episode, transcript, session_id=""), env).out == ""
+    with open(state_file, encoding="utf-8") as f:
+        assert "" not in (json.load(f).get("hook_sessions") or {})
 
 
 def test_stop_stays_quiet_when_short_switched_off_or_already_shelved(one_episode, tmp_path):
