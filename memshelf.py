@@ -8876,6 +8876,17 @@ class _Git:
                              {"returncode": proc.returncode, "git_message": msg})
         return proc
 
+    def spawn(self, log, *args):
+        """git ARGS in the background, outliving this process; its output replaces file log."""
+        import subprocess
+        with open(log, "wb") as out:
+            out.write(f"{_utc_stamp()} git {' '.join(args)}\n".encode("utf-8"))
+            out.flush()
+            return subprocess.Popen(
+                ["git", "-C", self.root] + list(args), stdin=subprocess.DEVNULL, stdout=out,
+                stderr=out, env=dict(os.environ, LC_ALL="C", GIT_TERMINAL_PROMPT="0"),
+                start_new_session=True, creationflags=getattr(subprocess, "DETACHED_PROCESS", 0))
+
     def out(self, *args, **kw):
         return self.run(*args, **kw).stdout.decode("utf-8", "replace").strip()
 
@@ -15340,7 +15351,7 @@ def _hook_pre_compact(root, payload):
 def _hook_session_end(root, payload):
     """SessionEnd output never reaches the model: only the optional push."""
     return {"text": "", "reason": _payload_text(payload, "reason"),
-            "push": _hook_autopush(root)}
+            "push": _hook_autopush(root, detach=True)}
 
 
 def _hook_stop(root, payload):
@@ -15402,8 +15413,11 @@ def _session_episode_since(root, start):
         return False
 
 
-def _hook_autopush(root):
-    """MEMSHELF_AUTOPUSH=1 or memshelf.json autopush: push within 20 s; failures are ignored."""
+def _hook_autopush(root, detach=False):
+    """MEMSHELF_AUTOPUSH=1 or memshelf.json autopush: push within 20 s; failures are ignored.
+
+    detach (SessionEnd, whose hooks get about 1.5 s): start the push in the background, its
+    output in .memshelf/push.log; doctor reports the episode as unpushed until it lands."""
     env = os.environ.get("MEMSHELF_AUTOPUSH", "").strip().lower()
     if env not in ("1", "true", "yes", "on") and _memshelf_config(root).get("autopush") is not True:
         return {"requested": False, "pushed": False}
@@ -15428,14 +15442,21 @@ def _hook_autopush(root):
         if ahead.returncode == 0 and ahead.stdout.strip() == b"0":
             report["skipped"] = "nothing to push"
             return report
+        if detach:
+            _ensure_cache_ignored(root)
+            os.makedirs(os.path.join(root, ".memshelf"), exist_ok=True)
+            log = os.path.join(root, ".memshelf", "push.log")
+            proc = git.spawn(log, "push", "-q", remote, f"HEAD:{branch}")
+            report.update(started=True, log=log, pid=proc.pid)
+            return report
         left = max(1.0, _HOOK_PUSH_SECONDS - (time.monotonic() - began))
         p = git.run("push", "-q", remote, f"HEAD:{branch}", check=False, timeout=left)
         if p.returncode == 0:
             report["pushed"] = True
         else:
             report["error"] = p.stderr.decode("utf-8", "replace").strip()[-300:]
-    except ShelfError as exc:
-        report["error"] = exc.message
+    except (ShelfError, OSError) as exc:
+        report["error"] = getattr(exc, "message", None) or str(exc)
     return report
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -366,7 +367,11 @@ def test_autopush_only_when_asked(remote_shelf):
     assert (r.code, r.out) == (0, "") and remote_head(bare, branch) == before
     r = hook("session-end", event("SessionEnd", root, reason="other"),
              {"MEMSHELF_AUTOPUSH": "1"})
-    assert (r.code, r.out) == (0, "") and remote_head(bare, branch) == local
+    assert (r.code, r.out) == (0, "")
+    deadline = time.monotonic() + 60          # the push runs detached (see the next test)
+    while remote_head(bare, branch) != local and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert remote_head(bare, branch) == local
 
 
 def test_autopush_from_config_on_pre_compact(remote_shelf):
@@ -381,6 +386,35 @@ def test_autopush_from_config_on_pre_compact(remote_shelf):
     assert r.code == 0
     assert r.json()["push"]["pushed"] is True
     assert remote_head(bare, branch) == git(root, "rev-parse", "HEAD").strip()
+
+
+def test_session_end_push_outlives_the_hook(remote_shelf, tmp_path):
+    """SessionEnd hooks get about 1.5 s: the push is started detached and the hook returns at
+    once. The remote's pre-receive hook holds the push until the test opens a gate, so the hook
+    provably returned before the push landed; then the push completes on its own."""
+    root, bare, branch = remote_shelf
+    gate = tmp_path / "gate"
+    pre_receive = bare / "hooks" / "pre-receive"
+    pre_receive.write_text(f"#!/bin/sh\ncat >/dev/null\ni=0\nwhile [ ! -e '{gate}' ] && "
+                           "[ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done\n")
+    pre_receive.chmod(0o755)
+    local, before = git(root, "rev-parse", "HEAD").strip(), remote_head(bare, branch)
+    r = hook("session-end", event("SessionEnd", root, reason="logout"),
+             {"MEMSHELF_AUTOPUSH": "1"}, None, "--json")
+    assert r.code == 0, r
+    push = r.json()["push"]
+    assert push["started"] is True and push["pushed"] is False
+    assert push["log"] == os.path.join(str(root), ".memshelf", "push.log")
+    assert remote_head(bare, branch) == before        # the hook did not wait for the push
+    assert git(root, "rev-list", "--count", f"origin/{branch}..HEAD").strip() == "1"
+    assert git(root, "status", "--porcelain") == ""    # the log stays out of the shelf's history
+    gate.write_text("open")
+    deadline = time.monotonic() + 60
+    while remote_head(bare, branch) != local and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert remote_head(bare, branch) == local
+    with open(push["log"], encoding="utf-8") as f:
+        assert f"git push -q origin HEAD:{branch}" in f.readline()
 
 
 def test_failed_push_is_ignored(remote_shelf, tmp_path):
