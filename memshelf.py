@@ -51,11 +51,14 @@ class ShelfError(Exception):
     """A failure the user can act on: a code, what was wrong, and the fix (verbs.md § 0.3)."""
 
     def __init__(self, code, message, fix="", details=None):
+        # the backstop for a message that quotes input without _excerpt: bounded all the same
+        message, fix = _excerpt(message, _ERROR_CHARS, False), _excerpt(fix, _ERROR_CHARS, False)
         super().__init__(message)
         self.code = code
         self.message = message
         self.fix = fix
-        self.details = details or {}
+        self.details = {k: _excerpt(v, _ERROR_CHARS, False) if isinstance(v, str) else v
+                        for k, v in (details or {}).items()}
 
     @property
     def exit_code(self):
@@ -75,6 +78,21 @@ class Cancelled(Exception):
 
 _EXIT_CODES = {"usage": 2, "no-shelf": 2, "shelf-path-relative": 2, "slug-invalid": 2,
                "id-invalid": 2}
+
+
+_ERROR_CHARS = 1000     # an error's message, fix or detail text never exceeds this (plus a note)
+
+
+def _excerpt(value, limit=60, quote=True):
+    """User input as an error shows it: repr (quote) or as is; a longer value is cut to an
+    excerpt with its length, 'AAAA…' (16,777,216 characters), so no error echoes a huge input."""
+    if isinstance(value, (dict, list)):
+        return f"<{type(value).__name__}>"
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(value) if quote else text
+    cut = repr(text[:limit]) if quote else text[:limit] + "…"
+    return (cut[:-1] + "…" + cut[-1] if quote else cut) + f" ({len(text):,} characters)"
 
 
 def _usage(message, fix="", **details):
@@ -625,7 +643,7 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
     expanded = os.path.expanduser(raw)
     if not os.path.isabs(expanded) and (origin is not None or not relative_ok):
         raise ShelfError("shelf-path-relative",
-                         f"the shelf path {raw!r} is relative; the server's working directory "
+                         f"the shelf path {_excerpt(raw)} is relative; the server's working directory "
                          "is unspecified", "give an absolute path or one starting with ~")
     root = os.path.realpath(expanded)
     if origin and not _QUIET[0] and _context("client_name") is None and \
@@ -633,8 +651,9 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
         sys.stderr.write(f"memshelf: shelf from ${origin}: {root}\n")
     if must_exist and not _is_shelf(root):
         what = "does not exist" if not os.path.exists(root) else "is not a shelf"
-        raise ShelfError("not-a-shelf", f"{root} {what} (no shelf.yml or .docshelf.json)",
-                         f"create it with: memshelf init --shelf {_shell_quote(root)}",
+        shown = _excerpt(root, 300, False)
+        raise ShelfError("not-a-shelf", f"{shown} {what} (no shelf.yml or .docshelf.json)",
+                         f"create it with: memshelf init --shelf {_shell_quote(shown)}",
                          {"path": root})
     return root, origin
 
@@ -650,7 +669,7 @@ def _shelf_join(root, *parts):
     for part in parts:
         if not part or part in (".", "..") or "\x00" in part or os.path.isabs(part) or \
                 "\\" in part:
-            raise ShelfError("id-invalid", f"unsafe path part {part!r}",
+            raise ShelfError("id-invalid", f"unsafe path part {_excerpt(part)}",
                              "use a plain name without separators")
     path = os.path.join(root, *parts)
     real = os.path.realpath(path)
@@ -5141,7 +5160,7 @@ def _check_slug(slug, what="slug"):
         proposal = _slugify(norm or "")
         fix = (f"use --{what} {proposal}" if proposal and not _slug_problem(proposal)
                else "use the form YYYY-MM-DD-latin-words, e.g. 2026-07-22-auth-refactor")
-        raise ShelfError("slug-invalid", f"{what} {slug!r} {problem}", fix,
+        raise ShelfError("slug-invalid", f"{what} {_excerpt(slug)} {problem}", fix,
                          {"slug": slug, "proposal": proposal if not _slug_problem(proposal)
                           else None})
     return norm
@@ -5172,7 +5191,7 @@ def _lookup_key(raw):
     elif key in (".", "..") or key[0] in ".-":
         problem = "must not start with '.' or '-'"
     if problem:
-        raise ShelfError("id-invalid", f"episode id {raw!r} {problem}",
+        raise ShelfError("id-invalid", f"episode id {_excerpt(raw)} {problem}",
                          "pass the id exactly as INDEX lists it")
     return key
 
@@ -5180,7 +5199,7 @@ def _lookup_key(raw):
 def _check_tag(tag):
     if not isinstance(tag, str) or not _TAG.match(tag) or not tag[0].isalnum() or \
             not tag[-1].isalnum():
-        raise _usage(f"invalid tag {tag!r}", "tags are 1-48 letters, digits and - _ . + / :, "
+        raise _usage(f"invalid tag {_excerpt(tag)}", "tags are 1-48 letters, digits and - _ . + / :, "
                      "starting and ending with a letter or digit")
     if find_secrets(tag):
         raise _usage("a tag looks like a credential", "remove the secret from the tags")
@@ -5204,9 +5223,9 @@ def _check_section_name(name):
     norm = unicodedata.normalize("NFC", name or "").strip()
     if not 1 <= len(norm) <= 80 or any(unicodedata.category(c) in ("Cc", "Zl", "Zp")
                                         for c in norm):
-        raise _usage(f"invalid section name {name!r}", "1-80 characters on one line")
+        raise _usage(f"invalid section name {_excerpt(name)}", "1-80 characters on one line")
     if norm.startswith("#"):
-        raise _usage(f"section name {name!r} starts with '#'", "give the name without '##'")
+        raise _usage(f"section name {_excerpt(name)} starts with '#'", "give the name without '##'")
     if norm.casefold() == "digest":
         raise _usage("the digest is not a section", "pass it as --digest")
     return norm
@@ -5715,7 +5734,7 @@ def _resolve_episode(root, raw, archive=True):
     close = difflib.get_close_matches(key, stems, n=3, cutoff=0.6)
     hint = ("did you mean: " + ", ".join(close)) if close else \
         "read the INDEX (memshelf index) or search for it"
-    raise ShelfError("episode-not-found", f"no episode {key!r} on this shelf" +
+    raise ShelfError("episode-not-found", f"no episode {_excerpt(key)} on this shelf" +
                      (f"; close: {', '.join(close)}" if close else ""), hint,
                      {"id": key, "close": close})
 
@@ -5761,16 +5780,16 @@ def init(shelf_path=None, name="Memory shelf", storage="git-local", remote=None,
     root, _ = _resolve_shelf(shelf_path, must_exist=False,
                              relative_ok=not _context("mcp"))
     if storage not in ("plain", "git-local", "git-remote"):
-        raise _usage(f"unknown storage {storage!r}", "use plain, git-local or git-remote")
+        raise _usage(f"unknown storage {_excerpt(storage)}", "use plain, git-local or git-remote")
     if storage == "git-remote" and not remote:
         raise _usage("git-remote storage needs --remote URL", "pass --remote URL")
     if remote and storage != "git-remote":
         raise _usage("--remote only goes with --storage git-remote",
                      "add --storage git-remote, or drop --remote")
     if index_format not in ("compact", "docshelf"):
-        raise _usage(f"unknown index format {index_format!r}", "use compact or docshelf")
+        raise _usage(f"unknown index format {_excerpt(index_format)}", "use compact or docshelf")
     if derived not in (None, "auto", "bot"):
-        raise _usage(f"unknown derived mode {derived!r}", "use auto or bot")
+        raise _usage(f"unknown derived mode {_excerpt(derived)}", "use auto or bot")
     if name is not None and (not isinstance(name, str) or not name.strip() or "\n" in name):
         raise _usage("the shelf name must be one non-empty line")
     if storage != "plain" and not _git_available():
@@ -5952,22 +5971,24 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
         raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words")
     slug = _check_slug(slug)
     if kind not in KINDS:
-        raise _usage(f"--kind must be topic, research or session (got {kind!r})",
+        raise _usage(f"--kind must be topic, research or session (got {_excerpt(kind)})",
                      "pass --kind topic|research|session")
     if digest is None:
         raise _usage("a digest is required", "pass --digest TEXT or --digest-file PATH")
     if mode is None:
         mode = "live"
     if mode not in ("live", "import"):
-        raise _usage(f"--mode must be live or import (got {mode!r})")
+        raise _usage(f"--mode must be live or import (got {_excerpt(mode)})")
     for key, value in (("date", date), ("retain_until", retain_until)):
         if value is not None and not _is_iso_date(value):
-            raise _usage(f"{key} {value!r} is not a real YYYY-MM-DD date", "e.g. 2026-07-22")
+            raise _usage(f"{key} {_excerpt(value)} is not a real YYYY-MM-DD date",
+                         "e.g. 2026-07-22")
     if span is not None:
         m = _SPAN.match(span)
         if not m or not all(_is_iso_date(x) for x in m.groups() if x) or \
                 (m.group(2) and m.group(2) < m.group(1)):
-            raise _usage(f"span {span!r} is not YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD (in order)")
+            raise _usage(f"span {_excerpt(span)} is not YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD "
+                         "(in order)")
     display_title = _check_free_text("display_title", display_title)
     description = _check_free_text("description", description)
     session = _check_free_text("session", session)
@@ -5994,7 +6015,7 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
     for name, body in section_list:
         canon = _check_section_name(str(name))
         if not isinstance(body, str):
-            raise _usage(f"section {name!r} must be text")
+            raise _usage(f"section {_excerpt(name)} must be text")
         checked.append((canon, body))
     section_list = _canonical_sections(checked)
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
@@ -6442,7 +6463,7 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
         section = unicodedata.normalize("NFC", section).strip()
         if not 1 <= len(section) <= 80 or any(unicodedata.category(c) in ("Cc", "Zl", "Zp")
                                                for c in section):
-            raise ShelfError("id-invalid", f"invalid section name {section!r}",
+            raise ShelfError("id-invalid", f"invalid section name {_excerpt(section)}",
                              "pass a section heading as the outline lists it")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     rel, archived = _resolve_episode(root, episode_id)
@@ -6465,8 +6486,8 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
         found = _find_section(sections, section)
         if not found:
             names = [h for h, _ in sections]
-            raise ShelfError("section-not-found", f"{stem} has no section {section!r}; it has: "
-                             + ", ".join(names), "pass one of the listed sections, or "
+            raise ShelfError("section-not-found", f"{stem} has no section {_excerpt(section)}; "
+                             "it has: " + ", ".join(names), "pass one of the listed sections, or "
                              "outline=true to see their costs",
                              {"sections": names})
         heading = found[0]
@@ -7209,9 +7230,9 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     if not isinstance(offset, int) or offset < 0:
         raise _usage("offset must be >= 0")
     if category is not None and category not in CATEGORIES:
-        raise _usage(f"unknown category {category!r}", "use topics, research or sessions")
+        raise _usage(f"unknown category {_excerpt(category)}", "use topics, research or sessions")
     if since is not None and not _is_iso_date(since):
-        raise _usage(f"since {since!r} is not a YYYY-MM-DD date")
+        raise _usage(f"since {_excerpt(since)} is not a YYYY-MM-DD date")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     fmt = _index_format(root)
     rel = "archive/INDEX.md" if archive else "INDEX.md"
@@ -8137,27 +8158,28 @@ def _check_search_args(query, max_results, kinds, tags, since, until, archive, m
                      "search with a few words")
     if isinstance(max_results, bool) or not isinstance(max_results, int) or \
             not 1 <= max_results <= 100:
-        raise _usage(f"max_results must be 1..100 (got {max_results!r})")
+        raise _usage(f"max_results must be 1..100 (got {_excerpt(max_results)})")
     kinds = list(kinds or [])
     for k in kinds:
         if k not in KINDS:
-            raise _usage(f"unknown kind {k!r}", "use topic, research or session")
+            raise _usage(f"unknown kind {_excerpt(k)}", "use topic, research or session")
     tags = list(tags or [])
     for t in tags:
         bare = t[:-1] if isinstance(t, str) and t.endswith("*") else t
         if not isinstance(bare, str) or not bare or not _TAG.match(bare) or \
                 not bare[0].isalnum() or not (bare[-1].isalnum() or bare != t):
-            raise _usage(f"invalid tag filter {t!r}", "a tag is 1-48 letters, digits and "
+            raise _usage(f"invalid tag filter {_excerpt(t)}", "a tag is 1-48 letters, digits and "
                          "- _ . + / :, optionally ending with * to match a prefix")
     for name, value in (("since", since), ("until", until)):
         if value is not None and not _is_iso_date(value):
-            raise _usage(f"{name} {value!r} is not a YYYY-MM-DD date", "e.g. 2026-07-22")
+            raise _usage(f"{name} {_excerpt(value)} is not a YYYY-MM-DD date", "e.g. 2026-07-22")
     if since and until and since > until:
         raise _usage(f"since {since} is after until {until}", "swap the dates")
     if archive not in _SEARCH_ARCHIVE:
-        raise _usage(f"unknown archive value {archive!r}", "use include, exclude or only")
+        raise _usage(f"unknown archive value {_excerpt(archive)}", "use include, exclude or only")
     if mode not in _SEARCH_MODES:
-        raise _usage(f"unknown search mode {mode!r}", "use auto, lexical, semantic or hybrid")
+        raise _usage(f"unknown search mode {_excerpt(mode)}",
+                     "use auto, lexical, semantic or hybrid")
     return kinds, tags
 
 
@@ -8169,7 +8191,7 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     terms, excluded = _parse_query(query)
     if not terms:
-        raise _usage(f"the query {query!r} has no word to search for",
+        raise _usage(f"the query {_excerpt(query)} has no word to search for",
                      "give at least one word that is not excluded with -")
     if mode in ("semantic", "hybrid") and globals().get("_semantic_rank") is None:
         raise _semantic_unavailable(mode, "the semantic extra is not installed")
@@ -15979,7 +16001,7 @@ def _validate_arguments(verb, arguments):
         arguments = arguments["params"]   # memshelf-mcp 0.4.0 nested its arguments
     unknown = sorted(set(arguments) - set(params))
     if unknown:
-        raise _usage(f"unknown argument {unknown[0]!r} for {verb.tool_name}",
+        raise _usage(f"unknown argument {_excerpt(unknown[0])} for {verb.tool_name}",
                      "allowed: " + ", ".join(sorted(params)))
     kwargs = {}
     for name, p in params.items():
@@ -16007,7 +16029,7 @@ def _validate_arguments(verb, arguments):
             raise _usage(f"argument {name!r} must map names to strings")
         if p.enum and value not in p.enum:
             raise _usage(f"argument {name!r} must be one of {', '.join(map(str, p.enum))}",
-                         f"got {value!r}")
+                         f"got {_excerpt(value)}")
         if p.minimum is not None and value < p.minimum or \
                 p.maximum is not None and value > p.maximum or \
                 p.exclusive_minimum is not None and value <= p.exclusive_minimum:

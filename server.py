@@ -84,17 +84,14 @@ class _RpcError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-        self.data = data
+        # a value from the request echoed in data is bounded like the messages that quote one
+        self.data = {k: _core()._excerpt(v, 300, False) if isinstance(v, str) else v
+                     for k, v in data.items()} if isinstance(data, dict) else data
 
 
-def _short(value, limit=80):
-    """A value quoted for an error message: one line, bounded, no control characters."""
-    if isinstance(value, (dict, list)):
-        return f"<{type(value).__name__}>"
-    text = value if isinstance(value, str) else repr(value)
-    shown = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                    for c in text[:limit])
-    return f'"{shown}"' + ("…" if len(text) > limit else "")
+def _short(value):
+    """A value quoted for an error message: memshelf's one rule (a long one becomes an excerpt)."""
+    return _core()._excerpt(value)
 
 
 def _one_line(text, limit=300):
@@ -522,7 +519,7 @@ class _Server:
             raise _RpcError(INVALID_REQUEST,
                             "invalid request: id must be a string or an integer")
         req.method = method
-        req.params = msg.get("params", _ABSENT)
+        req.params = _ABSENT if msg.get("params") is None else msg["params"]   # null = absent
         if "id" not in msg:
             self._on_notification(method, req.params)
             return None

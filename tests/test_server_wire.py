@@ -377,7 +377,7 @@ def test_unknown_methods_before_and_after_initialize(tmp_path):
 
 
 @pytest.mark.parametrize("method, params", [
-    ("tools/list", []), ("tools/list", "x"), ("tools/list", None), ("tools/list", 5),
+    ("tools/list", []), ("tools/list", "x"), ("tools/list", 5),
     ("tools/list", {"cursor": "abc"}),
     ("tools/call", {}), ("tools/call", {"name": 5}),
     ("tools/call", {"name": "memshelf_index", "arguments": []}),
@@ -405,6 +405,71 @@ def test_malformed_params(client, method, params):
     client.send(message)
     assert client.wait_response(rid)["error"]["code"] == -32602
     assert client.request("ping") == {}
+
+
+def test_null_params_and_null_arguments_are_absent(client, shelf):
+    rid = client.new_id()
+    client.send({"jsonrpc": "2.0", "id": rid, "method": "tools/list", "params": None})
+    assert [t["name"] for t in client.wait_response(rid)["result"]["tools"]] == \
+        [t[0] for t in TOOLS]
+    rid = client.new_id()
+    client.send({"jsonrpc": "2.0", "id": rid, "method": "ping", "params": None})
+    assert client.wait_response(rid)["result"] == {}
+    rid = client.new_id()
+    client.send({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                 "params": {"name": "memshelf_index", "arguments": None}})
+    assert "no-shelf" in text_of(client.wait_response(rid)["result"])   # arguments: {} then
+    optional = client.call_tool("memshelf_index", {"shelf_path": shelf, "category": None,
+                                                   "since": None, "offset": None})
+    assert optional["isError"] is False, text_of(optional)
+    required = client.call_tool("memshelf_recall", {"shelf_path": shelf, "episode_id": None})
+    assert required["isError"] is True
+    assert "argument 'episode_id' must be a string, not null" in text_of(required)
+
+
+BIG = 16 * 1024 * 1024
+
+
+def test_huge_inputs_are_quoted_as_short_excerpts(client, shelf):
+    """No answer to a bad input echoes it: a quoted value is cut to an excerpt and its length."""
+    big = "A" * BIG
+    calls = [("memshelf_index", {"shelf_path": big}),
+             ("memshelf_index", {"shelf_path": "/" + big}),
+             ("memshelf_index", {"shelf_path": shelf, "since": big}),
+             ("memshelf_index", {"B" * (1024 * 1024): 1}),
+             ("memshelf_recall", {"shelf_path": shelf, "episode_id": big}),
+             ("memshelf_search", {"shelf_path": shelf, "query": "jwt", "mode": big}),
+             ("memshelf_shelve", shelve_args(big, shelf_path=shelf)),
+             ("memshelf_shelve", shelve_args("2026-07-22-big-tag", shelf_path=shelf, tags=[big]))]
+    for name, arguments in calls:
+        result = client.call_tool(name, arguments, timeout=120)
+        assert result["isError"] is True and len(json.dumps(result)) < 2048, (name, result)
+    first = client.call_tool("memshelf_index", {"shelf_path": big}, timeout=120)
+    assert "the shelf path '" + "A" * 60 + "…' (16,777,216 characters) is relative" in \
+        text_of(first)
+    rid = client.new_id()
+    client.send({"jsonrpc": "2.0", "id": rid, "method": "M" * (1024 * 1024)})
+    error = client.wait_response(rid, timeout=120)["error"]
+    assert error["code"] == -32601 and len(json.dumps(error)) < 1024
+    assert error["message"] == "method not found: '" + "M" * 60 + "…' (1,048,576 characters)"
+    for method, params in (("prompts/get", {"name": big}), ("resources/read", {"uri": big}),
+                           ("tools/call", {"name": big})):
+        answer = client.request_raw(method, params, timeout=120)
+        assert answer["error"]["code"] == -32602 and len(json.dumps(answer)) < 2048, answer
+    assert not os.path.exists(os.path.join(shelf, "docs", "topics", "2026-07-22-big-tag.md"))
+
+
+def test_the_cli_quotes_huge_input_the_same_way(shelf):
+    big = "A" * 100000          # about the most one argv entry may carry
+    for args in (["recall", "--shelf", shelf, "--id", big], ["index", "--shelf", "rel/" + big],
+                 ["recall", "--shelf", shelf, "--id", "2026-07-22-x", "--section", big]):
+        r = subprocess.run([sys.executable, MEMSHELF, *args], capture_output=True, text=True,
+                           env=server_env(), cwd=os.path.dirname(shelf))
+        assert r.returncode in (1, 2) and len(r.stderr) < 2048 and r.stdout == "", r.stderr
+        assert re.search(r"…'? \(100,\d{3} characters\)", r.stderr), r.stderr
+    error = __import__("memshelf").ShelfError("usage", "x " * BIG, "fix", {"path": "p" * BIG})
+    assert len(error.message) < 1100 and error.message.endswith("(33,554,432 characters)")
+    assert len(error.details["path"]) < 1100
 
 
 def test_requests_before_initialize(tmp_path):
