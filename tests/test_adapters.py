@@ -85,6 +85,39 @@ def test_hooks_json_wires_every_event_through_run_py():
                      "Stop": "stop", "SessionEnd": "session-end"}
 
 
+CLAUDE_INSTALL = ("npm install --prefix .ci/node --no-save --no-audit --no-fund "
+                  "@anthropic-ai/claude-code")
+
+
+def claude_cli():
+    """The Claude Code CLI: `claude` on PATH, else in .ci/node; skipped when absent."""
+    local = os.path.join(ROOT, ".ci", "node", "node_modules", ".bin", "claude")
+    found = shutil.which("claude") or (local if os.path.isfile(local) else None)
+    if found is None:
+        pytest.skip(f"the Claude Code CLI is not installed ({CLAUDE_INSTALL})")
+    return found
+
+
+def test_claude_plugin_validate_passes_on_the_adapter_and_the_built_plugin(tmp_path):
+    """Claude Code's own check of the plugin manifest and hooks/hooks.json, offline."""
+    claude = claude_cli()
+    built = tmp_path / "memshelf-claude-code"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "build_mcpb.py"), "--plugin",
+                        str(built)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    env = base_env(HOME=str(tmp_path / "home"))
+    for folder in (PLUGIN, str(built)):
+        r = subprocess.run([claude, "plugin", "validate", folder], capture_output=True,
+                           text=True, env=env, timeout=120)
+        assert r.returncode == 0 and "Validation passed" in r.stdout, r.stdout + r.stderr
+    broken = tmp_path / "broken"
+    shutil.copytree(PLUGIN, str(broken))
+    (broken / "hooks" / "hooks.json").write_text('{"hooks": {"SessionBegin": []}}')
+    r = subprocess.run([claude, "plugin", "validate", str(broken)], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "SessionBegin" in r.stdout + r.stderr     # it does check hooks
+
+
 def host_command(event_name, plugin_root):
     """The command Claude Code runs for an event, with the plugin root substituted."""
     hooks = json.loads(read(plugin_root, "hooks", "hooks.json"))["hooks"]
