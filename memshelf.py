@@ -14902,7 +14902,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _view_verb("mirror"))
 
 _HOOK_INDEX_CHARS = 9500         # memshelf.json hook_index_chars default (whole hook output)
 _HOOK_STDIN_WAIT = 2.0           # seconds to wait for the host's JSON when stdin stays open
-_HOOK_PUSH_SECONDS = 20          # autopush limit in pre-compact / session-end
+_HOOK_PUSH_SECONDS = 20          # autopush limit in pre-compact (session-end pushes detached)
 _STOP_DIGEST_KB = 800            # transcript size from which the stop hook proposes a digest
 _HOOK_SESSIONS_KEPT = 20         # sessions remembered in state.json (start time, asked)
 _HOOK_HEADING = "# Memory shelf (memshelf)"
