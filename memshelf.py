@@ -596,16 +596,25 @@ def _is_shelf(root):
 
 def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
     """Resolve the shelf of a call (verbs.md § 0.2). Returns (root, origin variable or None)."""
-    origin = None
+    origin, cli = None, _context("client_name") is None
     if shelf_path is not None and str(shelf_path).strip():
         raw = str(shelf_path).strip()
     else:
         raw, origin = _env_shelf()
+        if raw is None and cli:
+            # the CLI finds the shelf it runs in as git finds .git (verbs.md § 0.2)
+            here = os.getcwd()
+            while not _is_shelf(here) and os.path.dirname(here) != here:
+                here = os.path.dirname(here)
+            raw, origin = (here, "the working directory") if _is_shelf(here) else (None, None)
         if raw is None:
             raise ShelfError(
-                "no-shelf", "no shelf given and no default shelf is set",
-                "pass shelf_path (CLI: --shelf PATH), or set the default shelf in the extension "
-                "settings (MEMSHELF_SHELF)")
+                "no-shelf", "no shelf given and no default shelf is set" +
+                (", and no shelf at or above the working directory" if cli else ""),
+                f"pass {_arg_word('shelf_path')}, " + (
+                    "set MEMSHELF_SHELF, or run inside a shelf (memshelf init --shelf PATH "
+                    "creates one)" if cli else
+                    "or set the default shelf in the extension settings (MEMSHELF_SHELF)"))
     if "\x00" in raw:
         raise _usage("the shelf path contains a NUL byte")
     expanded = os.path.expanduser(raw)
@@ -616,12 +625,19 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
     root = os.path.realpath(expanded)
     if origin and not _QUIET[0] and _context("client_name") is None and \
             _context("progress") is None and relative_ok:
-        sys.stderr.write(f"memshelf: shelf from ${origin}: {root}\n")
+        sys.stderr.write(f"memshelf: shelf from "
+                         f"{origin if origin.startswith('the ') else '$' + origin}: {root}\n")
     if must_exist and not _is_shelf(root):
         what = "does not exist" if not os.path.exists(root) else "is not a shelf"
+        fix = f"create it with: memshelf init --shelf {_shell_quote(root)}"
+        if os.path.exists(root) and not os.path.isdir(root):
+            what, parent = "is a file, not a shelf folder", os.path.dirname(root)
+            fix = (f"pass the folder that holds it: --shelf {_shell_quote(parent)}"
+                   if _is_shelf(parent) else "pass a shelf folder, or create one in a new "
+                   f"folder: memshelf init --shelf {_shell_quote(os.path.splitext(root)[0])}"
+                   f"-shelf")
         raise ShelfError("not-a-shelf", f"{root} {what} (no shelf.yml or .docshelf.json)",
-                         f"create it with: memshelf init --shelf {_shell_quote(root)}",
-                         {"path": root})
+                         fix, {"path": root})
     return root, origin
 
 
@@ -6453,7 +6469,7 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
             names = [h for h, _ in sections]
             raise ShelfError("section-not-found", f"{stem} has no section {section!r}; it has: "
                              + ", ".join(names), "pass one of the listed sections, or "
-                             "outline=true to see their costs",
+                             f"{_arg_word('outline', True, 'recall')} to see their costs",
                              {"sections": names})
         heading = found[0]
         selected = f"## {heading}\n{found[1].strip()}"
@@ -7308,7 +7324,7 @@ def _cap_index(lines, entry_idx, max_chars, offset):
     next_offset = offset + len(keep) if dropped else None
     if dropped:
         out.append(f"… {dropped} older entries not shown — search the shelf or call index "
-                   f"with offset={next_offset}")
+                   f"with {_arg_word('offset', next_offset)}")
     return "\n".join(out).rstrip("\n") + "\n", len(keep), bool(dropped), next_offset
 
 # ==========================================================================================
@@ -15467,8 +15483,9 @@ class _Param:
     def __init__(self, name, type="string", *, default=None, required=False, help="",
                  flags=None, enum=None, minimum=None, maximum=None, nullable=False,
                  cli=True, mcp=True, negate=None, positional=False, nargs=None, metavar=None,
-                 exclusive_minimum=None, items="string"):
+                 exclusive_minimum=None, items="string", cli_help=None):
         self.name = name
+        self.cli_help = cli_help      # the CLI's own help when its spelling differs from MCP's
         self.items = items
         self.type = type
         self.default = default
@@ -15564,9 +15581,35 @@ class _Verb:
                 "required": [k for k in self.required_output], "additionalProperties": True}
 
 
+def _arg_word(name, value=None, verb="index", cli=None):
+    """How the caller spells argument `name` of `verb` (set to `value`): the MCP name
+    (`outline=true`) over MCP and `memshelf call`, the CLI flag (`--outline`, `--offset 1`)
+    at a terminal. The one place that decides those words, from the verb table."""
+    if cli is None:
+        cli = _context("client_name") is None
+    if not cli:
+        return name if value is None else f"{name}={json.dumps(value)}"
+    prm = next(p for p in _verb(verb).params if p.name == name)
+    if prm.type == "boolean":
+        return prm.negate if value is False and prm.negate else prm.flags[0]
+    return f"{prm.flags[0]} {(prm.metavar or name.upper()) if value is None else value}"
+
+
+def _cli_words(verb, text):
+    """A help text written in MCP words (`check=true`, `offset=1`, `shelf_path`) in CLI words."""
+    params = {p.name for p in verb.params if p.cli and not p.positional}
+
+    def word(m):
+        name, value = m[1] or m[3], {"true": True, "false": False}.get(m[2], m[2])
+        return _arg_word(name, value, verb.name, cli=True) if name in params else m[0]
+    return re.sub(r"\b([a-z_]+)=(\w+)|\b([a-z]+_[a-z_]+)\b", word, text)
+
+
 def _shelf_param():
     return _Param("shelf_path", flags=["--shelf"], default="", metavar="PATH",
-                  help="Shelf folder; default MEMSHELF_SHELF.")
+                  help="Shelf folder; default MEMSHELF_SHELF.",
+                  cli_help="Shelf folder. Default: $MEMSHELF_SHELF, else the nearest shelf at "
+                           "or above the working directory.")
 
 
 _S, _B, _I, _N, _A, _O = "string", "boolean", "integer", "number", "array", "object"
@@ -15721,7 +15764,9 @@ def _verbs():
         _Verb("advise", advise, [
             sp(),
             _Param("occupants", _A, default=[], flags=["--occupant"], metavar="SPEC", items=["object", "string"],
-                   help="{label, approx_tokens, state, kind, idle_turns, episode_id}"),
+                   help="{label, approx_tokens, state, kind, idle_turns, episode_id}",
+                   cli_help="LABEL=TOKENS[,live|closed|unknown][,idle=N][,kind=K]"
+                            "[,episode=ID] (not JSON; see --occupants-json)."),
             _Param("budget_tokens", _I, default=200000, minimum=1, flags=["--budget"],
                    help="Context window size."),
             _Param("stale_after_turns", _I, default=10, minimum=0, flags=["--stale-after"],
@@ -16319,26 +16364,33 @@ def _build_parser(only=None):
     for v in _verb_table():
         if only is not None and v.name != only:
             continue
-        p = sub.add_parser(v.name, help=v.cli_help, description=v.description or v.title)
+        p = sub.add_parser(v.name, help=v.cli_help,
+                           description=_cli_words(v, v.description or v.title))
         for prm in v.params:
             if not prm.cli:
                 continue
+            # help is written in MCP words; the CLI reads flags, a default, and a bare %
+            text = _cli_words(v, prm.cli_help or prm.help).replace("%", "%%")
+            if prm.default not in (None, "", [], {}, False) and prm.type != "boolean" and \
+                    "default" not in text.lower():
+                text = f"{text} Default: {prm.default}."
             if prm.positional:
                 p.add_argument(prm.name, nargs=prm.nargs, metavar=prm.metavar or prm.name.upper(),
-                               help=prm.help, default=None)
+                               help=text, default=None)
                 if prm.flags != ["--" + prm.name.replace("_", "-")] or prm.name == "query":
                     # memshelf-mcp 0.4.0 spelled some positionals as options (--query)
                     p.add_argument(*prm.flags, dest=prm.name + "__flag", action="append",
                                    default=None, metavar=prm.metavar, help=argparse.SUPPRESS)
                 continue
-            kw = {"dest": prm.name, "help": prm.help}
+            kw = {"dest": prm.name, "help": text}
             if prm.type == "boolean":
                 if prm.negate:
-                    # the help names what the switch turns off: "Don't commit on git
-                    # shelves", not the positive sentence the MCP schema carries
-                    done = prm.help[:1].lower() + prm.help[1:].rstrip(".")
+                    # the MCP schema's sentence says what happens by default; the switch
+                    # turns it off: "Default: commit on git shelves; this flag turns it off"
+                    done = text[:1].lower() + text[1:].rstrip(".")
                     p.add_argument(prm.negate, dest=prm.name, action="store_false",
-                                   default=None, help=f"Don't {done} (done by default).")
+                                   default=None, help=f"Default: {done}; this flag turns "
+                                                      "that off.")
                 else:
                     p.add_argument(*prm.flags, action="store_true", default=None, **kw)
                 continue
@@ -16351,8 +16403,6 @@ def _build_parser(only=None):
             p.add_argument(*prm.flags, type=conv, default=None, choices=choices,
                            metavar=prm.metavar or ("{" + ",".join(choices) + "}" if choices
                                                    else prm.name.upper()), **kw)
-        if v.needs_shelf or any(x.name == "shelf_path" for x in v.params):
-            pass
         p.add_argument("--json", action="store_true", help="print the result object as JSON")
         p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
         _CLI_EXTRA.get(v.name, lambda p: None)(p)
@@ -16461,6 +16511,12 @@ def main(argv=None):
         kwargs = _cli_kwargs(verb, ns)
         result = verb.func(**kwargs)
     except _ArgumentError as exc:
+        if verb_name and verb_name not in known:
+            import difflib
+            near = difflib.get_close_matches(verb_name, sorted(known), n=3, cutoff=0.5)
+            return _fail(ShelfError("usage", f"unknown verb {verb_name!r}", (
+                "did you mean: " + ", ".join(f"memshelf {n}" for n in near) + "? " if near
+                else "") + "memshelf --help lists every verb"), None, want_json)
         return _fail(ShelfError("usage", str(exc), "see: memshelf " +
                                 (verb_name + " " if verb_name else "") + "--help"),
                      verb_name, want_json)
