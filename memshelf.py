@@ -623,10 +623,8 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
                          f"the shelf path {raw!r} is relative; the server's working directory "
                          "is unspecified", "give an absolute path or one starting with ~")
     root = os.path.realpath(expanded)
-    if origin and not _QUIET[0] and _context("client_name") is None and \
-            _context("progress") is None and relative_ok:
-        sys.stderr.write(f"memshelf: shelf from "
-                         f"{origin if origin.startswith('the ') else '$' + origin}: {root}\n")
+    if origin and relative_ok:
+        _note(f"shelf from {origin if origin.startswith('the ') else '$' + origin}: {root}")
     if must_exist and not _is_shelf(root):
         what = "does not exist" if not os.path.exists(root) else "is not a shelf"
         fix = f"create it with: memshelf init --shelf {_shell_quote(root)}"
@@ -6057,11 +6055,10 @@ def _shelve_locked(root, a):
         or (slug[:10] if _is_iso_date(slug[:10]) else None) or _today()
     span = a["span"] or (old_fields.get("span") if old and isinstance(old_fields.get("span"), str)
                          else None) or date
-    description = free["description"]
-    if description is None:
-        description = _first_sentence(digest)
-    description, cap_warning = _cap_description(description)
-    if cap_warning:
+    given = free["description"]   # one memshelf derived itself is fitted without a warning
+    description, cap_warning = _cap_description(_first_sentence(digest) if given is None
+                                                else given)
+    if cap_warning and given is not None:
         warnings.append(cap_warning)
     if not re.match(r"\d{4}-\d{2}-\d{2}-", slug):
         warnings.append("slug-undated: the recommended form is YYYY-MM-DD-latin-words")
@@ -6113,7 +6110,8 @@ def _shelve_locked(root, a):
               "warnings": warnings}
     if a["dry_run"]:
         result.update(status="dry-run", episode_text=text,
-                      summary=f"dry run: {address} composed ({size} bytes), nothing written")
+                      summary=f"dry run: {slug} at {address} composed ({size} bytes; "
+                              f"{redaction['summary']}), nothing written")
         return result
     # 10-12. write, render, commit; any failure restores every touched path
     _check_cancelled()
@@ -6166,8 +6164,9 @@ def _shelve_locked(root, a):
     result["ledger_row"] = _ledger_row(new_rec)
     result["shelf_totals"] = totals
     result["next"] = "the topic can be replaced in context by its digest and address"
-    result["summary"] = (f"+{approx:,} tok shelved · " if approx else "shelved (unmeasured) · ") + \
-        _banner_core(totals)
+    result["summary"] = (f"shelved {slug} at {address} · " +
+                         (f"+{approx:,} tok" if approx else "size unmeasured") +
+                         f" · {redaction['summary']}\n" + _banner_core(totals))
     if result.get("sync") and result["sync"].get("error") and a["push"]:
         result["status"] = "incomplete"
     return result
@@ -6459,10 +6458,11 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
     listing = None
     if outline:
         digest = _digest_of(sections)
-        listing = [{"section": h, "tokens": tokens(t.strip())} for h, t in sections
-                   if h.casefold() != "digest"]
+        # each section's cost and first line: enough to tell which one holds the answer
+        listing = [{"section": h, "tokens": tokens(t.strip()), "first_line": _import_title(t)}
+                   for h, t in sections if h.casefold() != "digest"]
         selected = "## Digest\n" + digest + "\n\n## Sections\n" + "\n".join(
-            f"- {s['section']} (~{s['tokens']} tok)" for s in listing)
+            f"- {s['section']} (~{s['tokens']} tok): {s['first_line']}" for s in listing)
     elif section is not None:
         found = _find_section(sections, section)
         if not found:
@@ -10034,9 +10034,7 @@ def _rollup_locked(root, a):
     else:
         span = date
     n = len(selected)
-    description, _ = _cap_description(
-        f"Rollup of {n} episode{'s' if n != 1 else ''}." +
-        (f" Keywords: {', '.join(keywords)}." if keywords else ""))
+    description, _ = _cap_description(_first_sentence(digest))   # the INDEX line, as shelve
     body = _canonical_sections(sections)
     if not any(name == "Decisions" for name, _ in body):
         body = _canonical_sections(sections + [(
@@ -10268,7 +10266,6 @@ def _purge_locked(root, today, apply, autocommit):
 # --- import --------------------------------------------------------------------------------
 
 _IMPORT_FORMATS = ("auto", "claude-json", "claude-code-jsonl", "chatgpt-json", "markdown")
-_IMPORT_DIR = "memshelf-import"
 _IMPORT_SNIPPET_CHARS = 140
 _CUT_GAP_SECONDS = 3600
 _CUT_MIN_MESSAGES = 2
@@ -10708,16 +10705,16 @@ def _redact_transcript(conv, enabled):
 
 
 def _import_output_path(out, conv):
-    """Where extract writes: MCP bare names under the temp folder; CLI paths outside .git."""
-    import tempfile
-    base = os.path.join(tempfile.gettempdir(), _IMPORT_DIR)
+    """Where extract writes: (None, name) for a private new temp folder (the default, and an MCP
+    bare name); (folder, path) for a CLI path, anywhere outside .git."""
+    base = "a private new temporary folder"
     if out is None:
         slug = _slugify(conv["title"] or "")[:60].strip("-_")
         if _slug_problem(slug):
             slug = "conversation-" + (_slugify(conv["id"])[:24].strip("-_") or "import")
             if _slug_problem(slug):
                 slug = "conversation"
-        return base, os.path.join(base, slug + ".md")
+        return None, slug + ".md"
     if not isinstance(out, str) or not out.strip():
         raise _usage("out must be a file name", "pass a name such as auth-refactor.md")
     if _context("mcp"):
@@ -10728,7 +10725,7 @@ def _import_output_path(out, conv):
                 name.split(".")[0].lower() in _DEVICE_NAMES:
             raise _usage(f"out {out!r} must be a bare file name",
                          f"pass a name such as auth-refactor.md; the file goes to {base}")
-        return base, os.path.join(base, name)
+        return None, name
     target = os.path.abspath(os.path.expanduser(out))
     parent = os.path.realpath(os.path.dirname(target))
     parts = (parent + os.sep + os.path.basename(target)).split(os.sep)
@@ -10839,20 +10836,17 @@ def _import_extract(source, fmt, convs, markers, select, out, redact_on, name):
     if not chosen["messages"]:
         raise _not_a_transcript(source, f"conversation {chosen['id']} has no text messages")
     directory, target = _import_output_path(out, chosen)
-    if os.path.realpath(target) == source:
+    if directory and os.path.realpath(target) == source:
         raise _usage("the output would overwrite the source transcript", "choose another --out")
     report = _redact_transcript(chosen, redact_on)
     text = _render_transcript(chosen, fmt, name)
-    if not os.path.isdir(directory):
-        if directory.endswith(_IMPORT_DIR):
-            try:
-                os.makedirs(directory, mode=0o700, exist_ok=True)
-            except OSError as exc:
-                raise ShelfError("io-error", f"cannot create {directory}: {exc.strerror}",
-                                 "check the temp folder", {"path": directory}) from None
-        else:
-            raise ShelfError("io-error", f"the folder {directory} does not exist",
-                             "create it first or choose another --out", {"path": directory})
+    if directory is None:   # never a shared folder another user could plant a file in
+        import tempfile
+        directory = tempfile.mkdtemp(prefix="memshelf-import-")
+        target = os.path.join(directory, target)
+    elif not os.path.isdir(directory):
+        raise ShelfError("io-error", f"the folder {directory} does not exist",
+                         "create it first or choose another --out", {"path": directory})
     _atomic_write(target, text)
     cuts = _import_cuts(chosen)
     approx = tokens(text)
@@ -15733,7 +15727,8 @@ def _verbs():
                     "derived": (_O, _NULLS), "sync": (_O, _NULLS), "redaction": _O,
                     "digest_warnings": _A, "instruction_flags": _A, "warnings": _A,
                     "ledger_row": _S, "shelf_totals": _O, "summary": _S},
-            required_output=("status", "id"), text=_text_summary,
+            required_output=("status", "id"),
+            text=lambda r: r.get("episode_text") or _text_summary(r),
             verdict=lambda r: 1 if r.get("status") == "incomplete" else 0),
         _Verb("lint-digest", lint_digest, [
             _Param("digest", _S, required=True, help="The digest to check."),
@@ -15792,7 +15787,10 @@ def _verbs():
                    help="Must contain."),
             _Param("limit", _I, default=50, minimum=1, help="discover: at most this many."),
             _Param("select", _S, nullable=True, help="Id, title or index."),
-            _Param("out", _S, nullable=True, help="Output file name (bare)."),
+            _Param("out", _S, nullable=True, help="Bare file name in a new private temp folder.",
+                   metavar="PATH", cli_help="File path to write (a path is taken as given, "
+                   "e.g. ../notes.md; never inside .git). Default: a new private temporary "
+                   "folder; the output says where."),
             _Param("redact", _B, default=True, negate="--no-redact",
                    help="Redact the working file."),
         ], title="Prepare an exported transcript", read_only=False, needs_shelf=False,
@@ -16090,16 +16088,18 @@ def render_text(verb_name, result):
     return json.dumps(result, ensure_ascii=False, indent=2, default=_json_default)
 
 
+def _warning_lines(result):
+    return [f"warning: {w.get('code')}: {w.get('message')}" if isinstance(w, dict) else
+            f"warning: {w}" for key in ("digest_warnings", "warnings")
+            for w in (result.get(key) if isinstance(result.get(key), list) else [])]
+
+
 def _text_summary(result):
     lines = [result.get("summary") or result.get("status", "ok")]
     sync = result.get("sync")
     if isinstance(sync, dict) and sync.get("summary"):
         lines.append(sync["summary"])
-    for w in result.get("digest_warnings") or []:
-        lines.append(f"[warning] {w.get('code')}: {w.get('message')}" if isinstance(w, dict)
-                     else f"warning: {w}")
-    for w in result.get("warnings") or []:
-        lines.append(f"warning: {w}")
+    lines += _warning_lines(result)
     if result.get("hint"):
         lines.append(f"hint: {result['hint']}")
     return "\n".join(lines)
@@ -16120,7 +16120,13 @@ def _text_search(result):
 
 
 def _text_stats(result):
-    return result.get("banner") or _text_summary(result)
+    rows = result.get("per_episode") or []
+    width = max([len(r["id"]) + 2 * r["archived"] for r in rows] + [7])
+    table = [f"{'episode':<{width}}  {'mass':>7}  {'digest':>6}  {'recalls':>7}  {'saved':>7}"] + [
+        f"{r['id'] + ' ⌂' * r['archived']:<{width}}  {r['mass']:>7,}{'*' if r['capped'] else ' '}"
+        f" {r['digest_tokens']:>6,}  {r['recalls']:>7,}  {r['realized_savings']:>7,}"
+        for r in rows] + ["(tokens; ⌂ archived, * capped at the context window)", ""]
+    return "\n".join(table * bool(rows)) + (result.get("banner") or _text_summary(result))
 
 
 def _text_doctor(result):
@@ -16549,6 +16555,7 @@ def main(argv=None):
         sys.stdout.flush()
     except OSError as exc:
         return _output_failed(exc)
+    verb = _tool(verb_for_text) if verb_for_text else verb   # `call`: the tool's own verdict
     return verb.verdict(result) if verb.verdict else 0
 
 
@@ -16602,15 +16609,22 @@ def cli():
 
 def _print_human(verb, tool_name, result):
     if tool_name:
-        inner = _tool(tool_name)
-        text = render_text(inner.name, result)
-    elif verb.text is None:
-        text = json.dumps(result, ensure_ascii=False, indent=2, default=_json_default)
+        render = lambda r: render_text(_tool(tool_name).name, r)  # noqa: E731
     else:
-        text = verb.text(result)
+        render = verb.text or (lambda r: json.dumps(r, ensure_ascii=False, indent=2,
+                                                    default=_json_default))
+    text = render(result)
+    # warnings the text carries go to stderr instead, where --quiet silences them
+    warned = _warning_lines(result)
+    if warned:
+        shown = render({k: v for k, v in result.items() if not (
+            k in ("warnings", "digest_warnings") and isinstance(v, list))})
+        text, warned = (shown, warned) if shown != text else (text, [])
     if text:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
-    if verb.name == "recall" and result.get("summary"):
+    for line in warned:
+        _note(line)
+    if (verb.name == "recall" or result.get("episode_text")) and result.get("summary"):
         _note(result["summary"])
     if verb.name == "redact":
         _note(result["redaction"]["summary"])
@@ -16716,14 +16730,16 @@ def demo(shelf_path=None, keep=False):
              "--digest '…' --section 'Decisions=…' --section 'Artifacts=…'")
         for ep in _DEMO_EPISODES:
             r = shelve(shelf_path=root, **ep)
-            show(f"{r['id']}: {r['redaction']['summary']}; {r['summary']}")
+            show(r["summary"])
         step("4. Check a digest before shelving (writes nothing)",
              "memshelf lint-digest --digest 'Priya chose allkeys-lru; open: TTL audit.'")
         show(lint_digest(digest="Priya chose allkeys-lru; open: TTL audit.")["report"])
-        step("5. The INDEX is all an agent keeps in context", f"memshelf index --shelf {q}")
-        r = index(shelf_path=root)
-        show(r["index"])
-        show(f"(~{r['tokens']} tokens for {r['entries_total']} episodes)")
+        step("5. The INDEX is what an agent keeps in context", f"memshelf index --shelf {q}")
+        show(index(shelf_path=root)["index"])
+        r = stats(shelf_path=root)
+        show(f"(standing cost ~{r['standing_cost']} tokens for {r['episodes']} episodes: this "
+             f"INDEX, {r['index_tokens']}, and their digests, {r['digest_tokens']}; `stats` "
+             "reports the same)")
         step("6. Recall one section, not the whole history",
              f"memshelf recall --shelf {q} --id 2026-07-22-auth-refactor --section decisions")
         r = recall(shelf_path=root, episode_id="2026-07-22-auth-refactor", section="decisions")
