@@ -122,3 +122,148 @@ def test_shelf_path_that_is_a_file_suggests_what_works(shelf, tmp_path):
     assert afile.read_text() == "x" and not (tmp_path / "afile-shelf").exists()
     r = run_cli("index", "--shelf", shelf / "shelf.yml")
     assert r.code == 1 and f"--shelf {os.path.realpath(shelf)}" in r.err, r
+
+
+# --- output worth reading ---------------------------------------------------------------------
+
+EPISODE = """---
+id: 2026-07-22-db-move
+kind: topic
+approx_tokens: 24000
+---
+## Digest
+Dana moved the primary database to the new cluster after a long and careful review that looked
+at every replica, every backup window, every connection pool setting and every consumer of the
+old host name. Open: retire the old host.
+
+## Decisions
+- The new primary is postgres://admin:hunter2secret@db.internal:5432/app for now.
+
+## Artifacts
+- Feature gates: `db_move_v2`, `replica_read`.
+"""
+
+
+def test_shelve_names_id_address_and_redaction_and_fits_its_own_description(shelf, tmp_path):
+    ep = tmp_path / "ep1.md"
+    ep.write_text(EPISODE)
+    r = run_cli("shelve", "--shelf", shelf, "--file", ep)
+    assert r.code == 0, r
+    first = r.out.splitlines()[0]
+    assert "2026-07-22-db-move" in first and "docs/topics/2026-07-22-db-move.md" in first
+    assert "redacted 1 (connection-string×1)" in first and "hunter2" not in r.out + r.err
+    assert "warning" not in r.out + r.err          # the derived description is fitted silently
+    long = "word " * 40
+    r = run_cli("shelve", "--shelf", shelf, "--file", ep, "--slug", "2026-07-23-db-move",
+                "--description", long)
+    assert r.code == 0 and "warning" not in r.out, r
+    assert "warning: description was" in r.err
+    r = run_cli("shelve", "--shelf", shelf, "--file", ep, "--slug", "2026-07-24-db-move",
+                "--description", long, "--quiet")
+    assert r.code == 0 and r.err == "" and "shelved 2026-07-24-db-move" in r.out, r
+    # --quiet never silences an error
+    r = run_cli("shelve", "--shelf", shelf, "--file", ep, "--quiet")
+    assert r.code == 1 and "already shelved" in r.err, r
+
+
+def test_shelve_dry_run_prints_the_episode(shelf, tmp_path):
+    ep = tmp_path / "ep1.md"
+    ep.write_text(EPISODE)
+    before = snapshot(shelf)
+    r = run_cli("shelve", "--shelf", shelf, "--file", ep, "--dry-run")
+    assert r.code == 0, r
+    assert r.out.startswith("# 2026-07-22-db-move\n") and "## Decisions" in r.out
+    assert "«redacted:connection-string»" in r.out and "hunter2" not in r.out
+    assert "dry run" in r.err and "nothing written" in r.err
+    assert snapshot(shelf) == before
+
+
+def test_call_exits_like_the_verb(tmp_path):
+    bad = json.dumps({"digest": "We did it."})
+    assert run_cli("lint-digest", "--digest", "We did it.").code == 1
+    r = run_cli("call", "memshelf_lint_digest", bad)
+    assert r.code == 1 and "referent-we" in r.out, r
+    assert run_cli("call", "memshelf_lint_digest",
+                   json.dumps({"digest": "Dana chose JWT; open: rotation."})).code == 0
+
+
+def test_stats_per_episode_prints_the_table(shelf, tmp_path):
+    ep = tmp_path / "ep1.md"
+    ep.write_text(EPISODE)
+    assert run_cli("shelve", "--shelf", shelf, "--file", ep).code == 0
+    assert run_cli(*shelve_args(shelf)).code == 0
+    assert run_cli("recall", "--shelf", shelf, "--id", "2026-07-22-db-move",
+                   "--section", "decisions").code == 0
+    plain = run_cli("stats", "--shelf", shelf).out
+    r = run_cli("stats", "--shelf", shelf, "--per-episode")
+    assert r.code == 0 and r.out != plain, r
+    rows = {line.split()[0]: line.split() for line in r.out.splitlines()
+            if line.startswith("2026-")}
+    assert set(rows) == {"2026-07-22-db-move", "2026-07-22-auth-refactor"}
+    assert rows["2026-07-22-db-move"][1] == "24,000" and rows["2026-07-22-db-move"][3] == "1"
+    assert r.out.rstrip().endswith(plain.rstrip())      # the banner still closes it
+
+
+def test_recall_outline_shows_cost_and_first_line(shelf, tmp_path):
+    ep = tmp_path / "ep1.md"
+    ep.write_text(EPISODE)
+    assert run_cli("shelve", "--shelf", shelf, "--file", ep).code == 0
+    r = run_cli("recall", "--shelf", shelf, "--id", "2026-07-22-db-move", "--outline")
+    assert r.code == 0, r
+    line = next(l for l in r.out.splitlines() if l.startswith("- Artifacts"))
+    assert "tok): - Feature gates: `db_move_v2`" in line
+    assert "- Decisions (~" in r.out
+    fields = run_cli("recall", "--shelf", shelf, "--id", "2026-07-22-db-move", "--outline",
+                     "--json").json()["sections"]
+    assert all(s["first_line"] and s["tokens"] > 0 for s in fields)
+
+
+def test_rollup_index_line_is_its_digest(shelf):
+    for n in (1, 2):
+        assert run_cli(*shelve_args(shelf, slug=f"2026-01-0{n}-topic-{n}")).code == 0
+    digest = "January rollup: Dana kept JWT middleware. Open: key rotation."
+    r = run_cli("rollup", "--shelf", shelf, "--slug", "2026-01-31-january", "--until",
+                "2026-01-31", "--digest", digest)
+    assert r.code == 0, r
+    index = (shelf / "INDEX.md").read_text()
+    line = next(l for l in index.splitlines() if "2026-01-31-january" in l)
+    assert "January rollup: Dana kept JWT middleware." in line and "Rollup of" not in line
+
+
+def test_demo_and_stats_say_the_same_standing_cost(tmp_path):
+    where = tmp_path / "tour"
+    r = subprocess.run([sys.executable, MEMSHELF, "demo", "--keep", "--shelf", str(where)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    said = int(r.stdout.split("(standing cost ~", 1)[1].split(" ", 1)[0])
+    st = run_cli("stats", "--shelf", where, "--json").json()
+    assert said == st["standing_cost"]
+    assert f"standing {said} tok" in run_cli("stats", "--shelf", where).out
+
+
+def test_import_extract_writes_a_private_folder_and_out_takes_a_path(tmp_path):
+    src = tmp_path / "notes.md"
+    src.write_text("# Notes\n\n## User\n\nHow should Dana rotate keys?\n\n## Assistant\n\n"
+                   "Monthly, with an overlap window.\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = run_cli("import", "extract", "--path", src, env={"TMPDIR": str(tmp)})
+    assert r.code == 0, r
+    (made,) = tmp.iterdir()
+    assert made.name.startswith("memshelf-import-") and made.stat().st_mode & 0o077 == 0
+    (written,) = made.iterdir()
+    assert str(written) in r.out
+    # --out on the CLI is a path, taken as given (documented in --help and docs/import.md)
+    work = tmp_path / "work"
+    work.mkdir()
+    r = run_cli("import", "extract", "--path", src, "--out", "../evil.md", cwd=work)
+    assert r.code == 0 and (tmp_path / "evil.md").is_file(), r
+    assert str(tmp_path / "evil.md") in r.out
+    assert "a path is taken as given" in " ".join(run_cli("import", "--help").out.split())
+    (tmp_path / ".git").mkdir()
+    r = run_cli("import", "extract", "--path", src, "--out", "../.git/x.md", cwd=work)
+    assert r.code == 2 and not (tmp_path / ".git" / "x.md").exists(), r
+    # over MCP (and `memshelf call`) only a bare name
+    r = run_cli("call", "memshelf_import", json.dumps(
+        {"method": "extract", "path": str(src), "out": "../evil2.md"}), cwd=work)
+    assert r.code == 2 and not (tmp_path / "evil2.md").exists(), r
