@@ -15906,6 +15906,11 @@ def _verbs():
             text=None),
         _Verb("serve", serve_verb, [], title="Start the MCP stdio server", mcp=False,
               needs_shelf=False, text=None),
+        _Verb("install-launcher", install_launcher, [
+            _Param("bin_dir", _S, nullable=True, metavar="DIR",
+                   help="Where the `memshelf` launcher goes. Default: ~/.local/bin."),
+        ], title="Install a fast `memshelf` command without pip", mcp=False, needs_shelf=False,
+            text=_text_summary),
     ]
     return table + [factory() for factory in _EXTRA_VERB_FACTORIES]
 
@@ -16334,6 +16339,61 @@ def serve_verb():
             raise ShelfError("io-error", "server.py was not found next to memshelf.py",
                              "reinstall memshelf or copy server.py beside memshelf.py") from None
     raise SystemExit(server_module.main([]))
+
+
+_LAUNCHER_MARK = "# memshelf launcher, written by `memshelf install-launcher`"
+
+
+def install_launcher(bin_dir=None):
+    """A `memshelf` command without pip: a launcher in bin_dir that imports this file with its
+    bytecode cached in a folder the user owns, so no call recompiles the 16,000-line file;
+    Python recompiles it once when the file changes (timestamp check, as for any module)."""
+    import importlib.util
+    import py_compile
+    home = os.path.expanduser("~")
+    cache = os.path.join(os.environ.get("XDG_DATA_HOME") or os.path.join(home, ".local", "share"),
+                         "memshelf", "pycache")
+    bin_dir = os.path.abspath(os.path.expanduser(bin_dir or os.path.join(home, ".local", "bin")))
+    target = os.path.join(bin_dir, "memshelf")
+    source = os.path.abspath(__file__)
+    if os.path.lexists(target) and _LAUNCHER_MARK.encode() not in _file_bytes(target):
+        raise ShelfError("io-error", f"{target} exists and is not a memshelf launcher (a pip "
+                         "console script?)", "keep using it, remove it, or pass --bin-dir",
+                         {"path": target})
+    os.makedirs(bin_dir, exist_ok=True)
+    saved, sys.pycache_prefix = sys.pycache_prefix, cache
+    try:
+        for name in ("memshelf.py", "server.py"):
+            path = os.path.join(os.path.dirname(source), name)
+            if os.path.isfile(path):
+                py_compile.compile(path, cfile=importlib.util.cache_from_source(path),
+                                   doraise=True)
+    except py_compile.PyCompileError as exc:
+        raise ShelfError("io-error", f"cannot compile: {exc.msg}", "check the file") from None
+    finally:
+        sys.pycache_prefix = saved
+    _atomic_write(target, f"""#!{sys.executable} -S
+{_LAUNCHER_MARK}: it runs
+# {source} with its bytecode in {cache}.
+import os, sys
+sys.pycache_prefix = {cache!r}
+sys.path.insert(0, {os.path.dirname(source)!r})
+if not os.path.isfile({source!r}):
+    sys.exit("memshelf: " + {source!r} + " is gone; run `python3 memshelf.py "
+             "install-launcher` from where memshelf.py is now")
+import {os.path.basename(source)[:-3]} as memshelf
+memshelf.cli()
+""")
+    os.chmod(target, 0o755)
+    on_path = bin_dir in [os.path.abspath(os.path.expanduser(p))
+                          for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    return {"status": "ok", "launcher": target, "bytecode": cache, "source": source,
+            "on_path": on_path,
+            "summary": f"installed {target} -> {source}\nbytecode cached in {cache} "
+                       "(compiled now; again only when memshelf.py changes)\n" +
+                       (f"{bin_dir} is on PATH: run `memshelf demo`" if on_path else
+                        f"{bin_dir} is NOT on PATH: add `export PATH=\"{bin_dir}:$PATH\"` to "
+                        "your shell's profile, or run the launcher by its full path")}
 
 
 # --- argument parsing and printing ---------------------------------------------------------

@@ -267,3 +267,50 @@ def test_import_extract_writes_a_private_folder_and_out_takes_a_path(tmp_path):
     r = run_cli("call", "memshelf_import", json.dumps(
         {"method": "extract", "path": str(src), "out": "../evil2.md"}), cwd=work)
     assert r.code == 2 and not (tmp_path / "evil2.md").exists(), r
+
+
+# --- a pip-less launcher ----------------------------------------------------------------------
+
+def test_install_launcher_compiles_once_into_home_and_says_where(tmp_path):
+    import shutil
+    home, copy = tmp_path / "home", tmp_path / "src"
+    home.mkdir()
+    copy.mkdir()
+    shutil.copy(MEMSHELF, copy / "memshelf.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_DATA_HOME", "PYTHONPATH")}
+    env.update(HOME=str(home), PATH=os.defpath)
+
+    def run(*args, **extra):
+        return subprocess.run([*map(str, args)], capture_output=True, text=True, timeout=60,
+                              env={**env, **extra})
+    r = run(sys.executable, copy / "memshelf.py", "install-launcher")
+    assert r.returncode == 0, r.stderr
+    launcher = home / ".local" / "bin" / "memshelf"
+    cache = home / ".local" / "share" / "memshelf" / "pycache"
+    assert str(launcher) in r.stdout and str(cache) in r.stdout and "NOT on PATH" in r.stdout
+    assert os.access(launcher, os.X_OK)
+    (pyc,) = cache.rglob("memshelf.*.pyc")
+    assert not (copy / "__pycache__").exists()          # the bytecode lives in the user's folder
+    r = run(launcher, "--version")
+    assert r.returncode == 0 and r.stdout.startswith("memshelf "), r.stderr
+    r = run(launcher, "lint-digest", "--digest", "We did it.")
+    assert r.returncode == 1 and "referent-we" in r.stdout
+    compiled = pyc.read_bytes()
+    with open(copy / "memshelf.py", "a") as f:
+        f.write("\n# changed\n")
+    assert run(launcher, "--version").returncode == 0
+    assert pyc.read_bytes() != compiled                  # recompiled once the file changed
+    r = run(sys.executable, copy / "memshelf.py", "install-launcher",
+            PATH=f"{launcher.parent}{os.pathsep}{os.defpath}")
+    assert r.returncode == 0 and "is on PATH" in r.stdout, r.stderr
+    # something else called memshelf in the way is never replaced
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "memshelf").write_text("#!/bin/sh\necho pip\n")
+    r = run(sys.executable, copy / "memshelf.py", "install-launcher", "--bin-dir", other)
+    assert r.returncode == 1 and "not a memshelf launcher" in r.stderr
+    assert (other / "memshelf").read_text() == "#!/bin/sh\necho pip\n"
+    # a moved source file: the launcher says what to do
+    os.rename(copy / "memshelf.py", copy / "moved.py")
+    r = run(launcher, "--version")
+    assert r.returncode == 1 and "install-launcher" in r.stderr
