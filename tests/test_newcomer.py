@@ -314,3 +314,39 @@ def test_install_launcher_compiles_once_into_home_and_says_where(tmp_path):
     os.rename(copy / "memshelf.py", copy / "moved.py")
     r = run(launcher, "--version")
     assert r.returncode == 1 and "install-launcher" in r.stderr
+
+
+# --- docs -------------------------------------------------------------------------------------
+
+def test_docs_import_examples_are_read_as_documented(tmp_path):
+    import re
+    from conftest import ROOT
+    with open(os.path.join(ROOT, "docs", "import.md"), encoding="utf-8") as f:
+        doc = f.read()
+    blocks = re.findall(r"```(jsonl|json|markdown)\n(.*?)```", doc, re.S)
+    expected = [("session.jsonl", "claude-code-jsonl"), ("claude.json", "claude-json"),
+                ("chatgpt.json", "chatgpt-json"), ("notes.md", "markdown")]
+    assert len(blocks) == len(expected)
+    for (name, fmt), (_lang, body) in zip(expected, blocks):
+        path = tmp_path / name
+        path.write_text(body, encoding="utf-8")
+        r = run_cli("import", "discover", "--path", path, "--json")
+        assert r.code == 0, (name, r)
+        d = r.json()
+        assert d["format"] == fmt and d["conversations"][0]["messages"] == 2, (name, d)
+
+
+def test_docs_speak_one_truth_and_cite_their_own_files():
+    from conftest import ROOT
+
+    def read(*parts):
+        with open(os.path.join(ROOT, *parts), encoding="utf-8") as f:
+            return f.read()
+    for parts in (("README.md",), ("docs", "chat-projects.md"), ("docs", "architecture.md"),
+                  ("bench", "README.md"), ("docs", "import.md")):
+        text = read(*parts)
+        assert "pip install memshelf" not in text, parts
+        assert "shared/spec" not in text and "spec/" not in text, parts
+    readme = read("README.md")
+    assert "pip install ." in readme and "install-launcher" in readme
+    assert "docs/import.md" in readme
