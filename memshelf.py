@@ -16579,7 +16579,8 @@ def main(argv=None):
     except _ArgumentError as exc:
         if verb_name and verb_name not in known:
             import difflib
-            near = difflib.get_close_matches(verb_name, sorted(known), n=3, cutoff=0.5)
+            near = list(dict.fromkeys([k for k in sorted(known) if k.startswith(verb_name)] +
+                                      difflib.get_close_matches(verb_name, known, n=3)))[:3]
             return _fail(ShelfError("usage", f"unknown verb {verb_name!r}", (
                 "did you mean: " + ", ".join(f"memshelf {n}" for n in near) + "? " if near
                 else "") + "memshelf --help lists every verb"), None, want_json)
