@@ -6013,11 +6013,12 @@ def _shelve_locked(root, a):
     existing_rel, existing_archived = _find_episode_path(root, slug)
     if existing_rel and not a["amend"]:
         raise ShelfError("episode-exists", f"{slug} is already shelved at {existing_rel}",
-                         "pass --amend to replace it, or choose a new slug",
-                         {"address": existing_rel})
+                         f"pass {_arg_word('amend', True, 'shelve')} to replace it, or choose "
+                         "a new slug", {"address": existing_rel})
     if a["amend"] and not existing_rel:
-        raise ShelfError("amend-target-missing", f"--amend: no episode {slug} on this shelf",
-                         "drop --amend to create it")
+        amend = _arg_word("amend", True, "shelve")
+        raise ShelfError("amend-target-missing", f"{amend}: no episode {slug} on this shelf",
+                         f"drop {amend} to create it")
     if existing_archived:
         raise ShelfError("episode-archived", f"{slug} was folded into a rollup ({existing_rel})",
                          "shelve a new episode instead; archived episodes are read-only")

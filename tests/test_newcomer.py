@@ -163,7 +163,11 @@ def test_shelve_names_id_address_and_redaction_and_fits_its_own_description(shel
     assert r.code == 0 and r.err == "" and "shelved 2026-07-24-db-move" in r.out, r
     # --quiet never silences an error
     r = run_cli("shelve", "--shelf", shelf, "--file", ep, "--quiet")
-    assert r.code == 1 and "already shelved" in r.err, r
+    assert r.code == 1 and "already shelved" in r.err and "pass --amend" in r.err, r
+    r = run_cli("call", "memshelf_shelve", json.dumps({
+        "shelf_path": str(shelf), "slug": "2026-07-22-db-move", "kind": "topic",
+        "digest": "Dana moved it; open: retire.", "sections": {"Decisions": "- moved"}}), "--json")
+    assert r.code == 1 and "pass amend=true" in r.json()["error"]["fix"], r
 
 
 def test_shelve_dry_run_prints_the_episode(shelf, tmp_path):
