@@ -15788,7 +15788,7 @@ def _verbs():
                    help="Must contain."),
             _Param("limit", _I, default=50, minimum=1, help="discover: at most this many."),
             _Param("select", _S, nullable=True, help="Id, title or index."),
-            _Param("out", _S, nullable=True, help="Bare file name in a new private temp folder.",
+            _Param("out", _S, nullable=True, help="Output file name (bare).",
                    metavar="PATH", cli_help="File path to write (a path is taken as given, "
                    "e.g. ../notes.md; never inside .git). Default: a new private temporary "
                    "folder; the output says where."),
@@ -15843,7 +15843,8 @@ def _verbs():
                    help="Extra sections."),
             _Param("date", _S, nullable=True, help="Rollup date."),
             _Param("dry_run", _B, default=False, help="Report the selection only."),
-            _Param("autocommit", _B, default=True, negate="--no-commit", help="Commit."),
+            _Param("autocommit", _B, default=True, negate="--no-commit",
+                   help="Commit.", cli_help="Commit the result."),
         ], title="Fold a period into one rollup", read_only=False, idempotent=False,
             description="Fold older episodes into one rollup episode; originals move to archive/ and stay recallable.",
             output={"slug": _S, "archived": _A, "count": _I}, required_output=("status",),
@@ -15852,7 +15853,8 @@ def _verbs():
             sp(),
             _Param("apply", _B, default=False, help="Delete; default is a dry run."),
             _Param("today", _S, nullable=True, help="Treat this date as today."),
-            _Param("autocommit", _B, default=True, negate="--no-commit", help="Commit."),
+            _Param("autocommit", _B, default=True, negate="--no-commit",
+                   help="Commit.", cli_help="Commit the result."),
         ], title="Delete episodes past retain_until", read_only=False, destructive=True,
             description="List (apply=true: delete) episodes past retain_until. git history keeps them until rewritten.",
             output={"expired": _A, "deleted": _A, "count": _I, "applied": _B},
