@@ -16688,7 +16688,8 @@ def _print_human(verb, tool_name, result):
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     for line in warned:
         _note(line)
-    if (verb.name == "recall" or result.get("episode_text")) and result.get("summary"):
+    if verb.name in ("recall", "shelve") and result.get("summary") and \
+            result["summary"] not in text:
         _note(result["summary"])
     if verb.name == "redact":
         _note(result["redaction"]["summary"])
