@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import MEMSHELF, git, run_cli, shelve_args, snapshot
+from conftest import MEMSHELF, ROOT, run_cli, shelve_args, snapshot
 
 
 def _verbs():
@@ -324,7 +324,6 @@ def test_install_launcher_compiles_once_into_home_and_says_where(tmp_path):
 
 def test_docs_import_examples_are_read_as_documented(tmp_path):
     import re
-    from conftest import ROOT
     with open(os.path.join(ROOT, "docs", "import.md"), encoding="utf-8") as f:
         doc = f.read()
     blocks = re.findall(r"```(jsonl|json|markdown)\n(.*?)```", doc, re.S)
@@ -341,8 +340,6 @@ def test_docs_import_examples_are_read_as_documented(tmp_path):
 
 
 def test_docs_speak_one_truth_and_cite_their_own_files():
-    from conftest import ROOT
-
     def read(*parts):
         with open(os.path.join(ROOT, *parts), encoding="utf-8") as f:
             return f.read()
