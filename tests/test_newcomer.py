@@ -351,3 +351,16 @@ def test_docs_speak_one_truth_and_cite_their_own_files():
     readme = read("README.md")
     assert "pip install ." in readme and "install-launcher" in readme
     assert "docs/import.md" in readme
+
+
+def test_doctors_amend_fix_runs_inside_the_shelf(shelf):
+    assert run_cli(*shelve_args(shelf)).code == 0
+    rel = "docs/topics/2026-07-22-auth-refactor.md"
+    text = (shelf / rel).read_text()
+    (shelf / rel).write_text(text.replace("Dana chose", "We chose"))
+    r = run_cli("doctor", "--shelf", shelf)
+    assert "digest-referent-we" in r.out and "memshelf shelve --amend --file" in r.out, r
+    (shelf / rel).write_text(text.replace("Dana chose", "Priya chose"))
+    r = run_cli("shelve", "--amend", "--file", rel, cwd=shelf)        # doctor's fix, as written
+    assert r.code == 0 and "shelf from the working directory" in r.err, r
+    assert "digest-referent-we" not in run_cli("doctor", cwd=shelf / "docs").out
