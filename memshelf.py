@@ -628,16 +628,25 @@ def _is_shelf(root):
 
 def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
     """Resolve the shelf of a call (verbs.md § 0.2). Returns (root, origin variable or None)."""
-    origin = None
+    origin, cli = None, _context("client_name") is None
     if shelf_path is not None and str(shelf_path).strip():
         raw = str(shelf_path).strip()
     else:
         raw, origin = _env_shelf()
+        if raw is None and cli:
+            # the CLI finds the shelf it runs in as git finds .git (verbs.md § 0.2)
+            here = os.getcwd()
+            while not _is_shelf(here) and os.path.dirname(here) != here:
+                here = os.path.dirname(here)
+            raw, origin = (here, "the working directory") if _is_shelf(here) else (None, None)
         if raw is None:
             raise ShelfError(
-                "no-shelf", "no shelf given and no default shelf is set",
-                "pass shelf_path (CLI: --shelf PATH), or set the default shelf in the extension "
-                "settings (MEMSHELF_SHELF)")
+                "no-shelf", "no shelf given and no default shelf is set" +
+                (", and no shelf at or above the working directory" if cli else ""),
+                f"pass {_arg_word('shelf_path')}, " + (
+                    "set MEMSHELF_SHELF, or run inside a shelf (memshelf init --shelf PATH "
+                    "creates one)" if cli else
+                    "or set the default shelf in the extension settings (MEMSHELF_SHELF)"))
     if "\x00" in raw:
         raise _usage("the shelf path contains a NUL byte")
     expanded = os.path.expanduser(raw)
@@ -646,15 +655,20 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
                          f"the shelf path {_excerpt(raw)} is relative; the server's working directory "
                          "is unspecified", "give an absolute path or one starting with ~")
     root = os.path.realpath(expanded)
-    if origin and not _QUIET[0] and _context("client_name") is None and \
-            _context("progress") is None and relative_ok:
-        sys.stderr.write(f"memshelf: shelf from ${origin}: {root}\n")
+    if origin and relative_ok:
+        _note(f"shelf from {origin if origin.startswith('the ') else '$' + origin}: {root}")
     if must_exist and not _is_shelf(root):
         what = "does not exist" if not os.path.exists(root) else "is not a shelf"
         shown = _excerpt(root, 300, False)
+        fix = f"create it with: memshelf init --shelf {_shell_quote(shown)}"
+        if os.path.exists(root) and not os.path.isdir(root):
+            what, parent = "is a file, not a shelf folder", os.path.dirname(root)
+            fix = (f"pass the folder that holds it: --shelf {_shell_quote(parent)}"
+                   if _is_shelf(parent) else "pass a shelf folder, or create one in a new "
+                   f"folder: memshelf init --shelf {_shell_quote(os.path.splitext(shown)[0])}"
+                   f"-shelf")
         raise ShelfError("not-a-shelf", f"{shown} {what} (no shelf.yml or .docshelf.json)",
-                         f"create it with: memshelf init --shelf {_shell_quote(shown)}",
-                         {"path": root})
+                         fix, {"path": root})
     return root, origin
 
 
@@ -6034,11 +6048,12 @@ def _shelve_locked(root, a):
     existing_rel, existing_archived = _find_episode_path(root, slug)
     if existing_rel and not a["amend"]:
         raise ShelfError("episode-exists", f"{slug} is already shelved at {existing_rel}",
-                         "pass --amend to replace it, or choose a new slug",
-                         {"address": existing_rel})
+                         f"pass {_arg_word('amend', True, 'shelve')} to replace it, or choose "
+                         "a new slug", {"address": existing_rel})
     if a["amend"] and not existing_rel:
-        raise ShelfError("amend-target-missing", f"--amend: no episode {slug} on this shelf",
-                         "drop --amend to create it")
+        amend = _arg_word("amend", True, "shelve")
+        raise ShelfError("amend-target-missing", f"{amend}: no episode {slug} on this shelf",
+                         f"drop {amend} to create it")
     if existing_archived:
         raise ShelfError("episode-archived", f"{slug} was folded into a rollup ({existing_rel})",
                          "shelve a new episode instead; archived episodes are read-only")
@@ -6076,11 +6091,10 @@ def _shelve_locked(root, a):
         or (slug[:10] if _is_iso_date(slug[:10]) else None) or _today()
     span = a["span"] or (old_fields.get("span") if old and isinstance(old_fields.get("span"), str)
                          else None) or date
-    description = free["description"]
-    if description is None:
-        description = _first_sentence(digest)
-    description, cap_warning = _cap_description(description)
-    if cap_warning:
+    given = free["description"]   # one memshelf derived itself is fitted without a warning
+    description, cap_warning = _cap_description(_first_sentence(digest) if given is None
+                                                else given)
+    if cap_warning and given is not None:
         warnings.append(cap_warning)
     if not re.match(r"\d{4}-\d{2}-\d{2}-", slug):
         warnings.append("slug-undated: the recommended form is YYYY-MM-DD-latin-words")
@@ -6132,7 +6146,8 @@ def _shelve_locked(root, a):
               "warnings": warnings}
     if a["dry_run"]:
         result.update(status="dry-run", episode_text=text,
-                      summary=f"dry run: {address} composed ({size} bytes), nothing written")
+                      summary=f"dry run: {slug} at {address} composed ({size} bytes; "
+                              f"{redaction['summary']}), nothing written")
         return result
     # 10-12. write, render, commit; any failure restores every touched path
     _check_cancelled()
@@ -6185,8 +6200,9 @@ def _shelve_locked(root, a):
     result["ledger_row"] = _ledger_row(new_rec)
     result["shelf_totals"] = totals
     result["next"] = "the topic can be replaced in context by its digest and address"
-    result["summary"] = (f"+{approx:,} tok shelved · " if approx else "shelved (unmeasured) · ") + \
-        _banner_core(totals)
+    result["summary"] = (f"shelved {slug} at {address} · " +
+                         (f"+{approx:,} tok" if approx else "size unmeasured") +
+                         f" · {redaction['summary']}\n" + _banner_core(totals))
     if result.get("sync") and result["sync"].get("error") and a["push"]:
         result["status"] = "incomplete"
     return result
@@ -6478,17 +6494,18 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
     listing = None
     if outline:
         digest = _digest_of(sections)
-        listing = [{"section": h, "tokens": tokens(t.strip())} for h, t in sections
-                   if h.casefold() != "digest"]
+        # each section's cost and first line: enough to tell which one holds the answer
+        listing = [{"section": h, "tokens": tokens(t.strip()), "first_line": _import_title(t)}
+                   for h, t in sections if h.casefold() != "digest"]
         selected = "## Digest\n" + digest + "\n\n## Sections\n" + "\n".join(
-            f"- {s['section']} (~{s['tokens']} tok)" for s in listing)
+            f"- {s['section']} (~{s['tokens']} tok): {s['first_line']}" for s in listing)
     elif section is not None:
         found = _find_section(sections, section)
         if not found:
             names = [h for h, _ in sections]
             raise ShelfError("section-not-found", f"{stem} has no section {_excerpt(section)}; "
                              "it has: " + ", ".join(names), "pass one of the listed sections, or "
-                             "outline=true to see their costs",
+                             f"{_arg_word('outline', True, 'recall')} to see their costs",
                              {"sections": names})
         heading = found[0]
         selected = f"## {heading}\n{found[1].strip()}"
@@ -7343,7 +7360,7 @@ def _cap_index(lines, entry_idx, max_chars, offset):
     next_offset = offset + len(keep) if dropped else None
     if dropped:
         out.append(f"… {dropped} older entries not shown — search the shelf or call index "
-                   f"with offset={next_offset}")
+                   f"with {_arg_word('offset', next_offset)}")
     return "\n".join(out).rstrip("\n") + "\n", len(keep), bool(dropped), next_offset
 
 # ==========================================================================================
@@ -10065,9 +10082,7 @@ def _rollup_locked(root, a):
     else:
         span = date
     n = len(selected)
-    description, _ = _cap_description(
-        f"Rollup of {n} episode{'s' if n != 1 else ''}." +
-        (f" Keywords: {', '.join(keywords)}." if keywords else ""))
+    description, _ = _cap_description(_first_sentence(digest))   # the INDEX line, as shelve
     body = _canonical_sections(sections)
     if not any(name == "Decisions" for name, _ in body):
         body = _canonical_sections(sections + [(
@@ -10299,7 +10314,6 @@ def _purge_locked(root, today, apply, autocommit):
 # --- import --------------------------------------------------------------------------------
 
 _IMPORT_FORMATS = ("auto", "claude-json", "claude-code-jsonl", "chatgpt-json", "markdown")
-_IMPORT_DIR = "memshelf-import"
 _IMPORT_SNIPPET_CHARS = 140
 _CUT_GAP_SECONDS = 3600
 _CUT_MIN_MESSAGES = 2
@@ -10739,16 +10753,16 @@ def _redact_transcript(conv, enabled):
 
 
 def _import_output_path(out, conv):
-    """Where extract writes: MCP bare names under the temp folder; CLI paths outside .git."""
-    import tempfile
-    base = os.path.join(tempfile.gettempdir(), _IMPORT_DIR)
+    """Where extract writes: (None, name) for a private new temp folder (the default, and an MCP
+    bare name); (folder, path) for a CLI path, anywhere outside .git."""
+    base = "a private new temporary folder"
     if out is None:
         slug = _slugify(conv["title"] or "")[:60].strip("-_")
         if _slug_problem(slug):
             slug = "conversation-" + (_slugify(conv["id"])[:24].strip("-_") or "import")
             if _slug_problem(slug):
                 slug = "conversation"
-        return base, os.path.join(base, slug + ".md")
+        return None, slug + ".md"
     if not isinstance(out, str) or not out.strip():
         raise _usage("out must be a file name", "pass a name such as auth-refactor.md")
     if _context("mcp"):
@@ -10759,7 +10773,7 @@ def _import_output_path(out, conv):
                 name.split(".")[0].lower() in _DEVICE_NAMES:
             raise _usage(f"out {out!r} must be a bare file name",
                          f"pass a name such as auth-refactor.md; the file goes to {base}")
-        return base, os.path.join(base, name)
+        return None, name
     target = os.path.abspath(os.path.expanduser(out))
     parent = os.path.realpath(os.path.dirname(target))
     parts = (parent + os.sep + os.path.basename(target)).split(os.sep)
@@ -10870,20 +10884,17 @@ def _import_extract(source, fmt, convs, markers, select, out, redact_on, name):
     if not chosen["messages"]:
         raise _not_a_transcript(source, f"conversation {chosen['id']} has no text messages")
     directory, target = _import_output_path(out, chosen)
-    if os.path.realpath(target) == source:
+    if directory and os.path.realpath(target) == source:
         raise _usage("the output would overwrite the source transcript", "choose another --out")
     report = _redact_transcript(chosen, redact_on)
     text = _render_transcript(chosen, fmt, name)
-    if not os.path.isdir(directory):
-        if directory.endswith(_IMPORT_DIR):
-            try:
-                os.makedirs(directory, mode=0o700, exist_ok=True)
-            except OSError as exc:
-                raise ShelfError("io-error", f"cannot create {directory}: {exc.strerror}",
-                                 "check the temp folder", {"path": directory}) from None
-        else:
-            raise ShelfError("io-error", f"the folder {directory} does not exist",
-                             "create it first or choose another --out", {"path": directory})
+    if directory is None:   # never a shared folder another user could plant a file in
+        import tempfile
+        directory = tempfile.mkdtemp(prefix="memshelf-import-")
+        target = os.path.join(directory, target)
+    elif not os.path.isdir(directory):
+        raise ShelfError("io-error", f"the folder {directory} does not exist",
+                         "create it first or choose another --out", {"path": directory})
     _atomic_write(target, text)
     cuts = _import_cuts(chosen)
     approx = tokens(text)
@@ -15531,8 +15542,9 @@ class _Param:
     def __init__(self, name, type="string", *, default=None, required=False, help="",
                  flags=None, enum=None, minimum=None, maximum=None, nullable=False,
                  cli=True, mcp=True, negate=None, positional=False, nargs=None, metavar=None,
-                 exclusive_minimum=None, items="string"):
+                 exclusive_minimum=None, items="string", cli_help=None):
         self.name = name
+        self.cli_help = cli_help      # the CLI's own help when its spelling differs from MCP's
         self.items = items
         self.type = type
         self.default = default
@@ -15628,9 +15640,35 @@ class _Verb:
                 "required": [k for k in self.required_output], "additionalProperties": True}
 
 
+def _arg_word(name, value=None, verb="index", cli=None):
+    """How the caller spells argument `name` of `verb` (set to `value`): the MCP name
+    (`outline=true`) over MCP and `memshelf call`, the CLI flag (`--outline`, `--offset 1`)
+    at a terminal. The one place that decides those words, from the verb table."""
+    if cli is None:
+        cli = _context("client_name") is None
+    if not cli:
+        return name if value is None else f"{name}={json.dumps(value)}"
+    prm = next(p for p in _verb(verb).params if p.name == name)
+    if prm.type == "boolean":
+        return prm.negate if value is False and prm.negate else prm.flags[0]
+    return f"{prm.flags[0]} {(prm.metavar or name.upper()) if value is None else value}"
+
+
+def _cli_words(verb, text):
+    """A help text written in MCP words (`check=true`, `offset=1`, `shelf_path`) in CLI words."""
+    params = {p.name for p in verb.params if p.cli and not p.positional}
+
+    def word(m):
+        name, value = m[1] or m[3], {"true": True, "false": False}.get(m[2], m[2])
+        return _arg_word(name, value, verb.name, cli=True) if name in params else m[0]
+    return re.sub(r"\b([a-z_]+)=(\w+)|\b([a-z]+_[a-z_]+)\b", word, text)
+
+
 def _shelf_param():
     return _Param("shelf_path", flags=["--shelf"], default="", metavar="PATH",
-                  help="Shelf folder; default MEMSHELF_SHELF.")
+                  help="Shelf folder; default MEMSHELF_SHELF.",
+                  cli_help="Shelf folder. Default: $MEMSHELF_SHELF, else the nearest shelf at "
+                           "or above the working directory.")
 
 
 _S, _B, _I, _N, _A, _O = "string", "boolean", "integer", "number", "array", "object"
@@ -15754,7 +15792,8 @@ def _verbs():
                     "derived": (_O, _NULLS), "sync": (_O, _NULLS), "redaction": _O,
                     "digest_warnings": _A, "instruction_flags": _A, "warnings": _A,
                     "ledger_row": _S, "shelf_totals": _O, "summary": _S},
-            required_output=("status", "id"), text=_text_summary,
+            required_output=("status", "id"),
+            text=lambda r: r.get("episode_text") or _text_summary(r),
             verdict=lambda r: 1 if r.get("status") == "incomplete" else 0),
         _Verb("lint-digest", lint_digest, [
             _Param("digest", _S, required=True, help="The digest to check."),
@@ -15785,7 +15824,9 @@ def _verbs():
         _Verb("advise", advise, [
             sp(),
             _Param("occupants", _A, default=[], flags=["--occupant"], metavar="SPEC", items=["object", "string"],
-                   help="{label, approx_tokens, state, kind, idle_turns, episode_id}"),
+                   help="{label, approx_tokens, state, kind, idle_turns, episode_id}",
+                   cli_help="LABEL=TOKENS[,live|closed|unknown][,idle=N][,kind=K]"
+                            "[,episode=ID] (not JSON; see --occupants-json)."),
             _Param("budget_tokens", _I, default=200000, minimum=1, flags=["--budget"],
                    help="Context window size."),
             _Param("stale_after_turns", _I, default=10, minimum=0, flags=["--stale-after"],
@@ -15811,7 +15852,10 @@ def _verbs():
                    help="Must contain."),
             _Param("limit", _I, default=50, minimum=1, help="discover: at most this many."),
             _Param("select", _S, nullable=True, help="Id, title or index."),
-            _Param("out", _S, nullable=True, help="Output file name (bare)."),
+            _Param("out", _S, nullable=True, help="Output file name (bare).",
+                   metavar="PATH", cli_help="File path to write (a path is taken as given, "
+                   "e.g. ../notes.md; never inside .git). Default: a new private temporary "
+                   "folder; the output says where."),
             _Param("redact", _B, default=True, negate="--no-redact",
                    help="Redact the working file."),
         ], title="Prepare an exported transcript", read_only=False, needs_shelf=False,
@@ -15863,7 +15907,8 @@ def _verbs():
                    help="Extra sections."),
             _Param("date", _S, nullable=True, help="Rollup date."),
             _Param("dry_run", _B, default=False, help="Report the selection only."),
-            _Param("autocommit", _B, default=True, negate="--no-commit", help="Commit."),
+            _Param("autocommit", _B, default=True, negate="--no-commit",
+                   help="Commit.", cli_help="Commit the result."),
         ], title="Fold a period into one rollup", read_only=False, idempotent=False,
             description="Fold older episodes into one rollup episode; originals move to archive/ and stay recallable.",
             output={"slug": _S, "archived": _A, "count": _I}, required_output=("status",),
@@ -15872,7 +15917,8 @@ def _verbs():
             sp(),
             _Param("apply", _B, default=False, help="Delete; default is a dry run."),
             _Param("today", _S, nullable=True, help="Treat this date as today."),
-            _Param("autocommit", _B, default=True, negate="--no-commit", help="Commit."),
+            _Param("autocommit", _B, default=True, negate="--no-commit",
+                   help="Commit.", cli_help="Commit the result."),
         ], title="Delete episodes past retain_until", read_only=False, destructive=True,
             description="List (apply=true: delete) episodes past retain_until. git history keeps them until rewritten.",
             output={"expired": _A, "deleted": _A, "count": _I, "applied": _B},
@@ -15927,6 +15973,11 @@ def _verbs():
             text=None),
         _Verb("serve", serve_verb, [], title="Start the MCP stdio server", mcp=False,
               needs_shelf=False, text=None),
+        _Verb("install-launcher", install_launcher, [
+            _Param("bin_dir", _S, nullable=True, metavar="DIR",
+                   help="Where the `memshelf` launcher goes. Default: ~/.local/bin."),
+        ], title="Install a fast `memshelf` command without pip", mcp=False, needs_shelf=False,
+            text=_text_summary),
     ]
     return table + [factory() for factory in _EXTRA_VERB_FACTORIES]
 
@@ -16109,16 +16160,18 @@ def render_text(verb_name, result):
     return json.dumps(result, ensure_ascii=False, indent=2, default=_json_default)
 
 
+def _warning_lines(result):
+    return [f"warning: {w.get('code')}: {w.get('message')}" if isinstance(w, dict) else
+            f"warning: {w}" for key in ("digest_warnings", "warnings")
+            for w in (result.get(key) if isinstance(result.get(key), list) else [])]
+
+
 def _text_summary(result):
     lines = [result.get("summary") or result.get("status", "ok")]
     sync = result.get("sync")
     if isinstance(sync, dict) and sync.get("summary"):
         lines.append(sync["summary"])
-    for w in result.get("digest_warnings") or []:
-        lines.append(f"[warning] {w.get('code')}: {w.get('message')}" if isinstance(w, dict)
-                     else f"warning: {w}")
-    for w in result.get("warnings") or []:
-        lines.append(f"warning: {w}")
+    lines += _warning_lines(result)
     if result.get("hint"):
         lines.append(f"hint: {result['hint']}")
     return "\n".join(lines)
@@ -16139,7 +16192,13 @@ def _text_search(result):
 
 
 def _text_stats(result):
-    return result.get("banner") or _text_summary(result)
+    rows = result.get("per_episode") or []
+    width = max([len(r["id"]) + 2 * r["archived"] for r in rows] + [7])
+    table = [f"{'episode':<{width}}  {'mass':>7}  {'digest':>6}  {'recalls':>7}  {'saved':>7}"] + [
+        f"{r['id'] + ' ⌂' * r['archived']:<{width}}  {r['mass']:>7,}{'*' if r['capped'] else ' '}"
+        f" {r['digest_tokens']:>6,}  {r['recalls']:>7,}  {r['realized_savings']:>7,}"
+        for r in rows] + ["(tokens; ⌂ archived, * capped at the context window)", ""]
+    return "\n".join(table * bool(rows)) + (result.get("banner") or _text_summary(result))
 
 
 def _text_doctor(result):
@@ -16349,6 +16408,61 @@ def serve_verb():
     raise SystemExit(server_module.main([]))
 
 
+_LAUNCHER_MARK = "# memshelf launcher, written by `memshelf install-launcher`"
+
+
+def install_launcher(bin_dir=None):
+    """A `memshelf` command without pip: a launcher in bin_dir that imports this file with its
+    bytecode cached in a folder the user owns, so no call recompiles the 16,000-line file;
+    Python recompiles it once when the file changes (timestamp check, as for any module)."""
+    import importlib.util
+    import py_compile
+    home = os.path.expanduser("~")
+    cache = os.path.join(os.environ.get("XDG_DATA_HOME") or os.path.join(home, ".local", "share"),
+                         "memshelf", "pycache")
+    bin_dir = os.path.abspath(os.path.expanduser(bin_dir or os.path.join(home, ".local", "bin")))
+    target = os.path.join(bin_dir, "memshelf")
+    source = os.path.abspath(__file__)
+    if os.path.lexists(target) and _LAUNCHER_MARK.encode() not in _file_bytes(target):
+        raise ShelfError("io-error", f"{target} exists and is not a memshelf launcher (a pip "
+                         "console script?)", "keep using it, remove it, or pass --bin-dir",
+                         {"path": target})
+    os.makedirs(bin_dir, exist_ok=True)
+    saved, sys.pycache_prefix = sys.pycache_prefix, cache
+    try:
+        for name in ("memshelf.py", "server.py"):
+            path = os.path.join(os.path.dirname(source), name)
+            if os.path.isfile(path):
+                py_compile.compile(path, cfile=importlib.util.cache_from_source(path),
+                                   doraise=True)
+    except py_compile.PyCompileError as exc:
+        raise ShelfError("io-error", f"cannot compile: {exc.msg}", "check the file") from None
+    finally:
+        sys.pycache_prefix = saved
+    _atomic_write(target, f"""#!{sys.executable} -S
+{_LAUNCHER_MARK}: it runs
+# {source} with its bytecode in {cache}.
+import os, sys
+sys.pycache_prefix = {cache!r}
+sys.path.insert(0, {os.path.dirname(source)!r})
+if not os.path.isfile({source!r}):
+    sys.exit("memshelf: " + {source!r} + " is gone; run `python3 memshelf.py "
+             "install-launcher` from where memshelf.py is now")
+import {os.path.basename(source)[:-3]} as memshelf
+memshelf.cli()
+""")
+    os.chmod(target, 0o755)
+    on_path = bin_dir in [os.path.abspath(os.path.expanduser(p))
+                          for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    return {"status": "ok", "launcher": target, "bytecode": cache, "source": source,
+            "on_path": on_path,
+            "summary": f"installed {target} -> {source}\nbytecode cached in {cache} "
+                       "(compiled now; again only when memshelf.py changes)\n" +
+                       (f"{bin_dir} is on PATH: run `memshelf demo`" if on_path else
+                        f"{bin_dir} is NOT on PATH: add `export PATH=\"{bin_dir}:$PATH\"` to "
+                        "your shell's profile, or run the launcher by its full path")}
+
+
 # --- argument parsing and printing ---------------------------------------------------------
 
 class _ArgumentError(Exception):
@@ -16383,26 +16497,33 @@ def _build_parser(only=None):
     for v in _verb_table():
         if only is not None and v.name != only:
             continue
-        p = sub.add_parser(v.name, help=v.cli_help, description=v.description or v.title)
+        p = sub.add_parser(v.name, help=v.cli_help,
+                           description=_cli_words(v, v.description or v.title))
         for prm in v.params:
             if not prm.cli:
                 continue
+            # help is written in MCP words; the CLI reads flags, a default, and a bare %
+            text = _cli_words(v, prm.cli_help or prm.help).replace("%", "%%")
+            if prm.default not in (None, "", [], {}, False) and prm.type != "boolean" and \
+                    "default" not in text.lower():
+                text = f"{text} Default: {prm.default}."
             if prm.positional:
                 p.add_argument(prm.name, nargs=prm.nargs, metavar=prm.metavar or prm.name.upper(),
-                               help=prm.help, default=None)
+                               help=text, default=None)
                 if prm.flags != ["--" + prm.name.replace("_", "-")] or prm.name == "query":
                     # memshelf-mcp 0.4.0 spelled some positionals as options (--query)
                     p.add_argument(*prm.flags, dest=prm.name + "__flag", action="append",
                                    default=None, metavar=prm.metavar, help=argparse.SUPPRESS)
                 continue
-            kw = {"dest": prm.name, "help": prm.help}
+            kw = {"dest": prm.name, "help": text}
             if prm.type == "boolean":
                 if prm.negate:
-                    # the help names what the switch turns off: "Don't commit on git
-                    # shelves", not the positive sentence the MCP schema carries
-                    done = prm.help[:1].lower() + prm.help[1:].rstrip(".")
+                    # the MCP schema's sentence says what happens by default; the switch
+                    # turns it off: "Default: commit on git shelves; this flag turns it off"
+                    done = text[:1].lower() + text[1:].rstrip(".")
                     p.add_argument(prm.negate, dest=prm.name, action="store_false",
-                                   default=None, help=f"Don't {done} (done by default).")
+                                   default=None, help=f"Default: {done}; this flag turns "
+                                                      "that off.")
                 else:
                     p.add_argument(*prm.flags, action="store_true", default=None, **kw)
                 continue
@@ -16415,8 +16536,6 @@ def _build_parser(only=None):
             p.add_argument(*prm.flags, type=conv, default=None, choices=choices,
                            metavar=prm.metavar or ("{" + ",".join(choices) + "}" if choices
                                                    else prm.name.upper()), **kw)
-        if v.needs_shelf or any(x.name == "shelf_path" for x in v.params):
-            pass
         p.add_argument("--json", action="store_true", help="print the result object as JSON")
         p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
         _CLI_EXTRA.get(v.name, lambda p: None)(p)
@@ -16525,6 +16644,13 @@ def main(argv=None):
         kwargs = _cli_kwargs(verb, ns)
         result = verb.func(**kwargs)
     except _ArgumentError as exc:
+        if verb_name and verb_name not in known:
+            import difflib
+            near = list(dict.fromkeys([k for k in sorted(known) if k.startswith(verb_name)] +
+                                      difflib.get_close_matches(verb_name, known, n=3)))[:3]
+            return _fail(ShelfError("usage", f"unknown verb {verb_name!r}", (
+                "did you mean: " + ", ".join(f"memshelf {n}" for n in near) + "? " if near
+                else "") + "memshelf --help lists every verb"), None, want_json)
         return _fail(ShelfError("usage", str(exc), "see: memshelf " +
                                 (verb_name + " " if verb_name else "") + "--help"),
                      verb_name, want_json)
@@ -16557,6 +16683,7 @@ def main(argv=None):
         sys.stdout.flush()
     except OSError as exc:
         return _output_failed(exc)
+    verb = _tool(verb_for_text) if verb_for_text else verb   # `call`: the tool's own verdict
     return verb.verdict(result) if verb.verdict else 0
 
 
@@ -16610,15 +16737,23 @@ def cli():
 
 def _print_human(verb, tool_name, result):
     if tool_name:
-        inner = _tool(tool_name)
-        text = render_text(inner.name, result)
-    elif verb.text is None:
-        text = json.dumps(result, ensure_ascii=False, indent=2, default=_json_default)
+        render = lambda r: render_text(_tool(tool_name).name, r)  # noqa: E731
     else:
-        text = verb.text(result)
+        render = verb.text or (lambda r: json.dumps(r, ensure_ascii=False, indent=2,
+                                                    default=_json_default))
+    text = render(result)
+    # warnings the text carries go to stderr instead, where --quiet silences them
+    warned = _warning_lines(result)
+    if warned:
+        shown = render({k: v for k, v in result.items() if not (
+            k in ("warnings", "digest_warnings") and isinstance(v, list))})
+        text, warned = (shown, warned) if shown != text else (text, [])
     if text:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
-    if verb.name == "recall" and result.get("summary"):
+    for line in warned:
+        _note(line)
+    if verb.name in ("recall", "shelve") and result.get("summary") and \
+            result["summary"] not in text:
         _note(result["summary"])
     if verb.name == "redact":
         _note(result["redaction"]["summary"])
@@ -16724,14 +16859,16 @@ def demo(shelf_path=None, keep=False):
              "--digest '…' --section 'Decisions=…' --section 'Artifacts=…'")
         for ep in _DEMO_EPISODES:
             r = shelve(shelf_path=root, **ep)
-            show(f"{r['id']}: {r['redaction']['summary']}; {r['summary']}")
+            show(r["summary"])
         step("4. Check a digest before shelving (writes nothing)",
              "memshelf lint-digest --digest 'Priya chose allkeys-lru; open: TTL audit.'")
         show(lint_digest(digest="Priya chose allkeys-lru; open: TTL audit.")["report"])
-        step("5. The INDEX is all an agent keeps in context", f"memshelf index --shelf {q}")
-        r = index(shelf_path=root)
-        show(r["index"])
-        show(f"(~{r['tokens']} tokens for {r['entries_total']} episodes)")
+        step("5. The INDEX is what an agent keeps in context", f"memshelf index --shelf {q}")
+        show(index(shelf_path=root)["index"])
+        r = stats(shelf_path=root)
+        show(f"(standing cost ~{r['standing_cost']} tokens for {r['episodes']} episodes: this "
+             f"INDEX, {r['index_tokens']}, and their digests, {r['digest_tokens']}; `stats` "
+             "reports the same)")
         step("6. Recall one section, not the whole history",
              f"memshelf recall --shelf {q} --id 2026-07-22-auth-refactor --section decisions")
         r = recall(shelf_path=root, episode_id="2026-07-22-auth-refactor", section="decisions")

@@ -42,7 +42,7 @@ def test_the_entry_point_is_the_command_that_ends_the_process(launcher):
     assert re.fullmatch(r"memshelf \d+\.\d+\.\d+ \([0-9a-f]{12}\)\n", version.stdout)
     wrong = _run(launcher, "no-such-verb")
     assert wrong.returncode == 2 and wrong.stdout == ""
-    assert "invalid choice: 'no-such-verb'" in wrong.stderr and "fix:" in wrong.stderr
+    assert "unknown verb 'no-such-verb'" in wrong.stderr and "fix:" in wrong.stderr
 
 
 def test_all_the_output_is_written_before_the_process_ends(launcher, shelf, tmp_path):

@@ -22,8 +22,8 @@ def test_off_switches_say_what_they_turn_off():
     r = run_cli("shelve", "--help")
     assert r.code == 0
     text = " ".join(r.out.split())
-    assert "--no-commit Don't commit on git shelves (done by default)." in text
-    assert "--no-sync Don't fast-forward first (done by default)." in text
+    assert "--no-commit Default: commit on git shelves; this flag turns that off." in text
+    assert "--no-sync Default: fast-forward first; this flag turns that off." in text
 
 
 def test_module_and_import(tmp_path):
@@ -60,7 +60,7 @@ def test_no_args_and_unknown_verb():
     assert r.code == 2
     r = run_cli("frobnicate")
     assert r.code == 2 and "Traceback" not in r.err
-    assert "invalid choice" in r.err
+    assert "unknown verb" in r.err
 
 
 # --- init -----------------------------------------------------------------------------------

@@ -53,7 +53,14 @@ CLAUDE_CODE = [
 def env_for(tmp_path):
     tmp = tmp_path / "tmpdir"
     tmp.mkdir(exist_ok=True)
-    return {"TMPDIR": str(tmp)}, tmp / "memshelf-import"
+    return {"TMPDIR": str(tmp)}, tmp
+
+
+def only_dir(tmp):
+    """The one private folder extract made under TMPDIR (memshelf-import-XXXX, mode 0700)."""
+    (found,) = [p for p in tmp.iterdir() if p.name.startswith("memshelf-import-")]
+    assert found.stat().st_mode & 0o077 == 0
+    return found
 
 
 # --- the four formats -----------------------------------------------------------------------
@@ -71,11 +78,13 @@ def test_claude_code_jsonl_discover_and_extract(tmp_path):
     assert conv["id"] == "sess-42" and conv["title"] == "Auth refactor and Redis"
     assert conv["messages"] == 5 and conv["stripped_blocks"] == 3 and conv["index"] == 0
     assert TOKEN not in r.out
-    assert not out_dir.exists()          # discover writes nothing
+    assert list(out_dir.iterdir()) == []          # discover writes nothing
     r = run_cli("import", "extract", "--path", src, "--json", env=env)
     assert r.code == 0, r
     x = r.json()
+    out_dir = only_dir(out_dir)
     assert x["output_path"] == str(out_dir / "auth-refactor-and-redis.md")
+    assert f"to {out_dir / 'auth-refactor-and-redis.md'}" in x["summary"]
     assert x["messages"] == 5 and x["stripped_blocks"] == 3
     assert x["redaction"]["counts"] == {"github-token": 1}
     assert 0 < x["noise_ratio"] < 1 and x["source_tokens"] > x["approx_tokens"] > 0
@@ -156,7 +165,8 @@ def test_claude_ai_export_markers_select_and_forms(tmp_path):
         r = run_cli("import", "extract", "--path", src, "--select", select, "--json", env=env)
         assert r.code == 0, r
         assert r.json()["id"] == ident
-    assert (out_dir / "billing-bug.md").read_text(encoding="utf-8").count("## [") == 2
+    (billing,) = out_dir.glob("memshelf-import-*/billing-bug.md")
+    assert billing.read_text(encoding="utf-8").count("## [") == 2
     r = run_cli("import", "extract", "--path", src, "--select", "nope", env=env)
     assert r.code == 2 and "discover" in r.err
     r = run_cli("import", "extract", "--path", src, "--select", "2", env=env)
@@ -199,7 +209,7 @@ def test_chatgpt_export_follows_the_active_branch(tmp_path):
     x = r.json()
     assert x["format"] == "chatgpt-json" and x["id"] == "g-1" and x["messages"] == 4
     assert x["stripped_blocks"] == 2
-    text = (out_dir / "cache-and-deploys.md").read_text(encoding="utf-8")
+    text = (only_dir(out_dir) / "cache-and-deploys.md").read_text(encoding="utf-8")
     assert "abandoned" not in text and "search(" not in text and "results" not in text
     assert text.index("How should the cache evict?") < text.index("Tuesdays, 10:00 UTC.")
     assert [(c["from_message"], c["to_message"], c["reason"]) for c in x["proposed_cuts"]] == \
@@ -263,7 +273,7 @@ def test_not_a_transcript_is_refused_and_writes_nothing(tmp_path, name, data):
         err = r.json()["error"]
         assert err["code"] == "io-error" and "Traceback" not in r.err
         assert os.path.realpath(src) in err["message"]
-    assert not out_dir.exists()
+    assert list(out_dir.iterdir()) == []
     assert src.read_bytes() == data
 
 
@@ -299,7 +309,9 @@ def test_mcp_out_is_a_bare_name_under_the_temp_folder(tmp_path, monkeypatch):
     src = jsonl(tmp_path / "s.jsonl", CLAUDE_CODE)
     r = memshelf.call_tool("memshelf_import", {"method": "extract", "path": str(src),
                                                "out": "auth-notes.md"})
-    assert r["output_path"] == str(tmp_path / "tmp" / "memshelf-import" / "auth-notes.md")
+    (made,) = (tmp_path / "tmp").iterdir()
+    assert made.name.startswith("memshelf-import-") and made.stat().st_mode & 0o077 == 0
+    assert r["output_path"] == str(made / "auth-notes.md")
     assert os.path.isfile(r["output_path"])
     for bad in ("../escape.md", "/etc/x.md", str(tmp_path / "abs.md"), ".git", "..",
                 "-rf", "a\\b.md", "line\nbreak.md", "CON.md", "dir/x.md"):
@@ -307,7 +319,7 @@ def test_mcp_out_is_a_bare_name_under_the_temp_folder(tmp_path, monkeypatch):
             memshelf.call_tool("memshelf_import", {"method": "extract", "path": str(src),
                                                    "out": bad})
         assert exc.value.code == "usage", bad
-    assert sorted(os.listdir(tmp_path / "tmp" / "memshelf-import")) == ["auth-notes.md"]
+    assert os.listdir(tmp_path / "tmp") == [made.name] and os.listdir(made) == ["auth-notes.md"]
     assert not os.path.exists(tmp_path / "abs.md")
     # discover over MCP: no shelf needed, nothing written
     d = memshelf.call_tool("memshelf_import", {"method": "discover", "path": str(src)})

@@ -108,7 +108,9 @@ def test_rollup_moves_originals_into_the_archive_in_one_commit(period):
     assert fields["approx_tokens"] == "0" and fields["approx_tokens_source"] == "measured"
     assert fields["span"] == "2026-01-05..2026-01-10" and fields["date"] == "2026-02-01"
     assert fields["keywords"] == res["keywords"] and fields["keywords"]
-    assert fields["description"].startswith("Rollup of 2 episodes. Keywords: ")
+    # the INDEX line is the rollup's own digest, as for every episode (issue 22)
+    assert fields["description"] == memshelf._first_sentence(ROLLUP_DIGEST)
+    assert f"2026-01-31-january — {fields['description']}" in index
     assert "## Decisions\n" in body
     archived = body.split("## Archived\n", 1)[1]
     assert "[archive](../../archive/INDEX.md)" in archived
@@ -192,7 +194,8 @@ def test_rollup_redacts_its_digest_and_sections(period):
     assert r["redaction"]["total"] == 2
     assert r["redaction"]["counts"] == {"github-token": 2}
     text = read(period, "docs/topics/2026-01-31-january.md")
-    assert token not in text and text.count("«redacted:github-token»") == 2
+    # digest, Artifacts, and the description (the digest's first sentence)
+    assert token not in text and text.count("«redacted:github-token»") == 3
 
 
 def snapshot_and_head(root):
