@@ -419,7 +419,7 @@ def _file_bytes_stamped(path):
     fd = os.open(path, _O_READ)
     try:
         st = os.fstat(fd)
-        return _fd_bytes(fd, st.st_size), _stamp((st.st_size, st.st_mtime_ns))
+        return _fd_bytes(fd, st.st_size), _stamp((st.st_size, st.st_mtime_ns, st.st_ino))
     finally:
         os.close(fd)
 
@@ -1702,11 +1702,12 @@ def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
             raw = _file_bytes(path, st.st_size)
     except OSError as exc:
         failed = exc
-        st = st or _stamp((0, 0))   # gone since the listing
+        st = st or _stamp((0, 0, 0))   # gone since the listing
     category = sys.intern(rel.split("/")[-2])
     stem = rel.rsplit("/", 1)[-1][:-3]
     rec = {"path": rel, "stem": stem, "category": category, "archived": archived,
-           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fm_ok": False, "fm_error": None,
+           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,
+           "fm_ok": False, "fm_error": None,
            "fields": {}, "has_block": False, "portability": []}
     if failed is not None:
         rec["fm_error"] = f"io: {failed.strerror}"
@@ -5200,7 +5201,7 @@ def _check_section_name(name):
 
 # --- the episode catalog and its cache -----------------------------------------------------
 
-_CACHE_SCHEMA = "9"   # bump when the cached record or the cache columns change shape
+_CACHE_SCHEMA = "10"   # bump when the cached record or the cache columns change shape
 
 
 class _Catalog:
@@ -5228,21 +5229,14 @@ class _Catalog:
         also(record, bytes, _EpisodeText) runs beside each file parsed afresh (in its worker);
         its answers are left in self.extras by path. trim(record) -> record: what is kept of
         a record parsed afresh once its cache row is made (and `also` has seen it whole)."""
-        self.dirs_before = _category_dirs_fingerprint(self.root)
-        out = self._merge(archive, progress, files, None,
-                          lambda rel, archived, row: _record_from_row(row[0]), also, trim)
-        if archive:
-            _remember_supersedes(self.root, out, self.dirs_before)
-        return out
+        return self._merge(archive, progress, files, None,
+                           lambda rel, archived, row: _record_from_row(row[0]), also, trim)
 
     def render_records(self, progress=None, files=None):
         """What the derived renders read of every episode (_RENDER_KEYS), from the cache
         columns: a render after one shelve decodes a few values per episode, not records."""
-        self.dirs_before = _category_dirs_fingerprint(self.root)
-        out = self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
-                          _render_record_from_row)
-        _remember_supersedes(self.root, out, self.dirs_before)
-        return out
+        return self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
+                           _render_record_from_row)
 
     def summaries(self, archive=True, progress=None):
         """What accounting needs of every episode (_SUMMARY_KEYS), without decoding records."""
@@ -5260,15 +5254,14 @@ class _Catalog:
         files = self.scan(archive) if files is None else files
         whole = columns is None
         gone = []
-        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, "
+        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
                                     f"{'rec' if whole else ', '.join(columns)} FROM episodes "
                                     "ORDER BY path")
         out, missing = [], []
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
             obj = None
-            if row is not None and st is not None and row[1] == st.st_size and \
-                    row[2] == st.st_mtime_ns:
-                obj = from_row(rel, archived, row[3:])
+            if row is not None and st is not None and _unchanged(st, row[1:4], row[4]):
+                obj = from_row(rel, archived, row[5:])
             if obj is None:
                 missing.append((len(out), rel, archived, st))
             out.append(obj)
@@ -5279,9 +5272,10 @@ class _Catalog:
             # the cache row is made in the worker: the parent only stores it. A record read
             # for columns has no sections: its row keeps the columns alone (a reader of whole
             # records parses the file again)
+            seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
                 (_read_episode(root, *job[1:], whole=whole), None)
-            row = (rec["path"], rec["size"], rec["mtime_ns"],
+            row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
                    _record_to_row(rec) if cached and rec["sections"] is not None else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
             if not whole:
@@ -5299,7 +5293,7 @@ class _Catalog:
         self.stamps = {}   # (size, mtime_ns) of each file read afresh, as read
         for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
             slot, rel, archived, _ = missing[n]
-            self.stamps[rel] = _stamp(row[1:3])
+            self.stamps[rel] = _stamp(row[1:4])
             out[slot] = _share_values(rec) if whole else \
                 from_row(rel, archived, take(row))
             if also is not None:
@@ -5351,8 +5345,8 @@ class _Catalog:
         try:
             with self.db:
                 self.db.executemany(
-                    f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, rec, "
-                    f"{', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, ?"
+                    f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, ino, seen_ns, rec, "
+                    f"{', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?"
                     f"{', ?' * len(_CACHE_COLUMNS)})", rows)
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
         except Exception:
@@ -5372,7 +5366,8 @@ class _Catalog:
 
 # A cached record is a JSON array in this key order (object keys would be stored, decoded and
 # held once per record; at 100,000 episodes that is a third of the catalog's memory).
-_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "fm_ok", "fm_error",
+_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "fm_ok",
+                "fm_error",
                 "fields", "has_block", "portability", "id", "kind", "date", "span",
                 "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
@@ -5388,7 +5383,7 @@ _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_w
                   "date_field")
 _SUMMARY_COLUMNS = ("id", "date", "digest_tokens", "approx_tokens", "approx_src")
 # Where each column sits in a cache row as _Catalog stores it.
-_ROW_SLOTS = dict({"size": 1, "rec": 3}, **{c: 4 + n for n, c in enumerate(_CACHE_COLUMNS)})
+_ROW_SLOTS = dict({"size": 1, "rec": 5}, **{c: 6 + n for n, c in enumerate(_CACHE_COLUMNS)})
 _SUMMARY_KEYS = ("path", "stem", "archived") + _SUMMARY_COLUMNS
 # What a render record holds (_render_record_from_row unpacks the columns in this order and
 # puts the date field under "fields"; tests/test_render_memo.py checks both lists).
@@ -5555,18 +5550,30 @@ def _scan_episode_files(root, archive=True, subdirs=None, stat=True):
                     continue
                 if stat:
                     st = e.stat()
-                    found.append((prefix + name, archived, _stamp((st.st_size, st.st_mtime_ns))))
+                    found.append((prefix + name, archived,
+                                  _stamp((st.st_size, st.st_mtime_ns, st.st_ino))))
                 else:
                     found.append((prefix + name, archived, None))
     found.sort()   # paths are unique: the comparison never goes past them
     return found
 
 
-# (size, mtime_ns) of a file, read like the stat result it stands for: two numbers instead of
-# a whole stat result per episode (~50 MB less at 100,000 files).
-_FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns")
-# _FileStamp((size, mtime_ns)) without the Python-level constructor: one C call per file
+# (size, mtime_ns, inode) of a file, read like the stat result it stands for: three numbers
+# instead of a whole stat result per episode (~50 MB less at 100,000 files).
+_FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns st_ino")
+# _FileStamp((size, mtime_ns, ino)) without the Python-level constructor: one C call per file
 _stamp = functools.partial(tuple.__new__, _FileStamp)
+# The file system's timestamp granularity, at its coarsest (FAT's two seconds): a file whose
+# mtime is this close to the time it was read could be rewritten without its mtime moving.
+_RACY_NS = 2_000_000_000
+
+
+def _unchanged(st, known, seen_ns):
+    """The one freshness rule (shelf-format.md § 6.3, git's racy rule): a file is unchanged
+    since it was read at seen_ns only when its (size, mtime_ns, inode) equal `known` and its
+    mtime was older than that read by more than the timestamp granularity."""
+    return tuple(st) == tuple(known) and seen_ns is not None and \
+        seen_ns - st[1] > _RACY_NS
 
 
 def _close_db(db):
@@ -5606,7 +5613,8 @@ def _cache_db(root):
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
                 db.commit()
             db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
-                       " mtime_ns INTEGER, rec TEXT, " + ", ".join(_CACHE_COLUMNS) + ")")
+                       " mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, rec TEXT, " +
+                       ", ".join(_CACHE_COLUMNS) + ")")
             db.commit()
             return db
         except Exception:
@@ -6009,7 +6017,6 @@ def _shelve_locked(root, a):
                          "shelve a new episode instead; archived episodes are read-only")
     old = _read_episode(root, existing_rel) if existing_rel else None
     window = _context_window(root)
-    base_aggregate = _current_aggregate(root, window)   # totals without a rescan when current
     # 5. redact every free-text part
     rules, problems = _shelf_policy(root)
     for p in problems:
@@ -6130,23 +6137,13 @@ def _shelve_locked(root, a):
     except BaseException:
         journal.restore()
         raise
-    _after_write(root)
     if mode == "auto":
         _remember_render(root, rendered)
     # 13. push / publish (git-and-sync.md § 7)
     if git.is_repo() and result["committed"]:
         result["sync"] = _after_commit_sync(root, git, result, sync_report, a)
     new_rec = _read_episode(root, address)
-    if rendered_records is not None:
-        agg = _episode_aggregate(rendered_records, window)
-        _remember_aggregate(root, agg, _category_dirs_fingerprint(root))
-        totals = _shelf_totals(root, window=window, aggregate=agg)
-    elif base_aggregate is not None:
-        agg = _aggregate_step(_aggregate_step(base_aggregate, old, -1), new_rec, 1)
-        _remember_aggregate(root, agg, _category_dirs_fingerprint(root))
-        totals = _shelf_totals(root, window=window, aggregate=agg)
-    else:
-        totals = _shelf_totals(root, window=window)
+    totals = _shelf_totals(root, window=window, records=rendered_records)
     result["ledger_row"] = _ledger_row(new_rec)
     result["shelf_totals"] = totals
     result["next"] = "the topic can be replaced in context by its digest and address"
@@ -6227,26 +6224,17 @@ class _Journal:
                 pass
 
 
-def _after_write(root):
-    """Remember the directory times of a render we know is current (the index fast path)."""
-    _save_state(root, render=_dir_fingerprint(root))
+def _remembered(root, name, key):
+    """A derived value remembered under the store key (_render_key_of), or None."""
+    entry = _state(root).get(name)
+    if key is not None and isinstance(entry, dict) and entry.get("key") == key:
+        return entry.get("value")
+    return None
 
 
-def _dir_fingerprint(root):
-    fp = {}
-    for base in ("docs", "archive/docs"):
-        for cat in CATEGORIES:
-            try:
-                fp[f"{base}/{cat}"] = os.stat(os.path.join(root, base, cat)).st_mtime_ns
-            except OSError:
-                fp[f"{base}/{cat}"] = None
-    for name in ("INDEX.md", ".docshelf.json", "shelf.yml"):
-        try:
-            st = os.stat(os.path.join(root, name))
-            fp[name] = [st.st_size, st.st_mtime_ns]
-        except OSError:
-            fp[name] = None
-    return fp
+def _remember(root, name, key, value):
+    if key is not None:
+        _save_state(root, **{name: {"key": key, "value": value}})
 
 
 def _ledger_expected(rec):
@@ -6273,42 +6261,19 @@ def _episode_aggregate(records, window):
             "window": window}
 
 
-def _aggregate_step(agg, rec, sign):
-    """Add (sign 1) or remove (sign -1) one episode's share of the aggregate."""
-    if not rec or not rec.get("id"):
-        return agg
-    one = _episode_aggregate([rec], agg["window"])
-    return dict(agg, **{k: agg[k] + sign * one[k] for k in
-                        ("episodes", "digest_tokens", "mass", "unmeasured", "unmeasured_digest")})
-
-
-def _current_aggregate(root, window):
-    """The aggregate remembered in state.json while no episode folder changed since, else None."""
-    stored = _state(root).get("aggregate")
-    if isinstance(stored, dict) and stored.get("window") == window and \
-            stored.get("dirs") == _category_dirs_fingerprint(root):
-        return {k: v for k, v in stored.items() if k != "dirs"}
-    return None
-
-
-def _remember_aggregate(root, agg, dirs):
-    if dirs == _category_dirs_fingerprint(root):
-        _save_state(root, aggregate=dict(agg, dirs=dirs))
-
-
 def _shelf_totals(root, records=None, window=None, aggregate=None):
     window = window or _context_window(root)
     if aggregate is None and records is None:
-        aggregate = _current_aggregate(root, window)
-        if aggregate is None:
-            dirs = _category_dirs_fingerprint(root)
+        key = _render_key(root, _index_format(root))[0]
+        aggregate = _remembered(root, "aggregate", key)
+        if not isinstance(aggregate, dict) or aggregate.get("window") != window:
             cat = _Catalog(root)
             try:
                 records = cat.summaries()   # what the aggregate sums, no whole records
             finally:
                 cat.close()
             aggregate = _episode_aggregate(records, window)
-            _remember_aggregate(root, aggregate, dirs)
+            _remember(root, "aggregate", key, aggregate)
     elif aggregate is None:
         aggregate = _episode_aggregate(records, window)
     try:
@@ -6380,39 +6345,18 @@ def _page(text, offset, max_bytes):
     return data[start:end].decode("utf-8"), start, end, size
 
 
-def _category_dirs_fingerprint(root):
-    """Modification times of the six episode folders: any add, delete or rename changes one."""
-    out = []
-    for base in ("docs", "archive/docs"):
-        for cat in CATEGORIES:
-            try:
-                out.append(os.stat(os.path.join(root, base, cat)).st_mtime_ns)
-            except OSError:
-                out.append(None)
-    return out
-
-
-def _remember_supersedes(root, records, dirs_before):
-    """Keep the supersedes links of the last full scan, so recall needs no scan of its own."""
-    links = _superseded_map(records)
-    if dirs_before != _category_dirs_fingerprint(root):
-        return   # something changed during the scan; the next one records it
-    state = _state(root)
-    if state.get("supersedes") != links or state.get("supersedes_dirs") != dirs_before:
-        _save_state(root, supersedes=links, supersedes_dirs=dirs_before)
-
-
 def _superseded_by(root, stem):
-    state = _state(root)
-    if state.get("supersedes_dirs") == _category_dirs_fingerprint(root) and \
-            isinstance(state.get("supersedes"), dict):
-        return list(state["supersedes"].get(stem, []))
-    cat = _Catalog(root)
-    try:
-        recs = cat.render_records()   # supersedes is a render column
-    finally:
-        cat.close()
-    return sorted(r["stem"] for r in recs if stem in r.get("supersedes", []))
+    key, scanned = _render_key(root, _index_format(root))
+    links = _remembered(root, "supersedes", key)
+    if not isinstance(links, dict):
+        cat = _Catalog(root)
+        try:
+            links = _superseded_map(cat.render_records(files=scanned))
+        finally:
+            cat.close()
+        _remember(root, "supersedes", key, links)
+    value = links.get(stem)
+    return sorted(v for v in value if isinstance(v, str)) if isinstance(value, list) else []
 
 
 def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_bytes=100000,
@@ -6789,23 +6733,25 @@ def _superseded_map(records):
     return {k: sorted(v) for k, v in sup.items()}
 
 
-def _render_derived(root, records=None, fmt=None, progress=None, index_only=False):
+def _render_derived(root, records=None, fmt=None, progress=None, index_only=False,
+                    verify=False):
     """Every derived file of the shelf as {relative path: text or None (delete)}.
 
     Without `records`, the whole shelf is read; when nothing a render reads has changed since
     the last render known to be on disk, the files on disk are the answer (records: None).
-    index_only: INDEX.md and archive/INDEX.md alone (what a reader compares)."""
+    index_only: INDEX.md and archive/INDEX.md alone (what a reader compares). verify: every
+    episode parsed again, no memo and no cached row trusted (index --verify)."""
     fmt = fmt or _index_format(root)
     key = None
     if records is None:
-        remembered = _state(root).get("render_memo")
+        remembered = None if verify else _state(root).get("render_memo")
         remembered = remembered if isinstance(remembered, dict) else None
         if remembered:
             key, scanned = _render_key(root, fmt)
-            memo = _render_memo_hit(root, key, memo=remembered)
+            memo = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
             if memo is not None:
                 return memo
-        cat = _Catalog(root)
+        cat = _Catalog(root, use_cache=not verify)
         cat.store_behind = True   # fresh rows are stored while the files are rendered
         try:
             if remembered or cat.has_rows():
@@ -6816,11 +6762,11 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
                 # nothing remembered, nothing cached (a fresh clone, a dropped cache): list
                 # the files without a stat each (each is stat'ed where it is read) and make
                 # the key from the stamps of the reads
-                subdirs = []
+                subdirs, seen = [], time.time_ns()
                 scanned = _scan_episode_files(root, subdirs=subdirs, stat=False)
                 records = cat.render_records(progress=progress, files=scanned)
-                key = _render_key_of(root, fmt, ((rel, archived, cat.stamps[rel])
-                                                 for rel, archived, _ in scanned), subdirs)
+                key = _render_key_of(root, fmt, [(rel, archived, cat.stamps[rel])
+                                                 for rel, archived, _ in scanned], subdirs, seen)
             del scanned   # a few hundred bytes per episode, not needed while rendering
             return _render_records(root, records, fmt, index_only, key)
         finally:
@@ -6874,85 +6820,88 @@ def _render_records(root, records, fmt, index_only, key):
 
 
 def _render_key(root, fmt):
-    """(digest, scan): a digest of all a full render reads (code, format, settings, folders,
-    episode stats), and the episode scan it was made from."""
+    """(key, scan): the store key of all a full render reads, and the episode scan it was
+    made from."""
+    seen = time.time_ns()
     subdirs = []
     scanned = _scan_episode_files(root, subdirs=subdirs)
-    return _render_key_of(root, fmt, scanned, subdirs), scanned
+    return _render_key_of(root, fmt, scanned, subdirs, seen), scanned
 
 
-def _render_key_of(root, fmt, scanned, subdirs):
-    """The render key of an episode scan (any iterable of its entries) and the split folders
-    met on the way."""
+def _render_key_of(root, fmt, scanned, subdirs, seen):
+    """The one key derived values are remembered under: a digest of the code, the format, the
+    settings files, the folders and every episode's stamp, all read after `seen`. None when
+    any of those files could still change without its stamp moving (_unchanged): then
+    nothing is remembered, and the next reader works from the files."""
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
+    stamps = [st for _, _, st in scanned]
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
         try:
             st = os.stat(os.path.join(root, rel))
-            parts.append(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}")
+            stamps.append((st.st_size, st.st_mtime_ns, st.st_ino))
+            parts.append(f"{rel}\0{stamps[-1]}")
         except OSError:
             parts.append(f"{rel}\0-")
+    if any(seen - st[1] <= _RACY_NS for st in stamps):
+        return None
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for base in ("docs", "archive/docs"):
         for cat in CATEGORIES:
             parts.append(f"{base}/{cat}\0{os.path.isdir(os.path.join(root, base, cat))}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
-    parts += [f"{rel}\0{st.st_size}\0{st.st_mtime_ns}" for rel, _, st in scanned]
+    parts += [f"{rel}\0{st[0]}\0{st[1]}\0{st[2]}" for rel, _, st in scanned]
     return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _render_is_current(root, fmt=None):
     """True when the derived files on disk are the last full render of the current inputs."""
     key, _scanned = _render_key(root, fmt or _index_format(root))
-    return _render_memo_hit(root, key, read=False) is not None
+    return _render_memo_hit(root, key) is not None
 
 
-def _render_memo_hit(root, key, read=True, memo=None):
-    """The last render, read back from disk, when its key matches and no file was touched.
+def _text_digest(text):
+    import hashlib
+    return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _render_memo_hit(root, key, memo=None, index_only=False):
+    """The last full render, read back from disk, when it was remembered under this key and
+    every derived file still holds what it wrote (compared by content, not by stamp).
     `memo`: the state's render_memo when the caller has just read it."""
     memo = _state(root).get("render_memo") if memo is None else memo
-    if not isinstance(memo, dict) or memo.get("key") != key or \
+    if key is None or not isinstance(memo, dict) or memo.get("key") != key or \
             not isinstance(memo.get("files"), dict):
         return None
     files = {}
-    for rel, stamp in memo["files"].items():
+    for rel, digest in memo["files"].items():
         if not isinstance(rel, str) or not _is_derived_path(rel):
             return None   # state.json is a local file anyone may edit: only derived names count
+        if index_only and rel not in ("INDEX.md", "archive/INDEX.md"):
+            continue
         path = os.path.join(root, rel)
         try:
-            if stamp is None:
+            if digest is None:
                 if os.path.lexists(path):
                     return None
                 files[rel] = None
                 continue
-            st = os.stat(path)
-            if [st.st_size, st.st_mtime_ns] != stamp:
-                return None
-            files[rel] = _read_text(path) if read else None
+            files[rel] = _read_text(path)
         except (OSError, ShelfError):
+            return None
+        if _text_digest(files[rel]) != digest:
             return None
     return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
             "key": key, "episodes": memo.get("episodes") or 0}
 
 
 def _remember_render(root, rendered, files=None):
-    """After the derived files on disk equal a full render: remember it (stat per file)."""
+    """After the derived files on disk equal a full render: remember it under its key."""
     if not rendered.get("key"):
         return
-    stamps = {}
-    for rel, content in (rendered["files"] if files is None else files).items():
-        path = os.path.join(root, rel)
-        if content is None:
-            if os.path.lexists(path):
-                return
-            stamps[rel] = None
-            continue
-        try:
-            st = os.stat(path)
-        except OSError:
-            return
-        stamps[rel] = [st.st_size, st.st_mtime_ns]
-    _save_state(root, render_memo={"key": rendered["key"], "files": stamps,
+    digests = {rel: None if content is None else _text_digest(content)
+               for rel, content in (rendered["files"] if files is None else files).items()}
+    _save_state(root, render_memo={"key": rendered["key"], "files": digests,
                                    "episodes": rendered["episodes"],
                                    "warnings": rendered["warnings"]})
 
@@ -7069,7 +7018,6 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
         except OSError:
             pass
     result.update(written=written, unchanged=unchanged, deleted=deleted)
-    _after_write(root)
     progress.done()
     git = _Git(root)
     if commit and git.is_repo():
@@ -7177,14 +7125,6 @@ _ENTRY_LINE = _re_lazy(r"^- (?:`([^`]+)`|(\S+))(?: \*\*(.+?)\*\*)?(?: — (.*?))
                          r"(?: \[superseded by ([^\]]+)\])?$")
 
 
-def _index_is_fresh(root, verify=False):
-    """Fast freshness: directory times (and INDEX size/mtime) equal the last known render."""
-    if verify:
-        return False
-    known = _state(root).get("render")
-    return bool(known) and known == _dir_fingerprint(root)
-
-
 def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, archive=False,
           verify=False):
     """The shelf's INDEX, never stale: the file when current, else a fresh render (§ 2.1)."""
@@ -7208,10 +7148,9 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     except (OSError, ShelfError):
         pass
     lag = 0
-    if on_disk_text is not None and not archive and _index_is_fresh(root, verify):
-        text, source, on_disk = on_disk_text, "file", "current"
-    else:
-        rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact")
+    if True:
+        rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
+                                   index_only=True, verify=verify)
         fresh = rendered["files"].get(rel)
         if fresh is None:
             fresh = on_disk_text if on_disk_text is not None else _render_compact(
@@ -7228,8 +7167,6 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
                        r["stem"] not in listed and fmt == "compact"])
         text = fresh
         source = "file" if on_disk == "current" else "rendered"
-        if on_disk == "current" and not archive and fmt != "manual":
-            _after_write(root)
     total = shown = _entry_count(text)
     if category or since:
         text = _filter_index(text.split("\n"), category, since)
@@ -7324,7 +7261,7 @@ def _cap_index(lines, entry_idx, max_chars, offset):
 
 import itertools
 
-_SEARCH_SCHEMA = "1"
+_SEARCH_SCHEMA = "2"
 _SEARCH_WEIGHTS = (3.0, 2.0, 1.0)          # title, heading, body
 _BM25_K1 = 1.2                              # the constants FTS5's bm25() hard-codes
 _BM25_B = 0.75
@@ -7537,28 +7474,6 @@ def _tag_field(values):
     return _TAG_SEP + _TAG_SEP.join(v.lower() for v in values) + _TAG_SEP if values else ""
 
 
-def _episode_files(root, directory):
-    """(rel, size, mtime_ns) of one category directory's episode files, as _Catalog sees them."""
-    found = []
-    try:
-        entries = list(os.scandir(os.path.join(root, directory)))
-    except OSError:
-        return found
-    for e in entries:
-        name = e.name
-        if not name.endswith(".md") or name.startswith("."):
-            continue
-        try:
-            if e.is_symlink() or not e.is_file():
-                continue
-            st = e.stat()
-        except OSError:
-            continue
-        found.append((f"{directory}/{name}", st.st_size, st.st_mtime_ns))
-    found.sort()
-    return found
-
-
 # --- filters --------------------------------------------------------------------------------
 
 class _SearchFilters:
@@ -7631,14 +7546,14 @@ def _fts_create(db):
     for table in _SEARCH_TABLES:
         db.execute(f"DROP TABLE IF EXISTS {table}")
     db.execute("CREATE TABLE search_episodes(ep INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL,"
-               " size INTEGER, mtime_ns INTEGER, stem TEXT, kind TEXT, date TEXT, title TEXT,"
+               " size INTEGER, mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, stem TEXT,"
+               " kind TEXT, date TEXT, title TEXT,"
                " archived INTEGER, tags TEXT, supersedes TEXT)")
     db.execute("CREATE TABLE search_sections(sid INTEGER PRIMARY KEY, ep INTEGER NOT NULL,"
                " ord INTEGER, heading TEXT, chars INTEGER)")
     db.execute("CREATE INDEX search_sections_ep ON search_sections(ep)")
     db.execute("CREATE VIRTUAL TABLE search_fts USING fts5(title, heading, body,"
                " tokenize='unicode61 remove_diacritics 2')")
-    db.execute("CREATE TABLE search_dirs(dir TEXT PRIMARY KEY, mtime_ns INTEGER)")
     db.execute("INSERT OR REPLACE INTO meta VALUES ('search_schema', ?)", (_search_stamp(),))
 
 
@@ -7646,66 +7561,34 @@ def _search_stamp():
     return f"{_SEARCH_SCHEMA}/{__version__}"
 
 
-def _dir_times(root):
-    """Directory mtimes; -1 for a missing directory, None when too recent to trust (a write in
-    the same clock tick would not move it)."""
-    now = time.time_ns()
-    out = {}
-    for d in _SEARCH_DIRS:
-        try:
-            m = os.stat(os.path.join(root, d)).st_mtime_ns
-        except OSError:
-            out[d] = -1
-            continue
-        out[d] = m if now - m > 2_000_000_000 else None
-    return out
-
-
 class _SidecarBusy(Exception):
     """Another process is (re)building the sidecar and nothing usable is committed yet."""
 
 
 def _fts_sync(db, root, rebuild=False):
-    """Bring the sidecar up to date: directory times first, per-file stats only where a
-    directory changed, re-index only changed, new or deleted episodes."""
-    stored = None
+    """Bring the sidecar up to date by the one freshness rule (_unchanged): re-index only new,
+    changed or deleted episodes; no write at all when nothing changed."""
+    import sqlite3
+    plan = None
     if not rebuild:
         try:
             row = db.execute("SELECT value FROM meta WHERE key='search_schema'").fetchone()
-            if row and row[0] == _search_stamp():
-                stored = dict(db.execute("SELECT dir, mtime_ns FROM search_dirs"))
+            plan = _fts_plan(db, root) if row and row[0] == _search_stamp() else None
         except Exception:
-            stored = None
-        current = _dir_times(root)
-        if stored and all(current[d] is not None and stored.get(d) == current[d]
-                          for d in _SEARCH_DIRS):
+            plan = None
+        if plan is not None and not plan[0] and not plan[1]:
             return
-    import sqlite3
     try:
         db.execute("BEGIN IMMEDIATE")
     except sqlite3.OperationalError:
-        if stored and not rebuild:
+        if plan is not None:
             return   # another process holds the write lock; its last commit still answers
         raise _SidecarBusy() from None
     try:
-        current = _dir_times(root)
         row = db.execute("SELECT value FROM meta WHERE key='search_schema'").fetchone()
-        stored = {}
         if rebuild or not row or row[0] != _search_stamp():
             _fts_create(db)
-        else:
-            try:
-                stored = dict(db.execute("SELECT dir, mtime_ns FROM search_dirs"))
-            except Exception:
-                _fts_create(db)
-        if not stored:
-            _fts_build(db, root)
-        else:
-            changed = [d for d in _SEARCH_DIRS
-                       if current[d] is None or stored.get(d) != current[d]]
-            _fts_update(db, root, changed)
-        db.executemany("INSERT OR REPLACE INTO search_dirs VALUES (?, ?)",
-                       [(d, current[d]) for d in _SEARCH_DIRS])
+        _fts_update(db, root, *_fts_plan(db, root))
         db.execute("COMMIT")
     except BaseException:
         try:
@@ -7713,6 +7596,21 @@ def _fts_sync(db, root, rebuild=False):
         except Exception:
             pass
         raise
+
+
+def _fts_plan(db, root):
+    """(sidecar ids of changed or deleted episodes, [(rel, stamp, seen)] to index afresh)."""
+    stored = {p: (s, m, i, seen, ep) for p, s, m, i, seen, ep in db.execute(
+        "SELECT path, size, mtime_ns, ino, seen_ns, ep FROM search_episodes")}
+    gone, fresh, seen = [], [], time.time_ns()
+    for rel, _, st in _scan_episode_files(root):
+        old = stored.pop(rel, None)
+        if old and _unchanged(st, old[:3], old[3]):
+            continue
+        if old:
+            gone.append(old[4])
+        fresh.append((rel, st, seen))
+    return gone + [v[4] for v in stored.values()], fresh
 
 
 class _FtsWriter:
@@ -7729,14 +7627,14 @@ class _FtsWriter:
         self.eps, self.secs, self.fts = [], [], []
         self.files = 0
 
-    def add(self, root, rel, size, mtime_ns):
+    def add(self, root, rel, st, seen):
         try:
             doc = _search_document(root, rel, rel.startswith("archive/"))
         except OSError:
             return   # vanished between the listing and the read; the next search retries
         ep = self.next_ep
         self.next_ep += 1
-        self.eps.append((ep, rel, size, mtime_ns, doc["stem"], doc["kind"], doc["date"],
+        self.eps.append((ep, rel, st[0], st[1], st[2], seen, doc["stem"], doc["kind"], doc["date"],
                          doc["title"], int(doc["archived"]), _tag_field(doc["tags"]),
                          _tag_field(doc["supersedes"])))
         title = _cjk_rewrite(doc["title_text"])
@@ -7751,7 +7649,7 @@ class _FtsWriter:
 
     def flush(self):
         if self.eps:
-            self.db.executemany("INSERT INTO search_episodes VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            self.db.executemany("INSERT INTO search_episodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                                 self.eps)
         if self.secs:
             self.db.executemany("INSERT INTO search_sections VALUES (?,?,?,?,?)", self.secs)
@@ -7760,40 +7658,17 @@ class _FtsWriter:
         self.eps, self.secs, self.fts = [], [], []
 
 
-def _fts_build(db, root):
-    files = [f for d in _SEARCH_DIRS for f in _episode_files(root, d)]
-    progress = _Progress("building the search index", len(files))
-    writer = _FtsWriter(db)
-    for n, (rel, size, mtime_ns) in enumerate(files):
-        writer.add(root, rel, size, mtime_ns)
-        progress.update(n + 1)
-    writer.flush()
-    progress.done()
-
-
-def _fts_update(db, root, changed):
-    gone, fresh = [], []
-    for d in changed:
-        stored = {p: (s, m, ep) for p, s, m, ep in db.execute(
-            "SELECT path, size, mtime_ns, ep FROM search_episodes WHERE path > ? AND path < ?",
-            (d + "/", d + "0"))}
-        for rel, size, mtime_ns in _episode_files(root, d):
-            old = stored.pop(rel, None)
-            if old and old[0] == size and old[1] == mtime_ns:
-                continue
-            if old:
-                gone.append(old[2])
-            fresh.append((rel, size, mtime_ns))
-        gone += [v[2] for v in stored.values()]
+def _fts_update(db, root, gone, fresh):
     for ep in gone:
         db.execute("DELETE FROM search_fts WHERE rowid IN "
                    "(SELECT sid FROM search_sections WHERE ep = ?)", (ep,))
         db.execute("DELETE FROM search_sections WHERE ep = ?", (ep,))
         db.execute("DELETE FROM search_episodes WHERE ep = ?", (ep,))
     writer = _FtsWriter(db)
-    progress = _Progress("updating the search index", len(fresh)) if len(fresh) > 200 else None
-    for n, (rel, size, mtime_ns) in enumerate(fresh):
-        writer.add(root, rel, size, mtime_ns)
+    progress = _Progress("indexing episodes for search", len(fresh)) if len(fresh) > 200 \
+        else None
+    for n, (rel, st, seen) in enumerate(fresh):
+        writer.add(root, rel, st, seen)
         if progress is not None:
             progress.update(n + 1)
     writer.flush()
@@ -7908,7 +7783,7 @@ def _scan_candidates(root, terms, excluded):
     kept = []
     banned = set()
     superseded = {}
-    files = [f for d in _SEARCH_DIRS for f in _episode_files(root, d)]
+    files = _scan_episode_files(root)
     for n, (rel, _, _) in enumerate(files):
         if n % 64 == 0:
             _check_cancelled()
@@ -8533,11 +8408,7 @@ def _semantic_meta(db):
 
 def _semantic_files(root):
     """(rel, archived, size, mtime_ns) of every episode file, as search indexes them."""
-    out = []
-    for directory in _SEARCH_DIRS:
-        for rel, size, mtime in _episode_files(root, directory):
-            out.append((rel, directory.startswith("archive/"), size, mtime))
-    return out
+    return [(rel, archived, st[0], st[1]) for rel, archived, st in _scan_episode_files(root)]
 
 
 def _semantic_text(doc, heading, body):
@@ -9448,7 +9319,6 @@ def _push_retry(root, git, remote, branch, result, report, first_words, amend):
         if written or deleted:
             git.commit(written + deleted, "rebuild: regenerate derived files", amend=amend,
                        config=(_NO_HOOKS,))
-        _after_write(root)
     result["commit"] = git.head()
     p = git.run("push", "-q", remote, f"HEAD:refs/heads/{branch}", check=False)
     if p.returncode != 0:
@@ -10114,7 +9984,6 @@ def _rollup_locked(root, a):
     finally:
         progress.done()
     if mode == "auto":
-        _after_write(root)
         result["index_tokens_after"] = _rollup_index_tokens(root)
     else:
         fresh = _render_derived(root, index_only=True)["files"].get("INDEX.md")
@@ -10239,8 +10108,6 @@ def _purge_locked(root, today, apply, autocommit):
         raise
     finally:
         progress.done()
-    if mode == "auto":
-        _after_write(root)
     result["deleted"] = [r["path"] for r in expired]
     result["summary"] = (f"purged {noun} past retain_until" +
                          (" · committed" if result["committed"] else "") +
@@ -14725,7 +14592,6 @@ def prune_splits(shelf_path=None, apply=False, tracked=False):
                 rendered = _render_derived(root)
                 written, _, deleted = _write_derived(root, rendered["files"], rendered)
                 derived = written + deleted
-                _after_write(root)
             if gone:
                 commit = git.commit(gone + derived, "prune-splits: remove H2 split directories")
     for r in rows:
@@ -15013,7 +14879,7 @@ def _hook_session_start(root, payload):
     except (OSError, ShelfError):
         # a read-only or half-broken shelf still shows the INDEX file it has
         idx = {"index": _read_text(os.path.join(root, "INDEX.md")), "format": _index_format(root)}
-    totals, totals_key = _hook_totals(root, state)
+    totals = _shelf_totals(root)
     head = [_HOOK_HEADING, _banner_core(totals), f"Shelf: {root}", "", _HOOK_RULE]
     crumb = state.get("precompact") if isinstance(state.get("precompact"), dict) else None
     if source == "compact":
@@ -15027,8 +14893,6 @@ def _hook_session_start(root, payload):
     ctx, shown = _fit_context(head, cats, idx.get("format") == "compact", cap)
     text = _session_start_json(ctx)
     updates = {"hook_sessions": _remember_session(state, session_id, start=time.time())}
-    if totals_key:
-        updates["hook_totals"] = {"key": totals_key, "totals": totals}
     if source == "compact" and crumb:
         updates["precompact"] = None
     _hook_save_state(root, **updates)
@@ -15056,16 +14920,6 @@ def _hook_index_cap(cfg):
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     return _HOOK_INDEX_CHARS
-
-
-def _hook_totals(root, state):
-    """(totals, key to cache them under or None): the banner numbers, cached per render state."""
-    key = {"fingerprint": _dir_fingerprint(root), "window": _context_window(root)}
-    cached = state.get("hook_totals")
-    if isinstance(cached, dict) and cached.get("key") == key and \
-            isinstance(cached.get("totals"), dict):
-        return cached["totals"], None
-    return _shelf_totals(root, window=key["window"]), key
 
 
 def _index_units(text, fmt, cap=None):
@@ -15442,7 +15296,6 @@ def _hook_git_regenerate(shelf_path):
         written, _, deleted = _write_derived(root, rendered["files"], rendered)
         if written or deleted:
             git.commit(written + deleted, "rebuild: regenerate derived files after merge")
-        _after_write(root)
     return {"status": "ok", "text": ""}
 
 
