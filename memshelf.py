@@ -7659,14 +7659,16 @@ class _FtsWriter:
 
 
 def _fts_update(db, root, gone, fresh):
+    first = db.execute("SELECT 1 FROM search_episodes LIMIT 1").fetchone() is None
     for ep in gone:
         db.execute("DELETE FROM search_fts WHERE rowid IN "
                    "(SELECT sid FROM search_sections WHERE ep = ?)", (ep,))
         db.execute("DELETE FROM search_sections WHERE ep = ?", (ep,))
         db.execute("DELETE FROM search_episodes WHERE ep = ?", (ep,))
     writer = _FtsWriter(db)
-    progress = _Progress("indexing episodes for search", len(fresh)) if len(fresh) > 200 \
-        else None
+    progress = _Progress("building the search index" if first else
+                         "updating the search index", len(fresh)) \
+        if first or len(fresh) > 200 else None
     for n, (rel, st, seen) in enumerate(fresh):
         writer.add(root, rel, st, seen)
         if progress is not None:

@@ -7,21 +7,10 @@ import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import age_files, run_cli
 
 DIGEST = "Ana chose option A over option B for speed. Open: none."
 SLUGS = ("2026-01-01-alpha-cache", "2026-01-02-beta-queue", "2026-01-03-gamma-auth")
-
-
-def age(root, seconds=30):
-    """Put every file of the shelf `seconds` in the past: the render that follows may be
-    remembered (nothing is within the file system's timestamp granularity any more)."""
-    past = time.time() - seconds
-    for dirpath, _, names in os.walk(root):
-        if ".git" in dirpath.split(os.sep) or ".memshelf" in dirpath.split(os.sep):
-            continue
-        for name in names:
-            os.utime(os.path.join(dirpath, name), (past, past))
 
 
 def edit_in_place(path, old, new, keep_mtime=False):
@@ -52,7 +41,7 @@ def three(tmp_path):
                     "--digest", DIGEST, "--description", f"Ana picked a plan for {slug[11:]}",
                     "--section", "Decisions=- option A")
         assert r.code == 0, r
-    age(root)
+    age_files(root)
     assert run_cli("rebuild", "--shelf", root).code == 0
     # every reader once, so each has whatever it remembers
     for args in (("index",), ("stats",), ("search", "option"), ("doctor",),
