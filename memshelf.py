@@ -1350,49 +1350,13 @@ def _parse_frontmatter_detail(text):
     block = text[start:end]
     line_count = close_line - open_line - 1
     _fm_check_block(block, open_line + 1, line_count, "frontmatter block", open_line)
-    fields = _fm_canonical_fields(block)
-    portability = []
-    if fields is None:
-        lines = block.split("\n")[:line_count] if line_count else []
-        parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
-        fields = parser.parse()
-        portability = parser.portability
+    lines = block.split("\n")[:line_count] if line_count else []
+    parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
+    fields = parser.parse()
+    portability = parser.portability
     return {"fields": fields, "body": text[body_start:],
             "has_block": True, "h1": h1, "block_line": open_line,
             "body_line": close_line + 1, "portability": portability}
-
-
-# A frontmatter line in the form shelve writes it: a lower-case key, one space, then a
-# double-quoted value without escapes, a flow list of simple words, or one simple word. The
-# grammar gives such a line exactly the value the regex captures and no portability finding.
-# (a word ends in anything but a colon: said as a look-behind, which spares the engine a
-# backtrack per word)
-_FM_WORD = r"[A-Za-z0-9][A-Za-z0-9_.:/+-]*(?<=[A-Za-z0-9_./+-])"
-_FM_CANONICAL_LINE = _re_lazy(r'^([a-z_][a-z0-9_]*): (?:"([^"\\\x00-\x1f\x7f-\x9f]*)"'
-                              r'|(\[(?:%s(?:, %s)*)?\])|(%s))\n' % (_FM_WORD, _FM_WORD, _FM_WORD),
-                              re.M)
-_FM_CANONICAL_PLAIN_ID = _re_lazy(r"(?m)^id: [^\"]")
-
-
-def _fm_canonical_fields(block):
-    """The fields of a block made only of canonical lines (the common case, parsed at C
-    speed), or None: then the full grammar parses it, with every error and finding.
-
-    A match starts at a line's start and ends at its line break, so one match per line
-    means every line is canonical."""
-    found = _FM_CANONICAL_LINE.findall(block)
-    if not found or len(found) != block.count("\n") or not block.endswith("\n"):
-        return None   # another line: the grammar reads it
-    fields = {key: plain if plain else
-              (flow[1:-1].split(", ") if len(flow) > 2 else []) if flow else quoted
-              for key, quoted, flow, plain in found}
-    if len(fields) < len(found):
-        return None   # a duplicate key: the grammar reports it
-    ident = fields.get("id")
-    if ident.__class__ is str and _YAML_IMPLICIT_ANY.match(ident) and \
-            _FM_CANONICAL_PLAIN_ID.search(block):
-        return None   # a loader would retype this plain id: the grammar says how
-    return fields
 
 
 def parse_frontmatter(text):
@@ -1556,22 +1520,6 @@ def _digest_of(sections):
     return found[1].strip() if found else ""
 
 
-def _digest_early(body):
-    """_digest_of(_split_sections(body)[1]), reading the body only to the end of its Digest
-    section (it comes first); None when only the whole split can tell (a heading that is
-    "digest" by slug alone comes before any that is by name)."""
-    heads = _iter_h2_spans(body)
-    for start, end in heads:
-        name = body[start + 3:end].strip()
-        if name.casefold() == "digest":
-            after = next(heads, None)
-            stop = after[0] - 1 if after else len(body)
-            return body[end + 1:stop].strip() if end < stop else ""
-        if _section_slug(name) == "digest":
-            return None
-    return ""
-
-
 def _first_sentence(text):
     """Through the earliest sentence end of contracts.md § 2, punctuation kept; stripped."""
     best = None
@@ -1645,52 +1593,10 @@ def _normalised(text):
     return text
 
 
-def _episode_head(text):
-    """(fields, where the body starts, digest) of normalised episode text in the layout
-    shelve writes (an optional H1 and a blank line, a block of canonical frontmatter lines,
-    then the Digest section with no fence or H2-like line in it), found without the
-    line-by-line readers; None for anything else, which the general readers then parse (with
-    their errors). The body is not copied out: a reader of the columns never needs it.
-
-    The values are the ones _parse_frontmatter_detail, _ledger_digest and the fence-aware
-    section split give such text: tests/test_frontmatter.py checks that."""
-    if text.startswith("# "):
-        start = text.find("\n", 2) + 1
-        if not start or not text.startswith("\n---\n", start):
-            return None
-        start += 5
-    elif text.startswith("---\n"):
-        start = 4
-    else:
-        return None
-    end = text.find("\n---\n", start - 1)
-    if end < start:
-        return None
-    block = text[start:end + 1]
-    if len(block) > _FM_MAX_BYTES // 4:
-        return None   # the size caps (canonical lines hold no control character to check)
-    fields = _fm_canonical_fields(block)
-    if fields is None:
-        return None
-    body = end + 5
-    if text.startswith("\n## Digest\n", body):
-        pos = body + 11
-    elif text.startswith("## Digest\n", body):
-        pos = body + 10
-    else:
-        return None
-    stop = text.find("\n## ", pos - 1)
-    digest = text[pos:stop] if stop >= 0 else text[pos:]
-    if "##" in digest or "```" in digest or "~~~" in digest:
-        return None
-    return fields, body, digest.strip()
-
-
-def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
+def _read_episode(root, rel, archived=False, stat=None, also=None):
     """Parse one episode file into a plain record (the unit the cache stores); with `also`,
     (record, also(record, the file's bytes, its _EpisodeText)): per-file work that shares
-    the one read and parse. whole=False: a record of what the cache columns hold (no
-    sections), which reads the body only to the end of its digest."""
+    the one read and parse."""
     # os.path.join's answer for a shelf root (absolute, no separator at the end), faster
     path = root + os.sep + rel if root[-1:] not in ("", "/", os.sep, ":") else \
         os.path.join(root, rel)
@@ -1719,16 +1625,8 @@ def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
             rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
             text = raw.decode("utf-8", "replace")
     text = _normalised(text)
-    body, digest = text, None
-    head = _episode_head(text) if rec["fm_error"] is None else None
-    if head is not None:
-        rec["fields"], start, digest = head
-        rec["has_block"] = rec["fm_ok"] = True
-        if not whole and also is None:   # the columns: fields and digest are all they read
-            _fill_record(rec, None, False, digest)
-            return rec
-        body = text[start:]
-    elif rec["fm_error"] is None:
+    body = text
+    if rec["fm_error"] is None:
         try:
             detail = _parse_frontmatter_detail(text)
             rec["fields"] = detail["fields"]
@@ -1738,14 +1636,13 @@ def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
             body = detail["body"]
         except FrontmatterError as exc:
             rec["fm_error"] = f"{exc.error_class}: {exc}"
-    split = _fill_record(rec, body, whole or also is not None, digest)
+    split = _fill_record(rec, body)
     return rec if also is None else (rec, also(rec, raw, _EpisodeText(text, body, *split)))
 
 
-def _fill_record(rec, body, whole=True, digest=None):
+def _fill_record(rec, body):
     """Fill the record's fields from its frontmatter and body; returns the body's
-    (preamble, sections). Not whole: no sections (None), the digest read on its own.
-    `digest`: the body's digest when the caller already found it (_episode_head)."""
+    (preamble, sections)."""
     f = rec["fields"]
     s = {k: v for k, v in f.items() if isinstance(v, str)}.get   # a string field, else None
     rec["id"] = s("id")
@@ -1763,12 +1660,7 @@ def _fill_record(rec, body, whole=True, digest=None):
     rec["mode"] = s("mode")
     rec["notes"] = s("notes") or ""
     rec["retain_until"] = s("retain_until")
-    rec["digest_tokens"] = tokens(_ledger_digest(body) if digest is None else digest)
-    if not whole:
-        rec["digest"] = _digest_early(body) if digest is None else digest
-        if rec["digest"] is not None:
-            rec["sections"] = None
-            return None, None
+    rec["digest_tokens"] = tokens(_ledger_digest(body))
     preamble, sections = _split_sections(body)
     rec["digest"] = _digest_of(sections)
     rec["sections"] = [[h, tokens(t.strip())] for h, t in sections]
@@ -5211,8 +5103,6 @@ class _Catalog:
         self.root = root
         self.db = None
         self.extras = {}
-        # store_behind: rows parsed afresh are stored by a forked writer after the merge
-        self.store_behind, self.writer, self.behind = False, None, None
         if use_cache:
             self.db = _cache_db(root)
 
@@ -5244,13 +5134,12 @@ class _Catalog:
 
     def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
         """One object per episode file: from_row(path, archived, values of `columns`) from
-        its cache row when (size, mtime_ns) match, else from a fresh parse (its row stored
-        for next time). Cached rows are read in path order alongside the sorted scan, one at
-        a time: memory never holds a second copy of the cache.
+        its cache row while the file is unchanged (_unchanged), else from a fresh parse (its
+        row stored for next time). Cached rows are read in path order alongside the sorted
+        scan, one at a time: memory never holds a second copy of the cache.
 
-        columns None: whole records (the cache's `rec`). Otherwise a fresh parse reads the
-        file only as far as the columns need, and its object is made from the same values a
-        cached row gives, so both paths agree by construction."""
+        columns None: whole records (the cache's `rec`). A fresh parse is always whole; the
+        object is made from the same column values a cached row gives, so both agree."""
         files = self.scan(archive) if files is None else files
         whole = columns is None
         gone = []
@@ -5269,14 +5158,12 @@ class _Catalog:
         root, cached = self.root, self.db is not None
 
         def parse(job):
-            # the cache row is made in the worker: the parent only stores it. A record read
-            # for columns has no sections: its row keeps the columns alone (a reader of whole
-            # records parses the file again)
+            # the cache row is made in the worker: the parent only stores it
             seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
-                (_read_episode(root, *job[1:], whole=whole), None)
+                (_read_episode(root, *job[1:]), None)
             row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
-                   _record_to_row(rec) if cached and rec["sections"] is not None else None) + \
+                   _record_to_row(rec) if cached else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
             if not whole:
                 rec = None
@@ -5287,9 +5174,7 @@ class _Catalog:
         take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
         if also is not None:
             self.extras = {}
-        # cache rows are stored as they come (they never pile up in memory), or all at once
-        # by a writer beside the caller's next work when stored behind
-        batch = []
+        batch = []   # cache rows are stored as they come: they never pile up in memory
         self.stamps = {}   # (size, mtime_ns) of each file read afresh, as read
         for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
             slot, rel, archived, _ = missing[n]
@@ -5300,42 +5185,11 @@ class _Catalog:
                 self.extras[rel] = extra
             if cached:
                 batch.append(row)
-                if len(batch) >= 2000 and not self.store_behind:
+                if len(batch) >= 2000:
                     self._store(batch, ())
                     batch = []
-        if self.store_behind:
-            del missing   # freed before the fork, not page by page beside the writer
-            self._store_behind(batch, gone)
-        else:
-            self._store(batch, gone)
+        self._store(batch, gone)
         return out
-
-    def _store_behind(self, rows, gone):
-        """Store the rows in a forked process while this one goes on (close() waits for it):
-        a caller that renders next keeps both cores busy instead of one. The connection is
-        closed first (none may cross a fork) and the writer opens its own; its objects are
-        frozen for the collector, so neither process copies pages by merely scanning them.
-        Where workers are not used (one core, a server, MEMSHELF_WORKERS=1) this just stores."""
-        if self.db is None or not (rows or gone):
-            return
-        if _worker_count(len(rows)) < 2:
-            self._store(rows, gone)
-            return
-        import gc
-        self.db = _close_db(self.db)   # no SQLite connection crosses a fork
-        gc.freeze()
-        pid = os.fork()
-        if pid == 0:
-            status = 1
-            try:
-                gc.disable()
-                self.db = _cache_db(self.root)
-                self._store(rows, gone)
-                self.db = _close_db(self.db)
-                status = 0
-            finally:
-                os._exit(status)
-        self.writer, self.behind = pid, rows   # rows go once the writer is done with them
 
     def _store(self, rows, gone):
         """Cache rows for fresh parses (path, size, mtime_ns, record, columns); rows of gone
@@ -5354,14 +5208,6 @@ class _Catalog:
 
     def close(self):
         self.db = _close_db(self.db)
-        if self.writer is not None:
-            import gc
-            try:
-                os.waitpid(self.writer, 0)   # the rows stored behind are in when this returns
-            except ChildProcessError:
-                pass
-            self.writer = self.behind = None
-            gc.unfreeze()
 
 
 # A cached record is a JSON array in this key order (object keys would be stored, decoded and
@@ -6752,7 +6598,6 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
             if memo is not None:
                 return memo
         cat = _Catalog(root, use_cache=not verify)
-        cat.store_behind = True   # fresh rows are stored while the files are rendered
         try:
             if remembered or cat.has_rows():
                 if not remembered:
