@@ -14736,7 +14736,7 @@ def _hook_session_start(root, payload):
             detail = f" ({crumb.get('trigger') or 'auto'} compaction" + \
                 (f" at {when})" if isinstance(when, str) and when else ")")
         head += ["", _HOOK_COMPACT_NOTE.format(detail=detail)]
-    cats = _index_units(idx["index"], idx.get("format"), cap)
+    cats = _index_units(idx["index"], idx.get("format"))
     ctx, shown = _fit_context(head, cats, idx.get("format") == "compact", cap)
     text = _session_start_json(ctx)
     updates = {"hook_sessions": _remember_session(state, session_id, start=time.time())}
@@ -14769,15 +14769,12 @@ def _hook_index_cap(cfg):
     return _HOOK_INDEX_CHARS
 
 
-def _index_units(text, fmt, cap=None):
+def _index_units(text, fmt):
     """INDEX without title, preamble and footer -> [[heading, [unit lines, ...]], ...].
 
     A unit is one entry: one line in the compact format; in the docshelf format a `- **…`
-    line or a `### ` block of a legacy split document. A compact INDEX with more entries than
-    `cap` characters could hold whole gets _CompactUnits, read from the end on demand.
+    line or a `### ` block of a legacy split document.
     """
-    if fmt == "compact" and cap is not None and 3 * _entry_count(text) > cap:
-        return _compact_units_from_the_end(text)
     lines = text.rstrip("\n").split("\n")
     start = next((i for i, l in enumerate(lines) if l.startswith("## ")), len(lines))
     end = len(lines)
@@ -14801,79 +14798,6 @@ def _index_units(text, fmt, cap=None):
         for body in units:
             while len(body) > 1 and not body[-1].strip():
                 body.pop()
-    return cats
-
-
-class _CompactUnits:
-    """The entries of one compact INDEX category, text[start:end] cut into lines, as a sequence
-    of one-line units found from the end only when asked for: a session start on 100,000
-    episodes shows the newest few dozen and never makes a line of the rest. Its lower bound on
-    the characters of all units (3 each: "- " and a line break) is all _fit_context needs to
-    know that they cannot fit whole."""
-
-    def __init__(self, text, start, end):
-        self.text, self.start, self.cursor = text, start, end
-        self.count = text.count("\n- ", start, end) + text.startswith("- ", start, end)
-        self.min_chars = 3 * self.count
-        self.newest = []   # unit lines found so far, the last one first
-
-    def __len__(self):
-        return self.count
-
-    def __getitem__(self, i):
-        if i < 0:
-            i += self.count
-        if not 0 <= i < self.count:
-            raise IndexError(i)
-        back = self.count - 1 - i
-        while len(self.newest) <= back and self.cursor >= self.start:
-            cut = self.text.rfind("\n", self.start, self.cursor)
-            line = self.text[cut + 1 if cut >= 0 else self.start:self.cursor]
-            self.cursor = cut if cut >= 0 else self.start - 1   # below start: all read
-            if line.startswith("- "):
-                self.newest.append(line)
-        return [self.newest[back]]
-
-    def __iter__(self):
-        for line in self.text[self.start:max(self.cursor, self.start)].split("\n"):
-            if line.startswith("- "):
-                yield [line]
-        for line in reversed(self.newest):
-            yield [line]
-
-
-def _compact_units_from_the_end(text):
-    """_index_units of a compact INDEX, its categories as _CompactUnits: the same headings and
-    the same units as the line-by-line reading, without splitting the text."""
-    n = len(text)
-    while n and text[n - 1] == "\n":
-        n -= 1
-    if text.startswith("## "):
-        first = 0
-    else:
-        first = text.find("\n## ", 0, n) + 1
-        if not first:
-            return []   # no heading: no category
-    stop, hi = n, n   # the footer: the last line that is exactly "---" after the first heading
-    while True:
-        at = text.rfind("---", first, hi)
-        if at < 0:
-            break
-        if text[at - 1] == "\n" and (at + 3 == n or text[at + 3] == "\n"):
-            stop = at
-            break
-        hi = at + 2   # an overlapping "---" may start one character earlier
-    last = stop - 1 if stop < n else n   # the units end before the footer's line break
-    cats, head = [], first
-    while head >= 0:
-        following = text.find("\n## ", head, last)
-        line_end = text.find("\n", head, last)
-        if line_end < 0:
-            line_end = last
-        units_end = following if following >= 0 else last
-        cats.append([text[head:line_end],
-                     _CompactUnits(text, min(line_end + 1, units_end), units_end)])
-        head = following + 1 if following >= 0 else -1
     return cats
 
 
@@ -14962,8 +14886,7 @@ def _fit_context(head, cats, compact, cap):
     def cost(text):
         return overhead + len(json.dumps(text, ensure_ascii=False)) - 2
 
-    raw = sum(units.min_chars if isinstance(units, _CompactUnits) else
-              sum(len(l) + 1 for body in units for l in body) for _, units in cats)
+    raw = sum(len(l) + 1 for _, units in cats for body in units for l in body)
     if raw + sum(len(l) for l in head) <= cap:
         full = compose(None, 0)
         if cost(full) <= cap:
