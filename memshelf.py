@@ -11430,30 +11430,6 @@ def _index_entries(text, fmt):
     return entries
 
 
-# The lines that open or close a category section of an INDEX, and a compact entry line found
-# anywhere in a text: counting entries then takes no Python work per line.
-_INDEX_SECTION_EDGE = _re_lazy(r"^(?:(## )|# |---$)", re.M)
-_ENTRY_LINES = _re_lazy(r"^- (?:`[^`\n]+`|\S+)(?: \*\*.+?\*\*)?(?: — .*?)?"
-                        r"(?: \[superseded by [^\]\n]+\])?$", re.M)
-
-
-def _index_entry_count(text, fmt):
-    """len(_index_entries(text, fmt)), without building the entries or a list of the lines
-    (stats, advise, doctor; at 100,000 entries either would be tens of megabytes)."""
-    if fmt == "docshelf":
-        return len(_index_entries(text, fmt))
-    count, start = 0, None
-    for edge in _INDEX_SECTION_EDGE.finditer(text):
-        if start is not None:
-            count += sum(1 for _ in _ENTRY_LINES.finditer(text, start, edge.start()))
-        start = text.find("\n", edge.end()) + 1 if edge.group(1) else None
-        if start == 0:
-            start = None   # a heading on the last line: nothing follows it
-    if start is not None:
-        count += sum(1 for _ in _ENTRY_LINES.finditer(text, start))
-    return count
-
-
 # --- the recall log (doctor's check and stats' realized economy) ---------------------------
 
 def _recall_log_entries(root):
@@ -11478,23 +11454,6 @@ def _recall_log_entries(root):
         date = cells[3].strip() if len(cells) > 3 and _is_iso_date(cells[3].strip()) else None
         rows.append((cells[0], cells[1], int(cells[2].strip()), date))
     return rows, problems
-
-
-# A ledger row of six cells (its id captured), and the characters other than LF that
-# str.splitlines() also breaks lines at.
-_LEDGER_ROW_ID = _re_lazy(r"^[^\t\n]*\t([^\t\n]*)(?:\t[^\t\n]*){4}$", re.M)
-_OTHER_LINE_BREAKS = _re_lazy("[\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
-
-
-def _ledger_ids(root):
-    """The episode ids of ledger.tsv's rows, as _read_ledger finds them, in one regex pass."""
-    try:
-        text = _file_bytes(os.path.join(root, "ledger.tsv")).decode("utf-8", "replace")
-    except OSError:
-        return set()
-    if _OTHER_LINE_BREAKS.search(text):
-        return set(_read_ledger(root)[2])
-    return set(_LEDGER_ROW_ID.findall(text, text.find("\n") + 1 or len(text)))
 
 
 def _read_ledger(root):
@@ -12271,8 +12230,8 @@ class _DoctorRun:
                 if current is None:
                     out.append(_finding("stale-index", rel, f"{rel} is missing", fix, level))
                 elif current != rendered[rel].encode("utf-8", "surrogatepass"):
-                    have = _index_entry_count(current.decode("utf-8", "replace"), self.fmt)
-                    want = _index_entry_count(rendered[rel], self.fmt)
+                    have = len(_index_entries(current.decode("utf-8", "replace"), self.fmt))
+                    want = len(_index_entries(rendered[rel], self.fmt))
                     out.append(_finding("stale-index", rel,
                                         f"{rel} differs from a fresh render ({have} entries on "
                                         f"disk, {want} rendered)", fix, level))
@@ -12664,8 +12623,8 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
         index_text = ""
     fmt = _index_format(root)
     index_tokens = tokens(index_text)
-    index_entries = _index_entry_count(index_text, "docshelf" if fmt == "docshelf"
-                                       else "compact")
+    index_entries = len(_index_entries(index_text, "docshelf" if fmt == "docshelf"
+                                       else "compact"))
     digest_tokens = sum(r["digest_tokens"] for r in eps)
     claimed = [r for r in eps if r.get("approx_src") != "unmeasured"]
     unmeasured = [r for r in eps if r.get("approx_src") == "unmeasured"]
@@ -12697,7 +12656,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
                 recent += 1
     fetched_total = sum(row[2] for row in rows)
 
-    ledger_ids = _ledger_ids(root)
+    ledger_ids = set(_read_ledger(root)[2])
     lag = sum(1 for r in eps if r["id"] not in ledger_ids)
 
     result = {"status": "ok", "episodes": len(eps),
@@ -12964,7 +12923,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
         fresh = _render_derived(root, records=records, fmt=fmt,
                                 index_only=True)["files"].get("INDEX.md") or ""
         line_costs = _advise_index_lines(fresh, fmt)
-    listed = _index_entry_count(index_text, fmt) if index_text else 0
+    listed = len(_index_entries(index_text, fmt)) if index_text else 0
     allowance = sum(_INDEX_ALLOWANCE[fmt].values())
     index_budget = _INDEX_BASE_TOKENS + allowance * listed
     entry_tokens = round((index_tokens - _INDEX_BASE_TOKENS) / listed) if listed else 0
