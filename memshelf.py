@@ -7795,20 +7795,15 @@ def _build_hits(root, chosen, info, superseded, terms, via):
 def _semantic_list(root, query, k, requested):
     """[(address, section, similarity)] from the optional semantic extra, or None.
 
-    The extra provides `_semantic_rank(root, query, k)`, returning that list best first, or
-    None when it has no vectors. semantic/hybrid insist on it; auto uses it when it answers."""
-    rank = globals().get("_semantic_rank")
+    `_semantic_rank(root, query, k)` returns that list best first, or None when it has no
+    vectors. semantic/hybrid insist on it; auto uses it when it answers."""
     if requested == "lexical":
         return None
     off = os.environ.get("MEMSHELF_SEMANTIC", "").strip().lower() in ("off", "0", "false", "no")
-    ranked = None
-    if rank is not None and not off:
-        ranked = rank(root, query, k)
+    ranked = None if off else _semantic_rank(root, query, k)
     if ranked is None and requested in ("semantic", "hybrid"):
-        raise _semantic_unavailable(requested, "the semantic extra is not installed"
-                                    if rank is None else "MEMSHELF_SEMANTIC is off" if off
-                                    else (globals().get("_SEMANTIC_MISS") or [None])[0]
-                                    or "the semantic index is not built")
+        raise _semantic_unavailable(requested, "MEMSHELF_SEMANTIC is off" if off
+                                    else _SEMANTIC_MISS[0] or "the semantic index is not built")
     return ranked
 
 
@@ -7879,8 +7874,6 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
     if not terms:
         raise _usage(f"the query {query!r} has no word to search for",
                      "give at least one word that is not excluded with -")
-    if mode in ("semantic", "hybrid") and globals().get("_semantic_rank") is None:
-        raise _semantic_unavailable(mode, "the semantic extra is not installed")
     filters = _SearchFilters(kinds, tags, since, until, archive)
     found = None
     db = _fts_open(root)
