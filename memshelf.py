@@ -5418,8 +5418,7 @@ def _unchanged(st, known, seen_ns):
     """The one freshness rule (shelf-format.md § 6.3, git's racy rule): a file is unchanged
     since it was read at seen_ns only when its (size, mtime_ns, inode) equal `known` and its
     mtime was older than that read by more than the timestamp granularity."""
-    return tuple(st) == tuple(known) and seen_ns is not None and \
-        seen_ns - st[1] > _RACY_NS
+    return st == known and seen_ns is not None and seen_ns - st[1] > _RACY_NS
 
 
 def _close_db(db):
@@ -6675,27 +6674,29 @@ def _render_key(root, fmt):
 
 def _render_key_of(root, fmt, scanned, subdirs, seen):
     """The one key derived values are remembered under: a digest of the code, the format, the
-    settings files, the folders and every episode's stamp, all read after `seen`. None when
-    any of those files could still change without its stamp moving (_unchanged): then
-    nothing is remembered, and the next reader works from the files."""
+    settings files, the folders and every episode's stamp, all taken after `seen`. A file
+    that could still change without its stamp moving (_unchanged) counts by its content."""
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
-    stamps = [st for _, _, st in scanned]
+    files = list(scanned)
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
         try:
             st = os.stat(os.path.join(root, rel))
-            stamps.append((st.st_size, st.st_mtime_ns, st.st_ino))
-            parts.append(f"{rel}\0{stamps[-1]}")
+            files.append((rel, False, (st.st_size, st.st_mtime_ns, st.st_ino)))
         except OSError:
             parts.append(f"{rel}\0-")
-    if any(seen - st[1] <= _RACY_NS for st in stamps):
-        return None
+    for rel, _, st in files:
+        if seen - st[1] <= _RACY_NS:
+            try:
+                parts.append(f"{rel}\0{hashlib.sha1(_file_bytes(os.path.join(root, rel))).hexdigest()}")
+            except OSError:
+                parts.append(f"{rel}\0unreadable")
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for base in ("docs", "archive/docs"):
         for cat in CATEGORIES:
             parts.append(f"{base}/{cat}\0{os.path.isdir(os.path.join(root, base, cat))}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
-    parts += [f"{rel}\0{st[0]}\0{st[1]}\0{st[2]}" for rel, _, st in scanned]
+    parts += [f"{rel}\0{st[0]}\0{st[1]}\0{st[2]}" for rel, _, st in files]
     return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 

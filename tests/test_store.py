@@ -139,3 +139,20 @@ def test_deleted_added_and_renamed_behind_the_tools_back(three):
     assert SLUGS[2] not in hits.replace(renamed, "")
     assert run_cli("recall", "--shelf", root, "--id", SLUGS[0]).code != 0
     assert run_cli("recall", "--shelf", root, "--id", added).code == 0
+
+
+def test_a_render_of_files_just_written_is_remembered_by_their_content(tmp_path):
+    """Right after a shelve every episode is within the timestamp granularity: the render is
+    remembered under their content, so the next reader needs no render, and an edit that keeps
+    the stamp is still seen."""
+    import memshelf
+    root = tmp_path / "shelf"
+    assert run_cli("init", "--shelf", root).code == 0
+    r = run_cli("shelve", "--shelf", root, "--slug", SLUGS[0], "--kind", "topic", "--digest",
+                DIGEST, "--description", "Ana picked a plan", "--section", "Decisions=- A")
+    assert r.code == 0, r
+    assert memshelf._render_is_current(str(root))
+    path = os.path.join(root, "docs", "topics", SLUGS[0] + ".md")
+    edit_in_place(path, "Ana picked", "Bob picked", keep_mtime=True)
+    assert not memshelf._render_is_current(str(root))
+    assert "Bob picked" in run_cli("index", "--shelf", root).out
