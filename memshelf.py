@@ -11281,7 +11281,8 @@ def _checked_record(rec):
 
 
 class _DoctorFileCache:
-    """Per-file doctor results in the shelf cache, keyed by path, size, mtime and content hash."""
+    """Per-file doctor results in the shelf cache: trusted while the file is unchanged by the
+    one freshness rule (_unchanged), else while its content hash is the same."""
 
     def __init__(self, root, fingerprint, enabled):
         self.db = _cache_db(root) if enabled else None
@@ -11290,15 +11291,16 @@ class _DoctorFileCache:
         if self.db is None:
             return
         try:
-            self.db.execute("CREATE TABLE IF NOT EXISTS doctor_files(path TEXT PRIMARY KEY, "
-                            "size INTEGER, mtime_ns INTEGER, hash TEXT, findings TEXT)")
             row = self.db.execute("SELECT value FROM meta WHERE key='doctor_files'").fetchone()
             if row is None or row[0] != fingerprint:
                 # the rules, switches or code changed: every cached verdict is void
                 with self.db:
-                    self.db.execute("DELETE FROM doctor_files")
+                    self.db.execute("DROP TABLE IF EXISTS doctor_files")
                     self.db.execute("INSERT OR REPLACE INTO meta VALUES ('doctor_files', ?)",
                                     (fingerprint,))
+            self.db.execute("CREATE TABLE IF NOT EXISTS doctor_files(path TEXT PRIMARY KEY, "
+                            "size INTEGER, mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, "
+                            "hash TEXT, findings TEXT)")
         except Exception:
             self.close()
 
@@ -11307,19 +11309,22 @@ class _DoctorFileCache:
         when a file's stamp changed but its content may not have. Cached rows are read in path
         order beside the records, one at a time."""
         known, todo = {}, []
-        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, hash, findings "
+        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, hash, findings "
                                     "FROM doctor_files ORDER BY path")
         for rec, row in _beside(rows, sorted(records, key=lambda r: r["path"]),
                                 lambda r: r["path"], self.gone):
             findings = None
             if row is not None:
-                path, size, mtime_ns, digest, cached = row
-                if size == rec["size"] and mtime_ns == rec["mtime_ns"]:
+                path, size, mtime_ns, ino, seen, digest, cached = row
+                if _unchanged((rec["size"], rec["mtime_ns"], rec.get("ino")),
+                              (size, mtime_ns, ino), seen):
                     findings = _decode_findings(cached)
                 else:
+                    seen = time.time_ns()
                     data = read(rec)
                     if size == len(data) and digest == _content_hash(data):
-                        self.fresh.append((path, rec["size"], rec["mtime_ns"], digest, cached))
+                        self.fresh.append((path, rec["size"], rec["mtime_ns"], rec.get("ino"),
+                                           seen, digest, cached))
                         findings = _decode_findings(cached)
             if findings is None:
                 todo.append(rec)
@@ -11327,18 +11332,20 @@ class _DoctorFileCache:
                 known[rec["path"]] = findings
         return known, todo
 
-    def store(self, rec, digest, findings):
-        """Remember findings for rec; digest is _content_hash of the bytes checked."""
+    def store(self, rec, digest, findings, seen=None):
+        """Remember findings for rec; digest is _content_hash of the bytes checked, read after
+        `seen` (None: unknown, so only the content hash can vouch for the row later)."""
         if self.db is not None:
-            self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], digest,
-                               json.dumps(findings, ensure_ascii=False)))
+            self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], rec.get("ino"), seen,
+                               digest, json.dumps(findings, ensure_ascii=False)))
             if len(self.fresh) >= 1000:   # written in batches: memory stays flat on big shelves
                 self._flush()
 
     def _flush(self):
         try:
             with self.db:
-                self.db.executemany("INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?)",
+                self.db.executemany("INSERT OR REPLACE INTO doctor_files VALUES "
+                                    "(?, ?, ?, ?, ?, ?, ?)",
                                     self.fresh)
         except Exception:
             pass
@@ -11960,12 +11967,14 @@ class _DoctorRun:
         todo = later
 
         def check(rec):
+            seen = time.time_ns()
             data = _read_bytes(root, rec["path"])
-            return _episode_file_findings(rec, data, policy), _content_hash(data)
+            return _episode_file_findings(rec, data, policy), _content_hash(data), seen
 
-        for n, (findings, digest) in _parallel_map(check, todo, progress, "checking episodes"):
+        for n, (findings, digest, seen) in _parallel_map(check, todo, progress,
+                                                         "checking episodes"):
             rec = todo[n]
-            cache.store(rec, digest, findings)
+            cache.store(rec, digest, findings, seen)
             known[rec["path"]] = findings
         return known
 

@@ -156,3 +156,19 @@ def test_a_render_of_files_just_written_is_remembered_by_their_content(tmp_path)
     edit_in_place(path, "Ana picked", "Bob picked", keep_mtime=True)
     assert not memshelf._render_is_current(str(root))
     assert "Bob picked" in run_cli("index", "--shelf", root).out
+
+
+def test_doctor_sees_a_same_stamp_edit_of_a_file_it_checked(tmp_path):
+    """A doctor verdict is a value the store remembers: a file rewritten within the timestamp
+    granularity of its check, stamp unchanged, is checked again."""
+    root = tmp_path / "shelf"
+    assert run_cli("init", "--shelf", root, "--storage", "plain").code == 0
+    r = run_cli("shelve", "--shelf", root, "--slug", SLUGS[0], "--kind", "topic", "--digest",
+                DIGEST, "--section", "Decisions=- keep the value XXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX here")
+    assert r.code == 0, r
+    first = run_cli("doctor", "--shelf", root, "--json")
+    assert "secret-at-rest" not in doctor_codes(first)
+    path = os.path.join(root, "docs", "topics", SLUGS[0] + ".md")
+    edit_in_place(path, "XXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX",
+                  "ghp_" + "Z9yX8wV7uT6sR5qP4oN3mL2kJ1iH0gF9eD8c", keep_mtime=True)
+    assert "secret-at-rest" in doctor_codes(run_cli("doctor", "--shelf", root, "--json"))
