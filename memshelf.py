@@ -7269,19 +7269,13 @@ def _fts_expression(terms, any_word):
 # --- episodes as search rows ----------------------------------------------------------------
 
 def _search_document(root, rel, archived):
-    """An episode file -> its metadata and sections, as both engines index it."""
-    with open(os.path.join(root, rel), "rb") as f:
-        text = f.read().decode("utf-8", "replace")
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    try:
-        fields, body = parse_frontmatter(text)
-    except FrontmatterError:
-        fields, body = {}, text
-    stem = rel.rsplit("/", 1)[-1][:-3]
-    category = rel.split("/")[-2]
+    """An episode file -> its metadata and sections, as both engines index it (read through
+    the store's one reader: a broken frontmatter block leaves the whole text as the body)."""
+    rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
+    if (rec["fm_error"] or "").startswith("io:"):
+        raise OSError(rec["fm_error"])
+    fields, body, sections = rec["fields"], episode.body, episode.sections
+    stem, category = rec["stem"], rec["category"]
 
     def field(key):
         value = fields.get(key)
@@ -7299,7 +7293,6 @@ def _search_document(root, rel, archived):
     words = [title, field("description"), " ".join(tags), stem]
     if ident and ident != stem:
         words.append(ident)
-    _, sections = _split_sections(body)
     if sections:
         rows = [(h, t.strip()) for h, t in sections]
     else:
