@@ -5109,10 +5109,6 @@ class _Catalog:
     def scan(self, archive=True):
         return _scan_episode_files(self.root, archive)
 
-    def has_rows(self):
-        """Whether the cache holds any episode row (False without a cache)."""
-        return any(True for _ in _cache_rows(self.db, "SELECT 1 FROM episodes LIMIT 1"))
-
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
         """Every episode's record; `files` is a scan made just before (saves a second one).
 
@@ -5175,10 +5171,8 @@ class _Catalog:
         if also is not None:
             self.extras = {}
         batch = []   # cache rows are stored as they come: they never pile up in memory
-        self.stamps = {}   # (size, mtime_ns) of each file read afresh, as read
         for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
             slot, rel, archived, _ = missing[n]
-            self.stamps[rel] = _stamp(row[1:4])
             out[slot] = _share_values(rec) if whole else \
                 from_row(rel, archived, take(row))
             if also is not None:
@@ -5370,12 +5364,11 @@ def _share_values(rec):
     return rec
 
 
-def _scan_episode_files(root, archive=True, subdirs=None, stat=True):
+def _scan_episode_files(root, archive=True, subdirs=None):
     """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps.
 
     With a `subdirs` list, the folders met inside category folders (legacy split sections) are
-    appended to it as (relative path, mtime_ns). stat=False: None for each stamp (no system
-    call per file; whoever reads the file stats it)."""
+    appended to it as (relative path, mtime_ns)."""
     found = []
     bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
     for base, archived in bases:
@@ -5394,12 +5387,9 @@ def _scan_episode_files(root, archive=True, subdirs=None, stat=True):
                     if subdirs is not None and e.is_dir(follow_symlinks=False):
                         subdirs.append((prefix + name, e.stat().st_mtime_ns))
                     continue
-                if stat:
-                    st = e.stat()
-                    found.append((prefix + name, archived,
-                                  _stamp((st.st_size, st.st_mtime_ns, st.st_ino))))
-                else:
-                    found.append((prefix + name, archived, None))
+                st = e.stat()
+                found.append((prefix + name, archived,
+                              _stamp((st.st_size, st.st_mtime_ns, st.st_ino))))
     found.sort()   # paths are unique: the comparison never goes past them
     return found
 
@@ -6596,21 +6586,11 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
             memo = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
             if memo is not None:
                 return memo
+        if not remembered:
+            key, scanned = _render_key(root, fmt)
         cat = _Catalog(root, use_cache=not verify)
         try:
-            if remembered or cat.has_rows():
-                if not remembered:
-                    key, scanned = _render_key(root, fmt)
-                records = cat.render_records(progress=progress, files=scanned)
-            else:
-                # nothing remembered, nothing cached (a fresh clone, a dropped cache): list
-                # the files without a stat each (each is stat'ed where it is read) and make
-                # the key from the stamps of the reads
-                subdirs, seen = [], time.time_ns()
-                scanned = _scan_episode_files(root, subdirs=subdirs, stat=False)
-                records = cat.render_records(progress=progress, files=scanned)
-                key = _render_key_of(root, fmt, [(rel, archived, cat.stamps[rel])
-                                                 for rel, archived, _ in scanned], subdirs, seen)
+            records = cat.render_records(progress=progress, files=scanned)
             del scanned   # a few hundred bytes per episode, not needed while rendering
             return _render_records(root, records, fmt, index_only, key)
         finally:
