@@ -6676,8 +6676,10 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
         for cat in CATEGORIES:
             parts.append(f"{base}/{cat}\0{os.path.isdir(os.path.join(root, base, cat))}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
-    parts += [f"{rel}\0{st[0]}\0{st[1]}\0{st[2]}" for rel, _, st in files]
-    return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
+    parts += [rel for rel, _, _ in files]
+    digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
+    digest.update(repr([n for _, _, st in files for n in st]).encode())   # one string, not 10k
+    return digest.hexdigest()
 
 
 def _render_is_current(root, fmt=None):
