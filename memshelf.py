@@ -6976,25 +6976,24 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     except (OSError, ShelfError):
         pass
     lag = 0
-    if True:
-        rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
-                                   index_only=True, verify=verify)
-        fresh = rendered["files"].get(rel)
-        if fresh is None:
-            fresh = on_disk_text if on_disk_text is not None else _render_compact(
-                _docshelf_config(root)["name"], _docshelf_config(root)["preamble"], [], {})
-        if on_disk_text is None:
-            on_disk = "missing"
-        elif on_disk_text == fresh:
-            on_disk = "current"
-        else:
-            on_disk = "stale"
-            listed = {m.group(1) or m.group(2) for m in
-                      (_ENTRY_LINE.match(l) for l in on_disk_text.split("\n")) if m}
-            lag = len([r for r in rendered["records"] or [] if r["archived"] == archive and
-                       r["stem"] not in listed and fmt == "compact"])
-        text = fresh
-        source = "file" if on_disk == "current" else "rendered"
+    rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
+                               index_only=True, verify=verify)
+    fresh = rendered["files"].get(rel)
+    if fresh is None:
+        fresh = on_disk_text if on_disk_text is not None else _render_compact(
+            _docshelf_config(root)["name"], _docshelf_config(root)["preamble"], [], {})
+    if on_disk_text is None:
+        on_disk = "missing"
+    elif on_disk_text == fresh:
+        on_disk = "current"
+    else:
+        on_disk = "stale"
+        listed = {m.group(1) or m.group(2) for m in
+                  (_ENTRY_LINE.match(l) for l in on_disk_text.split("\n")) if m}
+        lag = len([r for r in rendered["records"] or [] if r["archived"] == archive and
+                   r["stem"] not in listed and fmt == "compact"])
+    text = fresh
+    source = "file" if on_disk == "current" else "rendered"
     total = shown = _entry_count(text)
     if category or since:
         text = _filter_index(text.split("\n"), category, since)
