@@ -437,7 +437,7 @@ def _file_bytes_stamped(path):
     fd = os.open(path, _O_READ)
     try:
         st = os.fstat(fd)
-        return _fd_bytes(fd, st.st_size), _stamp((st.st_size, st.st_mtime_ns))
+        return _fd_bytes(fd, st.st_size), _stamp((st.st_size, st.st_mtime_ns, st.st_ino))
     finally:
         os.close(fd)
 
@@ -1397,49 +1397,13 @@ def _parse_frontmatter_detail(text):
     block = text[start:end]
     line_count = close_line - open_line - 1
     _fm_check_block(block, open_line + 1, line_count, "frontmatter block", open_line)
-    fields = _fm_canonical_fields(block)
-    portability = []
-    if fields is None:
-        lines = block.split("\n")[:line_count] if line_count else []
-        parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
-        fields = parser.parse()
-        portability = parser.portability
+    lines = block.split("\n")[:line_count] if line_count else []
+    parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
+    fields = parser.parse()
+    portability = parser.portability
     return {"fields": fields, "body": text[body_start:],
             "has_block": True, "h1": h1, "block_line": open_line,
             "body_line": close_line + 1, "portability": portability}
-
-
-# A frontmatter line in the form shelve writes it: a lower-case key, one space, then a
-# double-quoted value without escapes, a flow list of simple words, or one simple word. The
-# grammar gives such a line exactly the value the regex captures and no portability finding.
-# (a word ends in anything but a colon: said as a look-behind, which spares the engine a
-# backtrack per word)
-_FM_WORD = r"[A-Za-z0-9][A-Za-z0-9_.:/+-]*(?<=[A-Za-z0-9_./+-])"
-_FM_CANONICAL_LINE = _re_lazy(r'^([a-z_][a-z0-9_]*): (?:"([^"\\\x00-\x1f\x7f-\x9f]*)"'
-                              r'|(\[(?:%s(?:, %s)*)?\])|(%s))\n' % (_FM_WORD, _FM_WORD, _FM_WORD),
-                              re.M)
-_FM_CANONICAL_PLAIN_ID = _re_lazy(r"(?m)^id: [^\"]")
-
-
-def _fm_canonical_fields(block):
-    """The fields of a block made only of canonical lines (the common case, parsed at C
-    speed), or None: then the full grammar parses it, with every error and finding.
-
-    A match starts at a line's start and ends at its line break, so one match per line
-    means every line is canonical."""
-    found = _FM_CANONICAL_LINE.findall(block)
-    if not found or len(found) != block.count("\n") or not block.endswith("\n"):
-        return None   # another line: the grammar reads it
-    fields = {key: plain if plain else
-              (flow[1:-1].split(", ") if len(flow) > 2 else []) if flow else quoted
-              for key, quoted, flow, plain in found}
-    if len(fields) < len(found):
-        return None   # a duplicate key: the grammar reports it
-    ident = fields.get("id")
-    if ident.__class__ is str and _YAML_IMPLICIT_ANY.match(ident) and \
-            _FM_CANONICAL_PLAIN_ID.search(block):
-        return None   # a loader would retype this plain id: the grammar says how
-    return fields
 
 
 def parse_frontmatter(text):
@@ -1603,22 +1567,6 @@ def _digest_of(sections):
     return found[1].strip() if found else ""
 
 
-def _digest_early(body):
-    """_digest_of(_split_sections(body)[1]), reading the body only to the end of its Digest
-    section (it comes first); None when only the whole split can tell (a heading that is
-    "digest" by slug alone comes before any that is by name)."""
-    heads = _iter_h2_spans(body)
-    for start, end in heads:
-        name = body[start + 3:end].strip()
-        if name.casefold() == "digest":
-            after = next(heads, None)
-            stop = after[0] - 1 if after else len(body)
-            return body[end + 1:stop].strip() if end < stop else ""
-        if _section_slug(name) == "digest":
-            return None
-    return ""
-
-
 def _first_sentence(text):
     """Through the earliest sentence end of contracts.md § 2, punctuation kept; stripped."""
     best = None
@@ -1692,52 +1640,10 @@ def _normalised(text):
     return text
 
 
-def _episode_head(text):
-    """(fields, where the body starts, digest) of normalised episode text in the layout
-    shelve writes (an optional H1 and a blank line, a block of canonical frontmatter lines,
-    then the Digest section with no fence or H2-like line in it), found without the
-    line-by-line readers; None for anything else, which the general readers then parse (with
-    their errors). The body is not copied out: a reader of the columns never needs it.
-
-    The values are the ones _parse_frontmatter_detail, _ledger_digest and the fence-aware
-    section split give such text: tests/test_frontmatter.py checks that."""
-    if text.startswith("# "):
-        start = text.find("\n", 2) + 1
-        if not start or not text.startswith("\n---\n", start):
-            return None
-        start += 5
-    elif text.startswith("---\n"):
-        start = 4
-    else:
-        return None
-    end = text.find("\n---\n", start - 1)
-    if end < start:
-        return None
-    block = text[start:end + 1]
-    if len(block) > _FM_MAX_BYTES // 4:
-        return None   # the size caps (canonical lines hold no control character to check)
-    fields = _fm_canonical_fields(block)
-    if fields is None:
-        return None
-    body = end + 5
-    if text.startswith("\n## Digest\n", body):
-        pos = body + 11
-    elif text.startswith("## Digest\n", body):
-        pos = body + 10
-    else:
-        return None
-    stop = text.find("\n## ", pos - 1)
-    digest = text[pos:stop] if stop >= 0 else text[pos:]
-    if "##" in digest or "```" in digest or "~~~" in digest:
-        return None
-    return fields, body, digest.strip()
-
-
-def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
+def _read_episode(root, rel, archived=False, stat=None, also=None):
     """Parse one episode file into a plain record (the unit the cache stores); with `also`,
     (record, also(record, the file's bytes, its _EpisodeText)): per-file work that shares
-    the one read and parse. whole=False: a record of what the cache columns hold (no
-    sections), which reads the body only to the end of its digest."""
+    the one read and parse."""
     # os.path.join's answer for a shelf root (absolute, no separator at the end), faster
     path = root + os.sep + rel if root[-1:] not in ("", "/", os.sep, ":") else \
         os.path.join(root, rel)
@@ -1749,11 +1655,12 @@ def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
             raw = _file_bytes(path, st.st_size)
     except OSError as exc:
         failed = exc
-        st = st or _stamp((0, 0))   # gone since the listing
+        st = st or _stamp((0, 0, 0))   # gone since the listing
     category = sys.intern(rel.split("/")[-2])
     stem = rel.rsplit("/", 1)[-1][:-3]
     rec = {"path": rel, "stem": stem, "category": category, "archived": archived,
-           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fm_ok": False, "fm_error": None,
+           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,
+           "fm_ok": False, "fm_error": None,
            "fields": {}, "has_block": False, "portability": []}
     if failed is not None:
         rec["fm_error"] = f"io: {failed.strerror}"
@@ -1765,16 +1672,8 @@ def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
             rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
             text = raw.decode("utf-8", "replace")
     text = _normalised(text)
-    body, digest = text, None
-    head = _episode_head(text) if rec["fm_error"] is None else None
-    if head is not None:
-        rec["fields"], start, digest = head
-        rec["has_block"] = rec["fm_ok"] = True
-        if not whole and also is None:   # the columns: fields and digest are all they read
-            _fill_record(rec, None, False, digest)
-            return rec
-        body = text[start:]
-    elif rec["fm_error"] is None:
+    body = text
+    if rec["fm_error"] is None:
         try:
             detail = _parse_frontmatter_detail(text)
             rec["fields"] = detail["fields"]
@@ -1784,14 +1683,13 @@ def _read_episode(root, rel, archived=False, stat=None, also=None, whole=True):
             body = detail["body"]
         except FrontmatterError as exc:
             rec["fm_error"] = f"{exc.error_class}: {exc}"
-    split = _fill_record(rec, body, whole or also is not None, digest)
+    split = _fill_record(rec, body)
     return rec if also is None else (rec, also(rec, raw, _EpisodeText(text, body, *split)))
 
 
-def _fill_record(rec, body, whole=True, digest=None):
+def _fill_record(rec, body):
     """Fill the record's fields from its frontmatter and body; returns the body's
-    (preamble, sections). Not whole: no sections (None), the digest read on its own.
-    `digest`: the body's digest when the caller already found it (_episode_head)."""
+    (preamble, sections)."""
     f = rec["fields"]
     s = {k: v for k, v in f.items() if isinstance(v, str)}.get   # a string field, else None
     rec["id"] = s("id")
@@ -1809,12 +1707,7 @@ def _fill_record(rec, body, whole=True, digest=None):
     rec["mode"] = s("mode")
     rec["notes"] = s("notes") or ""
     rec["retain_until"] = s("retain_until")
-    rec["digest_tokens"] = tokens(_ledger_digest(body) if digest is None else digest)
-    if not whole:
-        rec["digest"] = _digest_early(body) if digest is None else digest
-        if rec["digest"] is not None:
-            rec["sections"] = None
-            return None, None
+    rec["digest_tokens"] = tokens(_ledger_digest(body))
     preamble, sections = _split_sections(body)
     rec["digest"] = _digest_of(sections)
     rec["sections"] = [[h, tokens(t.strip())] for h, t in sections]
@@ -5247,7 +5140,7 @@ def _check_section_name(name):
 
 # --- the episode catalog and its cache -----------------------------------------------------
 
-_CACHE_SCHEMA = "9"   # bump when the cached record or the cache columns change shape
+_CACHE_SCHEMA = "10"   # bump when the cached record or the cache columns change shape
 
 
 class _Catalog:
@@ -5257,17 +5150,11 @@ class _Catalog:
         self.root = root
         self.db = None
         self.extras = {}
-        # store_behind: rows parsed afresh are stored by a forked writer after the merge
-        self.store_behind, self.writer, self.behind = False, None, None
         if use_cache:
             self.db = _cache_db(root)
 
     def scan(self, archive=True):
         return _scan_episode_files(self.root, archive)
-
-    def has_rows(self):
-        """Whether the cache holds any episode row (False without a cache)."""
-        return any(True for _ in _cache_rows(self.db, "SELECT 1 FROM episodes LIMIT 1"))
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
         """Every episode's record; `files` is a scan made just before (saves a second one).
@@ -5275,21 +5162,14 @@ class _Catalog:
         also(record, bytes, _EpisodeText) runs beside each file parsed afresh (in its worker);
         its answers are left in self.extras by path. trim(record) -> record: what is kept of
         a record parsed afresh once its cache row is made (and `also` has seen it whole)."""
-        self.dirs_before = _category_dirs_fingerprint(self.root)
-        out = self._merge(archive, progress, files, None,
-                          lambda rel, archived, row: _record_from_row(row[0]), also, trim)
-        if archive:
-            _remember_supersedes(self.root, out, self.dirs_before)
-        return out
+        return self._merge(archive, progress, files, None,
+                           lambda rel, archived, row: _record_from_row(row[0]), also, trim)
 
     def render_records(self, progress=None, files=None):
         """What the derived renders read of every episode (_RENDER_KEYS), from the cache
         columns: a render after one shelve decodes a few values per episode, not records."""
-        self.dirs_before = _category_dirs_fingerprint(self.root)
-        out = self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
-                          _render_record_from_row)
-        _remember_supersedes(self.root, out, self.dirs_before)
-        return out
+        return self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
+                           _render_record_from_row)
 
     def summaries(self, archive=True, progress=None):
         """What accounting needs of every episode (_SUMMARY_KEYS), without decoding records."""
@@ -5297,25 +5177,23 @@ class _Catalog:
 
     def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
         """One object per episode file: from_row(path, archived, values of `columns`) from
-        its cache row when (size, mtime_ns) match, else from a fresh parse (its row stored
-        for next time). Cached rows are read in path order alongside the sorted scan, one at
-        a time: memory never holds a second copy of the cache.
+        its cache row while the file is unchanged (_unchanged), else from a fresh parse (its
+        row stored for next time). Cached rows are read in path order alongside the sorted
+        scan, one at a time: memory never holds a second copy of the cache.
 
-        columns None: whole records (the cache's `rec`). Otherwise a fresh parse reads the
-        file only as far as the columns need, and its object is made from the same values a
-        cached row gives, so both paths agree by construction."""
+        columns None: whole records (the cache's `rec`). A fresh parse is always whole; the
+        object is made from the same column values a cached row gives, so both agree."""
         files = self.scan(archive) if files is None else files
         whole = columns is None
         gone = []
-        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, "
+        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
                                     f"{'rec' if whole else ', '.join(columns)} FROM episodes "
                                     "ORDER BY path")
         out, missing = [], []
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
             obj = None
-            if row is not None and st is not None and row[1] == st.st_size and \
-                    row[2] == st.st_mtime_ns:
-                obj = from_row(rel, archived, row[3:])
+            if row is not None and st is not None and _unchanged(st, row[1:4], row[4]):
+                obj = from_row(rel, archived, row[5:])
             if obj is None:
                 missing.append((len(out), rel, archived, st))
             out.append(obj)
@@ -5323,13 +5201,12 @@ class _Catalog:
         root, cached = self.root, self.db is not None
 
         def parse(job):
-            # the cache row is made in the worker: the parent only stores it. A record read
-            # for columns has no sections: its row keeps the columns alone (a reader of whole
-            # records parses the file again)
+            # the cache row is made in the worker: the parent only stores it
+            seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
-                (_read_episode(root, *job[1:], whole=whole), None)
-            row = (rec["path"], rec["size"], rec["mtime_ns"],
-                   _record_to_row(rec) if cached and rec["sections"] is not None else None) + \
+                (_read_episode(root, *job[1:]), None)
+            row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
+                   _record_to_row(rec) if cached else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
             if not whole:
                 rec = None
@@ -5340,55 +5217,20 @@ class _Catalog:
         take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
         if also is not None:
             self.extras = {}
-        # cache rows are stored as they come (they never pile up in memory), or all at once
-        # by a writer beside the caller's next work when stored behind
-        batch = []
-        self.stamps = {}   # (size, mtime_ns) of each file read afresh, as read
+        batch = []   # cache rows are stored as they come: they never pile up in memory
         for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
             slot, rel, archived, _ = missing[n]
-            self.stamps[rel] = _stamp(row[1:3])
             out[slot] = _share_values(rec) if whole else \
                 from_row(rel, archived, take(row))
             if also is not None:
                 self.extras[rel] = extra
             if cached:
                 batch.append(row)
-                if len(batch) >= 2000 and not self.store_behind:
+                if len(batch) >= 2000:
                     self._store(batch, ())
                     batch = []
-        if self.store_behind:
-            del missing   # freed before the fork, not page by page beside the writer
-            self._store_behind(batch, gone)
-        else:
-            self._store(batch, gone)
+        self._store(batch, gone)
         return out
-
-    def _store_behind(self, rows, gone):
-        """Store the rows in a forked process while this one goes on (close() waits for it):
-        a caller that renders next keeps both cores busy instead of one. The connection is
-        closed first (none may cross a fork) and the writer opens its own; its objects are
-        frozen for the collector, so neither process copies pages by merely scanning them.
-        Where workers are not used (one core, a server, MEMSHELF_WORKERS=1) this just stores."""
-        if self.db is None or not (rows or gone):
-            return
-        if _worker_count(len(rows)) < 2:
-            self._store(rows, gone)
-            return
-        import gc
-        self.db = _close_db(self.db)   # no SQLite connection crosses a fork
-        gc.freeze()
-        pid = os.fork()
-        if pid == 0:
-            status = 1
-            try:
-                gc.disable()
-                self.db = _cache_db(self.root)
-                self._store(rows, gone)
-                self.db = _close_db(self.db)
-                status = 0
-            finally:
-                os._exit(status)
-        self.writer, self.behind = pid, rows   # rows go once the writer is done with them
 
     def _store(self, rows, gone):
         """Cache rows for fresh parses (path, size, mtime_ns, record, columns); rows of gone
@@ -5398,8 +5240,8 @@ class _Catalog:
         try:
             with self.db:
                 self.db.executemany(
-                    f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, rec, "
-                    f"{', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, ?"
+                    f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, ino, seen_ns, rec, "
+                    f"{', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?"
                     f"{', ?' * len(_CACHE_COLUMNS)})", rows)
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
         except Exception:
@@ -5407,19 +5249,12 @@ class _Catalog:
 
     def close(self):
         self.db = _close_db(self.db)
-        if self.writer is not None:
-            import gc
-            try:
-                os.waitpid(self.writer, 0)   # the rows stored behind are in when this returns
-            except ChildProcessError:
-                pass
-            self.writer = self.behind = None
-            gc.unfreeze()
 
 
 # A cached record is a JSON array in this key order (object keys would be stored, decoded and
 # held once per record; at 100,000 episodes that is a third of the catalog's memory).
-_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "fm_ok", "fm_error",
+_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "fm_ok",
+                "fm_error",
                 "fields", "has_block", "portability", "id", "kind", "date", "span",
                 "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
@@ -5435,7 +5270,7 @@ _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_w
                   "date_field")
 _SUMMARY_COLUMNS = ("id", "date", "digest_tokens", "approx_tokens", "approx_src")
 # Where each column sits in a cache row as _Catalog stores it.
-_ROW_SLOTS = dict({"size": 1, "rec": 3}, **{c: 4 + n for n, c in enumerate(_CACHE_COLUMNS)})
+_ROW_SLOTS = dict({"size": 1, "rec": 5}, **{c: 6 + n for n, c in enumerate(_CACHE_COLUMNS)})
 _SUMMARY_KEYS = ("path", "stem", "archived") + _SUMMARY_COLUMNS
 # What a render record holds (_render_record_from_row unpacks the columns in this order and
 # puts the date field under "fields"; tests/test_render_memo.py checks both lists).
@@ -5576,12 +5411,11 @@ def _share_values(rec):
     return rec
 
 
-def _scan_episode_files(root, archive=True, subdirs=None, stat=True):
+def _scan_episode_files(root, archive=True, subdirs=None):
     """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps.
 
     With a `subdirs` list, the folders met inside category folders (legacy split sections) are
-    appended to it as (relative path, mtime_ns). stat=False: None for each stamp (no system
-    call per file; whoever reads the file stats it)."""
+    appended to it as (relative path, mtime_ns)."""
     found = []
     bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
     for base, archived in bases:
@@ -5600,20 +5434,28 @@ def _scan_episode_files(root, archive=True, subdirs=None, stat=True):
                     if subdirs is not None and e.is_dir(follow_symlinks=False):
                         subdirs.append((prefix + name, e.stat().st_mtime_ns))
                     continue
-                if stat:
-                    st = e.stat()
-                    found.append((prefix + name, archived, _stamp((st.st_size, st.st_mtime_ns))))
-                else:
-                    found.append((prefix + name, archived, None))
+                st = e.stat()
+                found.append((prefix + name, archived,
+                              _stamp((st.st_size, st.st_mtime_ns, st.st_ino))))
     found.sort()   # paths are unique: the comparison never goes past them
     return found
 
 
-# (size, mtime_ns) of a file, read like the stat result it stands for: two numbers instead of
-# a whole stat result per episode (~50 MB less at 100,000 files).
-_FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns")
-# _FileStamp((size, mtime_ns)) without the Python-level constructor: one C call per file
+# (size, mtime_ns, inode) of a file, read like the stat result it stands for: three numbers
+# instead of a whole stat result per episode (~50 MB less at 100,000 files).
+_FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns st_ino")
+# _FileStamp((size, mtime_ns, ino)) without the Python-level constructor: one C call per file
 _stamp = functools.partial(tuple.__new__, _FileStamp)
+# The file system's timestamp granularity, at its coarsest (FAT's two seconds): a file whose
+# mtime is this close to the time it was read could be rewritten without its mtime moving.
+_RACY_NS = 2_000_000_000
+
+
+def _unchanged(st, known, seen_ns):
+    """The one freshness rule (shelf-format.md § 6.3, git's racy rule): a file is unchanged
+    since it was read at seen_ns only when its (size, mtime_ns, inode) equal `known` and its
+    mtime was older than that read by more than the timestamp granularity."""
+    return st == known and seen_ns is not None and seen_ns - st[1] > _RACY_NS
 
 
 def _close_db(db):
@@ -5653,7 +5495,8 @@ def _cache_db(root):
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
                 db.commit()
             db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
-                       " mtime_ns INTEGER, rec TEXT, " + ", ".join(_CACHE_COLUMNS) + ")")
+                       " mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, rec TEXT, " +
+                       ", ".join(_CACHE_COLUMNS) + ")")
             db.commit()
             return db
         except Exception:
@@ -6059,7 +5902,6 @@ def _shelve_locked(root, a):
                          "shelve a new episode instead; archived episodes are read-only")
     old = _read_episode(root, existing_rel) if existing_rel else None
     window = _context_window(root)
-    base_aggregate = _current_aggregate(root, window)   # totals without a rescan when current
     # 5. redact every free-text part
     rules, problems = _shelf_policy(root)
     for p in problems:
@@ -6180,23 +6022,13 @@ def _shelve_locked(root, a):
     except BaseException:
         journal.restore()
         raise
-    _after_write(root)
     if mode == "auto":
         _remember_render(root, rendered)
     # 13. push / publish (git-and-sync.md § 7)
     if git.is_repo() and result["committed"]:
         result["sync"] = _after_commit_sync(root, git, result, sync_report, a)
     new_rec = _read_episode(root, address)
-    if rendered_records is not None:
-        agg = _episode_aggregate(rendered_records, window)
-        _remember_aggregate(root, agg, _category_dirs_fingerprint(root))
-        totals = _shelf_totals(root, window=window, aggregate=agg)
-    elif base_aggregate is not None:
-        agg = _aggregate_step(_aggregate_step(base_aggregate, old, -1), new_rec, 1)
-        _remember_aggregate(root, agg, _category_dirs_fingerprint(root))
-        totals = _shelf_totals(root, window=window, aggregate=agg)
-    else:
-        totals = _shelf_totals(root, window=window)
+    totals = _shelf_totals(root, window=window, records=rendered_records)
     result["ledger_row"] = _ledger_row(new_rec)
     result["shelf_totals"] = totals
     result["next"] = "the topic can be replaced in context by its digest and address"
@@ -6278,26 +6110,17 @@ class _Journal:
                 pass
 
 
-def _after_write(root):
-    """Remember the directory times of a render we know is current (the index fast path)."""
-    _save_state(root, render=_dir_fingerprint(root))
+def _remembered(root, name, key):
+    """A derived value remembered under the store key (_render_key_of), or None."""
+    entry = _state(root).get(name)
+    if key is not None and isinstance(entry, dict) and entry.get("key") == key:
+        return entry.get("value")
+    return None
 
 
-def _dir_fingerprint(root):
-    fp = {}
-    for base in ("docs", "archive/docs"):
-        for cat in CATEGORIES:
-            try:
-                fp[f"{base}/{cat}"] = os.stat(os.path.join(root, base, cat)).st_mtime_ns
-            except OSError:
-                fp[f"{base}/{cat}"] = None
-    for name in ("INDEX.md", ".docshelf.json", "shelf.yml"):
-        try:
-            st = os.stat(os.path.join(root, name))
-            fp[name] = [st.st_size, st.st_mtime_ns]
-        except OSError:
-            fp[name] = None
-    return fp
+def _remember(root, name, key, value):
+    if key is not None:
+        _save_state(root, **{name: {"key": key, "value": value}})
 
 
 def _ledger_expected(rec):
@@ -6324,42 +6147,19 @@ def _episode_aggregate(records, window):
             "window": window}
 
 
-def _aggregate_step(agg, rec, sign):
-    """Add (sign 1) or remove (sign -1) one episode's share of the aggregate."""
-    if not rec or not rec.get("id"):
-        return agg
-    one = _episode_aggregate([rec], agg["window"])
-    return dict(agg, **{k: agg[k] + sign * one[k] for k in
-                        ("episodes", "digest_tokens", "mass", "unmeasured", "unmeasured_digest")})
-
-
-def _current_aggregate(root, window):
-    """The aggregate remembered in state.json while no episode folder changed since, else None."""
-    stored = _state(root).get("aggregate")
-    if isinstance(stored, dict) and stored.get("window") == window and \
-            stored.get("dirs") == _category_dirs_fingerprint(root):
-        return {k: v for k, v in stored.items() if k != "dirs"}
-    return None
-
-
-def _remember_aggregate(root, agg, dirs):
-    if dirs == _category_dirs_fingerprint(root):
-        _save_state(root, aggregate=dict(agg, dirs=dirs))
-
-
 def _shelf_totals(root, records=None, window=None, aggregate=None):
     window = window or _context_window(root)
     if aggregate is None and records is None:
-        aggregate = _current_aggregate(root, window)
-        if aggregate is None:
-            dirs = _category_dirs_fingerprint(root)
+        key = _render_key(root, _index_format(root))[0]
+        aggregate = _remembered(root, "aggregate", key)
+        if not isinstance(aggregate, dict) or aggregate.get("window") != window:
             cat = _Catalog(root)
             try:
                 records = cat.summaries()   # what the aggregate sums, no whole records
             finally:
                 cat.close()
             aggregate = _episode_aggregate(records, window)
-            _remember_aggregate(root, aggregate, dirs)
+            _remember(root, "aggregate", key, aggregate)
     elif aggregate is None:
         aggregate = _episode_aggregate(records, window)
     try:
@@ -6431,39 +6231,18 @@ def _page(text, offset, max_bytes):
     return data[start:end].decode("utf-8"), start, end, size
 
 
-def _category_dirs_fingerprint(root):
-    """Modification times of the six episode folders: any add, delete or rename changes one."""
-    out = []
-    for base in ("docs", "archive/docs"):
-        for cat in CATEGORIES:
-            try:
-                out.append(os.stat(os.path.join(root, base, cat)).st_mtime_ns)
-            except OSError:
-                out.append(None)
-    return out
-
-
-def _remember_supersedes(root, records, dirs_before):
-    """Keep the supersedes links of the last full scan, so recall needs no scan of its own."""
-    links = _superseded_map(records)
-    if dirs_before != _category_dirs_fingerprint(root):
-        return   # something changed during the scan; the next one records it
-    state = _state(root)
-    if state.get("supersedes") != links or state.get("supersedes_dirs") != dirs_before:
-        _save_state(root, supersedes=links, supersedes_dirs=dirs_before)
-
-
 def _superseded_by(root, stem):
-    state = _state(root)
-    if state.get("supersedes_dirs") == _category_dirs_fingerprint(root) and \
-            isinstance(state.get("supersedes"), dict):
-        return list(state["supersedes"].get(stem, []))
-    cat = _Catalog(root)
-    try:
-        recs = cat.render_records()   # supersedes is a render column
-    finally:
-        cat.close()
-    return sorted(r["stem"] for r in recs if stem in r.get("supersedes", []))
+    key, scanned = _render_key(root, _index_format(root))
+    links = _remembered(root, "supersedes", key)
+    if not isinstance(links, dict):
+        cat = _Catalog(root)
+        try:
+            links = _superseded_map(cat.render_records(files=scanned))
+        finally:
+            cat.close()
+        _remember(root, "supersedes", key, links)
+    value = links.get(stem)
+    return sorted(v for v in value if isinstance(v, str)) if isinstance(value, list) else []
 
 
 def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_bytes=100000,
@@ -6841,38 +6620,29 @@ def _superseded_map(records):
     return {k: sorted(v) for k, v in sup.items()}
 
 
-def _render_derived(root, records=None, fmt=None, progress=None, index_only=False):
+def _render_derived(root, records=None, fmt=None, progress=None, index_only=False,
+                    verify=False):
     """Every derived file of the shelf as {relative path: text or None (delete)}.
 
     Without `records`, the whole shelf is read; when nothing a render reads has changed since
     the last render known to be on disk, the files on disk are the answer (records: None).
-    index_only: INDEX.md and archive/INDEX.md alone (what a reader compares)."""
+    index_only: INDEX.md and archive/INDEX.md alone (what a reader compares). verify: every
+    episode parsed again, no memo and no cached row trusted (index --verify)."""
     fmt = fmt or _index_format(root)
     key = None
     if records is None:
-        remembered = _state(root).get("render_memo")
+        remembered = None if verify else _state(root).get("render_memo")
         remembered = remembered if isinstance(remembered, dict) else None
         if remembered:
             key, scanned = _render_key(root, fmt)
-            memo = _render_memo_hit(root, key, memo=remembered)
+            memo = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
             if memo is not None:
                 return memo
-        cat = _Catalog(root)
-        cat.store_behind = True   # fresh rows are stored while the files are rendered
+        if not remembered:
+            key, scanned = _render_key(root, fmt)
+        cat = _Catalog(root, use_cache=not verify)
         try:
-            if remembered or cat.has_rows():
-                if not remembered:
-                    key, scanned = _render_key(root, fmt)
-                records = cat.render_records(progress=progress, files=scanned)
-            else:
-                # nothing remembered, nothing cached (a fresh clone, a dropped cache): list
-                # the files without a stat each (each is stat'ed where it is read) and make
-                # the key from the stamps of the reads
-                subdirs = []
-                scanned = _scan_episode_files(root, subdirs=subdirs, stat=False)
-                records = cat.render_records(progress=progress, files=scanned)
-                key = _render_key_of(root, fmt, ((rel, archived, cat.stamps[rel])
-                                                 for rel, archived, _ in scanned), subdirs)
+            records = cat.render_records(progress=progress, files=scanned)
             del scanned   # a few hundred bytes per episode, not needed while rendering
             return _render_records(root, records, fmt, index_only, key)
         finally:
@@ -6926,85 +6696,92 @@ def _render_records(root, records, fmt, index_only, key):
 
 
 def _render_key(root, fmt):
-    """(digest, scan): a digest of all a full render reads (code, format, settings, folders,
-    episode stats), and the episode scan it was made from."""
+    """(key, scan): the store key of all a full render reads, and the episode scan it was
+    made from."""
+    seen = time.time_ns()
     subdirs = []
     scanned = _scan_episode_files(root, subdirs=subdirs)
-    return _render_key_of(root, fmt, scanned, subdirs), scanned
+    return _render_key_of(root, fmt, scanned, subdirs, seen), scanned
 
 
-def _render_key_of(root, fmt, scanned, subdirs):
-    """The render key of an episode scan (any iterable of its entries) and the split folders
-    met on the way."""
+def _render_key_of(root, fmt, scanned, subdirs, seen):
+    """The one key derived values are remembered under: a digest of the code, the format, the
+    settings files, the folders and every episode's stamp, all taken after `seen`. A file
+    that could still change without its stamp moving (_unchanged) counts by its content."""
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
+    files = list(scanned)
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
         try:
             st = os.stat(os.path.join(root, rel))
-            parts.append(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}")
+            files.append((rel, False, (st.st_size, st.st_mtime_ns, st.st_ino)))
         except OSError:
             parts.append(f"{rel}\0-")
+    for rel, _, st in files:
+        if seen - st[1] <= _RACY_NS:
+            try:
+                parts.append(f"{rel}\0{hashlib.sha1(_file_bytes(os.path.join(root, rel))).hexdigest()}")
+            except OSError:
+                parts.append(f"{rel}\0unreadable")
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for base in ("docs", "archive/docs"):
         for cat in CATEGORIES:
             parts.append(f"{base}/{cat}\0{os.path.isdir(os.path.join(root, base, cat))}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
-    parts += [f"{rel}\0{st.st_size}\0{st.st_mtime_ns}" for rel, _, st in scanned]
-    return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
+    parts += [rel for rel, _, _ in files]
+    digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
+    digest.update(repr([n for _, _, st in files for n in st]).encode())   # one string, not 10k
+    return digest.hexdigest()
 
 
 def _render_is_current(root, fmt=None):
     """True when the derived files on disk are the last full render of the current inputs."""
     key, _scanned = _render_key(root, fmt or _index_format(root))
-    return _render_memo_hit(root, key, read=False) is not None
+    return _render_memo_hit(root, key) is not None
 
 
-def _render_memo_hit(root, key, read=True, memo=None):
-    """The last render, read back from disk, when its key matches and no file was touched.
+def _text_digest(text):
+    import hashlib
+    return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _render_memo_hit(root, key, memo=None, index_only=False):
+    """The last full render, read back from disk, when it was remembered under this key and
+    every derived file still holds what it wrote (compared by content, not by stamp).
     `memo`: the state's render_memo when the caller has just read it."""
     memo = _state(root).get("render_memo") if memo is None else memo
-    if not isinstance(memo, dict) or memo.get("key") != key or \
+    if key is None or not isinstance(memo, dict) or memo.get("key") != key or \
             not isinstance(memo.get("files"), dict):
         return None
     files = {}
-    for rel, stamp in memo["files"].items():
+    for rel, digest in memo["files"].items():
         if not isinstance(rel, str) or not _is_derived_path(rel):
             return None   # state.json is a local file anyone may edit: only derived names count
+        if index_only and rel not in ("INDEX.md", "archive/INDEX.md"):
+            continue
         path = os.path.join(root, rel)
         try:
-            if stamp is None:
+            if digest is None:
                 if os.path.lexists(path):
                     return None
                 files[rel] = None
                 continue
-            st = os.stat(path)
-            if [st.st_size, st.st_mtime_ns] != stamp:
-                return None
-            files[rel] = _read_text(path) if read else None
+            files[rel] = _read_text(path)
         except (OSError, ShelfError):
+            return None
+        if _text_digest(files[rel]) != digest:
             return None
     return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
             "key": key, "episodes": memo.get("episodes") or 0}
 
 
 def _remember_render(root, rendered, files=None):
-    """After the derived files on disk equal a full render: remember it (stat per file)."""
+    """After the derived files on disk equal a full render: remember it under its key."""
     if not rendered.get("key"):
         return
-    stamps = {}
-    for rel, content in (rendered["files"] if files is None else files).items():
-        path = os.path.join(root, rel)
-        if content is None:
-            if os.path.lexists(path):
-                return
-            stamps[rel] = None
-            continue
-        try:
-            st = os.stat(path)
-        except OSError:
-            return
-        stamps[rel] = [st.st_size, st.st_mtime_ns]
-    _save_state(root, render_memo={"key": rendered["key"], "files": stamps,
+    digests = {rel: None if content is None else _text_digest(content)
+               for rel, content in (rendered["files"] if files is None else files).items()}
+    _save_state(root, render_memo={"key": rendered["key"], "files": digests,
                                    "episodes": rendered["episodes"],
                                    "warnings": rendered["warnings"]})
 
@@ -7121,7 +6898,6 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
         except OSError:
             pass
     result.update(written=written, unchanged=unchanged, deleted=deleted)
-    _after_write(root)
     progress.done()
     git = _Git(root)
     if commit and git.is_repo():
@@ -7229,14 +7005,6 @@ _ENTRY_LINE = _re_lazy(r"^- (?:`([^`]+)`|(\S+))(?: \*\*(.+?)\*\*)?(?: — (.*?))
                          r"(?: \[superseded by ([^\]]+)\])?$")
 
 
-def _index_is_fresh(root, verify=False):
-    """Fast freshness: directory times (and INDEX size/mtime) equal the last known render."""
-    if verify:
-        return False
-    known = _state(root).get("render")
-    return bool(known) and known == _dir_fingerprint(root)
-
-
 def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, archive=False,
           verify=False):
     """The shelf's INDEX, never stale: the file when current, else a fresh render (§ 2.1)."""
@@ -7260,28 +7028,24 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     except (OSError, ShelfError):
         pass
     lag = 0
-    if on_disk_text is not None and not archive and _index_is_fresh(root, verify):
-        text, source, on_disk = on_disk_text, "file", "current"
+    rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
+                               index_only=True, verify=verify)
+    fresh = rendered["files"].get(rel)
+    if fresh is None:
+        fresh = on_disk_text if on_disk_text is not None else _render_compact(
+            _docshelf_config(root)["name"], _docshelf_config(root)["preamble"], [], {})
+    if on_disk_text is None:
+        on_disk = "missing"
+    elif on_disk_text == fresh:
+        on_disk = "current"
     else:
-        rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact")
-        fresh = rendered["files"].get(rel)
-        if fresh is None:
-            fresh = on_disk_text if on_disk_text is not None else _render_compact(
-                _docshelf_config(root)["name"], _docshelf_config(root)["preamble"], [], {})
-        if on_disk_text is None:
-            on_disk = "missing"
-        elif on_disk_text == fresh:
-            on_disk = "current"
-        else:
-            on_disk = "stale"
-            listed = {m.group(1) or m.group(2) for m in
-                      (_ENTRY_LINE.match(l) for l in on_disk_text.split("\n")) if m}
-            lag = len([r for r in rendered["records"] or [] if r["archived"] == archive and
-                       r["stem"] not in listed and fmt == "compact"])
-        text = fresh
-        source = "file" if on_disk == "current" else "rendered"
-        if on_disk == "current" and not archive and fmt != "manual":
-            _after_write(root)
+        on_disk = "stale"
+        listed = {m.group(1) or m.group(2) for m in
+                  (_ENTRY_LINE.match(l) for l in on_disk_text.split("\n")) if m}
+        lag = len([r for r in rendered["records"] or [] if r["archived"] == archive and
+                   r["stem"] not in listed and fmt == "compact"])
+    text = fresh
+    source = "file" if on_disk == "current" else "rendered"
     total = shown = _entry_count(text)
     if category or since:
         text = _filter_index(text.split("\n"), category, since)
@@ -7376,7 +7140,7 @@ def _cap_index(lines, entry_idx, max_chars, offset):
 
 import itertools
 
-_SEARCH_SCHEMA = "1"
+_SEARCH_SCHEMA = "2"
 _SEARCH_WEIGHTS = (3.0, 2.0, 1.0)          # title, heading, body
 _BM25_K1 = 1.2                              # the constants FTS5's bm25() hard-codes
 _BM25_B = 0.75
@@ -7538,19 +7302,13 @@ def _fts_expression(terms, any_word):
 # --- episodes as search rows ----------------------------------------------------------------
 
 def _search_document(root, rel, archived):
-    """An episode file -> its metadata and sections, as both engines index it."""
-    with open(os.path.join(root, rel), "rb") as f:
-        text = f.read().decode("utf-8", "replace")
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    try:
-        fields, body = parse_frontmatter(text)
-    except FrontmatterError:
-        fields, body = {}, text
-    stem = rel.rsplit("/", 1)[-1][:-3]
-    category = rel.split("/")[-2]
+    """An episode file -> its metadata and sections, as both engines index it (read through
+    the store's one reader: a broken frontmatter block leaves the whole text as the body)."""
+    rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
+    if (rec["fm_error"] or "").startswith("io:"):
+        raise OSError(rec["fm_error"])
+    fields, body, sections = rec["fields"], episode.body, episode.sections
+    stem, category = rec["stem"], rec["category"]
 
     def field(key):
         value = fields.get(key)
@@ -7568,7 +7326,6 @@ def _search_document(root, rel, archived):
     words = [title, field("description"), " ".join(tags), stem]
     if ident and ident != stem:
         words.append(ident)
-    _, sections = _split_sections(body)
     if sections:
         rows = [(h, t.strip()) for h, t in sections]
     else:
@@ -7587,28 +7344,6 @@ def _search_rows(doc):
 
 def _tag_field(values):
     return _TAG_SEP + _TAG_SEP.join(v.lower() for v in values) + _TAG_SEP if values else ""
-
-
-def _episode_files(root, directory):
-    """(rel, size, mtime_ns) of one category directory's episode files, as _Catalog sees them."""
-    found = []
-    try:
-        entries = list(os.scandir(os.path.join(root, directory)))
-    except OSError:
-        return found
-    for e in entries:
-        name = e.name
-        if not name.endswith(".md") or name.startswith("."):
-            continue
-        try:
-            if e.is_symlink() or not e.is_file():
-                continue
-            st = e.stat()
-        except OSError:
-            continue
-        found.append((f"{directory}/{name}", st.st_size, st.st_mtime_ns))
-    found.sort()
-    return found
 
 
 # --- filters --------------------------------------------------------------------------------
@@ -7683,14 +7418,14 @@ def _fts_create(db):
     for table in _SEARCH_TABLES:
         db.execute(f"DROP TABLE IF EXISTS {table}")
     db.execute("CREATE TABLE search_episodes(ep INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL,"
-               " size INTEGER, mtime_ns INTEGER, stem TEXT, kind TEXT, date TEXT, title TEXT,"
+               " size INTEGER, mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, stem TEXT,"
+               " kind TEXT, date TEXT, title TEXT,"
                " archived INTEGER, tags TEXT, supersedes TEXT)")
     db.execute("CREATE TABLE search_sections(sid INTEGER PRIMARY KEY, ep INTEGER NOT NULL,"
                " ord INTEGER, heading TEXT, chars INTEGER)")
     db.execute("CREATE INDEX search_sections_ep ON search_sections(ep)")
     db.execute("CREATE VIRTUAL TABLE search_fts USING fts5(title, heading, body,"
                " tokenize='unicode61 remove_diacritics 2')")
-    db.execute("CREATE TABLE search_dirs(dir TEXT PRIMARY KEY, mtime_ns INTEGER)")
     db.execute("INSERT OR REPLACE INTO meta VALUES ('search_schema', ?)", (_search_stamp(),))
 
 
@@ -7698,66 +7433,34 @@ def _search_stamp():
     return f"{_SEARCH_SCHEMA}/{__version__}"
 
 
-def _dir_times(root):
-    """Directory mtimes; -1 for a missing directory, None when too recent to trust (a write in
-    the same clock tick would not move it)."""
-    now = time.time_ns()
-    out = {}
-    for d in _SEARCH_DIRS:
-        try:
-            m = os.stat(os.path.join(root, d)).st_mtime_ns
-        except OSError:
-            out[d] = -1
-            continue
-        out[d] = m if now - m > 2_000_000_000 else None
-    return out
-
-
 class _SidecarBusy(Exception):
     """Another process is (re)building the sidecar and nothing usable is committed yet."""
 
 
 def _fts_sync(db, root, rebuild=False):
-    """Bring the sidecar up to date: directory times first, per-file stats only where a
-    directory changed, re-index only changed, new or deleted episodes."""
-    stored = None
+    """Bring the sidecar up to date by the one freshness rule (_unchanged): re-index only new,
+    changed or deleted episodes; no write at all when nothing changed."""
+    import sqlite3
+    plan = None
     if not rebuild:
         try:
             row = db.execute("SELECT value FROM meta WHERE key='search_schema'").fetchone()
-            if row and row[0] == _search_stamp():
-                stored = dict(db.execute("SELECT dir, mtime_ns FROM search_dirs"))
+            plan = _fts_plan(db, root) if row and row[0] == _search_stamp() else None
         except Exception:
-            stored = None
-        current = _dir_times(root)
-        if stored and all(current[d] is not None and stored.get(d) == current[d]
-                          for d in _SEARCH_DIRS):
+            plan = None
+        if plan is not None and not plan[0] and not plan[1]:
             return
-    import sqlite3
     try:
         db.execute("BEGIN IMMEDIATE")
     except sqlite3.OperationalError:
-        if stored and not rebuild:
+        if plan is not None:
             return   # another process holds the write lock; its last commit still answers
         raise _SidecarBusy() from None
     try:
-        current = _dir_times(root)
         row = db.execute("SELECT value FROM meta WHERE key='search_schema'").fetchone()
-        stored = {}
         if rebuild or not row or row[0] != _search_stamp():
             _fts_create(db)
-        else:
-            try:
-                stored = dict(db.execute("SELECT dir, mtime_ns FROM search_dirs"))
-            except Exception:
-                _fts_create(db)
-        if not stored:
-            _fts_build(db, root)
-        else:
-            changed = [d for d in _SEARCH_DIRS
-                       if current[d] is None or stored.get(d) != current[d]]
-            _fts_update(db, root, changed)
-        db.executemany("INSERT OR REPLACE INTO search_dirs VALUES (?, ?)",
-                       [(d, current[d]) for d in _SEARCH_DIRS])
+        _fts_update(db, root, *_fts_plan(db, root))
         db.execute("COMMIT")
     except BaseException:
         try:
@@ -7765,6 +7468,21 @@ def _fts_sync(db, root, rebuild=False):
         except Exception:
             pass
         raise
+
+
+def _fts_plan(db, root):
+    """(sidecar ids of changed or deleted episodes, [(rel, stamp, seen)] to index afresh)."""
+    stored = {p: (s, m, i, seen, ep) for p, s, m, i, seen, ep in db.execute(
+        "SELECT path, size, mtime_ns, ino, seen_ns, ep FROM search_episodes")}
+    gone, fresh, seen = [], [], time.time_ns()
+    for rel, _, st in _scan_episode_files(root):
+        old = stored.pop(rel, None)
+        if old and _unchanged(st, old[:3], old[3]):
+            continue
+        if old:
+            gone.append(old[4])
+        fresh.append((rel, st, seen))
+    return gone + [v[4] for v in stored.values()], fresh
 
 
 class _FtsWriter:
@@ -7781,14 +7499,14 @@ class _FtsWriter:
         self.eps, self.secs, self.fts = [], [], []
         self.files = 0
 
-    def add(self, root, rel, size, mtime_ns):
+    def add(self, root, rel, st, seen):
         try:
             doc = _search_document(root, rel, rel.startswith("archive/"))
         except OSError:
             return   # vanished between the listing and the read; the next search retries
         ep = self.next_ep
         self.next_ep += 1
-        self.eps.append((ep, rel, size, mtime_ns, doc["stem"], doc["kind"], doc["date"],
+        self.eps.append((ep, rel, st[0], st[1], st[2], seen, doc["stem"], doc["kind"], doc["date"],
                          doc["title"], int(doc["archived"]), _tag_field(doc["tags"]),
                          _tag_field(doc["supersedes"])))
         title = _cjk_rewrite(doc["title_text"])
@@ -7803,7 +7521,7 @@ class _FtsWriter:
 
     def flush(self):
         if self.eps:
-            self.db.executemany("INSERT INTO search_episodes VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            self.db.executemany("INSERT INTO search_episodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                                 self.eps)
         if self.secs:
             self.db.executemany("INSERT INTO search_sections VALUES (?,?,?,?,?)", self.secs)
@@ -7812,40 +7530,19 @@ class _FtsWriter:
         self.eps, self.secs, self.fts = [], [], []
 
 
-def _fts_build(db, root):
-    files = [f for d in _SEARCH_DIRS for f in _episode_files(root, d)]
-    progress = _Progress("building the search index", len(files))
-    writer = _FtsWriter(db)
-    for n, (rel, size, mtime_ns) in enumerate(files):
-        writer.add(root, rel, size, mtime_ns)
-        progress.update(n + 1)
-    writer.flush()
-    progress.done()
-
-
-def _fts_update(db, root, changed):
-    gone, fresh = [], []
-    for d in changed:
-        stored = {p: (s, m, ep) for p, s, m, ep in db.execute(
-            "SELECT path, size, mtime_ns, ep FROM search_episodes WHERE path > ? AND path < ?",
-            (d + "/", d + "0"))}
-        for rel, size, mtime_ns in _episode_files(root, d):
-            old = stored.pop(rel, None)
-            if old and old[0] == size and old[1] == mtime_ns:
-                continue
-            if old:
-                gone.append(old[2])
-            fresh.append((rel, size, mtime_ns))
-        gone += [v[2] for v in stored.values()]
+def _fts_update(db, root, gone, fresh):
+    first = db.execute("SELECT 1 FROM search_episodes LIMIT 1").fetchone() is None
     for ep in gone:
         db.execute("DELETE FROM search_fts WHERE rowid IN "
                    "(SELECT sid FROM search_sections WHERE ep = ?)", (ep,))
         db.execute("DELETE FROM search_sections WHERE ep = ?", (ep,))
         db.execute("DELETE FROM search_episodes WHERE ep = ?", (ep,))
     writer = _FtsWriter(db)
-    progress = _Progress("updating the search index", len(fresh)) if len(fresh) > 200 else None
-    for n, (rel, size, mtime_ns) in enumerate(fresh):
-        writer.add(root, rel, size, mtime_ns)
+    progress = _Progress("building the search index" if first else
+                         "updating the search index", len(fresh)) \
+        if first or len(fresh) > 200 else None
+    for n, (rel, st, seen) in enumerate(fresh):
+        writer.add(root, rel, st, seen)
         if progress is not None:
             progress.update(n + 1)
     writer.flush()
@@ -7960,7 +7657,7 @@ def _scan_candidates(root, terms, excluded):
     kept = []
     banned = set()
     superseded = {}
-    files = [f for d in _SEARCH_DIRS for f in _episode_files(root, d)]
+    files = _scan_episode_files(root)
     for n, (rel, _, _) in enumerate(files):
         if n % 64 == 0:
             _check_cancelled()
@@ -8125,20 +7822,15 @@ def _build_hits(root, chosen, info, superseded, terms, via):
 def _semantic_list(root, query, k, requested):
     """[(address, section, similarity)] from the optional semantic extra, or None.
 
-    The extra provides `_semantic_rank(root, query, k)`, returning that list best first, or
-    None when it has no vectors. semantic/hybrid insist on it; auto uses it when it answers."""
-    rank = globals().get("_semantic_rank")
+    `_semantic_rank(root, query, k)` returns that list best first, or None when it has no
+    vectors. semantic/hybrid insist on it; auto uses it when it answers."""
     if requested == "lexical":
         return None
     off = os.environ.get("MEMSHELF_SEMANTIC", "").strip().lower() in ("off", "0", "false", "no")
-    ranked = None
-    if rank is not None and not off:
-        ranked = rank(root, query, k)
+    ranked = None if off else _semantic_rank(root, query, k)
     if ranked is None and requested in ("semantic", "hybrid"):
-        raise _semantic_unavailable(requested, "the semantic extra is not installed"
-                                    if rank is None else "MEMSHELF_SEMANTIC is off" if off
-                                    else (globals().get("_SEMANTIC_MISS") or [None])[0]
-                                    or "the semantic index is not built")
+        raise _semantic_unavailable(requested, "MEMSHELF_SEMANTIC is off" if off
+                                    else _SEMANTIC_MISS[0] or "the semantic index is not built")
     return ranked
 
 
@@ -8210,8 +7902,6 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
     if not terms:
         raise _usage(f"the query {_excerpt(query)} has no word to search for",
                      "give at least one word that is not excluded with -")
-    if mode in ("semantic", "hybrid") and globals().get("_semantic_rank") is None:
-        raise _semantic_unavailable(mode, "the semantic extra is not installed")
     filters = _SearchFilters(kinds, tags, since, until, archive)
     found = None
     db = _fts_open(root)
@@ -8586,11 +8276,7 @@ def _semantic_meta(db):
 
 def _semantic_files(root):
     """(rel, archived, size, mtime_ns) of every episode file, as search indexes them."""
-    out = []
-    for directory in _SEARCH_DIRS:
-        for rel, size, mtime in _episode_files(root, directory):
-            out.append((rel, directory.startswith("archive/"), size, mtime))
-    return out
+    return [(rel, archived, st[0], st[1]) for rel, archived, st in _scan_episode_files(root)]
 
 
 def _semantic_text(doc, heading, body):
@@ -9512,7 +9198,6 @@ def _push_retry(root, git, remote, branch, result, report, first_words, amend):
         if written or deleted:
             git.commit(written + deleted, "rebuild: regenerate derived files", amend=amend,
                        config=(_NO_HOOKS,))
-        _after_write(root)
     result["commit"] = git.head()
     p = git.run("push", "-q", remote, f"HEAD:refs/heads/{branch}", check=False)
     if p.returncode != 0:
@@ -10176,7 +9861,6 @@ def _rollup_locked(root, a):
     finally:
         progress.done()
     if mode == "auto":
-        _after_write(root)
         result["index_tokens_after"] = _rollup_index_tokens(root)
     else:
         fresh = _render_derived(root, index_only=True)["files"].get("INDEX.md")
@@ -10301,8 +9985,6 @@ def _purge_locked(root, today, apply, autocommit):
         raise
     finally:
         progress.done()
-    if mode == "auto":
-        _after_write(root)
     result["deleted"] = [r["path"] for r in expired]
     result["summary"] = (f"purged {noun} past retain_until" +
                          (" · committed" if result["committed"] else "") +
@@ -11631,7 +11313,8 @@ def _checked_record(rec):
 
 
 class _DoctorFileCache:
-    """Per-file doctor results in the shelf cache, keyed by path, size, mtime and content hash."""
+    """Per-file doctor results in the shelf cache: trusted while the file is unchanged by the
+    one freshness rule (_unchanged), else while its content hash is the same."""
 
     def __init__(self, root, fingerprint, enabled):
         self.db = _cache_db(root) if enabled else None
@@ -11640,15 +11323,16 @@ class _DoctorFileCache:
         if self.db is None:
             return
         try:
-            self.db.execute("CREATE TABLE IF NOT EXISTS doctor_files(path TEXT PRIMARY KEY, "
-                            "size INTEGER, mtime_ns INTEGER, hash TEXT, findings TEXT)")
             row = self.db.execute("SELECT value FROM meta WHERE key='doctor_files'").fetchone()
             if row is None or row[0] != fingerprint:
                 # the rules, switches or code changed: every cached verdict is void
                 with self.db:
-                    self.db.execute("DELETE FROM doctor_files")
+                    self.db.execute("DROP TABLE IF EXISTS doctor_files")
                     self.db.execute("INSERT OR REPLACE INTO meta VALUES ('doctor_files', ?)",
                                     (fingerprint,))
+            self.db.execute("CREATE TABLE IF NOT EXISTS doctor_files(path TEXT PRIMARY KEY, "
+                            "size INTEGER, mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, "
+                            "hash TEXT, findings TEXT)")
         except Exception:
             self.close()
 
@@ -11657,19 +11341,22 @@ class _DoctorFileCache:
         when a file's stamp changed but its content may not have. Cached rows are read in path
         order beside the records, one at a time."""
         known, todo = {}, []
-        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, hash, findings "
+        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, hash, findings "
                                     "FROM doctor_files ORDER BY path")
         for rec, row in _beside(rows, sorted(records, key=lambda r: r["path"]),
                                 lambda r: r["path"], self.gone):
             findings = None
             if row is not None:
-                path, size, mtime_ns, digest, cached = row
-                if size == rec["size"] and mtime_ns == rec["mtime_ns"]:
+                path, size, mtime_ns, ino, seen, digest, cached = row
+                if _unchanged((rec["size"], rec["mtime_ns"], rec.get("ino")),
+                              (size, mtime_ns, ino), seen):
                     findings = _decode_findings(cached)
                 else:
+                    seen = time.time_ns()
                     data = read(rec)
                     if size == len(data) and digest == _content_hash(data):
-                        self.fresh.append((path, rec["size"], rec["mtime_ns"], digest, cached))
+                        self.fresh.append((path, rec["size"], rec["mtime_ns"], rec.get("ino"),
+                                           seen, digest, cached))
                         findings = _decode_findings(cached)
             if findings is None:
                 todo.append(rec)
@@ -11677,18 +11364,20 @@ class _DoctorFileCache:
                 known[rec["path"]] = findings
         return known, todo
 
-    def store(self, rec, digest, findings):
-        """Remember findings for rec; digest is _content_hash of the bytes checked."""
+    def store(self, rec, digest, findings, seen=None):
+        """Remember findings for rec; digest is _content_hash of the bytes checked, read after
+        `seen` (None: unknown, so only the content hash can vouch for the row later)."""
         if self.db is not None:
-            self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], digest,
-                               json.dumps(findings, ensure_ascii=False)))
+            self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], rec.get("ino"), seen,
+                               digest, json.dumps(findings, ensure_ascii=False)))
             if len(self.fresh) >= 1000:   # written in batches: memory stays flat on big shelves
                 self._flush()
 
     def _flush(self):
         try:
             with self.db:
-                self.db.executemany("INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?)",
+                self.db.executemany("INSERT OR REPLACE INTO doctor_files VALUES "
+                                    "(?, ?, ?, ?, ?, ?, ?)",
                                     self.fresh)
         except Exception:
             pass
@@ -11774,30 +11463,6 @@ def _index_entries(text, fmt):
     return entries
 
 
-# The lines that open or close a category section of an INDEX, and a compact entry line found
-# anywhere in a text: counting entries then takes no Python work per line.
-_INDEX_SECTION_EDGE = _re_lazy(r"^(?:(## )|# |---$)", re.M)
-_ENTRY_LINES = _re_lazy(r"^- (?:`[^`\n]+`|\S+)(?: \*\*.+?\*\*)?(?: — .*?)?"
-                        r"(?: \[superseded by [^\]\n]+\])?$", re.M)
-
-
-def _index_entry_count(text, fmt):
-    """len(_index_entries(text, fmt)), without building the entries or a list of the lines
-    (stats, advise, doctor; at 100,000 entries either would be tens of megabytes)."""
-    if fmt == "docshelf":
-        return len(_index_entries(text, fmt))
-    count, start = 0, None
-    for edge in _INDEX_SECTION_EDGE.finditer(text):
-        if start is not None:
-            count += sum(1 for _ in _ENTRY_LINES.finditer(text, start, edge.start()))
-        start = text.find("\n", edge.end()) + 1 if edge.group(1) else None
-        if start == 0:
-            start = None   # a heading on the last line: nothing follows it
-    if start is not None:
-        count += sum(1 for _ in _ENTRY_LINES.finditer(text, start))
-    return count
-
-
 # --- the recall log (doctor's check and stats' realized economy) ---------------------------
 
 def _recall_log_entries(root):
@@ -11822,23 +11487,6 @@ def _recall_log_entries(root):
         date = cells[3].strip() if len(cells) > 3 and _is_iso_date(cells[3].strip()) else None
         rows.append((cells[0], cells[1], int(cells[2].strip()), date))
     return rows, problems
-
-
-# A ledger row of six cells (its id captured), and the characters other than LF that
-# str.splitlines() also breaks lines at.
-_LEDGER_ROW_ID = _re_lazy(r"^[^\t\n]*\t([^\t\n]*)(?:\t[^\t\n]*){4}$", re.M)
-_OTHER_LINE_BREAKS = _re_lazy("[\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
-
-
-def _ledger_ids(root):
-    """The episode ids of ledger.tsv's rows, as _read_ledger finds them, in one regex pass."""
-    try:
-        text = _file_bytes(os.path.join(root, "ledger.tsv")).decode("utf-8", "replace")
-    except OSError:
-        return set()
-    if _OTHER_LINE_BREAKS.search(text):
-        return set(_read_ledger(root)[2])
-    return set(_LEDGER_ROW_ID.findall(text, text.find("\n") + 1 or len(text)))
 
 
 def _read_ledger(root):
@@ -12351,12 +11999,14 @@ class _DoctorRun:
         todo = later
 
         def check(rec):
+            seen = time.time_ns()
             data = _read_bytes(root, rec["path"])
-            return _episode_file_findings(rec, data, policy), _content_hash(data)
+            return _episode_file_findings(rec, data, policy), _content_hash(data), seen
 
-        for n, (findings, digest) in _parallel_map(check, todo, progress, "checking episodes"):
+        for n, (findings, digest, seen) in _parallel_map(check, todo, progress,
+                                                         "checking episodes"):
             rec = todo[n]
-            cache.store(rec, digest, findings)
+            cache.store(rec, digest, findings, seen)
             known[rec["path"]] = findings
         return known
 
@@ -12615,8 +12265,8 @@ class _DoctorRun:
                 if current is None:
                     out.append(_finding("stale-index", rel, f"{rel} is missing", fix, level))
                 elif current != rendered[rel].encode("utf-8", "surrogatepass"):
-                    have = _index_entry_count(current.decode("utf-8", "replace"), self.fmt)
-                    want = _index_entry_count(rendered[rel], self.fmt)
+                    have = len(_index_entries(current.decode("utf-8", "replace"), self.fmt))
+                    want = len(_index_entries(rendered[rel], self.fmt))
                     out.append(_finding("stale-index", rel,
                                         f"{rel} differs from a fresh render ({have} entries on "
                                         f"disk, {want} rendered)", fix, level))
@@ -13008,8 +12658,8 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
         index_text = ""
     fmt = _index_format(root)
     index_tokens = tokens(index_text)
-    index_entries = _index_entry_count(index_text, "docshelf" if fmt == "docshelf"
-                                       else "compact")
+    index_entries = len(_index_entries(index_text, "docshelf" if fmt == "docshelf"
+                                       else "compact"))
     digest_tokens = sum(r["digest_tokens"] for r in eps)
     claimed = [r for r in eps if r.get("approx_src") != "unmeasured"]
     unmeasured = [r for r in eps if r.get("approx_src") == "unmeasured"]
@@ -13041,7 +12691,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
                 recent += 1
     fetched_total = sum(row[2] for row in rows)
 
-    ledger_ids = _ledger_ids(root)
+    ledger_ids = set(_read_ledger(root)[2])
     lag = sum(1 for r in eps if r["id"] not in ledger_ids)
 
     result = {"status": "ok", "episodes": len(eps),
@@ -13308,7 +12958,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
         fresh = _render_derived(root, records=records, fmt=fmt,
                                 index_only=True)["files"].get("INDEX.md") or ""
         line_costs = _advise_index_lines(fresh, fmt)
-    listed = _index_entry_count(index_text, fmt) if index_text else 0
+    listed = len(_index_entries(index_text, fmt)) if index_text else 0
     allowance = sum(_INDEX_ALLOWANCE[fmt].values())
     index_budget = _INDEX_BASE_TOKENS + allowance * listed
     entry_tokens = round((index_tokens - _INDEX_BASE_TOKENS) / listed) if listed else 0
@@ -14783,7 +14433,6 @@ def prune_splits(shelf_path=None, apply=False, tracked=False):
                 rendered = _render_derived(root)
                 written, _, deleted = _write_derived(root, rendered["files"], rendered)
                 derived = written + deleted
-                _after_write(root)
             if gone:
                 commit = git.commit(gone + derived, "prune-splits: remove H2 split directories")
     for r in rows:
@@ -15072,7 +14721,7 @@ def _hook_session_start(root, payload):
     except (OSError, ShelfError):
         # a read-only or half-broken shelf still shows the INDEX file it has
         idx = {"index": _read_text(os.path.join(root, "INDEX.md")), "format": _index_format(root)}
-    totals, totals_key = _hook_totals(root, state)
+    totals = _shelf_totals(root)
     head = [_HOOK_HEADING, _banner_core(totals), f"Shelf: {root}", "", _HOOK_RULE]
     crumb = state.get("precompact") if isinstance(state.get("precompact"), dict) else None
     if source == "compact":
@@ -15082,12 +14731,10 @@ def _hook_session_start(root, payload):
             detail = f" ({crumb.get('trigger') or 'auto'} compaction" + \
                 (f" at {when})" if isinstance(when, str) and when else ")")
         head += ["", _HOOK_COMPACT_NOTE.format(detail=detail)]
-    cats = _index_units(idx["index"], idx.get("format"), cap)
+    cats = _index_units(idx["index"], idx.get("format"))
     ctx, shown = _fit_context(head, cats, idx.get("format") == "compact", cap)
     text = _session_start_json(ctx)
     updates = {"hook_sessions": _remember_session(state, session_id, start=time.time())}
-    if totals_key:
-        updates["hook_totals"] = {"key": totals_key, "totals": totals}
     if source == "compact" and crumb:
         updates["precompact"] = None
     _hook_save_state(root, **updates)
@@ -15117,25 +14764,12 @@ def _hook_index_cap(cfg):
     return _HOOK_INDEX_CHARS
 
 
-def _hook_totals(root, state):
-    """(totals, key to cache them under or None): the banner numbers, cached per render state."""
-    key = {"fingerprint": _dir_fingerprint(root), "window": _context_window(root)}
-    cached = state.get("hook_totals")
-    if isinstance(cached, dict) and cached.get("key") == key and \
-            isinstance(cached.get("totals"), dict):
-        return cached["totals"], None
-    return _shelf_totals(root, window=key["window"]), key
-
-
-def _index_units(text, fmt, cap=None):
+def _index_units(text, fmt):
     """INDEX without title, preamble and footer -> [[heading, [unit lines, ...]], ...].
 
     A unit is one entry: one line in the compact format; in the docshelf format a `- **…`
-    line or a `### ` block of a legacy split document. A compact INDEX with more entries than
-    `cap` characters could hold whole gets _CompactUnits, read from the end on demand.
+    line or a `### ` block of a legacy split document.
     """
-    if fmt == "compact" and cap is not None and 3 * _entry_count(text) > cap:
-        return _compact_units_from_the_end(text)
     lines = text.rstrip("\n").split("\n")
     start = next((i for i, l in enumerate(lines) if l.startswith("## ")), len(lines))
     end = len(lines)
@@ -15159,79 +14793,6 @@ def _index_units(text, fmt, cap=None):
         for body in units:
             while len(body) > 1 and not body[-1].strip():
                 body.pop()
-    return cats
-
-
-class _CompactUnits:
-    """The entries of one compact INDEX category, text[start:end] cut into lines, as a sequence
-    of one-line units found from the end only when asked for: a session start on 100,000
-    episodes shows the newest few dozen and never makes a line of the rest. Its lower bound on
-    the characters of all units (3 each: "- " and a line break) is all _fit_context needs to
-    know that they cannot fit whole."""
-
-    def __init__(self, text, start, end):
-        self.text, self.start, self.cursor = text, start, end
-        self.count = text.count("\n- ", start, end) + text.startswith("- ", start, end)
-        self.min_chars = 3 * self.count
-        self.newest = []   # unit lines found so far, the last one first
-
-    def __len__(self):
-        return self.count
-
-    def __getitem__(self, i):
-        if i < 0:
-            i += self.count
-        if not 0 <= i < self.count:
-            raise IndexError(i)
-        back = self.count - 1 - i
-        while len(self.newest) <= back and self.cursor >= self.start:
-            cut = self.text.rfind("\n", self.start, self.cursor)
-            line = self.text[cut + 1 if cut >= 0 else self.start:self.cursor]
-            self.cursor = cut if cut >= 0 else self.start - 1   # below start: all read
-            if line.startswith("- "):
-                self.newest.append(line)
-        return [self.newest[back]]
-
-    def __iter__(self):
-        for line in self.text[self.start:max(self.cursor, self.start)].split("\n"):
-            if line.startswith("- "):
-                yield [line]
-        for line in reversed(self.newest):
-            yield [line]
-
-
-def _compact_units_from_the_end(text):
-    """_index_units of a compact INDEX, its categories as _CompactUnits: the same headings and
-    the same units as the line-by-line reading, without splitting the text."""
-    n = len(text)
-    while n and text[n - 1] == "\n":
-        n -= 1
-    if text.startswith("## "):
-        first = 0
-    else:
-        first = text.find("\n## ", 0, n) + 1
-        if not first:
-            return []   # no heading: no category
-    stop, hi = n, n   # the footer: the last line that is exactly "---" after the first heading
-    while True:
-        at = text.rfind("---", first, hi)
-        if at < 0:
-            break
-        if text[at - 1] == "\n" and (at + 3 == n or text[at + 3] == "\n"):
-            stop = at
-            break
-        hi = at + 2   # an overlapping "---" may start one character earlier
-    last = stop - 1 if stop < n else n   # the units end before the footer's line break
-    cats, head = [], first
-    while head >= 0:
-        following = text.find("\n## ", head, last)
-        line_end = text.find("\n", head, last)
-        if line_end < 0:
-            line_end = last
-        units_end = following if following >= 0 else last
-        cats.append([text[head:line_end],
-                     _CompactUnits(text, min(line_end + 1, units_end), units_end)])
-        head = following + 1 if following >= 0 else -1
     return cats
 
 
@@ -15320,8 +14881,7 @@ def _fit_context(head, cats, compact, cap):
     def cost(text):
         return overhead + len(json.dumps(text, ensure_ascii=False)) - 2
 
-    raw = sum(units.min_chars if isinstance(units, _CompactUnits) else
-              sum(len(l) + 1 for body in units for l in body) for _, units in cats)
+    raw = sum(len(l) + 1 for _, units in cats for body in units for l in body)
     if raw + sum(len(l) for l in head) <= cap:
         full = compose(None, 0)
         if cost(full) <= cap:
@@ -15517,7 +15077,6 @@ def _hook_git_regenerate(shelf_path):
         written, _, deleted = _write_derived(root, rendered["files"], rendered)
         if written or deleted:
             git.commit(written + deleted, "rebuild: regenerate derived files after merge")
-        _after_write(root)
     return {"status": "ok", "text": ""}
 
 

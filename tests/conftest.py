@@ -122,3 +122,16 @@ def chart_rows(ledger):
         except (IndexError, ValueError):
             continue
     return rows
+
+
+def age_files(root, seconds=30):
+    """Put every shelf file `seconds` in the past. A file written within the file system's
+    timestamp granularity of a read could change again without its stamp moving, so nothing
+    read from it is remembered (shelf-format.md § 6.3); tests that check what is remembered
+    age the files first, as any shelf ages between sessions."""
+    import time
+    past = time.time() - seconds
+    for dirpath, dirnames, names in os.walk(str(root)):
+        dirnames[:] = [d for d in dirnames if d not in (".git", ".memshelf")]
+        for name in names:
+            os.utime(os.path.join(dirpath, name), (past, past))

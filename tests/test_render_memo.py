@@ -11,6 +11,8 @@ import shutil
 
 import pytest
 
+from conftest import age_files
+
 EPISODES = [
     ("2026-03-01-cache-layer", "Mira chose a write-through cache for the billing reads. "
      "Open: eviction metrics."),
@@ -27,6 +29,7 @@ def filled(plain_shelf, cli):
         r = cli("shelve", "--shelf", plain_shelf, "--slug", slug, "--kind", "topic",
                 "--digest", digest, "--section", "Decisions=- Chosen as the digest says.")
         assert r.code == 0, r
+    age_files(plain_shelf)
     return plain_shelf
 
 
@@ -60,6 +63,7 @@ def test_a_render_on_a_dropped_cache_is_remembered_like_any_other(filled, cli):
     (filled / "docs" / "topics" / "2026-03-09-split").mkdir()   # a split folder counts too
     (filled / "docs" / "topics" / "2026-03-09-split.md").write_text(
         "---\nid: 2026-03-09-split\nkind: topic\n---\n\n## Digest\nSplit. Open: none.\n")
+    age_files(filled)
     first = rebuild(cli, filled)
     for workers in ("1", "2"):
         shutil.rmtree(filled / ".memshelf")

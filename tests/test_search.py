@@ -399,7 +399,9 @@ def test_reindex_sees_edits_in_place(tmp_path):
     with open(path, "w", encoding="utf-8") as f:     # in place: the directory time stays
         f.write(text.replace("rotate every 30 days", "renew quarterly"))
     age_dirs(root)
-    assert ids(search(root, "quarterly")) == []                    # the fast path trusts dirs
+    # the file's own stamp moved: no directory time may hide it (shelf-format.md § 6.3)
+    assert ids(search(root, "quarterly"))[0] == "2026-02-10-auth-refactor"
+    assert ids(search(root, "rotate")) != ["2026-02-10-auth-refactor"]
     assert ids(search(root, "quarterly", reindex=True))[0] == "2026-02-10-auth-refactor"
     assert ids(search(root, "quarterly"))[0] == "2026-02-10-auth-refactor"
 

@@ -234,35 +234,3 @@ def test_interop_fixture_numbers(tmp_path):
     assert r["recalls_30d"] == 0 and r["ledger_lag"] == 0
     assert r["banner"] == ("memshelf: 7 episodes · standing 724 tok · holds ~139K est. "
                            "(203.2:1) · 1 unmeasured · realized saved 59K")
-
-
-def test_index_entry_count_matches_the_entry_parser():
-    """stats, advise and doctor count INDEX entries with one regex pass; it agrees with the
-    line-by-line entry parser on every arrangement of headings, footers and entry shapes."""
-    import random
-    import memshelf
-    rnd = random.Random(5)
-    lines = ["## Topics", "## ", "# Name", "---", "----", "- a — b", "### h", "- ", "-  a",
-             "- `a b` **t** — d [superseded by x]", "- a b", "- a\r", "- `a", "b`", "",
-             "- a [superseded by b", "- a **t**", "- a — ", "text", " - a", "- 中文 — 说明",
-             "- a — d [superseded by x, y]", "## Sessions ", "#  x"]
-    for _ in range(20000):
-        text = "\n".join(rnd.choice(lines) for _ in range(rnd.randint(0, 15)))
-        text += "\n" if rnd.random() < 0.5 else ""
-        assert memshelf._index_entry_count(text, "compact") == \
-            len(memshelf._index_entries(text, "compact")), repr(text)
-
-
-def test_ledger_ids_match_the_ledger_reader(tmp_path):
-    """stats reads ledger ids in one regex pass; it agrees with the validating reader,
-    including rows of the wrong width and line breaks other than LF."""
-    import random
-    import memshelf
-    rnd = random.Random(9)
-    cells = ["2024-01-01", "a", "", "live", "12", "x\ty", "中", "\r", "\u2028", "b c"]
-    for _ in range(3000):
-        lines = ["\t".join(memshelf._LEDGER_COLUMNS)] if rnd.random() < 0.8 else []
-        lines += ["\t".join(rnd.choice(cells) for _ in range(rnd.choice([5, 6, 6, 7])))
-                  for _ in range(rnd.randint(0, 6))]
-        (tmp_path / "ledger.tsv").write_bytes(("\n".join(lines) + "\n").encode("utf-8"))
-        assert memshelf._ledger_ids(str(tmp_path)) == set(memshelf._read_ledger(str(tmp_path))[2])

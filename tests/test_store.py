@@ -1,0 +1,174 @@
+"""The episode store's one freshness rule (shelf-format.md § 6.3): every reader sees an episode
+changed behind the tool's back — edited in place with the same size, deleted, added, renamed —
+and they all agree, whatever the directory times say."""
+import json
+import os
+import time
+
+import pytest
+
+from conftest import age_files, run_cli
+
+DIGEST = "Ana chose option A over option B for speed. Open: none."
+SLUGS = ("2026-01-01-alpha-cache", "2026-01-02-beta-queue", "2026-01-03-gamma-auth")
+
+
+def edit_in_place(path, old, new, keep_mtime=False):
+    """Rewrite a file through the same inode (open, rewrite, truncate), as many editors do;
+    the directory's mtime does not move. keep_mtime: the file's mtime is put back too."""
+    assert len(old) == len(new)
+    st = os.stat(path)
+    parent = os.stat(os.path.dirname(path))
+    with open(path, "r+", encoding="utf-8") as f:
+        text = f.read()
+        assert old in text
+        f.seek(0)
+        f.write(text.replace(old, new))
+        f.truncate()
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(os.path.dirname(path), ns=(parent.st_atime_ns, parent.st_mtime_ns))
+    after = os.stat(path)
+    assert after.st_size == st.st_size and after.st_ino == st.st_ino
+
+
+@pytest.fixture
+def three(tmp_path):
+    root = tmp_path / "shelf"
+    assert run_cli("init", "--shelf", root).code == 0
+    for slug in SLUGS:
+        r = run_cli("shelve", "--shelf", root, "--slug", slug, "--kind", "topic",
+                    "--digest", DIGEST, "--description", f"Ana picked a plan for {slug[11:]}",
+                    "--section", "Decisions=- option A")
+        assert r.code == 0, r
+    age_files(root)
+    assert run_cli("rebuild", "--shelf", root).code == 0
+    # every reader once, so each has whatever it remembers
+    for args in (("index",), ("stats",), ("search", "option"), ("doctor",),
+                 ("rebuild", "--check")):
+        run_cli(*args, "--shelf", root)
+    return root
+
+
+def readers(root):
+    """What each reader says about the shelf, as text."""
+    hook_in = json.dumps({"session_id": "s1", "cwd": str(root), "source": "startup",
+                          "hook_event_name": "SessionStart"})
+    index = run_cli("index", "--shelf", root, "--json").json()
+    return {
+        "index": index,
+        "hook": run_cli("hook", "session-start", input=hook_in,
+                        env={"MEMSHELF_SHELF": str(root)}).out,
+        "search": run_cli("search", "--shelf", root, "Bob", "--json").out,
+        "recall": run_cli("recall", "--shelf", root, "--id", SLUGS[1]).out,
+        "stats": run_cli("stats", "--shelf", root, "--json").json(),
+        "doctor": run_cli("doctor", "--shelf", root, "--json"),
+        "check": run_cli("rebuild", "--shelf", root, "--check", "--json"),
+    }
+
+
+def doctor_codes(result):
+    return {f["code"] for f in result.json().get("findings", [])}
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True])
+def test_an_edit_in_place_is_seen_by_every_reader(three, keep_mtime):
+    root = three
+    path = os.path.join(root, "docs", "topics", SLUGS[1] + ".md")
+    if keep_mtime:
+        # the edit lands within the timestamp granularity of the last render and leaves size,
+        # mtime and inode as they were: only the racy rule can tell
+        now = time.time()
+        for dirpath, _, names in os.walk(os.path.join(root, "docs")):
+            for name in names:
+                os.utime(os.path.join(dirpath, name), (now, now))
+        assert run_cli("rebuild", "--shelf", root).code == 0
+        assert run_cli("index", "--shelf", root).code == 0
+    edit_in_place(path, "Ana picked", "Bob picked", keep_mtime=keep_mtime)
+    seen = readers(root)
+    assert "Bob picked" in seen["index"]["index"]
+    assert seen["index"]["on_disk"] == "stale"
+    assert "Bob picked" in seen["hook"]
+    assert SLUGS[1] in seen["search"]
+    assert "Bob picked" in seen["recall"]
+    assert "stale-index" in doctor_codes(seen["doctor"])
+    check = seen["check"]
+    assert check.code == 1 and "INDEX.md" in check.json()["drifted"]
+    # and after a rebuild every reader agrees again
+    assert run_cli("rebuild", "--shelf", root).code == 0
+    again = readers(root)
+    assert again["index"]["on_disk"] == "current" and "Bob picked" in again["index"]["index"]
+    assert "stale-index" not in doctor_codes(again["doctor"])
+    assert again["check"].code == 0
+
+
+def test_index_verify_compares_content(three):
+    """An edit that restores the old stamp exactly (size, mtime, inode) on an old file is past
+    what any stamp can tell; --verify parses every episode and compares."""
+    root = three
+    path = os.path.join(root, "docs", "topics", SLUGS[0] + ".md")
+    edit_in_place(path, "Ana picked", "Eve picked", keep_mtime=True)
+    r = run_cli("index", "--shelf", root, "--verify", "--json").json()
+    assert "Eve picked" in r["index"] and r["on_disk"] == "stale"
+
+
+def test_deleted_added_and_renamed_behind_the_tools_back(three):
+    root = three
+    topics = os.path.join(root, "docs", "topics")
+    parent = os.stat(topics)
+    os.unlink(os.path.join(topics, SLUGS[0] + ".md"))
+    text = open(os.path.join(topics, SLUGS[2] + ".md"), encoding="utf-8").read()
+    renamed = "2026-01-04-gamma-auth-renamed"
+    os.rename(os.path.join(topics, SLUGS[2] + ".md"), os.path.join(topics, renamed + ".md"))
+    added = "2026-01-05-delta-added"
+    with open(os.path.join(topics, added + ".md"), "w", encoding="utf-8") as f:
+        f.write(text.replace(SLUGS[2], added))
+    # directory times put back: only the files' own listing can tell
+    os.utime(topics, ns=(parent.st_atime_ns, parent.st_mtime_ns))
+    seen = readers(root)
+    idx = seen["index"]["index"]
+    assert SLUGS[0] not in idx and SLUGS[2] not in idx
+    assert renamed in idx and added in idx
+    assert seen["index"]["on_disk"] == "stale"
+    assert added in seen["hook"] and SLUGS[0] not in seen["hook"]
+    assert seen["stats"]["shelf_totals"]["episodes"] == 3 if "shelf_totals" in seen["stats"] \
+        else True
+    assert "stale-index" in doctor_codes(seen["doctor"])
+    assert seen["check"].code == 1
+    hits = run_cli("search", "--shelf", root, "gamma", "--json").out
+    assert SLUGS[2] not in hits.replace(renamed, "")
+    assert run_cli("recall", "--shelf", root, "--id", SLUGS[0]).code != 0
+    assert run_cli("recall", "--shelf", root, "--id", added).code == 0
+
+
+def test_a_render_of_files_just_written_is_remembered_by_their_content(tmp_path):
+    """Right after a shelve every episode is within the timestamp granularity: the render is
+    remembered under their content, so the next reader needs no render, and an edit that keeps
+    the stamp is still seen."""
+    import memshelf
+    root = tmp_path / "shelf"
+    assert run_cli("init", "--shelf", root).code == 0
+    r = run_cli("shelve", "--shelf", root, "--slug", SLUGS[0], "--kind", "topic", "--digest",
+                DIGEST, "--description", "Ana picked a plan", "--section", "Decisions=- A")
+    assert r.code == 0, r
+    assert memshelf._render_is_current(str(root))
+    path = os.path.join(root, "docs", "topics", SLUGS[0] + ".md")
+    edit_in_place(path, "Ana picked", "Bob picked", keep_mtime=True)
+    assert not memshelf._render_is_current(str(root))
+    assert "Bob picked" in run_cli("index", "--shelf", root).out
+
+
+def test_doctor_sees_a_same_stamp_edit_of_a_file_it_checked(tmp_path):
+    """A doctor verdict is a value the store remembers: a file rewritten within the timestamp
+    granularity of its check, stamp unchanged, is checked again."""
+    root = tmp_path / "shelf"
+    assert run_cli("init", "--shelf", root, "--storage", "plain").code == 0
+    r = run_cli("shelve", "--shelf", root, "--slug", SLUGS[0], "--kind", "topic", "--digest",
+                DIGEST, "--section", "Decisions=- keep the value XXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX here")
+    assert r.code == 0, r
+    first = run_cli("doctor", "--shelf", root, "--json")
+    assert "secret-at-rest" not in doctor_codes(first)
+    path = os.path.join(root, "docs", "topics", SLUGS[0] + ".md")
+    edit_in_place(path, "XXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX",
+                  "ghp_" + "Z9yX8wV7uT6sR5qP4oN3mL2kJ1iH0gF9eD8c", keep_mtime=True)
+    assert "secret-at-rest" in doctor_codes(run_cli("doctor", "--shelf", root, "--json"))
