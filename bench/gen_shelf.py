@@ -571,8 +571,12 @@ def generate(out, n=1000, seed=1, raw_kb=6.4, git=False, fmt="compact", queries_
     for p in plans:
         text = _episode(p, rng, pool, raw_kb * 1024, tickets, ids).encode("utf-8")
         total += len(text)
-        with open(os.path.join(out, "docs", dirs[p.kind], p.slug + ".md"), "wb") as f:
+        path = os.path.join(out, "docs", dirs[p.kind], p.slug + ".md")
+        with open(path, "wb") as f:
             f.write(text)
+        # a real shelf's episodes were written over its two years, not in the same second
+        noon = datetime.datetime.combine(p.day, datetime.time(12), datetime.timezone.utc)
+        os.utime(path, (noon.timestamp(), noon.timestamp()))
     t_write = time.perf_counter()
     _run([python, os.path.join(code_dir, "memshelf.py"), "rebuild", "--shelf", out, "--quiet"],
          env=GIT_ENV)

@@ -55,8 +55,9 @@ SHELVE_DIGEST = ("Bench Runner chose a fixed layout for run {k} of the shelve ca
 CASES = [
     ("version", "`--version`, cold, console script"),
     ("index", "`index`, cold, INDEX current (fast path)"),
-    ("index-script", "`python3 memshelf.py index`, cold, script mode"),
+    ("index-script", "`python3 memshelf.py index`, cold, script mode (0.4.0: its console script)"),
     ("recall-section", "`recall --section`, cold CLI"),
+    ("recall-script", "`python3 memshelf.py recall --section`, script mode (0.4.0: console)"),
     ("stats", "`stats`, cold CLI"),
     ("hook-session-start", "`hook session-start`, cold"),
     ("rebuild-empty", "`rebuild`, cold, empty cache"),
@@ -72,17 +73,19 @@ CASES = [
     ("search-incremental", "search after one new episode, in-process"),
     ("shelve-auto", "`shelve`, derived: auto, cold CLI, git"),
     ("shelve-bot", "`shelve`, derived: bot, cold CLI, episode-only commit"),
+    ("shelve-script", "`python3 memshelf.py shelve`, derived: auto, script mode (0.4.0: console)"),
     ("retrieval", "lexical hit@5 / MRR per query label"),
     ("tokens", "token economy (§ 4)"),
 ]
 CASE_NAMES = [c[0] for c in CASES]
 CASE_GROUPS = {
-    "cold": ["version", "index", "index-script", "recall-section", "stats", "hook-session-start",
-             "rebuild-empty", "rebuild-warm", "rebuild-check", "doctor-empty", "doctor-warm",
-             "search-build", "search", "shelve-auto", "shelve-bot"],
+    "cold": ["version", "index", "index-script", "recall-section", "recall-script", "stats",
+             "hook-session-start", "rebuild-empty", "rebuild-warm", "rebuild-check",
+             "doctor-empty", "doctor-warm", "search-build", "search", "shelve-auto",
+             "shelve-bot", "shelve-script"],
     "mcp": ["mcp-initialize", "mcp-recall", "mcp-search"],
     "search": ["search-build", "search", "mcp-search", "search-incremental", "retrieval"],
-    "write": ["shelve-auto", "shelve-bot"],
+    "write": ["shelve-auto", "shelve-bot", "shelve-script"],
 }
 HEAVY = {"rebuild-empty", "doctor-empty", "search-build"}
 MEMORY_CASES = ("rebuild-empty", "rebuild-warm", "doctor-empty", "doctor-warm", "search-build")
@@ -299,10 +302,16 @@ class Impl:
     def argv(self, verb, shelf, **kw):
         """The CLI argv for a verb, or None when the implementation has no such verb."""
         base = list(self.console)
+        if verb.endswith("-script"):
+            # ours compiled on every call (python3 memshelf.py); 0.4.0 has only its console
+            # script, which is what a user of it runs
+            verb = verb[:-len("-script")]
+            if not self.ref:
+                if self.script is None:
+                    return None
+                base = list(self.script)
         if verb == "version":
             return base + ["--version"]
-        if verb == "index-script":
-            return None if self.script is None else list(self.script) + ["index", "--shelf", shelf]
         if verb == "index":
             return base + ["index", "--shelf", shelf]
         if verb == "recall":
@@ -867,6 +876,10 @@ class Bench:
         return self._cold(ctx, "recall-section", "recall", episode=ctx["episode"],
                           section="Decisions")
 
+    def case_recall_script(self, ctx):
+        return self._cold(ctx, "recall-script", "recall-script", episode=ctx["episode"],
+                          section="Decisions")
+
     def case_stats(self, ctx):
         return self._cold(ctx, "stats", "stats")
 
@@ -912,16 +925,16 @@ class Bench:
     def case_search(self, ctx):
         return self._cold(ctx, "search", "search", query=ctx["keyword_qs"][0])
 
-    def _shelve(self, ctx, case, mode):
+    def _shelve(self, ctx, case, mode, verb="shelve"):
         impl, shelf = ctx["impl"], ctx["shelf"]
         cfg = os.path.join(shelf, "memshelf.json")
         if not impl.ref:
             with open(cfg, "w") as f:
                 f.write(json.dumps({"derived": mode}, indent=2) + "\n")
-        tag = "a" if mode == "auto" else "b"
+        tag = {"shelve-auto": "a", "shelve-bot": "b"}.get(case, "s")
 
         def argv(k):
-            return impl.argv("shelve", shelf, slug=f"2026-01-15-bench-{tag}-{impl.key}-{k}",
+            return impl.argv(verb, shelf, slug=f"2026-01-15-bench-{tag}-{impl.key}-{k}",
                              digest=SHELVE_DIGEST.format(k=k))
         res = self.cold(ctx, case, argv)
         if res["status"] == "ok":
@@ -933,6 +946,9 @@ class Bench:
 
     def case_shelve_bot(self, ctx):
         return self._shelve(ctx, "shelve-bot", "bot")
+
+    def case_shelve_script(self, ctx):
+        return self._shelve(ctx, "shelve-script", "auto", "shelve-script")
 
     # --- in-process and MCP cases ----------------------------------------------------------
 
