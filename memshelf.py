@@ -642,8 +642,10 @@ def _shelf_join(root, *parts):
     real = os.path.realpath(path)
     base = os.path.realpath(root)
     if real != base and not real.startswith(base + os.sep):
-        raise ShelfError("id-invalid", f"{'/'.join(parts)} resolves outside the shelf",
-                         "use a name inside the shelf")
+        # only a symlink inside the shelf gets here (parts hold no separator): a refusal
+        raise ShelfError("io-error", f"{'/'.join(parts)} resolves outside the shelf through "
+                         "a symlink", "replace the link with a folder or file of the shelf",
+                         {"path": "/".join(parts)})
     rel = os.path.relpath(real, base).replace(os.sep, "/")
     if rel == ".git" or rel.startswith(".git/"):
         raise ShelfError("id-invalid", "refusing to touch .git", "use a name inside the shelf")
@@ -5529,6 +5531,12 @@ def _share_values(rec):
     return rec
 
 
+def _linked(root, rel):
+    """Whether rel (shelf-relative) or a folder on its way is a symlink: never followed."""
+    parts = rel.split("/")
+    return any(os.path.islink(os.path.join(root, *parts[:i])) for i in range(1, len(parts) + 1))
+
+
 def _scan_episode_files(root, archive=True, subdirs=None, stat=True):
     """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps.
 
@@ -5541,7 +5549,7 @@ def _scan_episode_files(root, archive=True, subdirs=None, stat=True):
         for cat in CATEGORIES:
             d = os.path.join(root, base, cat)
             try:
-                entries = list(os.scandir(d))
+                entries = [] if _linked(root, f"{base}/{cat}") else list(os.scandir(d))
             except OSError:
                 continue
             prefix = f"{base}/{cat}/"
@@ -5673,8 +5681,7 @@ def _find_episode_path(root, key, archive=True):
     for base, archived in bases:
         for cat in CATEGORIES:
             rel = f"{base}/{cat}/{key}.md"
-            path = os.path.join(root, rel)
-            if os.path.isfile(path) and not os.path.islink(path):
+            if os.path.isfile(os.path.join(root, rel)) and not _linked(root, rel):
                 return rel, archived
     return None, None
 
@@ -6846,7 +6853,7 @@ def _render_records(root, records, fmt, index_only, key):
         metas = {}
         for cat in CATEGORIES:
             if not os.path.isdir(os.path.join(root, base, cat)) or \
-                    (index_only and fmt != "docshelf"):
+                    _linked(root, f"{base}/{cat}") or (index_only and fmt != "docshelf"):
                 continue
             text, w = _render_meta([r for r in recs if r["category"] == cat])
             warnings += w
@@ -6895,7 +6902,8 @@ def _render_key_of(root, fmt, scanned, subdirs):
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for base in ("docs", "archive/docs"):
         for cat in CATEGORIES:
-            parts.append(f"{base}/{cat}\0{os.path.isdir(os.path.join(root, base, cat))}")
+            rel = f"{base}/{cat}"
+            parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += [f"{rel}\0{st.st_size}\0{st.st_mtime_ns}" for rel, _, st in scanned]
     return hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
@@ -7032,7 +7040,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     for base in ("docs", "archive/docs"):
         for cat in CATEGORIES:
             rel = f"{base}/{cat}/.meta.json"
-            if rel not in files and os.path.exists(os.path.join(root, rel)):
+            if rel not in files and os.path.exists(os.path.join(root, rel)) and \
+                    not _linked(root, rel):
                 files[rel] = None
     if "stats.svg" not in files and os.path.exists(os.path.join(root, "stats.svg")):
         files["stats.svg"] = None
@@ -7541,7 +7550,8 @@ def _episode_files(root, directory):
     """(rel, size, mtime_ns) of one category directory's episode files, as _Catalog sees them."""
     found = []
     try:
-        entries = list(os.scandir(os.path.join(root, directory)))
+        entries = [] if _linked(root, directory) else \
+            list(os.scandir(os.path.join(root, directory)))
     except OSError:
         return found
     for e in entries:
@@ -12515,8 +12525,8 @@ class _DoctorRun:
             if "D" in state:
                 continue
             rel = name[len(prefix):] if prefix and name.startswith(prefix) else name
-            if not _EPISODE_REL.match(rel):
-                continue
+            if not _EPISODE_REL.match(rel) or _linked(self.root, rel):
+                continue   # a link is symlink-ignored, never an episode
             what = "untracked" if state == "??" else "modified or staged"
             out.append(_finding("uncommitted-episode", rel,
                                 f"{what} since the last commit",
