@@ -448,6 +448,8 @@ def _atomic_write(path, data):
     if os.path.islink(path):
         raise ShelfError("io-error", f"refusing to write through a symlink: {path}",
                          "replace the link with a regular file", {"path": path})
+    if os.path.isdir(path):
+        raise _io_error(IsADirectoryError(21, "Is a directory", path))
     tmp = os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -5675,6 +5677,16 @@ def _save_state(root, **updates):
         pass
 
 
+def _episode_text(root, rel):
+    """An episode file's text (BOM dropped); a NUL byte refuses it, so none is ever printed."""
+    text = _read_text(os.path.join(root, rel)).lstrip("\ufeff")
+    if "\x00" in text:
+        raise ShelfError("episode-invalid", f"{rel} holds a NUL byte (character "
+                         f"{text.index(chr(0))})", "remove the byte and amend the episode "
+                         "(memshelf doctor lists it as episode-binary)", {"path": rel})
+    return text
+
+
 def _find_episode_path(root, key, archive=True):
     """Direct lookups first (no scan): docs/<cat>/<key>.md, then archive/docs/<cat>/<key>.md."""
     bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
@@ -6439,7 +6451,7 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
                              "pass a section heading as the outline lists it")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     rel, archived = _resolve_episode(root, episode_id)
-    text = _read_text(os.path.join(root, rel)).lstrip("\ufeff").replace("\r\n", "\n")
+    text = _episode_text(root, rel).replace("\r\n", "\n")
     try:
         fields, body = parse_frontmatter(text)
     except FrontmatterError:
@@ -7497,7 +7509,7 @@ def _fts_expression(terms, any_word):
 def _search_document(root, rel, archived):
     """An episode file -> its metadata and sections, as both engines index it."""
     with open(os.path.join(root, rel), "rb") as f:
-        text = f.read().decode("utf-8", "replace")
+        text = f.read().decode("utf-8", "replace").replace("\x00", "\ufffd")   # never printed raw
     if text.startswith("\ufeff"):
         text = text[1:]
     if "\r" in text:
@@ -11166,6 +11178,9 @@ _DOCTOR_CODES = {
     "symlink-ignored": ("warning", "structure",
                         "replace the link with the file itself; memshelf never follows it"),
     "leftover-temp-file": ("info", "structure", "memshelf rebuild removes it"),
+    "derived-not-file": ("error", "derived",
+                         "move it out of the shelf (a generated file belongs there), then "
+                         "memshelf rebuild"),
     # 3. POLICY.patterns
     "no-policy": ("info", "config", "memshelf init writes one"),
     "policy-pattern-invalid": ("warning", "config",
@@ -11198,6 +11213,12 @@ _DOCTOR_CODES = {
     "supersedes-unknown": ("warning", "format", "correct the id in supersedes"),
     "episode-large": ("info", "format",
                       "recall it by section; consider trimming its Raw excerpts"),
+    "episode-binary": ("error", "format",
+                       "remove the bytes or restore the last good copy from git, then amend "
+                       "it: memshelf shelve --amend --file <path> (views skip it until then)"),
+    "episode-oversize": ("error", "format",
+                         "trim it under 8 MiB (move raw material out of the shelf) or split it; "
+                         "shelve refuses larger episodes"),
     # 5. episodes: content
     "digest-empty": ("error", "content",
                      "write the digest, then amend: memshelf shelve --amend --file <path>"),
@@ -11272,7 +11293,7 @@ _DOCTOR_CODES = {
 _DOCTOR_LEVELS = ("error", "warning", "info", "unknown")
 _DOCTOR_RANK = {"info": 0, "warning": 1, "error": 2, "unknown": 0}
 _DOCTOR_STALE_HOURS = 24.0
-_DOCTOR_CACHE_SCHEMA = "1"   # bump when a per-file check changes, so cached verdicts are redone
+_DOCTOR_CACHE_SCHEMA = "2"   # bump when a per-file check changes, so cached verdicts are redone
 _INDEX_BASE_TOKENS = 200
 _INDEX_ALLOWANCE = {"compact": {"key": 10, "title": 20, "description": 30, "markup": 4},
                     "docshelf": {"title": 20, "link": 27, "description": 30, "markup": 3}}
@@ -11555,6 +11576,10 @@ def _content_findings(rec, parsed, policy):
 def _episode_file_findings(rec, data, policy, parsed=None):
     """Every finding one episode file yields by itself: format, then content. `parsed` is
     the file's _EpisodeText from the read that made rec; without it, data is parsed again."""
+    path, error = rec["path"], rec.get("fm_error") or ""
+    if len(data) > _EPISODE_MAX_BYTES:   # nothing more is read of it: shelve would refuse it
+        return [_finding("episode-oversize", path, f"the file is {len(data) / 1048576:.1f} MiB, "
+                         "over the 8 MiB a shelve writes")]
     if parsed is None:
         text = _normalised(data.decode("utf-8", "replace"))
         body = text
@@ -11569,6 +11594,13 @@ def _episode_file_findings(rec, data, policy, parsed=None):
         parsed = _EpisodeText(text, body, *_split_sections(body))
     # the body is the text's tail: the frontmatter block (with any H1) is what precedes it
     body_start = len(parsed.text) - len(parsed.body)
+    nul = data.find(b"\x00")
+    if nul >= 0 or error.startswith("encoding"):
+        # the damage replaces the format findings it causes; the content is still checked
+        return [_finding("episode-binary", path, f"a NUL byte (byte {nul})" if nul >= 0 else
+                         error.split(": ", 1)[1], _with_path(_DOCTOR_CODES["episode-binary"][2],
+                                                             path))] + \
+            _content_findings(rec, parsed, policy)
     return _format_findings(rec, parsed.text, body_start) + _content_findings(rec, parsed, policy)
 
 
@@ -12147,7 +12179,7 @@ class _DoctorRun:
                         if e.name.endswith(".md") or os.path.isdir(e.path):
                             out.append(_finding("symlink-ignored", f"{rel_dir}/{e.name}",
                                                 "a symlinked episode file or directory"))
-                    elif e.is_dir():
+                    elif e.is_dir() and e.name != ".meta.json":   # that is derived-not-file
                         subdirs.append(e.name)
                 for sub in sorted(subdirs):
                     rel = f"{rel_dir}/{sub}"
@@ -12162,12 +12194,19 @@ class _DoctorRun:
         for rel in _leftover_temps(root):
             out.append(_finding("leftover-temp-file", rel,
                                 "a temp file left by an interrupted write"))
+        for rel in ("INDEX.md", "ledger.tsv", "stats.svg", "archive/INDEX.md") + tuple(
+                f"{b}/{cat}/.meta.json" for b in ("docs", "archive/docs") for cat in CATEGORIES):
+            path = os.path.join(root, rel)
+            if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)) and \
+                    not _linked(root, os.path.dirname(rel)):
+                out.append(_finding("derived-not-file", rel, "a directory, link or other "
+                                    "non-regular file where a generated file belongs"))
         return out
 
     def meta_file(self, rel_dir, names):
-        if ".meta.json" not in names:
-            return []
         rel = f"{rel_dir}/.meta.json"
+        if ".meta.json" not in names or not os.path.isfile(os.path.join(self.root, rel)):
+            return []   # a directory there is derived-not-file
         try:
             with open(os.path.join(self.root, rel), encoding="utf-8") as f:
                 data = json.load(f)
@@ -12242,8 +12281,9 @@ class _DoctorRun:
 
     def ledger(self):
         text, problems, ids = _read_ledger(self.root)
-        if text is None:
-            return [_finding("no-ledger", "ledger.tsv", "no ledger.tsv")]
+        if text is None:   # a directory there is derived-not-file
+            return [] if os.path.lexists(os.path.join(self.root, "ledger.tsv")) else \
+                [_finding("no-ledger", "ledger.tsv", "no ledger.tsv")]
         self.ledger_ids = ids
         if not problems:
             return []
@@ -12565,7 +12605,8 @@ class _DoctorRun:
                 current = raw if rel == "INDEX.md" else _read_bytes(root, rel) \
                     if os.path.isfile(os.path.join(root, rel)) else None
                 if current is None:
-                    out.append(_finding("stale-index", rel, f"{rel} is missing", fix, level))
+                    if not os.path.lexists(os.path.join(root, rel)):   # else derived-not-file
+                        out.append(_finding("stale-index", rel, f"{rel} is missing", fix, level))
                 elif current != rendered[rel].encode("utf-8", "surrogatepass"):
                     have = _index_entry_count(current.decode("utf-8", "replace"), self.fmt)
                     want = _index_entry_count(rendered[rel], self.fmt)
@@ -13432,9 +13473,16 @@ def _record_title(rec):
     return rec.get("display_title") or rec["stem"]
 
 
-def _episode_body(root, rec):
-    """(fields, body) of an episode file; a broken frontmatter block leaves the text as body."""
-    text = _read_text(os.path.join(root, rec["path"])).lstrip("\ufeff")
+def _episode_body(root, rec, skip=False):
+    """(fields, body) of an episode file; a broken frontmatter block leaves the text as body.
+    skip: a damaged file is None and a warning (a view never stops on one; doctor names it)."""
+    try:
+        text = _episode_text(root, rec["path"])
+    except (OSError, ShelfError) as exc:
+        if not skip:
+            raise
+        _note(f"skipped an unreadable episode: {getattr(exc, 'message', exc)}")
+        return None
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     try:
         return parse_frontmatter(text)
@@ -13568,11 +13616,8 @@ def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=Non
     try:
         for n, r in enumerate(recs):
             progress.update(n)
-            try:
-                _, body = _episode_body(root, r)
-            except (OSError, ShelfError):
-                continue
-            for heading, text in _body_sections(body):
+            found = _episode_body(root, r, skip=True)
+            for heading, text in _body_sections(found[1]) if found else ():
                 if section is not None and not _section_matches(heading, section):
                     continue
                 for m in pattern.finditer(text) if pattern else ():
@@ -13771,10 +13816,8 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
     try:
         for n, r in enumerate(chosen):
             progress.update(n)
-            try:
-                bodies[r["stem"]] = _body_sections(_episode_body(root, r)[1])
-            except (OSError, ShelfError):
-                bodies[r["stem"]] = []
+            found = _episode_body(root, r, skip=True)
+            bodies[r["stem"]] = _body_sections(found[1]) if found else []
     finally:
         progress.done()
     lines += ["## Decisions", ""]
@@ -14349,13 +14392,18 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
     try:
         for n, r in enumerate(wanted):
             progress.update(n)
-            _, body = _episode_body(root, r)
-            bodies[r["stem"]] = body
+            found = _episode_body(root, r, skip=True)
+            if found is None:
+                skipped.append({"id": r["stem"], "reason": "unreadable"})
+                continue
+            body = bodies[r["stem"]] = found[1]
             found = scan_instructions(body)
             if found:
                 flags[r["stem"]] = _instruction_kinds(found)
     finally:
         progress.done()
+    wanted = [r for r in wanted if r["stem"] in bodies]
+    shown.intersection_update(bodies)
     for r in live:
         if r["stem"] not in flags:
             found = scan_instructions(_record_title(r) + "\n" + _record_description(r))
@@ -16009,6 +16057,8 @@ def _io_error(exc):
     """A filesystem failure as an error the user can act on, naming the path."""
     where = exc.filename or ""
     return ShelfError("io-error", f"{where + ': ' if where else ''}{exc.strerror or exc}",
+                      "a file belongs there: move the directory out of the shelf, then run "
+                      "memshelf rebuild" if isinstance(exc, IsADirectoryError) else
                       "check that the path exists and is writable", {"path": str(where)})
 
 

@@ -117,3 +117,107 @@ def test_links_are_never_followed(linked, tmp_path):
     tracked = git(root, "ls-files")
     assert "outside" not in tracked and "2026-07-22-auth-refactor" in tracked
     assert "outside" not in git(root, "log", "-p", "--all")
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    """A git shelf with one good episode and three damaged ones put there by hand."""
+    root = tmp_path / "shelf"
+    assert run_cli("init", "--shelf", root).code == 0
+    assert run_cli(*shelve_args(root)).code == 0
+    topics = root / "docs" / "topics"
+    good = (topics / f"{STEM}.md").read_bytes()
+    (topics / "2026-07-23-random-bytes.md").write_bytes(bytes(range(256)) * 12)
+    (topics / "2026-07-24-nul-byte.md").write_bytes(
+        good.replace(STEM.encode(), b"2026-07-24-nul-byte").replace(b"verified", b"veri\0fied"))
+    (topics / "2026-07-25-bad-utf8.md").write_bytes(
+        good.replace(STEM.encode(), b"2026-07-25-bad-utf8").replace(b"verified", b"ver\xff\xfe"))
+    return root
+
+
+DAMAGED = ("2026-07-23-random-bytes", "2026-07-24-nul-byte", "2026-07-25-bad-utf8")
+
+
+def test_damaged_episodes_are_findings_never_the_end_of_a_view(damaged):
+    root = damaged
+    s = ["--shelf", root]
+    r = run_cli("doctor", *s, "--json")
+    assert r.code == 1, r
+    found = {f["path"]: f for f in r.json()["findings"] if f["code"] == "episode-binary"}
+    assert sorted(found) == [f"docs/topics/{d}.md" for d in DAMAGED]
+    assert "NUL" in found["docs/topics/2026-07-24-nul-byte.md"]["detail"]
+    assert "UTF-8" in found["docs/topics/2026-07-25-bad-utf8.md"]["detail"]
+    assert all(f["level"] == "error" and "fix" in f for f in found.values())
+    # the damage replaces the format findings it would otherwise cause
+    noise = [f for f in r.json()["findings"] if f["path"] in found
+             and f["code"] in ("frontmatter-invalid", "no-digest", "no-frontmatter")]
+    assert not noise, noise
+    # the views skip each damaged episode with a warning and still answer
+    for args in (["mirror", "--all"], ["graph", "--all"],
+                 ["retro", "--since", "2026-01-01", "--until", "2026-12-31"]):
+        r = run_cli(*args, *s)
+        assert r.code == 0, (args, r)
+        assert "\0" not in r.out + r.err
+        for d in DAMAGED:
+            assert f"docs/topics/{d}.md" in r.err, (args, r)
+        assert "skipped" in r.err
+    r = run_cli("mirror", "--all", *s, "--json")
+    assert r.code == 0 and r.json()["episodes"] == [STEM], r
+    assert {x["id"] for x in r.json()["skipped"]} == set(DAMAGED)
+    assert "JWT verified once per request" in r.json()["html"]
+    r = run_cli("mirror", "--episode", "2026-07-24-nul-byte", *s, "--json")
+    assert r.code == 0 and r.json()["episodes"] == [], r
+    # recall never prints a raw NUL: that episode is refused, with the fix
+    r = run_cli("recall", "--id", "2026-07-24-nul-byte", *s)
+    assert r.code == 1 and "NUL" in r.err and "fix:" in r.err and "\0" not in r.out + r.err, r
+    r = run_cli("recall", "--id", "2026-07-24-nul-byte", "--section", "Decisions", *s, "--json")
+    assert r.code == 1 and r.json()["error"]["code"] == "episode-invalid", r
+    r = run_cli("recall", "--id", "2026-07-25-bad-utf8", *s)
+    assert r.code == 1 and "UTF-8" in r.err and "fix:" in r.err, r
+    assert run_cli("recall", "--id", STEM, *s).code == 0
+    r = run_cli("search", "veri", *s)
+    assert r.code == 0 and "\0" not in r.out, r
+    for args in (["index"], ["tags"], ["stats"], ["rebuild"], ["fork", "--episode", STEM]):
+        r = run_cli(*args, *s)
+        assert r.code == 0 and "\0" not in r.out + r.err, (args, r)
+
+
+def test_oversize_episode_is_a_finding(tmp_path):
+    root = tmp_path / "shelf"
+    assert run_cli("init", "--shelf", root, "--storage", "plain").code == 0
+    assert run_cli(*shelve_args(root)).code == 0
+    big = root / "docs" / "topics" / "2026-07-26-huge.md"
+    good = (root / "docs" / "topics" / f"{STEM}.md").read_text()
+    big.write_text(good.replace(STEM, "2026-07-26-huge") + "x" * (8 * 1024 * 1024 + 10))
+    r = run_cli("doctor", "--shelf", root, "--json")
+    assert r.code == 1, r
+    found = [f for f in r.json()["findings"] if f["path"] == "docs/topics/2026-07-26-huge.md"]
+    assert [f["code"] for f in found if f["level"] == "error"] == ["episode-oversize"], found
+    assert "8.0 MiB" in found[0]["detail"] and "8 MiB" in found[0]["fix"]
+
+
+@pytest.mark.parametrize("rel", ["INDEX.md", "ledger.tsv", "docs/topics/.meta.json"])
+def test_derived_file_replaced_by_a_directory(tmp_path, rel):
+    root = tmp_path / "shelf"
+    assert run_cli("init", "--shelf", root).code == 0
+    assert run_cli(*shelve_args(root)).code == 0
+    path = root / rel
+    path.unlink()
+    path.mkdir()
+    (path / "keep").write_text("mine")
+    before = snapshot(root)
+    for args in (["rebuild"], ["rebuild", "--commit"]):
+        r = run_cli(*args, "--shelf", root)
+        assert r.code == 1, (args, r)
+        assert "directory" in r.err and "fix: a file belongs there" in r.err, r
+        assert "Traceback" not in r.err and "Errno" not in r.err
+    assert snapshot(root) == before
+    r = run_cli("doctor", "--shelf", root, "--json")
+    assert r.code == 1, r
+    codes = [(f["code"], f["path"]) for f in r.json()["findings"] if f["path"] == rel]
+    assert codes == [("derived-not-file", rel)], codes
+    assert all("memshelf rebuild" in f["fix"] for f in r.json()["findings"]
+               if f["code"] == "derived-not-file")
+    r = run_cli(*shelve_args(root, slug="2026-07-27-after-damage"))
+    assert r.code == 1 and "fix: a file belongs there" in r.err, r
+    assert (path / "keep").read_text() == "mine"
