@@ -5907,7 +5907,8 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
            agent=None, model=None, notes=None, retain_until=None, tags=None, supersedes=None,
            approx_tokens=None, approx_tokens_source=None, mode=None, amend=False, strict=False,
            dry_run=False, push=False, publish=False, autocommit=True, sync=True,
-           await_render_seconds=0, file=None, digest_file=None, section_files=None):
+           await_render_seconds=0, file=None, digest_file=None, section_files=None,
+           drop_sections=None):
     """Shelve a closed topic: redact, check the digest, write, render, commit (verbs.md § 1.2)."""
     warnings = []
     section_list = []
@@ -5952,6 +5953,7 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
     for name, body in (sections or {}).items():
         section_list = [(n, t) for n, t in section_list if n.casefold() != str(name).casefold()]
         section_list.append((name, body))
+    given = {k for k, v in locals().items() if v is not None}   # on amend the rest is kept
     # 1. validate arguments
     if slug is None:
         raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words")
@@ -5961,9 +5963,7 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
                      "pass --kind topic|research|session")
     if digest is None:
         raise _usage("a digest is required", "pass --digest TEXT or --digest-file PATH")
-    if mode is None:
-        mode = "live"
-    if mode not in ("live", "import"):
+    if mode not in (None, "live", "import"):
         raise _usage(f"--mode must be live or import (got {mode!r})")
     for key, value in (("date", date), ("retain_until", retain_until)):
         if value is not None and not _is_iso_date(value):
@@ -6002,9 +6002,29 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
             raise _usage(f"section {name!r} must be text")
         checked.append((canon, body))
     section_list = _canonical_sections(checked)
+    drop_sections = [_check_section_name(str(n)).casefold() for n in drop_sections or []]
+    if drop_sections and not amend:
+        raise _usage("--drop-section removes a section of an existing episode",
+                     "add --amend, or leave the section out")
+    if set(drop_sections) & {n.casefold() for n, _ in section_list}:
+        raise _usage("a section is both given and dropped", "give it or drop it, not both")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     with _ShelfLock(root):
         return _shelve_locked(root, locals())
+
+
+def _amend_report(old, old_fields, old_sections, fields, digest, sections):
+    """{changed, kept}: which fields (digest included) and sections an amend changed."""
+    def norm(v):
+        return str(v) if v not in (None, "", []) and not isinstance(v, list) else v or None
+    was = dict({k: norm(old_fields.get(k)) for k in fields}, digest=old["digest"])
+    now = dict({k: norm(v) for k, v in fields.items()}, digest=digest)
+    before, after = dict(old_sections), dict(sections)
+    return {"changed": {"fields": [k for k in now if now[k] != was[k]],
+                        "sections": [h for h in after if after[h] != before.get(h)],
+                        "dropped": [h for h in before if h not in after]},
+            "kept": {"fields": [k for k in now if now[k] == was[k] and now[k] and k != "id"],
+                     "sections": [h for h in after if after[h] == before.get(h)]}}
 
 
 def _shelve_locked(root, a):
@@ -6054,8 +6074,34 @@ def _shelve_locked(root, a):
         raise ShelfError("digest-rejected", "the digest breaks the contract:\n" + report["report"],
                          "fix the digest (check it with memshelf lint-digest) and shelve again",
                          {"report": report})
-    # 7. defaults
+    # 7. defaults; on amend what the call does not give is kept from the episode
     old_fields = old["fields"] if old else {}
+    if old:
+        for key in ("display_title", "description", "notes", "session", "agent", "model"):
+            if key not in a["given"] and isinstance(old_fields.get(key), str):
+                free[key] = old_fields[key]
+        keep = {k: old[k] for k in ("tags", "supersedes", "retain_until", "mode")
+                if k not in a["given"] and old[k]}
+        if "approx_tokens" not in a["given"] and old["approx_tokens"] is not None:
+            keep["approx_tokens"] = old["approx_tokens"]
+            if "approx_tokens_source" not in a["given"]:
+                keep["approx_tokens_source"] = old["approx_src"]
+        a = dict(a, **keep)
+        found = _episode_body(root, old, skip=True)
+        if found is None:
+            warnings.append(f"{existing_rel} could not be read: none of its sections are kept")
+        new = {n.casefold(): (n, t) for n, t in sections}
+        drop = set(a["drop_sections"])
+        olds = [(h, t.strip()) for h, t in _split_sections(found[1])[1] if h.casefold()
+                != "digest"] if found else []
+        unknown = drop - {h.casefold() for h, _ in olds}
+        if unknown:
+            raise ShelfError("section-not-found", f"{slug} has no section to drop: "
+                             + ", ".join(sorted(unknown)) + "; it has: "
+                             + ", ".join(h for h, _ in olds), "drop one of the listed sections")
+        sections = _canonical_sections(
+            [new.pop(h.casefold(), (h, clean(t, f"section:{h}"))) for h, t in olds
+             if h.casefold() not in drop] + list(new.values()))
     date = a["date"] or (old_fields.get("date") if _is_iso_date(old_fields.get("date")) else None) \
         or (slug[:10] if _is_iso_date(slug[:10]) else None) or _today()
     span = a["span"] or (old_fields.get("span") if old and isinstance(old_fields.get("span"), str)
@@ -6095,7 +6141,10 @@ def _shelve_locked(root, a):
               "retain_until": a["retain_until"], "display_title": free["display_title"] or None,
               "description": description or None, "tags": a["tags"],
               "supersedes": a["supersedes"] or None, "approx_tokens": str(approx),
-              "approx_tokens_source": source, "mode": a["mode"], "notes": free["notes"] or None}
+              "approx_tokens_source": source, "mode": a["mode"] or "live",
+              "notes": free["notes"] or None}
+    if old and isinstance(old_fields.get("keywords"), list):
+        fields["keywords"] = old_fields["keywords"]   # a rollup's: no option sets them
     text = _compose_episode(fields, digest, body_sections)
     size = len(text.encode("utf-8"))
     if size > _EPISODE_MAX_BYTES:
@@ -6114,6 +6163,8 @@ def _shelve_locked(root, a):
               "commit": None, "derived": None, "sync": sync_report, "redaction": redaction,
               "digest_warnings": report["warnings"], "instruction_flags": flags,
               "warnings": warnings}
+    if old:
+        result.update(_amend_report(old, old_fields, olds, fields, digest, body_sections))
     if a["dry_run"]:
         result.update(status="dry-run", episode_text=text,
                       summary=f"dry run: {address} composed ({size} bytes), nothing written")
@@ -15724,7 +15775,7 @@ def _verbs():
             _Param("approx_tokens_source", _S, nullable=True, enum=["estimate", "measured"],
                    help="How approx_tokens was got."),
             _Param("mode", _S, default="live", enum=["live", "import"], help="live or import."),
-            _Param("amend", _B, default=False, help="Replace the existing episode."),
+            _Param("amend", _B, default=False, help="Update the existing episode; what is not given is kept."),
             _Param("strict", _B, default=False, help="Digest warnings refuse too."),
             _Param("dry_run", _B, default=False, help="Return the text, write nothing."),
             _Param("push", _B, default=False, help="Push after committing."),
@@ -15741,9 +15792,12 @@ def _verbs():
                    help="Read the digest from a file (- = stdin)."),
             _Param("section_files", _O, default={}, mcp=False, flags=["--section-file"],
                    metavar="NAME=PATH", help="Section body from a file."),
+            _Param("drop_sections", _A, default=[], flags=["--drop-section"], metavar="NAME",
+                   help="On amend: remove this section (the rest is kept)."),
         ], title="Shelve a closed topic", read_only=False, idempotent=True, open_world=True,
             description="Write a closed topic as an episode: redacted, checked, indexed, committed.",
-            output={"id": _S, "address": _S, "kind": _S, "amended": _B,
+            output={"id": _S, "address": _S, "kind": _S, "amended": _B, "changed": _O,
+                    "kept": _O,
                     "committed": _B, "commit": (_S, _NULLS),
                     "derived": (_O, _NULLS), "sync": (_O, _NULLS), "redaction": _O,
                     "digest_warnings": _A, "instruction_flags": _A, "warnings": _A,
@@ -16041,7 +16095,8 @@ def call_tool(name, arguments, *, client_name=None):
     """
     verb = _tool(name)
     kwargs = _validate_arguments(verb, arguments if arguments is not None else {})
-    if verb.name == "shelve" and client_name and not kwargs.get("agent"):
+    if verb.name == "shelve" and client_name and not kwargs.get("agent") and \
+            not kwargs.get("amend"):   # an amend keeps the episode's author
         kwargs["agent"] = client_name
     with run_context(progress=_context("progress"), cancelled=_context("cancelled"),
                      client_name=client_name or _context("client_name") or "call",
@@ -16110,6 +16165,11 @@ def _text_summary(result):
     sync = result.get("sync")
     if isinstance(sync, dict) and sync.get("summary"):
         lines.append(sync["summary"])
+    for key in ("changed", "kept") if isinstance(result.get("kept"), dict) else ():
+        r = result[key]
+        what = r["fields"] + [f"§ {h}" for h in r["sections"]] + [
+            f"§ {h} (dropped)" for h in r.get("dropped", ())]
+        lines.append(f"{key}: " + (", ".join(what) or "nothing"))
     for w in result.get("digest_warnings") or []:
         lines.append(f"[warning] {w.get('code')}: {w.get('message')}" if isinstance(w, dict)
                      else f"warning: {w}")
