@@ -6925,7 +6925,8 @@ def _render_records(root, records, fmt, index_only, key):
             if fmt == "docshelf":
                 metas[cat] = json.loads(text) if text else {}
         prefix = "" if base == "docs" else "archive/"
-        if base == "archive/docs" and not os.path.isdir(os.path.join(root, "archive")):
+        if base == "archive/docs" and (not os.path.isdir(os.path.join(root, "archive")) or
+                                       _linked(root, "archive")):
             continue
         if fmt == "manual" and base == "docs":
             continue
@@ -12214,10 +12215,14 @@ class _DoctorRun:
             counted[(r["archived"], r["category"])] = counted.get((r["archived"], r["category"]),
                                                                   0) + 1
         split_dirs = []
+        for rel in ("docs", "archive", "archive/docs") + tuple(f"archive/docs/{c}"
+                                                               for c in CATEGORIES):
+            if os.path.islink(os.path.join(root, rel)):
+                out.append(_finding("symlink-ignored", rel, "a symlinked folder of the shelf"))
         for base, archived in (("docs", False), ("archive/docs", True)):
             for cat in CATEGORIES:
                 d = os.path.join(root, base, cat)
-                if not os.path.isdir(d) or os.path.islink(d):
+                if not os.path.isdir(d) or _linked(root, f"{base}/{cat}"):
                     continue
                 rel_dir = f"{base}/{cat}"
                 if not archived and not counted.get((False, cat)):

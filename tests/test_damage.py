@@ -119,6 +119,42 @@ def test_links_are_never_followed(linked, tmp_path):
     assert "outside" not in git(root, "log", "-p", "--all")
 
 
+@pytest.mark.parametrize("linked_dir", ["archive", "docs"])
+def test_linked_archive_or_docs_folder_is_never_followed(tmp_path, linked_dir):
+    root = tmp_path / "shelf"
+    assert run_cli("init", "--shelf", root).code == 0
+    assert run_cli(*shelve_args(root)).code == 0
+    outside = tmp_path / "outside"
+    for sub, stem, word in (("docs/topics", "2026-07-23-outside-docs", "outsideword"),
+                            ("archive/docs/topics", "2026-07-24-outside-arch", "outsidefile")):
+        (outside / sub).mkdir(parents=True)
+        (outside / sub / f"{stem}.md").write_text(episode_text(stem, word))
+    if linked_dir == "docs":
+        os.rename(root / "docs", tmp_path / "docs-moved")
+    os.symlink(outside / linked_dir, root / linked_dir)
+    before = outside_state(outside)
+    s = ["--shelf", root]
+    for args, code in ((["index"], 0), (["search", "outsideword"], 0),
+                       (["search", "outsidefile"], 0), (["graph", "--all"], 0),
+                       (["mirror", "--all"], 0), (["tags"], 0),
+                       (["recall", "--id", "2026-07-24-outside-arch"], 1),
+                       (["recall", "--id", "2026-07-23-outside-docs"], 1),
+                       (["rebuild"], 0)):
+        r = run_cli(*args, *s)
+        assert r.code == code, (args, r)
+        no_outside(r, args)
+    r = run_cli("doctor", *s, "--json")
+    no_outside(r)
+    assert ("symlink-ignored", linked_dir) in {(f["code"], f["path"])
+                                               for f in r.json()["findings"]}
+    if linked_dir == "archive":   # a rollup would move episodes through the link: refused
+        r = run_cli("rollup", *s, "--until", "2026-12-31", "--slug", "2026-07-30-auth-rollup",
+                    "--digest", "Dana folded the auth work into one rollup. Open: key rotation.")
+        assert r.code == 1 and "symlink" in r.err and "fix:" in r.err, r
+        assert (root / "docs" / "topics" / f"{STEM}.md").exists()
+    assert outside_state(outside) == before
+
+
 @pytest.fixture
 def damaged(tmp_path):
     """A git shelf with one good episode and three damaged ones put there by hand."""
@@ -129,7 +165,8 @@ def damaged(tmp_path):
     good = (topics / f"{STEM}.md").read_bytes()
     (topics / "2026-07-23-random-bytes.md").write_bytes(bytes(range(256)) * 12)
     (topics / "2026-07-24-nul-byte.md").write_bytes(
-        good.replace(STEM.encode(), b"2026-07-24-nul-byte").replace(b"verified", b"veri\0fied"))
+        good.replace(STEM.encode(), b"2026-07-24-nul-byte").replace(b"verified", b"veri\0fied")
+        + b"\n## Artifacts\n- staging token ghp_" + b"aB3dE5fG7hJ9kL1mN2pQ4rS6tU8vW0xY2zA4\n")
     (topics / "2026-07-25-bad-utf8.md").write_bytes(
         good.replace(STEM.encode(), b"2026-07-25-bad-utf8").replace(b"verified", b"ver\xff\xfe"))
     return root
@@ -148,6 +185,9 @@ def test_damaged_episodes_are_findings_never_the_end_of_a_view(damaged):
     assert "NUL" in found["docs/topics/2026-07-24-nul-byte.md"]["detail"]
     assert "UTF-8" in found["docs/topics/2026-07-25-bad-utf8.md"]["detail"]
     assert all(f["level"] == "error" and "fix" in f for f in found.values())
+    # the content of a damaged episode is still checked
+    assert ("secret-at-rest", "docs/topics/2026-07-24-nul-byte.md") in {
+        (f["code"], f["path"]) for f in r.json()["findings"]}
     # the damage replaces the format findings it would otherwise cause
     noise = [f for f in r.json()["findings"] if f["path"] in found
              and f["code"] in ("frontmatter-invalid", "no-digest", "no-frontmatter")]
