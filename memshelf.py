@@ -15780,7 +15780,7 @@ def _verbs():
             _Param("approx_tokens_source", _S, nullable=True, enum=["estimate", "measured"],
                    help="How approx_tokens was got."),
             _Param("mode", _S, default="live", enum=["live", "import"], help="live or import."),
-            _Param("amend", _B, default=False, help="Update the existing episode; what is not given is kept."),
+            _Param("amend", _B, default=False, help="Update the episode; what is not given is kept."),
             _Param("strict", _B, default=False, help="Digest warnings refuse too."),
             _Param("dry_run", _B, default=False, help="Return the text, write nothing."),
             _Param("push", _B, default=False, help="Push after committing."),
