@@ -15680,7 +15680,7 @@ class _Verb:
 
 def _shelf_param():
     return _Param("shelf_path", flags=["--shelf"], default="", metavar="PATH",
-                  help="Shelf folder; default MEMSHELF_SHELF.")
+                  help="Shelf; default MEMSHELF_SHELF.")
 
 
 _S, _B, _I, _N, _A, _O = "string", "boolean", "integer", "number", "array", "object"
@@ -15765,7 +15765,7 @@ def _verbs():
             _Param("display_title", _S, nullable=True, help="INDEX title."),
             _Param("description", _S, nullable=True,
                    help="INDEX line (default: first sentence)."),
-            _Param("span", _S, nullable=True, help="YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD."),
+            _Param("span", _S, nullable=True, help="YYYY-MM-DD[..YYYY-MM-DD]."),
             _Param("date", _S, nullable=True, help="Shelve date YYYY-MM-DD."),
             _Param("session", _S, nullable=True, help="Host session reference."),
             _Param("agent", _S, nullable=True, help="Author (default: the client)."),
@@ -15776,11 +15776,11 @@ def _verbs():
             _Param("supersedes", _A, default=[], metavar="ID",
                    help="Ids this episode replaces."),
             _Param("approx_tokens", _I, nullable=True, minimum=0,
-                   help="Size of what was shelved, chars/4."),
+                   help="Shelved size, chars/4."),
             _Param("approx_tokens_source", _S, nullable=True, enum=["estimate", "measured"],
                    help="How approx_tokens was got."),
             _Param("mode", _S, default="live", enum=["live", "import"], help="live or import."),
-            _Param("amend", _B, default=False, help="Update the episode; what is not given is kept."),
+            _Param("amend", _B, default=False, help="Update; keeps what is not given."),
             _Param("strict", _B, default=False, help="Digest warnings refuse too."),
             _Param("dry_run", _B, default=False, help="Return the text, write nothing."),
             _Param("push", _B, default=False, help="Push after committing."),
@@ -15798,11 +15798,10 @@ def _verbs():
             _Param("section_files", _O, default={}, mcp=False, flags=["--section-file"],
                    metavar="NAME=PATH", help="Section body from a file."),
             _Param("drop_sections", _A, default=[], flags=["--drop-section"], metavar="NAME",
-                   help="On amend: remove this section (the rest is kept)."),
+                   help="Amend: remove a section."),
         ], title="Shelve a closed topic", read_only=False, idempotent=True, open_world=True,
             description="Write a closed topic as an episode: redacted, checked, indexed, committed.",
-            output={"id": _S, "address": _S, "kind": _S, "amended": _B, "changed": _O,
-                    "kept": _O,
+            output={"id": _S, "address": _S, "kind": _S, "amended": _B,
                     "committed": _B, "commit": (_S, _NULLS),
                     "derived": (_O, _NULLS), "sync": (_O, _NULLS), "redaction": _O,
                     "digest_warnings": _A, "instruction_flags": _A, "warnings": _A,
