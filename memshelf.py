@@ -466,6 +466,8 @@ def _atomic_write(path, data):
     if os.path.islink(path):
         raise ShelfError("io-error", f"refusing to write through a symlink: {path}",
                          "replace the link with a regular file", {"path": path})
+    if os.path.isdir(path):
+        raise _io_error(IsADirectoryError(21, "Is a directory", path))
     tmp = os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -689,8 +691,10 @@ def _shelf_join(root, *parts):
     real = os.path.realpath(path)
     base = os.path.realpath(root)
     if real != base and not real.startswith(base + os.sep):
-        raise ShelfError("id-invalid", f"{'/'.join(parts)} resolves outside the shelf",
-                         "use a name inside the shelf")
+        # only a symlink inside the shelf gets here (parts hold no separator): a refusal
+        raise ShelfError("io-error", f"{'/'.join(parts)} resolves outside the shelf through "
+                         "a symlink", "replace the link with a folder or file of the shelf",
+                         {"path": "/".join(parts)})
     rel = os.path.relpath(real, base).replace(os.sep, "/")
     if rel == ".git" or rel.startswith(".git/"):
         raise ShelfError("id-invalid", "refusing to touch .git", "use a name inside the shelf")
@@ -5411,6 +5415,12 @@ def _share_values(rec):
     return rec
 
 
+def _linked(root, rel):
+    """Whether rel (shelf-relative) or a folder on its way is a symlink: never followed."""
+    parts = rel.split("/")
+    return any(os.path.islink(os.path.join(root, *parts[:i])) for i in range(1, len(parts) + 1))
+
+
 def _scan_episode_files(root, archive=True, subdirs=None):
     """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps.
 
@@ -5422,7 +5432,7 @@ def _scan_episode_files(root, archive=True, subdirs=None):
         for cat in CATEGORIES:
             d = os.path.join(root, base, cat)
             try:
-                entries = list(os.scandir(d))
+                entries = [] if _linked(root, f"{base}/{cat}") else list(os.scandir(d))
             except OSError:
                 continue
             prefix = f"{base}/{cat}/"
@@ -5557,14 +5567,23 @@ def _save_state(root, **updates):
         pass
 
 
+def _episode_text(root, rel):
+    """An episode file's text (BOM dropped); a NUL byte refuses it, so none is ever printed."""
+    text = _read_text(os.path.join(root, rel)).lstrip("\ufeff")
+    if "\x00" in text:
+        raise ShelfError("episode-invalid", f"{rel} holds a NUL byte (character "
+                         f"{text.index(chr(0))})", "remove the byte and amend the episode "
+                         "(memshelf doctor lists it as episode-binary)", {"path": rel})
+    return text
+
+
 def _find_episode_path(root, key, archive=True):
     """Direct lookups first (no scan): docs/<cat>/<key>.md, then archive/docs/<cat>/<key>.md."""
     bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
     for base, archived in bases:
         for cat in CATEGORIES:
             rel = f"{base}/{cat}/{key}.md"
-            path = os.path.join(root, rel)
-            if os.path.isfile(path) and not os.path.islink(path):
+            if os.path.isfile(os.path.join(root, rel)) and not _linked(root, rel):
                 return rel, archived
     return None, None
 
@@ -5778,7 +5797,8 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
            agent=None, model=None, notes=None, retain_until=None, tags=None, supersedes=None,
            approx_tokens=None, approx_tokens_source=None, mode=None, amend=False, strict=False,
            dry_run=False, push=False, publish=False, autocommit=True, sync=True,
-           await_render_seconds=0, file=None, digest_file=None, section_files=None):
+           await_render_seconds=0, file=None, digest_file=None, section_files=None,
+           drop_sections=None):
     """Shelve a closed topic: redact, check the digest, write, render, commit (verbs.md § 1.2)."""
     warnings = []
     section_list = []
@@ -5823,6 +5843,7 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
     for name, body in (sections or {}).items():
         section_list = [(n, t) for n, t in section_list if n.casefold() != str(name).casefold()]
         section_list.append((name, body))
+    given = {k for k, v in locals().items() if v is not None}   # on amend the rest is kept
     # 1. validate arguments
     if slug is None:
         raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words")
@@ -5832,9 +5853,7 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
                      "pass --kind topic|research|session")
     if digest is None:
         raise _usage("a digest is required", "pass --digest TEXT or --digest-file PATH")
-    if mode is None:
-        mode = "live"
-    if mode not in ("live", "import"):
+    if mode not in (None, "live", "import"):
         raise _usage(f"--mode must be live or import (got {_excerpt(mode)})")
     for key, value in (("date", date), ("retain_until", retain_until)):
         if value is not None and not _is_iso_date(value):
@@ -5875,9 +5894,29 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
             raise _usage(f"section {_excerpt(name)} must be text")
         checked.append((canon, body))
     section_list = _canonical_sections(checked)
+    drop_sections = [_check_section_name(str(n)).casefold() for n in drop_sections or []]
+    if drop_sections and not amend:
+        raise _usage("--drop-section removes a section of an existing episode",
+                     "add --amend, or leave the section out")
+    if set(drop_sections) & {n.casefold() for n, _ in section_list}:
+        raise _usage("a section is both given and dropped", "give it or drop it, not both")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     with _ShelfLock(root):
         return _shelve_locked(root, locals())
+
+
+def _amend_report(old, old_fields, old_sections, fields, digest, sections):
+    """{changed, kept}: which fields (digest included) and sections an amend changed."""
+    def norm(v):
+        return str(v) if v not in (None, "", []) and not isinstance(v, list) else v or None
+    was = dict({k: norm(old_fields.get(k)) for k in fields}, digest=old["digest"])
+    now = dict({k: norm(v) for k, v in fields.items()}, digest=digest)
+    before, after = dict(old_sections), dict(sections)
+    return {"changed": {"fields": [k for k in now if now[k] != was[k]],
+                        "sections": [h for h in after if after[h] != before.get(h)],
+                        "dropped": [h for h in before if h not in after]},
+            "kept": {"fields": [k for k in now if now[k] == was[k] and now[k] and k != "id"],
+                     "sections": [h for h in after if after[h] == before.get(h)]}}
 
 
 def _shelve_locked(root, a):
@@ -5927,8 +5966,34 @@ def _shelve_locked(root, a):
         raise ShelfError("digest-rejected", "the digest breaks the contract:\n" + report["report"],
                          "fix the digest (check it with memshelf lint-digest) and shelve again",
                          {"report": report})
-    # 7. defaults
+    # 7. defaults; on amend what the call does not give is kept from the episode
     old_fields = old["fields"] if old else {}
+    if old:
+        for key in ("display_title", "description", "notes", "session", "agent", "model"):
+            if key not in a["given"] and isinstance(old_fields.get(key), str):
+                free[key] = old_fields[key]
+        keep = {k: old[k] for k in ("tags", "supersedes", "retain_until", "mode")
+                if k not in a["given"] and old[k]}
+        if "approx_tokens" not in a["given"] and old["approx_tokens"] is not None:
+            keep["approx_tokens"] = old["approx_tokens"]
+            if "approx_tokens_source" not in a["given"]:
+                keep["approx_tokens_source"] = old["approx_src"]
+        a = dict(a, **keep)
+        found = _episode_body(root, old, skip=True)
+        if found is None:
+            warnings.append(f"{existing_rel} could not be read: none of its sections are kept")
+        new = {n.casefold(): (n, t) for n, t in sections}
+        drop = set(a["drop_sections"])
+        olds = [(h, t.strip()) for h, t in _split_sections(found[1])[1] if h.casefold()
+                != "digest"] if found else []
+        unknown = drop - {h.casefold() for h, _ in olds}
+        if unknown:
+            raise ShelfError("section-not-found", f"{slug} has no section to drop: "
+                             + ", ".join(sorted(unknown)) + "; it has: "
+                             + ", ".join(h for h, _ in olds), "drop one of the listed sections")
+        sections = _canonical_sections(
+            [new.pop(h.casefold(), (h, clean(t, f"section:{h}"))) for h, t in olds
+             if h.casefold() not in drop] + list(new.values()))
     date = a["date"] or (old_fields.get("date") if _is_iso_date(old_fields.get("date")) else None) \
         or (slug[:10] if _is_iso_date(slug[:10]) else None) or _today()
     span = a["span"] or (old_fields.get("span") if old and isinstance(old_fields.get("span"), str)
@@ -5967,7 +6032,10 @@ def _shelve_locked(root, a):
               "retain_until": a["retain_until"], "display_title": free["display_title"] or None,
               "description": description or None, "tags": a["tags"],
               "supersedes": a["supersedes"] or None, "approx_tokens": str(approx),
-              "approx_tokens_source": source, "mode": a["mode"], "notes": free["notes"] or None}
+              "approx_tokens_source": source, "mode": a["mode"] or "live",
+              "notes": free["notes"] or None}
+    if old and isinstance(old_fields.get("keywords"), list):
+        fields["keywords"] = old_fields["keywords"]   # a rollup's: no option sets them
     text = _compose_episode(fields, digest, body_sections)
     size = len(text.encode("utf-8"))
     if size > _EPISODE_MAX_BYTES:
@@ -5986,6 +6054,8 @@ def _shelve_locked(root, a):
               "commit": None, "derived": None, "sync": sync_report, "redaction": redaction,
               "digest_warnings": report["warnings"], "instruction_flags": flags,
               "warnings": warnings}
+    if old:
+        result.update(_amend_report(old, old_fields, olds, fields, digest, body_sections))
     if a["dry_run"]:
         result.update(status="dry-run", episode_text=text,
                       summary=f"dry run: {slug} at {address} composed ({size} bytes; "
@@ -6262,7 +6332,7 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
                              "pass a section heading as the outline lists it")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     rel, archived = _resolve_episode(root, episode_id)
-    text = _read_text(os.path.join(root, rel)).lstrip("\ufeff").replace("\r\n", "\n")
+    text = _episode_text(root, rel).replace("\r\n", "\n")
     try:
         fields, body = parse_frontmatter(text)
     except FrontmatterError:
@@ -6668,7 +6738,7 @@ def _render_records(root, records, fmt, index_only, key):
         metas = {}
         for cat in CATEGORIES:
             if not os.path.isdir(os.path.join(root, base, cat)) or \
-                    (index_only and fmt != "docshelf"):
+                    _linked(root, f"{base}/{cat}") or (index_only and fmt != "docshelf"):
                 continue
             text, w = _render_meta([r for r in recs if r["category"] == cat])
             warnings += w
@@ -6677,7 +6747,8 @@ def _render_records(root, records, fmt, index_only, key):
             if fmt == "docshelf":
                 metas[cat] = json.loads(text) if text else {}
         prefix = "" if base == "docs" else "archive/"
-        if base == "archive/docs" and not os.path.isdir(os.path.join(root, "archive")):
+        if base == "archive/docs" and (not os.path.isdir(os.path.join(root, "archive")) or
+                                       _linked(root, "archive")):
             continue
         if fmt == "manual" and base == "docs":
             continue
@@ -6726,7 +6797,8 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for base in ("docs", "archive/docs"):
         for cat in CATEGORIES:
-            parts.append(f"{base}/{cat}\0{os.path.isdir(os.path.join(root, base, cat))}")
+            rel = f"{base}/{cat}"
+            parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += [rel for rel, _, _ in files]
     digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
@@ -6861,7 +6933,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     for base in ("docs", "archive/docs"):
         for cat in CATEGORIES:
             rel = f"{base}/{cat}/.meta.json"
-            if rel not in files and os.path.exists(os.path.join(root, rel)):
+            if rel not in files and os.path.exists(os.path.join(root, rel)) and \
+                    not _linked(root, rel):
                 files[rel] = None
     if "stats.svg" not in files and os.path.exists(os.path.join(root, "stats.svg")):
         files["stats.svg"] = None
@@ -7326,10 +7399,9 @@ def _search_document(root, rel, archived):
     words = [title, field("description"), " ".join(tags), stem]
     if ident and ident != stem:
         words.append(ident)
-    if sections:
-        rows = [(h, t.strip()) for h, t in sections]
-    else:
-        rows = [(None, body.strip())]
+    rows = [(h, t.strip()) for h, t in sections] if sections else [(None, body.strip())]
+    if "\x00" in body:
+        rows = [(h, t.replace("\x00", "\ufffd")) for h, t in rows]   # never printed raw
     return {"path": rel, "stem": stem, "kind": kind, "date": _episode_date(fields, stem),
             "title": title or stem, "archived": bool(archived), "tags": tags,
             "supersedes": sup, "title_text": " ".join(w for w in words if w), "rows": rows}
@@ -10896,6 +10968,9 @@ _DOCTOR_CODES = {
     "symlink-ignored": ("warning", "structure",
                         "replace the link with the file itself; memshelf never follows it"),
     "leftover-temp-file": ("info", "structure", "memshelf rebuild removes it"),
+    "derived-not-file": ("error", "derived",
+                         "move it out of the shelf (a generated file belongs there), then "
+                         "memshelf rebuild"),
     # 3. POLICY.patterns
     "no-policy": ("info", "config", "memshelf init writes one"),
     "policy-pattern-invalid": ("warning", "config",
@@ -10928,6 +11003,12 @@ _DOCTOR_CODES = {
     "supersedes-unknown": ("warning", "format", "correct the id in supersedes"),
     "episode-large": ("info", "format",
                       "recall it by section; consider trimming its Raw excerpts"),
+    "episode-binary": ("error", "format",
+                       "remove the bytes or restore the last good copy from git, then amend "
+                       "it: memshelf shelve --amend --file <path> (views skip it until then)"),
+    "episode-oversize": ("error", "format",
+                         "trim it under 8 MiB (move raw material out of the shelf) or split it; "
+                         "shelve refuses larger episodes"),
     # 5. episodes: content
     "digest-empty": ("error", "content",
                      "write the digest, then amend: memshelf shelve --amend --file <path>"),
@@ -11002,7 +11083,7 @@ _DOCTOR_CODES = {
 _DOCTOR_LEVELS = ("error", "warning", "info", "unknown")
 _DOCTOR_RANK = {"info": 0, "warning": 1, "error": 2, "unknown": 0}
 _DOCTOR_STALE_HOURS = 24.0
-_DOCTOR_CACHE_SCHEMA = "1"   # bump when a per-file check changes, so cached verdicts are redone
+_DOCTOR_CACHE_SCHEMA = "2"   # bump when a per-file check changes, so cached verdicts are redone
 _INDEX_BASE_TOKENS = 200
 _INDEX_ALLOWANCE = {"compact": {"key": 10, "title": 20, "description": 30, "markup": 4},
                     "docshelf": {"title": 20, "link": 27, "description": 30, "markup": 3}}
@@ -11285,6 +11366,10 @@ def _content_findings(rec, parsed, policy):
 def _episode_file_findings(rec, data, policy, parsed=None):
     """Every finding one episode file yields by itself: format, then content. `parsed` is
     the file's _EpisodeText from the read that made rec; without it, data is parsed again."""
+    path, error = rec["path"], rec.get("fm_error") or ""
+    if len(data) > _EPISODE_MAX_BYTES:   # nothing more is read of it: shelve would refuse it
+        return [_finding("episode-oversize", path, f"the file is {len(data) / 1048576:.1f} MiB, "
+                         "over the 8 MiB a shelve writes")]
     if parsed is None:
         text = _normalised(data.decode("utf-8", "replace"))
         body = text
@@ -11299,6 +11384,13 @@ def _episode_file_findings(rec, data, policy, parsed=None):
         parsed = _EpisodeText(text, body, *_split_sections(body))
     # the body is the text's tail: the frontmatter block (with any H1) is what precedes it
     body_start = len(parsed.text) - len(parsed.body)
+    nul = data.find(b"\x00")
+    if nul >= 0 or error.startswith("encoding"):
+        # the damage replaces the format findings it causes; the content is still checked
+        return [_finding("episode-binary", path, f"a NUL byte (byte {nul})" if nul >= 0 else
+                         error.split(": ", 1)[1], _with_path(_DOCTOR_CODES["episode-binary"][2],
+                                                             path))] + \
+            _content_findings(rec, parsed, policy)
     return _format_findings(rec, parsed.text, body_start) + _content_findings(rec, parsed, policy)
 
 
@@ -11827,10 +11919,14 @@ class _DoctorRun:
             counted[(r["archived"], r["category"])] = counted.get((r["archived"], r["category"]),
                                                                   0) + 1
         split_dirs = []
+        for rel in ("docs", "archive", "archive/docs") + tuple(f"archive/docs/{c}"
+                                                               for c in CATEGORIES):
+            if os.path.islink(os.path.join(root, rel)):
+                out.append(_finding("symlink-ignored", rel, "a symlinked folder of the shelf"))
         for base, archived in (("docs", False), ("archive/docs", True)):
             for cat in CATEGORIES:
                 d = os.path.join(root, base, cat)
-                if not os.path.isdir(d) or os.path.islink(d):
+                if not os.path.isdir(d) or _linked(root, f"{base}/{cat}"):
                     continue
                 rel_dir = f"{base}/{cat}"
                 if not archived and not counted.get((False, cat)):
@@ -11843,7 +11939,7 @@ class _DoctorRun:
                         if e.name.endswith(".md") or os.path.isdir(e.path):
                             out.append(_finding("symlink-ignored", f"{rel_dir}/{e.name}",
                                                 "a symlinked episode file or directory"))
-                    elif e.is_dir():
+                    elif e.is_dir() and e.name != ".meta.json":   # that is derived-not-file
                         subdirs.append(e.name)
                 for sub in sorted(subdirs):
                     rel = f"{rel_dir}/{sub}"
@@ -11858,12 +11954,19 @@ class _DoctorRun:
         for rel in _leftover_temps(root):
             out.append(_finding("leftover-temp-file", rel,
                                 "a temp file left by an interrupted write"))
+        for rel in ("INDEX.md", "ledger.tsv", "stats.svg", "archive/INDEX.md") + tuple(
+                f"{b}/{cat}/.meta.json" for b in ("docs", "archive/docs") for cat in CATEGORIES):
+            path = os.path.join(root, rel)
+            if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)) and \
+                    not _linked(root, os.path.dirname(rel)):
+                out.append(_finding("derived-not-file", rel, "a directory, link or other "
+                                    "non-regular file where a generated file belongs"))
         return out
 
     def meta_file(self, rel_dir, names):
-        if ".meta.json" not in names:
-            return []
         rel = f"{rel_dir}/.meta.json"
+        if ".meta.json" not in names or not os.path.isfile(os.path.join(self.root, rel)):
+            return []   # a directory there is derived-not-file
         try:
             with open(os.path.join(self.root, rel), encoding="utf-8") as f:
                 data = json.load(f)
@@ -11938,8 +12041,9 @@ class _DoctorRun:
 
     def ledger(self):
         text, problems, ids = _read_ledger(self.root)
-        if text is None:
-            return [_finding("no-ledger", "ledger.tsv", "no ledger.tsv")]
+        if text is None:   # a directory there is derived-not-file
+            return [] if os.path.lexists(os.path.join(self.root, "ledger.tsv")) else \
+                [_finding("no-ledger", "ledger.tsv", "no ledger.tsv")]
         self.ledger_ids = ids
         if not problems:
             return []
@@ -12223,8 +12327,8 @@ class _DoctorRun:
             if "D" in state:
                 continue
             rel = name[len(prefix):] if prefix and name.startswith(prefix) else name
-            if not _EPISODE_REL.match(rel):
-                continue
+            if not _EPISODE_REL.match(rel) or _linked(self.root, rel):
+                continue   # a link is symlink-ignored, never an episode
             what = "untracked" if state == "??" else "modified or staged"
             out.append(_finding("uncommitted-episode", rel,
                                 f"{what} since the last commit",
@@ -12263,7 +12367,8 @@ class _DoctorRun:
                 current = raw if rel == "INDEX.md" else _read_bytes(root, rel) \
                     if os.path.isfile(os.path.join(root, rel)) else None
                 if current is None:
-                    out.append(_finding("stale-index", rel, f"{rel} is missing", fix, level))
+                    if not os.path.lexists(os.path.join(root, rel)):   # else derived-not-file
+                        out.append(_finding("stale-index", rel, f"{rel} is missing", fix, level))
                 elif current != rendered[rel].encode("utf-8", "surrogatepass"):
                     have = len(_index_entries(current.decode("utf-8", "replace"), self.fmt))
                     want = len(_index_entries(rendered[rel], self.fmt))
@@ -13130,9 +13235,16 @@ def _record_title(rec):
     return rec.get("display_title") or rec["stem"]
 
 
-def _episode_body(root, rec):
-    """(fields, body) of an episode file; a broken frontmatter block leaves the text as body."""
-    text = _read_text(os.path.join(root, rec["path"])).lstrip("\ufeff")
+def _episode_body(root, rec, skip=False):
+    """(fields, body) of an episode file; a broken frontmatter block leaves the text as body.
+    skip: a damaged file is None and a warning (a view never stops on one; doctor names it)."""
+    try:
+        text = _episode_text(root, rec["path"])
+    except (OSError, ShelfError) as exc:
+        if not skip:
+            raise
+        _note(f"skipped an unreadable episode: {getattr(exc, 'message', exc)}")
+        return None
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     try:
         return parse_frontmatter(text)
@@ -13266,11 +13378,8 @@ def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=Non
     try:
         for n, r in enumerate(recs):
             progress.update(n)
-            try:
-                _, body = _episode_body(root, r)
-            except (OSError, ShelfError):
-                continue
-            for heading, text in _body_sections(body):
+            found = _episode_body(root, r, skip=True)
+            for heading, text in _body_sections(found[1]) if found else ():
                 if section is not None and not _section_matches(heading, section):
                     continue
                 for m in pattern.finditer(text) if pattern else ():
@@ -13469,10 +13578,8 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
     try:
         for n, r in enumerate(chosen):
             progress.update(n)
-            try:
-                bodies[r["stem"]] = _body_sections(_episode_body(root, r)[1])
-            except (OSError, ShelfError):
-                bodies[r["stem"]] = []
+            found = _episode_body(root, r, skip=True)
+            bodies[r["stem"]] = _body_sections(found[1]) if found else []
     finally:
         progress.done()
     lines += ["## Decisions", ""]
@@ -14047,13 +14154,18 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
     try:
         for n, r in enumerate(wanted):
             progress.update(n)
-            _, body = _episode_body(root, r)
-            bodies[r["stem"]] = body
+            found = _episode_body(root, r, skip=True)
+            if found is None:
+                skipped.append({"id": r["stem"], "reason": "unreadable"})
+                continue
+            body = bodies[r["stem"]] = found[1]
             found = scan_instructions(body)
             if found:
                 flags[r["stem"]] = _instruction_kinds(found)
     finally:
         progress.done()
+    wanted = [r for r in wanted if r["stem"] in bodies]
+    shown.intersection_update(bodies)
     for r in live:
         if r["stem"] not in flags:
             found = scan_instructions(_record_title(r) + "\n" + _record_description(r))
@@ -15225,7 +15337,7 @@ def _cli_words(verb, text):
 
 def _shelf_param():
     return _Param("shelf_path", flags=["--shelf"], default="", metavar="PATH",
-                  help="Shelf folder; default MEMSHELF_SHELF.",
+                  help="Shelf; default MEMSHELF_SHELF.",
                   cli_help="Shelf folder. Default: $MEMSHELF_SHELF, else the nearest shelf at "
                            "or above the working directory.")
 
@@ -15312,7 +15424,7 @@ def _verbs():
             _Param("display_title", _S, nullable=True, help="INDEX title."),
             _Param("description", _S, nullable=True,
                    help="INDEX line (default: first sentence)."),
-            _Param("span", _S, nullable=True, help="YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD."),
+            _Param("span", _S, nullable=True, help="YYYY-MM-DD[..YYYY-MM-DD]."),
             _Param("date", _S, nullable=True, help="Shelve date YYYY-MM-DD."),
             _Param("session", _S, nullable=True, help="Host session reference."),
             _Param("agent", _S, nullable=True, help="Author (default: the client)."),
@@ -15323,11 +15435,11 @@ def _verbs():
             _Param("supersedes", _A, default=[], metavar="ID",
                    help="Ids this episode replaces."),
             _Param("approx_tokens", _I, nullable=True, minimum=0,
-                   help="Size of what was shelved, chars/4."),
+                   help="Shelved size, chars/4."),
             _Param("approx_tokens_source", _S, nullable=True, enum=["estimate", "measured"],
                    help="How approx_tokens was got."),
             _Param("mode", _S, default="live", enum=["live", "import"], help="live or import."),
-            _Param("amend", _B, default=False, help="Replace the existing episode."),
+            _Param("amend", _B, default=False, help="Update; keeps what is not given."),
             _Param("strict", _B, default=False, help="Digest warnings refuse too."),
             _Param("dry_run", _B, default=False, help="Return the text, write nothing."),
             _Param("push", _B, default=False, help="Push after committing."),
@@ -15344,6 +15456,8 @@ def _verbs():
                    help="Read the digest from a file (- = stdin)."),
             _Param("section_files", _O, default={}, mcp=False, flags=["--section-file"],
                    metavar="NAME=PATH", help="Section body from a file."),
+            _Param("drop_sections", _A, default=[], flags=["--drop-section"], metavar="NAME",
+                   help="Amend: remove a section."),
         ], title="Shelve a closed topic", read_only=False, idempotent=True, open_world=True,
             description="Write a closed topic as an episode: redacted, checked, indexed, committed.",
             output={"id": _S, "address": _S, "kind": _S, "amended": _B,
@@ -15657,7 +15771,8 @@ def call_tool(name, arguments, *, client_name=None):
     """
     verb = _tool(name)
     kwargs = _validate_arguments(verb, arguments if arguments is not None else {})
-    if verb.name == "shelve" and client_name and not kwargs.get("agent"):
+    if verb.name == "shelve" and client_name and not kwargs.get("agent") and \
+            not kwargs.get("amend"):   # an amend keeps the episode's author
         kwargs["agent"] = client_name
     with run_context(progress=_context("progress"), cancelled=_context("cancelled"),
                      client_name=client_name or _context("client_name") or "call",
@@ -15673,6 +15788,8 @@ def _io_error(exc):
     """A filesystem failure as an error the user can act on, naming the path."""
     where = exc.filename or ""
     return ShelfError("io-error", f"{where + ': ' if where else ''}{exc.strerror or exc}",
+                      "a file belongs there: move the directory out of the shelf, then run "
+                      "memshelf rebuild" if isinstance(exc, IsADirectoryError) else
                       "check that the path exists and is writable", {"path": str(where)})
 
 
@@ -15730,6 +15847,11 @@ def _text_summary(result):
     sync = result.get("sync")
     if isinstance(sync, dict) and sync.get("summary"):
         lines.append(sync["summary"])
+    for key in ("changed", "kept") if isinstance(result.get("kept"), dict) else ():
+        r = result[key]
+        what = r["fields"] + [f"§ {h}" for h in r["sections"]] + [
+            f"§ {h} (dropped)" for h in r.get("dropped", ())]
+        lines.append(f"{key}: " + (", ".join(what) or "nothing"))
     lines += _warning_lines(result)
     if result.get("hint"):
         lines.append(f"hint: {result['hint']}")

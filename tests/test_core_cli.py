@@ -178,6 +178,72 @@ def test_amend_and_kind_change(shelf, cli):
     assert r.code == 1 and "amend" in r.err
 
 
+def test_amend_keeps_what_it_is_not_given(shelf, cli):
+    """A new digest and one section: the tags, approx_tokens, the other sections and every
+    field not given stay (verbs.md § 1.2 step 7); the result and the human text say so."""
+    stem = "2026-07-22-auth-refactor"
+    path = shelf / f"docs/topics/{stem}.md"
+    r = cli(*shelve_args(shelf, extra=[
+        "--tag", "auth", "--tag", "jwt", "--approx-tokens", "12000", "--approx-tokens-source",
+        "measured", "--supersedes", "2026-07-01-old-auth", "--notes", "first cut", "--model",
+        "m-1", "--agent", "alice", "--display-title", "Auth refactor", "--description",
+        "JWT in the middleware.", "--section", "Artifacts=- src/auth/middleware.py",
+        "--section", "Context=Legacy sessions were slow."]))
+    assert r.code == 0, r
+    before = path.read_text()
+    r = cli(*shelve_args(shelf, digest="Dana chose JWT middleware; Priya owns key rotation.",
+                         extra=["--amend", "--section", "Decisions=- JWT verified in middleware."]))
+    assert r.code == 0, r
+    assert "changed: digest, § Decisions" in r.out, r
+    kept = next(line for line in r.out.splitlines() if line.startswith("kept: "))
+    for name in ("tags", "approx_tokens", "approx_tokens_source", "supersedes", "notes", "model",
+                 "agent", "display_title", "description", "§ Artifacts", "§ Context"):
+        assert name in kept, (name, kept)
+    text = path.read_text()
+    for line in ("tags: [auth, jwt]", "approx_tokens: 12000", "approx_tokens_source: measured",
+                 "supersedes: [2026-07-01-old-auth]", 'notes: "first cut"', 'model: "m-1"',
+                 'agent: "alice"', 'display_title: "Auth refactor"',
+                 'description: "JWT in the middleware."', "## Artifacts\n- src/auth/middleware.py",
+                 "## Context\nLegacy sessions were slow.",
+                 "## Decisions\n- JWT verified in middleware.", "Priya owns key rotation"):
+        assert line in text, (line, text)
+    assert text.index("## Decisions") < text.index("## Artifacts") < text.index("## Context")
+    assert "\t12000\t" in (shelf / "ledger.tsv").read_text()
+    r = cli("recall", "--shelf", shelf, "--id", stem, "--section", "Artifacts")
+    assert r.code == 0 and "middleware.py" in r.out
+    def amend(*extra):
+        return cli("shelve", "--shelf", shelf, "--slug", stem, "--kind", "topic", "--digest",
+                   "Dana chose JWT middleware; Priya owns key rotation.", *extra)
+    # --dry-run reports the same and writes nothing
+    snap = snapshot(shelf)
+    r = amend("--amend", "--drop-section", "context", "--dry-run", "--json")
+    assert r.code == 0 and r.json()["changed"] == {"fields": [], "sections": [],
+                                                   "dropped": ["Context"]}, r
+    assert snapshot(shelf) == snap
+    # refusals write nothing: a required section, an unknown one, usage mistakes
+    for extra, code, words in (
+            (["--amend", "--drop-section", "Decisions"], 1, "Decisions"),
+            (["--amend", "--drop-section", "Nope"], 1, "Artifacts"),
+            (["--drop-section", "Context"], 2, "--amend"),
+            (["--amend", "--drop-section", "Digest"], 2, "digest"),
+            (["--amend", "--drop-section", "Context", "--section", "Context=x"], 2, "both")):
+        r = amend(*extra)
+        assert r.code == code and words in r.err and "fix:" in r.err, (extra, r)
+        assert snapshot(shelf) == snap
+    # a drop removes one section; given values replace kept ones
+    r = amend("--amend", "--drop-section", "Artifacts", "--tag", "security", "--approx-tokens",
+              "500")
+    assert r.code == 0, r
+    # a new approx_tokens without a source is an estimate (shelf-format.md § 4.2)
+    assert "changed: tags, approx_tokens, approx_tokens_source, § Artifacts (dropped)" in r.out, r
+    text = path.read_text()
+    assert "## Artifacts" not in text and "## Context" in text and "## Decisions" in text
+    assert "tags: [security]" in text and "approx_tokens: 500\n" in text
+    assert "approx_tokens_source: estimate" in text and 'notes: "first cut"' in text
+    assert git(shelf, "status", "--porcelain").strip() == ""
+    assert path.read_text() != before
+
+
 def test_retain_until_no_commit_and_dry_run(shelf, cli):
     r = cli(*shelve_args(shelf, extra=["--retain-until", "2027-01-31", "--no-commit", "--json"]))
     assert r.code == 0, r

@@ -154,6 +154,17 @@ async def scenario(mode, tmp_path):
             await client.call_tool("memshelf_nope", {})
         assert no_tool.value.error.code == -32602
 
+        # an amend keeps what it is not given and says what changed (issue 18)
+        amended = await client.call_tool("memshelf_shelve", {
+            "slug": slug, "kind": "topic", "digest": DIGEST, "amend": True,
+            "sections": {"Decisions": "- JWT verified once, in the middleware."},
+            "drop_sections": ["Open threads"]})
+        assert not amended.is_error, text_of(amended)
+        report = amended.structured_content
+        assert report["changed"] == {"fields": [], "sections": ["Decisions"],
+                                     "dropped": ["Open threads"]}
+        assert "agent" in report["kept"]["fields"]    # the author stays on amend
+
 
 @pytest.mark.parametrize("mode, skip_reason", MODES, ids=[m for m, _ in MODES])
 def test_sdk_client(tmp_path, mode, skip_reason):
