@@ -5499,7 +5499,7 @@ def _cache_db(root):
             db.execute("PRAGMA synchronous=OFF")
             db.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT)")
             row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-            stamp = f"{_CACHE_SCHEMA}/{__version__}"
+            stamp = f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}"
             if row is None or row[0] != stamp:
                 db.execute("DROP TABLE IF EXISTS episodes")
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
@@ -7502,7 +7502,7 @@ def _fts_create(db):
 
 
 def _search_stamp():
-    return f"{_SEARCH_SCHEMA}/{__version__}"
+    return f"{_SEARCH_SCHEMA}/{__version__}/{_self_hash()}"
 
 
 class _SidecarBusy(Exception):
@@ -12608,8 +12608,8 @@ def _doctor_fingerprint(root, switches):
             patterns = f.read()
     except OSError:
         patterns = b""
-    return f"{__version__}|{_DOCTOR_CACHE_SCHEMA}|{json.dumps(switches, sort_keys=True)}|" + \
-        _content_hash(patterns)
+    return f"{__version__}/{_self_hash()}|{_DOCTOR_CACHE_SCHEMA}|" \
+        f"{json.dumps(switches, sort_keys=True)}|" + _content_hash(patterns)
 
 
 def _code_pair_hash(main_path, server_path):
@@ -16452,7 +16452,9 @@ def _fail(error, verb_name, want_json):
 
 
 def _self_hash():
-    """The first 12 hex digits of this file's SHA-256 (read once per process)."""
+    """The first 12 hex digits of this file's SHA-256 (read once per process): the one code
+    stamp of everything remembered (cache rows, the store key, the search sidecar, doctor's
+    verdicts), so a changed memshelf.py never answers from what older code derived."""
     if not _SELF_HASH:
         import hashlib
         with open(os.path.abspath(__file__), "rb") as f:
