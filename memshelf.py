@@ -5175,10 +5175,6 @@ class _Catalog:
         return self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
                            _render_record_from_row)
 
-    def summaries(self, archive=True, progress=None):
-        """What accounting needs of every episode (_SUMMARY_KEYS), without decoding records."""
-        return self._merge(archive, progress, None, _SUMMARY_COLUMNS, _summary_from_row)
-
     def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
         """One object per episode file: from_row(path, archived, values of `columns`) from
         its cache row while the file is unchanged (_unchanged), else from a fresh parse (its
@@ -5272,10 +5268,8 @@ _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino
 _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
                   "date_field")
-_SUMMARY_COLUMNS = ("id", "date", "digest_tokens", "approx_tokens", "approx_src")
 # Where each column sits in a cache row as _Catalog stores it.
 _ROW_SLOTS = dict({"size": 1, "rec": 5}, **{c: 6 + n for n, c in enumerate(_CACHE_COLUMNS)})
-_SUMMARY_KEYS = ("path", "stem", "archived") + _SUMMARY_COLUMNS
 # What a render record holds (_render_record_from_row unpacks the columns in this order and
 # puts the date field under "fields"; tests/test_render_memo.py checks both lists).
 _RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
@@ -5317,10 +5311,6 @@ def _render_record_from_row(rel, archived, columns):
             "approx_tokens": approx_tokens, "approx_src": approx_src,
             "digest_tokens": digest_tokens, "notes": notes,
             "fields": {} if date_field is None else {"date": date_field}}
-
-
-def _summary_from_row(rel, archived, columns):
-    return dict(zip(_SUMMARY_KEYS, (rel, rel.rsplit("/", 1)[-1][:-3], archived) + columns))
 
 
 def _cache_rows(db, sql):
@@ -6225,7 +6215,7 @@ def _shelf_totals(root, records=None, window=None, aggregate=None):
         if not isinstance(aggregate, dict) or aggregate.get("window") != window:
             cat = _Catalog(root)
             try:
-                records = cat.summaries()   # what the aggregate sums, no whole records
+                records = cat.render_records()   # what the aggregate sums, no whole records
             finally:
                 cat.close()
             aggregate = _episode_aggregate(records, window)
@@ -12753,7 +12743,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     window = _stats_window(root, context_window)
     catalog = _Catalog(root)
     try:
-        records = catalog.render_records() if chart else catalog.summaries()
+        records = catalog.render_records()
     finally:
         catalog.close()
     eps = [r for r in records if r.get("id")]
