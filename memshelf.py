@@ -1782,6 +1782,591 @@ def _canonical_sections(sections):
     return out + custom
 
 # ==========================================================================================
+# Store: the one reader of episode files
+# ==========================================================================================
+
+# Every verb reads episodes here: the listing (_scan_episode_files, which never follows a link),
+# the row cache (_Store), the one freshness rule (_unchanged) and the one key (_render_key_of)
+# that every derived value is remembered under (the render memo, shelf totals, supersedes
+# links). A file is re-read whenever its stamp moved or it was written within the timestamp
+# granularity of the read that produced the cached answer.
+
+
+# --- the episode catalog and its row cache -------------------------------------------------
+
+_CACHE_SCHEMA = "10"   # bump when the cached record or the cache columns change shape
+
+
+class _Store:
+    """Episode records of one shelf from the row cache, each re-parsed unless _unchanged says
+    its file is as it was read. Use it as a context manager (or close() it)."""
+
+    def __init__(self, root, use_cache=True):
+        self.root = root
+        self.db = None
+        self.extras = {}
+        if use_cache:
+            self.db = _cache_db(root)
+
+    def scan(self, archive=True):
+        return _scan_episode_files(self.root, archive)
+
+    def records(self, archive=True, progress=None, files=None, also=None, trim=None):
+        """Every episode's record; `files` is a scan made just before (saves a second one).
+
+        also(record, bytes, _EpisodeText) runs beside each file parsed afresh (in its worker);
+        its answers are left in self.extras by path. trim(record) -> record: what is kept of
+        a record parsed afresh once its cache row is made (and `also` has seen it whole)."""
+        return self._merge(archive, progress, files, None,
+                           lambda rel, archived, row: _record_from_row(row[0]), also, trim)
+
+    def render_records(self, progress=None, files=None):
+        """What the derived renders read of every episode (_RENDER_KEYS), from the cache
+        columns: a render after one shelve decodes a few values per episode, not records."""
+        return self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
+                           _render_record_from_row)
+
+    def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
+        """One object per episode file: from_row(path, archived, values of `columns`) from
+        its cache row while the file is unchanged (_unchanged), else from a fresh parse (its
+        row stored for next time). Cached rows are read in path order alongside the sorted
+        scan, one at a time: memory never holds a second copy of the cache.
+
+        columns None: whole records (the cache's `rec`). A fresh parse is always whole; the
+        object is made from the same column values a cached row gives, so both agree."""
+        files = self.scan(archive) if files is None else files
+        whole = columns is None
+        gone = []
+        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
+                                    f"{'rec' if whole else ', '.join(columns)} FROM episodes "
+                                    "ORDER BY path")
+        out, missing = [], []
+        for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
+            obj = None
+            if row is not None and st is not None and _unchanged(st, row[1:4], row[4]):
+                obj = from_row(rel, archived, row[5:])
+            if obj is None:
+                missing.append((len(out), rel, archived, st))
+            out.append(obj)
+        gone = [p for p in gone if archive or not p.startswith("archive/")]
+        root, cached = self.root, self.db is not None
+
+        def parse(job):
+            # the cache row is made in the worker: the parent only stores it
+            seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
+            rec, extra = _read_episode(root, *job[1:], also=also) if also else \
+                (_read_episode(root, *job[1:]), None)
+            row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
+                   _record_to_row(rec) if cached else None) + \
+                (_cache_columns(rec) if cached or not whole else ())   # what is read of it
+            if not whole:
+                rec = None
+            elif trim is not None:
+                rec = trim(rec)
+            return rec, row, extra
+
+        take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
+        if also is not None:
+            self.extras = {}
+        batch = []   # cache rows are stored as they come: they never pile up in memory
+        for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
+            slot, rel, archived, _ = missing[n]
+            out[slot] = _share_values(rec) if whole else \
+                from_row(rel, archived, take(row))
+            if also is not None:
+                self.extras[rel] = extra
+            if cached:
+                batch.append(row)
+                if len(batch) >= 2000:
+                    self._store(batch, ())
+                    batch = []
+        self._store(batch, gone)
+        return out
+
+    def _store(self, rows, gone):
+        """Cache rows for fresh parses (path, size, mtime_ns, record, columns); rows of gone
+        paths go."""
+        if self.db is None or not (rows or gone):
+            return
+        try:
+            with self.db:
+                self.db.executemany(
+                    f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, ino, seen_ns, rec, "
+                    f"{', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?"
+                    f"{', ?' * len(_CACHE_COLUMNS)})", rows)
+                self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
+        except Exception:
+            pass
+
+    def close(self):
+        self.db = _close_db(self.db)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# A cached record is a JSON array in this key order (object keys would be stored, decoded and
+# held once per record; at 100,000 episodes that is a third of the catalog's memory).
+_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "fm_ok",
+                "fm_error",
+                "fields", "has_block", "portability", "id", "kind", "date", "span",
+                "display_title", "description", "tags", "supersedes", "approx_tokens",
+                "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
+                "sections")
+# What the derived renders (INDEX, ledger, .meta.json, chart, supersedes links) and shelf
+# accounting read of every episode, kept as cache columns beside the record so that neither
+# decodes whole records. `supersedes` is stored as a JSON list; `date_field` is the frontmatter
+# date (the ledger checks it); `index_entry` and `meta_entry`/`meta_warning` are the episode's
+# own INDEX line and .meta.json entry, formatted once where the file is parsed (in a worker on a
+# cold start), not again by every render. Path, stem and archived come from the scan.
+_CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
+                  "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
+                  "date_field")
+# Where each column sits in a cache row as _Store stores it.
+_ROW_SLOTS = dict({"size": 1, "rec": 5}, **{c: 6 + n for n, c in enumerate(_CACHE_COLUMNS)})
+# What a render record holds (_render_record_from_row unpacks the columns in this order and
+# puts the date field under "fields"; tests/test_render_memo.py checks both lists).
+_RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
+
+
+def _cache_columns(rec):
+    """The values of _CACHE_COLUMNS for a record."""
+    date = rec["fields"].get("date")
+    return (rec["category"], rec["id"], rec["date"], _index_entry(rec)) + _meta_entry(rec) + \
+        (_json_row(rec["supersedes"]) if rec["supersedes"] else "[]", rec["mode"],
+         rec["approx_tokens"], rec["approx_src"], rec["digest_tokens"], rec["notes"],
+         date if isinstance(date, str) else None)
+
+
+def _render_record_from_row(rel, archived, columns):
+    """A render record (_RENDER_KEYS) from a file's path and its size and _CACHE_COLUMNS values:
+    supersedes decoded, the date field as the one frontmatter value it holds. None when the
+    values are not what a render needs (a cache row is a file anyone may have edited)."""
+    (size, category, ident, date, index_entry, meta_entry, meta_warning, supersedes, mode,
+     approx_tokens, approx_src, digest_tokens, notes, date_field) = columns
+    if supersedes == "[]":
+        supersedes = []
+    else:
+        try:
+            supersedes = json.loads(supersedes)
+        except (TypeError, ValueError):
+            return None
+        if supersedes.__class__ is not list:
+            return None
+    if category not in CATEGORIES or index_entry.__class__ is not str or \
+            (meta_entry is not None and meta_entry.__class__ is not str) or \
+            (meta_warning is not None and meta_warning.__class__ is not str):
+        return None
+    stem = rel.rsplit("/", 1)[-1][:-3]
+    return {"path": rel, "stem": stem, "archived": archived, "size": size,
+            "category": sys.intern(category), "id": stem if ident == stem else ident,
+            "date": date, "index_entry": index_entry, "meta_entry": meta_entry,
+            "meta_warning": meta_warning, "supersedes": supersedes, "mode": mode,
+            "approx_tokens": approx_tokens, "approx_src": approx_src,
+            "digest_tokens": digest_tokens, "notes": notes,
+            "fields": {} if date_field is None else {"date": date_field}}
+
+
+def _cache_rows(db, sql):
+    """The rows of a cache query, one at a time; none at all (quietly) on any SQLite error."""
+    if db is None:
+        return
+    try:
+        yield from db.execute(sql)
+    except Exception:
+        return
+
+
+def _beside(rows, items, path_of, gone):
+    """(item, its row or None) for each item, items and rows both sorted by path (a row's path
+    comes first); the paths of rows no item has are appended to gone. A merge of two sorted
+    streams: neither side is copied into memory."""
+    rows = iter(rows)
+    row = next(rows, None)
+    for item in items:
+        path = path_of(item)
+        while row is not None and row[0] < path:
+            gone.append(row[0])
+            row = next(rows, None)
+        if row is not None and row[0] == path:
+            yield item, row
+            row = next(rows, None)
+        else:
+            yield item, None
+    while row is not None:
+        gone.append(row[0])
+        row = next(rows, None)
+
+
+# Promoted string fields that usually equal their frontmatter value: one object serves both.
+_SHARED_FIELDS = ("id", "kind", "span", "date", "display_title", "description", "mode")
+# Values drawn from a handful of words: one shared object each.
+_INTERNED_VALUES = ("category", "kind", "mode", "approx_src", "notes")
+
+
+def _record_to_row(rec):
+    return _json_row([rec.get(k) for k in _RECORD_KEYS])
+
+
+def _json_row(value):
+    """json.dumps(value, ensure_ascii=False) for cache cells, through one encoder made once
+    (a dumps call with options builds a new encoder every time)."""
+    if not _ROW_ENCODER:
+        _ROW_ENCODER.append(json.JSONEncoder(ensure_ascii=False, check_circular=False).encode)
+    return _ROW_ENCODER[0](value)
+
+
+_ROW_ENCODER = []
+
+
+def _record_from_row(text):
+    """A record from its cache row, or None when the row is not one (then the file is re-read);
+    a row with columns alone has no record."""
+    try:
+        values = json.loads(text)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(values, list) or len(values) != len(_RECORD_KEYS) or \
+            not isinstance(values[8], dict):
+        return None
+    return _share_values(dict(zip(_RECORD_KEYS, values)))
+
+
+def _share_values(rec):
+    """One object for equal strings inside a record: the catalog holds every record at once."""
+    for key in _INTERNED_VALUES:
+        if isinstance(rec[key], str):
+            rec[key] = sys.intern(rec[key])
+    if rec["id"] == rec["stem"]:
+        rec["id"] = rec["stem"]
+    if rec["span"] == rec["date"]:
+        rec["span"] = rec["date"]
+    # keys decoded from the cache or unpickled from a worker are copies; interned, one each
+    fields = rec["fields"] = {sys.intern(k): v for k, v in rec["fields"].items()}
+    for key in _SHARED_FIELDS:
+        value = rec[key]
+        if value is not None and fields.get(key) == value:
+            fields[key] = value
+    for tags in (rec["tags"], fields.get("tags")):
+        if isinstance(tags, list):
+            tags[:] = [sys.intern(t) if isinstance(t, str) else t for t in tags]
+    source = fields.get("approx_tokens_source")
+    if isinstance(source, str):
+        fields["approx_tokens_source"] = sys.intern(source)
+    for section in rec["sections"] if isinstance(rec["sections"], list) else ():
+        if isinstance(section, list) and section and isinstance(section[0], str):
+            section[0] = sys.intern(section[0])
+    return rec
+
+
+def _linked(root, rel):
+    """Whether rel (shelf-relative) or a folder on its way is a symlink: never followed."""
+    parts = rel.split("/")
+    return any(os.path.islink(os.path.join(root, *parts[:i])) for i in range(1, len(parts) + 1))
+
+
+def _scan_episode_files(root, archive=True, subdirs=None):
+    """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps.
+
+    With a `subdirs` list, the folders met inside category folders (legacy split sections) are
+    appended to it as (relative path, mtime_ns)."""
+    found = []
+    bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
+    for base, archived in bases:
+        for cat in CATEGORIES:
+            d = os.path.join(root, base, cat)
+            try:
+                entries = [] if _linked(root, f"{base}/{cat}") else list(os.scandir(d))
+            except OSError:
+                continue
+            prefix = f"{base}/{cat}/"
+            for e in entries:
+                name = e.name
+                # a regular file, never a symlink (d_type answers without a system call)
+                if not name.endswith(".md") or name.startswith(".") or \
+                        not e.is_file(follow_symlinks=False):
+                    if subdirs is not None and e.is_dir(follow_symlinks=False):
+                        subdirs.append((prefix + name, e.stat().st_mtime_ns))
+                    continue
+                st = e.stat()
+                found.append((prefix + name, archived,
+                              _stamp((st.st_size, st.st_mtime_ns, st.st_ino))))
+    found.sort()   # paths are unique: the comparison never goes past them
+    return found
+
+
+# (size, mtime_ns, inode) of a file, read like the stat result it stands for: three numbers
+# instead of a whole stat result per episode (~50 MB less at 100,000 files).
+_FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns st_ino")
+# _FileStamp((size, mtime_ns, ino)) without the Python-level constructor: one C call per file
+_stamp = functools.partial(tuple.__new__, _FileStamp)
+# The file system's timestamp granularity, at its coarsest (FAT's two seconds): a file whose
+# mtime is this close to the time it was read could be rewritten without its mtime moving.
+_RACY_NS = 2_000_000_000
+
+
+def _unchanged(st, known, seen_ns):
+    """The one freshness rule (shelf-format.md § 6.3, git's racy rule): a file is unchanged
+    since it was read at seen_ns only when its (size, mtime_ns, inode) equal `known` and its
+    mtime was older than that read by more than the timestamp granularity."""
+    return st == known and seen_ns is not None and seen_ns - st[1] > _RACY_NS
+
+
+def _close_db(db):
+    """Close a cache connection quietly; returns None to clear the holder's attribute."""
+    if db is not None:
+        try:
+            db.close()
+        except Exception:
+            pass
+    return None
+
+
+def _cache_db(root):
+    """The SQLite cache; any error (or no sqlite3) means running without it."""
+    try:
+        import sqlite3
+    except ImportError:
+        return None
+    cache = os.path.join(root, ".memshelf")
+    path = os.path.join(cache, "shelf.sqlite")
+    for attempt in (1, 2):
+        try:
+            os.makedirs(cache, exist_ok=True)
+            _ensure_cache_ignored(root)
+            db = sqlite3.connect(path, timeout=10, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            # No fsync at checkpoints (a third of storing 10,000 fresh rows): everything here
+            # is derived, a row is used only while its file's (size, mtime_ns) still match,
+            # and a file SQLite cannot read is discarded and rebuilt. An application crash
+            # loses nothing either way; only an OS crash could leave a cache to rebuild.
+            db.execute("PRAGMA synchronous=OFF")
+            db.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT)")
+            row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            stamp = f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}"
+            if row is None or row[0] != stamp:
+                db.execute("DROP TABLE IF EXISTS episodes")
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
+                db.commit()
+            db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
+                       " mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, rec TEXT, " +
+                       ", ".join(_CACHE_COLUMNS) + ")")
+            db.commit()
+            return db
+        except Exception:
+            # a corrupt cache is discarded and rebuilt
+            _log_event("notice", "the shelf cache was unreadable and is being rebuilt",
+                       shelf=root)
+            for suffix in ("", "-wal", "-shm"):
+                try:
+                    os.unlink(path + suffix)
+                except OSError:
+                    pass
+            if attempt == 2:
+                return None
+    return None
+
+
+def _ensure_cache_ignored(root):
+    """On a git shelf where .memshelf/ is not ignored, add it to .git/info/exclude (local)."""
+    gi = os.path.join(root, ".gitignore")
+    try:
+        with open(gi, encoding="utf-8") as f:
+            if any(line.strip() in (".memshelf/", ".memshelf", "/.memshelf/", "/.memshelf")
+                   for line in f):
+                return
+    except OSError:
+        pass
+    git_dir = os.path.join(root, ".git")
+    if not os.path.isdir(git_dir):
+        return
+    exclude = os.path.join(git_dir, "info", "exclude")
+    try:
+        with open(exclude, encoding="utf-8") as f:
+            if ".memshelf/" in f.read().split():
+                return
+    except OSError:
+        pass
+    try:
+        os.makedirs(os.path.dirname(exclude), exist_ok=True)
+        with open(exclude, "a", encoding="utf-8") as f:
+            f.write("\n.memshelf/\n")
+    except OSError:
+        pass
+
+
+def _state(root):
+    data, _ = _load_json_object(os.path.join(root, ".memshelf", "state.json"))
+    return data if isinstance(data, dict) else {}
+
+
+def _save_state(root, **updates):
+    state = _state(root)
+    state.update(updates)
+    try:
+        os.makedirs(os.path.join(root, ".memshelf"), exist_ok=True)
+        _atomic_write(os.path.join(root, ".memshelf", "state.json"),
+                      json.dumps(state, ensure_ascii=False, sort_keys=True))
+    except ShelfError:
+        pass
+
+
+def _episode_text(root, rel):
+    """An episode file's text (BOM dropped); a NUL byte refuses it, so none is ever printed."""
+    text = _read_text(os.path.join(root, rel)).lstrip("\ufeff")
+    if "\x00" in text:
+        raise ShelfError("episode-invalid", f"{rel} holds a NUL byte (character "
+                         f"{text.index(chr(0))})", "remove the byte and amend the episode "
+                         "(memshelf doctor lists it as episode-binary)", {"path": rel})
+    return text
+
+
+def _find_episode_path(root, key, archive=True):
+    """Direct lookups first (no scan): docs/<cat>/<key>.md, then archive/docs/<cat>/<key>.md."""
+    bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
+    for base, archived in bases:
+        for cat in CATEGORIES:
+            rel = f"{base}/{cat}/{key}.md"
+            if os.path.isfile(os.path.join(root, rel)) and not _linked(root, rel):
+                return rel, archived
+    return None, None
+
+
+def _resolve_episode(root, raw, archive=True):
+    """Lookup id -> (relative path, archived): stem, then frontmatter id, then case-insensitive."""
+    key = _lookup_key(raw)
+    rel, archived = _find_episode_path(root, key, archive)
+    if rel:
+        return rel, archived
+    with _Store(root) as cat:
+        recs = cat.records(archive)
+    for r in recs:
+        if r.get("id") == key:
+            return r["path"], r["archived"]
+    for r in recs:
+        if r["stem"].casefold() == key.casefold():
+            return r["path"], r["archived"]
+    import difflib
+    stems = [r["stem"] for r in recs]
+    close = difflib.get_close_matches(key, stems, n=3, cutoff=0.6)
+    hint = ("did you mean: " + ", ".join(close)) if close else \
+        "read the INDEX (memshelf index) or search for it"
+    raise ShelfError("episode-not-found", f"no episode {_excerpt(key)} on this shelf" +
+                     (f"; close: {', '.join(close)}" if close else ""), hint,
+                     {"id": key, "close": close})
+
+
+# --- the store key and what is remembered under it -----------------------------------------
+
+def _render_key(root, fmt):
+    """(key, scan): the store key of all a full render reads, and the episode scan it was
+    made from."""
+    seen = time.time_ns()
+    subdirs = []
+    scanned = _scan_episode_files(root, subdirs=subdirs)
+    return _render_key_of(root, fmt, scanned, subdirs, seen), scanned
+
+
+def _render_key_of(root, fmt, scanned, subdirs, seen):
+    """The one key derived values are remembered under: a digest of the code, the format, the
+    settings files, the folders and every episode's stamp, all taken after `seen`. A file
+    that could still change without its stamp moving (_unchanged) counts by its content."""
+    import hashlib
+    parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
+    files = list(scanned)
+    for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
+        try:
+            st = os.stat(os.path.join(root, rel))
+            files.append((rel, False, (st.st_size, st.st_mtime_ns, st.st_ino)))
+        except OSError:
+            parts.append(f"{rel}\0-")
+    for rel, _, st in files:
+        if seen - st[1] <= _RACY_NS:
+            try:
+                parts.append(f"{rel}\0{hashlib.sha1(_file_bytes(os.path.join(root, rel))).hexdigest()}")
+            except OSError:
+                parts.append(f"{rel}\0unreadable")
+    parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
+    for base in ("docs", "archive/docs"):
+        for cat in CATEGORIES:
+            rel = f"{base}/{cat}"
+            parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
+    parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
+    parts += [rel for rel, _, _ in files]
+    digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
+    digest.update(repr([n for _, _, st in files for n in st]).encode())   # one string, not 10k
+    return digest.hexdigest()
+
+
+def _render_is_current(root, fmt=None):
+    """True when the derived files on disk are the last full render of the current inputs."""
+    key, _scanned = _render_key(root, fmt or _index_format(root))
+    return _render_memo_hit(root, key) is not None
+
+
+def _text_digest(text):
+    import hashlib
+    return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _render_memo_hit(root, key, memo=None, index_only=False):
+    """The last full render, read back from disk, when it was remembered under this key and
+    every derived file still holds what it wrote (compared by content, not by stamp).
+    `memo`: the state's render_memo when the caller has just read it."""
+    memo = _state(root).get("render_memo") if memo is None else memo
+    if key is None or not isinstance(memo, dict) or memo.get("key") != key or \
+            not isinstance(memo.get("files"), dict):
+        return None
+    files = {}
+    for rel, digest in memo["files"].items():
+        if not isinstance(rel, str) or not _is_derived_path(rel):
+            return None   # state.json is a local file anyone may edit: only derived names count
+        if index_only and rel not in ("INDEX.md", "archive/INDEX.md"):
+            continue
+        path = os.path.join(root, rel)
+        try:
+            if digest is None:
+                if os.path.lexists(path):
+                    return None
+                files[rel] = None
+                continue
+            files[rel] = _read_text(path)
+        except (OSError, ShelfError):
+            return None
+        if _text_digest(files[rel]) != digest:
+            return None
+    return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
+            "key": key, "episodes": memo.get("episodes") or 0}
+
+
+def _remember_render(root, rendered, files=None):
+    """After the derived files on disk equal a full render: remember it under its key."""
+    if not rendered.get("key"):
+        return
+    digests = {rel: None if content is None else _text_digest(content)
+               for rel, content in (rendered["files"] if files is None else files).items()}
+    _save_state(root, render_memo={"key": rendered["key"], "files": digests,
+                                   "episodes": rendered["episodes"],
+                                   "warnings": rendered["warnings"]})
+
+
+def _remembered(root, name, key):
+    """A derived value remembered under the store key (_render_key_of), or None."""
+    entry = _state(root).get(name)
+    if key is not None and isinstance(entry, dict) and entry.get("key") == key:
+        return entry.get("value")
+    return None
+
+
+def _remember(root, name, key, value):
+    if key is not None:
+        _save_state(root, **{name: {"key": key, "value": value}})
+
+
+# ==========================================================================================
 # Policy and redaction
 # ==========================================================================================
 
@@ -5142,469 +5727,6 @@ def _check_section_name(name):
     return norm
 
 
-# --- the episode catalog and its cache -----------------------------------------------------
-
-_CACHE_SCHEMA = "10"   # bump when the cached record or the cache columns change shape
-
-
-class _Catalog:
-    """Episode records of one shelf, re-parsed only when a file's (size, mtime_ns) changed."""
-
-    def __init__(self, root, use_cache=True):
-        self.root = root
-        self.db = None
-        self.extras = {}
-        if use_cache:
-            self.db = _cache_db(root)
-
-    def scan(self, archive=True):
-        return _scan_episode_files(self.root, archive)
-
-    def records(self, archive=True, progress=None, files=None, also=None, trim=None):
-        """Every episode's record; `files` is a scan made just before (saves a second one).
-
-        also(record, bytes, _EpisodeText) runs beside each file parsed afresh (in its worker);
-        its answers are left in self.extras by path. trim(record) -> record: what is kept of
-        a record parsed afresh once its cache row is made (and `also` has seen it whole)."""
-        return self._merge(archive, progress, files, None,
-                           lambda rel, archived, row: _record_from_row(row[0]), also, trim)
-
-    def render_records(self, progress=None, files=None):
-        """What the derived renders read of every episode (_RENDER_KEYS), from the cache
-        columns: a render after one shelve decodes a few values per episode, not records."""
-        return self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
-                           _render_record_from_row)
-
-    def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
-        """One object per episode file: from_row(path, archived, values of `columns`) from
-        its cache row while the file is unchanged (_unchanged), else from a fresh parse (its
-        row stored for next time). Cached rows are read in path order alongside the sorted
-        scan, one at a time: memory never holds a second copy of the cache.
-
-        columns None: whole records (the cache's `rec`). A fresh parse is always whole; the
-        object is made from the same column values a cached row gives, so both agree."""
-        files = self.scan(archive) if files is None else files
-        whole = columns is None
-        gone = []
-        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
-                                    f"{'rec' if whole else ', '.join(columns)} FROM episodes "
-                                    "ORDER BY path")
-        out, missing = [], []
-        for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
-            obj = None
-            if row is not None and st is not None and _unchanged(st, row[1:4], row[4]):
-                obj = from_row(rel, archived, row[5:])
-            if obj is None:
-                missing.append((len(out), rel, archived, st))
-            out.append(obj)
-        gone = [p for p in gone if archive or not p.startswith("archive/")]
-        root, cached = self.root, self.db is not None
-
-        def parse(job):
-            # the cache row is made in the worker: the parent only stores it
-            seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
-            rec, extra = _read_episode(root, *job[1:], also=also) if also else \
-                (_read_episode(root, *job[1:]), None)
-            row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
-                   _record_to_row(rec) if cached else None) + \
-                (_cache_columns(rec) if cached or not whole else ())   # what is read of it
-            if not whole:
-                rec = None
-            elif trim is not None:
-                rec = trim(rec)
-            return rec, row, extra
-
-        take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
-        if also is not None:
-            self.extras = {}
-        batch = []   # cache rows are stored as they come: they never pile up in memory
-        for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
-            slot, rel, archived, _ = missing[n]
-            out[slot] = _share_values(rec) if whole else \
-                from_row(rel, archived, take(row))
-            if also is not None:
-                self.extras[rel] = extra
-            if cached:
-                batch.append(row)
-                if len(batch) >= 2000:
-                    self._store(batch, ())
-                    batch = []
-        self._store(batch, gone)
-        return out
-
-    def _store(self, rows, gone):
-        """Cache rows for fresh parses (path, size, mtime_ns, record, columns); rows of gone
-        paths go."""
-        if self.db is None or not (rows or gone):
-            return
-        try:
-            with self.db:
-                self.db.executemany(
-                    f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, ino, seen_ns, rec, "
-                    f"{', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?"
-                    f"{', ?' * len(_CACHE_COLUMNS)})", rows)
-                self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
-        except Exception:
-            pass
-
-    def close(self):
-        self.db = _close_db(self.db)
-
-
-# A cached record is a JSON array in this key order (object keys would be stored, decoded and
-# held once per record; at 100,000 episodes that is a third of the catalog's memory).
-_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "fm_ok",
-                "fm_error",
-                "fields", "has_block", "portability", "id", "kind", "date", "span",
-                "display_title", "description", "tags", "supersedes", "approx_tokens",
-                "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
-                "sections")
-# What the derived renders (INDEX, ledger, .meta.json, chart, supersedes links) and shelf
-# accounting read of every episode, kept as cache columns beside the record so that neither
-# decodes whole records. `supersedes` is stored as a JSON list; `date_field` is the frontmatter
-# date (the ledger checks it); `index_entry` and `meta_entry`/`meta_warning` are the episode's
-# own INDEX line and .meta.json entry, formatted once where the file is parsed (in a worker on a
-# cold start), not again by every render. Path, stem and archived come from the scan.
-_CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
-                  "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
-                  "date_field")
-# Where each column sits in a cache row as _Catalog stores it.
-_ROW_SLOTS = dict({"size": 1, "rec": 5}, **{c: 6 + n for n, c in enumerate(_CACHE_COLUMNS)})
-# What a render record holds (_render_record_from_row unpacks the columns in this order and
-# puts the date field under "fields"; tests/test_render_memo.py checks both lists).
-_RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
-
-
-def _cache_columns(rec):
-    """The values of _CACHE_COLUMNS for a record."""
-    date = rec["fields"].get("date")
-    return (rec["category"], rec["id"], rec["date"], _index_entry(rec)) + _meta_entry(rec) + \
-        (_json_row(rec["supersedes"]) if rec["supersedes"] else "[]", rec["mode"],
-         rec["approx_tokens"], rec["approx_src"], rec["digest_tokens"], rec["notes"],
-         date if isinstance(date, str) else None)
-
-
-def _render_record_from_row(rel, archived, columns):
-    """A render record (_RENDER_KEYS) from a file's path and its size and _CACHE_COLUMNS values:
-    supersedes decoded, the date field as the one frontmatter value it holds. None when the
-    values are not what a render needs (a cache row is a file anyone may have edited)."""
-    (size, category, ident, date, index_entry, meta_entry, meta_warning, supersedes, mode,
-     approx_tokens, approx_src, digest_tokens, notes, date_field) = columns
-    if supersedes == "[]":
-        supersedes = []
-    else:
-        try:
-            supersedes = json.loads(supersedes)
-        except (TypeError, ValueError):
-            return None
-        if supersedes.__class__ is not list:
-            return None
-    if category not in CATEGORIES or index_entry.__class__ is not str or \
-            (meta_entry is not None and meta_entry.__class__ is not str) or \
-            (meta_warning is not None and meta_warning.__class__ is not str):
-        return None
-    stem = rel.rsplit("/", 1)[-1][:-3]
-    return {"path": rel, "stem": stem, "archived": archived, "size": size,
-            "category": sys.intern(category), "id": stem if ident == stem else ident,
-            "date": date, "index_entry": index_entry, "meta_entry": meta_entry,
-            "meta_warning": meta_warning, "supersedes": supersedes, "mode": mode,
-            "approx_tokens": approx_tokens, "approx_src": approx_src,
-            "digest_tokens": digest_tokens, "notes": notes,
-            "fields": {} if date_field is None else {"date": date_field}}
-
-
-def _cache_rows(db, sql):
-    """The rows of a cache query, one at a time; none at all (quietly) on any SQLite error."""
-    if db is None:
-        return
-    try:
-        yield from db.execute(sql)
-    except Exception:
-        return
-
-
-def _beside(rows, items, path_of, gone):
-    """(item, its row or None) for each item, items and rows both sorted by path (a row's path
-    comes first); the paths of rows no item has are appended to gone. A merge of two sorted
-    streams: neither side is copied into memory."""
-    rows = iter(rows)
-    row = next(rows, None)
-    for item in items:
-        path = path_of(item)
-        while row is not None and row[0] < path:
-            gone.append(row[0])
-            row = next(rows, None)
-        if row is not None and row[0] == path:
-            yield item, row
-            row = next(rows, None)
-        else:
-            yield item, None
-    while row is not None:
-        gone.append(row[0])
-        row = next(rows, None)
-
-
-# Promoted string fields that usually equal their frontmatter value: one object serves both.
-_SHARED_FIELDS = ("id", "kind", "span", "date", "display_title", "description", "mode")
-# Values drawn from a handful of words: one shared object each.
-_INTERNED_VALUES = ("category", "kind", "mode", "approx_src", "notes")
-
-
-def _record_to_row(rec):
-    return _json_row([rec.get(k) for k in _RECORD_KEYS])
-
-
-def _json_row(value):
-    """json.dumps(value, ensure_ascii=False) for cache cells, through one encoder made once
-    (a dumps call with options builds a new encoder every time)."""
-    if not _ROW_ENCODER:
-        _ROW_ENCODER.append(json.JSONEncoder(ensure_ascii=False, check_circular=False).encode)
-    return _ROW_ENCODER[0](value)
-
-
-_ROW_ENCODER = []
-
-
-def _record_from_row(text):
-    """A record from its cache row, or None when the row is not one (then the file is re-read);
-    a row with columns alone has no record."""
-    try:
-        values = json.loads(text)
-    except (TypeError, ValueError):
-        return None
-    if not isinstance(values, list) or len(values) != len(_RECORD_KEYS) or \
-            not isinstance(values[8], dict):
-        return None
-    return _share_values(dict(zip(_RECORD_KEYS, values)))
-
-
-def _share_values(rec):
-    """One object for equal strings inside a record: the catalog holds every record at once."""
-    for key in _INTERNED_VALUES:
-        if isinstance(rec[key], str):
-            rec[key] = sys.intern(rec[key])
-    if rec["id"] == rec["stem"]:
-        rec["id"] = rec["stem"]
-    if rec["span"] == rec["date"]:
-        rec["span"] = rec["date"]
-    # keys decoded from the cache or unpickled from a worker are copies; interned, one each
-    fields = rec["fields"] = {sys.intern(k): v for k, v in rec["fields"].items()}
-    for key in _SHARED_FIELDS:
-        value = rec[key]
-        if value is not None and fields.get(key) == value:
-            fields[key] = value
-    for tags in (rec["tags"], fields.get("tags")):
-        if isinstance(tags, list):
-            tags[:] = [sys.intern(t) if isinstance(t, str) else t for t in tags]
-    source = fields.get("approx_tokens_source")
-    if isinstance(source, str):
-        fields["approx_tokens_source"] = sys.intern(source)
-    for section in rec["sections"] if isinstance(rec["sections"], list) else ():
-        if isinstance(section, list) and section and isinstance(section[0], str):
-            section[0] = sys.intern(section[0])
-    return rec
-
-
-def _linked(root, rel):
-    """Whether rel (shelf-relative) or a folder on its way is a symlink: never followed."""
-    parts = rel.split("/")
-    return any(os.path.islink(os.path.join(root, *parts[:i])) for i in range(1, len(parts) + 1))
-
-
-def _scan_episode_files(root, archive=True, subdirs=None):
-    """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps.
-
-    With a `subdirs` list, the folders met inside category folders (legacy split sections) are
-    appended to it as (relative path, mtime_ns)."""
-    found = []
-    bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
-    for base, archived in bases:
-        for cat in CATEGORIES:
-            d = os.path.join(root, base, cat)
-            try:
-                entries = [] if _linked(root, f"{base}/{cat}") else list(os.scandir(d))
-            except OSError:
-                continue
-            prefix = f"{base}/{cat}/"
-            for e in entries:
-                name = e.name
-                # a regular file, never a symlink (d_type answers without a system call)
-                if not name.endswith(".md") or name.startswith(".") or \
-                        not e.is_file(follow_symlinks=False):
-                    if subdirs is not None and e.is_dir(follow_symlinks=False):
-                        subdirs.append((prefix + name, e.stat().st_mtime_ns))
-                    continue
-                st = e.stat()
-                found.append((prefix + name, archived,
-                              _stamp((st.st_size, st.st_mtime_ns, st.st_ino))))
-    found.sort()   # paths are unique: the comparison never goes past them
-    return found
-
-
-# (size, mtime_ns, inode) of a file, read like the stat result it stands for: three numbers
-# instead of a whole stat result per episode (~50 MB less at 100,000 files).
-_FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns st_ino")
-# _FileStamp((size, mtime_ns, ino)) without the Python-level constructor: one C call per file
-_stamp = functools.partial(tuple.__new__, _FileStamp)
-# The file system's timestamp granularity, at its coarsest (FAT's two seconds): a file whose
-# mtime is this close to the time it was read could be rewritten without its mtime moving.
-_RACY_NS = 2_000_000_000
-
-
-def _unchanged(st, known, seen_ns):
-    """The one freshness rule (shelf-format.md § 6.3, git's racy rule): a file is unchanged
-    since it was read at seen_ns only when its (size, mtime_ns, inode) equal `known` and its
-    mtime was older than that read by more than the timestamp granularity."""
-    return st == known and seen_ns is not None and seen_ns - st[1] > _RACY_NS
-
-
-def _close_db(db):
-    """Close a cache connection quietly; returns None to clear the holder's attribute."""
-    if db is not None:
-        try:
-            db.close()
-        except Exception:
-            pass
-    return None
-
-
-def _cache_db(root):
-    """The SQLite cache; any error (or no sqlite3) means running without it."""
-    try:
-        import sqlite3
-    except ImportError:
-        return None
-    cache = os.path.join(root, ".memshelf")
-    path = os.path.join(cache, "shelf.sqlite")
-    for attempt in (1, 2):
-        try:
-            os.makedirs(cache, exist_ok=True)
-            _ensure_cache_ignored(root)
-            db = sqlite3.connect(path, timeout=10, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            # No fsync at checkpoints (a third of storing 10,000 fresh rows): everything here
-            # is derived, a row is used only while its file's (size, mtime_ns) still match,
-            # and a file SQLite cannot read is discarded and rebuilt. An application crash
-            # loses nothing either way; only an OS crash could leave a cache to rebuild.
-            db.execute("PRAGMA synchronous=OFF")
-            db.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT)")
-            row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-            stamp = f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}"
-            if row is None or row[0] != stamp:
-                db.execute("DROP TABLE IF EXISTS episodes")
-                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
-                db.commit()
-            db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
-                       " mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, rec TEXT, " +
-                       ", ".join(_CACHE_COLUMNS) + ")")
-            db.commit()
-            return db
-        except Exception:
-            # a corrupt cache is discarded and rebuilt
-            _log_event("notice", "the shelf cache was unreadable and is being rebuilt",
-                       shelf=root)
-            for suffix in ("", "-wal", "-shm"):
-                try:
-                    os.unlink(path + suffix)
-                except OSError:
-                    pass
-            if attempt == 2:
-                return None
-    return None
-
-
-def _ensure_cache_ignored(root):
-    """On a git shelf where .memshelf/ is not ignored, add it to .git/info/exclude (local)."""
-    gi = os.path.join(root, ".gitignore")
-    try:
-        with open(gi, encoding="utf-8") as f:
-            if any(line.strip() in (".memshelf/", ".memshelf", "/.memshelf/", "/.memshelf")
-                   for line in f):
-                return
-    except OSError:
-        pass
-    git_dir = os.path.join(root, ".git")
-    if not os.path.isdir(git_dir):
-        return
-    exclude = os.path.join(git_dir, "info", "exclude")
-    try:
-        with open(exclude, encoding="utf-8") as f:
-            if ".memshelf/" in f.read().split():
-                return
-    except OSError:
-        pass
-    try:
-        os.makedirs(os.path.dirname(exclude), exist_ok=True)
-        with open(exclude, "a", encoding="utf-8") as f:
-            f.write("\n.memshelf/\n")
-    except OSError:
-        pass
-
-
-def _state(root):
-    data, _ = _load_json_object(os.path.join(root, ".memshelf", "state.json"))
-    return data if isinstance(data, dict) else {}
-
-
-def _save_state(root, **updates):
-    state = _state(root)
-    state.update(updates)
-    try:
-        os.makedirs(os.path.join(root, ".memshelf"), exist_ok=True)
-        _atomic_write(os.path.join(root, ".memshelf", "state.json"),
-                      json.dumps(state, ensure_ascii=False, sort_keys=True))
-    except ShelfError:
-        pass
-
-
-def _episode_text(root, rel):
-    """An episode file's text (BOM dropped); a NUL byte refuses it, so none is ever printed."""
-    text = _read_text(os.path.join(root, rel)).lstrip("\ufeff")
-    if "\x00" in text:
-        raise ShelfError("episode-invalid", f"{rel} holds a NUL byte (character "
-                         f"{text.index(chr(0))})", "remove the byte and amend the episode "
-                         "(memshelf doctor lists it as episode-binary)", {"path": rel})
-    return text
-
-
-def _find_episode_path(root, key, archive=True):
-    """Direct lookups first (no scan): docs/<cat>/<key>.md, then archive/docs/<cat>/<key>.md."""
-    bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
-    for base, archived in bases:
-        for cat in CATEGORIES:
-            rel = f"{base}/{cat}/{key}.md"
-            if os.path.isfile(os.path.join(root, rel)) and not _linked(root, rel):
-                return rel, archived
-    return None, None
-
-
-def _resolve_episode(root, raw, archive=True):
-    """Lookup id -> (relative path, archived): stem, then frontmatter id, then case-insensitive."""
-    key = _lookup_key(raw)
-    rel, archived = _find_episode_path(root, key, archive)
-    if rel:
-        return rel, archived
-    cat = _Catalog(root)
-    try:
-        recs = cat.records(archive)
-    finally:
-        cat.close()
-    for r in recs:
-        if r.get("id") == key:
-            return r["path"], r["archived"]
-    for r in recs:
-        if r["stem"].casefold() == key.casefold():
-            return r["path"], r["archived"]
-    import difflib
-    stems = [r["stem"] for r in recs]
-    close = difflib.get_close_matches(key, stems, n=3, cutoff=0.6)
-    hint = ("did you mean: " + ", ".join(close)) if close else \
-        "read the INDEX (memshelf index) or search for it"
-    raise ShelfError("episode-not-found", f"no episode {_excerpt(key)} on this shelf" +
-                     (f"; close: {', '.join(close)}" if close else ""), hint,
-                     {"id": key, "close": close})
-
-
 # --- init ----------------------------------------------------------------------------------
 
 _SHELF_YML = """# shelf.yml — shelf-spec v0 manifest (written by memshelf)
@@ -6170,19 +6292,6 @@ class _Journal:
                 pass
 
 
-def _remembered(root, name, key):
-    """A derived value remembered under the store key (_render_key_of), or None."""
-    entry = _state(root).get(name)
-    if key is not None and isinstance(entry, dict) and entry.get("key") == key:
-        return entry.get("value")
-    return None
-
-
-def _remember(root, name, key, value):
-    if key is not None:
-        _save_state(root, **{name: {"key": key, "value": value}})
-
-
 def _ledger_expected(rec):
     """The ledger's expected-tokens cell of a record: its approx_tokens, 0 when unknown."""
     approx = rec["approx_tokens"]
@@ -6213,11 +6322,8 @@ def _shelf_totals(root, records=None, window=None, aggregate=None):
         key = _render_key(root, _index_format(root))[0]
         aggregate = _remembered(root, "aggregate", key)
         if not isinstance(aggregate, dict) or aggregate.get("window") != window:
-            cat = _Catalog(root)
-            try:
+            with _Store(root) as cat:
                 records = cat.render_records()   # what the aggregate sums, no whole records
-            finally:
-                cat.close()
             aggregate = _episode_aggregate(records, window)
             _remember(root, "aggregate", key, aggregate)
     elif aggregate is None:
@@ -6295,11 +6401,8 @@ def _superseded_by(root, stem):
     key, scanned = _render_key(root, _index_format(root))
     links = _remembered(root, "supersedes", key)
     if not isinstance(links, dict):
-        cat = _Catalog(root)
-        try:
+        with _Store(root) as cat:
             links = _superseded_map(cat.render_records(files=scanned))
-        finally:
-            cat.close()
         _remember(root, "supersedes", key, links)
     value = links.get(stem)
     return sorted(v for v in value if isinstance(v, str)) if isinstance(value, list) else []
@@ -6396,11 +6499,8 @@ def _append_recall_log(root, stem, section, fetched):
 def list_episodes(shelf_path=None, archive=False):
     """Episodes newest first: {id, address, kind, date, title, description, size, archived}."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
-    cat = _Catalog(root)
-    try:
+    with _Store(root) as cat:
         recs = cat.records(archive=archive)
-    finally:
-        cat.close()
     recs.sort(key=lambda r: (r["date"], r["stem"]), reverse=True)
     return [{"id": r["stem"], "address": r["path"], "kind": r.get("kind"),
              "date": r["date"] or None, "title": r.get("display_title") or r["stem"],
@@ -6700,13 +6800,10 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
                 return memo
         if not remembered:
             key, scanned = _render_key(root, fmt)
-        cat = _Catalog(root, use_cache=not verify)
-        try:
-            records = cat.render_records(progress=progress, files=scanned)
-            del scanned   # a few hundred bytes per episode, not needed while rendering
-            return _render_records(root, records, fmt, index_only, key)
-        finally:
-            cat.close()
+        with _Store(root, use_cache=not verify) as store:
+            records = store.render_records(progress=progress, files=scanned)
+        del scanned   # a few hundred bytes per episode, not needed while rendering
+        return _render_records(root, records, fmt, index_only, key)
     return _render_records(root, records, fmt, index_only, key)
 
 
@@ -6754,98 +6851,6 @@ def _render_records(root, records, fmt, index_only, key):
     return {"files": files, "warnings": warnings, "records": records,
             "key": None if index_only else key,   # a partial render is never remembered
             "episodes": len([r for r in records if r.get("id")])}
-
-
-def _render_key(root, fmt):
-    """(key, scan): the store key of all a full render reads, and the episode scan it was
-    made from."""
-    seen = time.time_ns()
-    subdirs = []
-    scanned = _scan_episode_files(root, subdirs=subdirs)
-    return _render_key_of(root, fmt, scanned, subdirs, seen), scanned
-
-
-def _render_key_of(root, fmt, scanned, subdirs, seen):
-    """The one key derived values are remembered under: a digest of the code, the format, the
-    settings files, the folders and every episode's stamp, all taken after `seen`. A file
-    that could still change without its stamp moving (_unchanged) counts by its content."""
-    import hashlib
-    parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
-    files = list(scanned)
-    for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
-        try:
-            st = os.stat(os.path.join(root, rel))
-            files.append((rel, False, (st.st_size, st.st_mtime_ns, st.st_ino)))
-        except OSError:
-            parts.append(f"{rel}\0-")
-    for rel, _, st in files:
-        if seen - st[1] <= _RACY_NS:
-            try:
-                parts.append(f"{rel}\0{hashlib.sha1(_file_bytes(os.path.join(root, rel))).hexdigest()}")
-            except OSError:
-                parts.append(f"{rel}\0unreadable")
-    parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
-    for base in ("docs", "archive/docs"):
-        for cat in CATEGORIES:
-            rel = f"{base}/{cat}"
-            parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
-    parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
-    parts += [rel for rel, _, _ in files]
-    digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
-    digest.update(repr([n for _, _, st in files for n in st]).encode())   # one string, not 10k
-    return digest.hexdigest()
-
-
-def _render_is_current(root, fmt=None):
-    """True when the derived files on disk are the last full render of the current inputs."""
-    key, _scanned = _render_key(root, fmt or _index_format(root))
-    return _render_memo_hit(root, key) is not None
-
-
-def _text_digest(text):
-    import hashlib
-    return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _render_memo_hit(root, key, memo=None, index_only=False):
-    """The last full render, read back from disk, when it was remembered under this key and
-    every derived file still holds what it wrote (compared by content, not by stamp).
-    `memo`: the state's render_memo when the caller has just read it."""
-    memo = _state(root).get("render_memo") if memo is None else memo
-    if key is None or not isinstance(memo, dict) or memo.get("key") != key or \
-            not isinstance(memo.get("files"), dict):
-        return None
-    files = {}
-    for rel, digest in memo["files"].items():
-        if not isinstance(rel, str) or not _is_derived_path(rel):
-            return None   # state.json is a local file anyone may edit: only derived names count
-        if index_only and rel not in ("INDEX.md", "archive/INDEX.md"):
-            continue
-        path = os.path.join(root, rel)
-        try:
-            if digest is None:
-                if os.path.lexists(path):
-                    return None
-                files[rel] = None
-                continue
-            files[rel] = _read_text(path)
-        except (OSError, ShelfError):
-            return None
-        if _text_digest(files[rel]) != digest:
-            return None
-    return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
-            "key": key, "episodes": memo.get("episodes") or 0}
-
-
-def _remember_render(root, rendered, files=None):
-    """After the derived files on disk equal a full render: remember it under its key."""
-    if not rendered.get("key"):
-        return
-    digests = {rel: None if content is None else _text_digest(content)
-               for rel, content in (rendered["files"] if files is None else files).items()}
-    _save_state(root, render_memo={"key": rendered["key"], "files": digests,
-                                   "episodes": rendered["episodes"],
-                                   "warnings": rendered["warnings"]})
 
 
 def _write_derived(root, files, rendered=None):
@@ -7009,8 +7014,8 @@ def _adopt(root):
     except (OSError, ShelfError):
         pass
     adopted, skipped, written, restated = [], [], [], []
-    cat = _Catalog(root, use_cache=False)
-    records = [r for r in cat.records(archive=False)]
+    with _Store(root, use_cache=False) as store:
+        records = store.records(archive=False)
     for r in records:
         if not r["fm_ok"] or not r.get("id"):
             skipped.append(r["path"])
@@ -9780,7 +9785,7 @@ def rollup(shelf_path=None, slug=None, digest=None, until=None, episode_ids=None
 def _rollup_locked(root, a):
     slug = a["slug"]
     warnings = []
-    catalog = _Catalog(root)
+    catalog = _Store(root)
     try:
         records = catalog.records()
     finally:
@@ -9975,7 +9980,7 @@ def purge(shelf_path=None, apply=False, today=None, autocommit=True):
 
 
 def _purge_locked(root, today, apply, autocommit):
-    catalog = _Catalog(root)
+    catalog = _Store(root)
     try:
         records = catalog.records()
     finally:
@@ -10838,7 +10843,7 @@ def sync_verb(shelf_path=None, push=False):
                     report["error"] = exc.message
         after = git.head()
         added, changed = _episodes_between(git, before, after)
-        catalog = _Catalog(root)
+        catalog = _Store(root)
         try:
             records = catalog.records()
         finally:
@@ -11630,7 +11635,7 @@ class _DoctorRun:
 
     def run(self):
         steps = []
-        catalog = _Catalog(self.root, use_cache=self.use_cache)
+        catalog = _Store(self.root, use_cache=self.use_cache)
         rules, self.policy_problems = _shelf_policy(self.root)
         policy = self.policy = (rules, _redaction_switches(self.root))
 
@@ -12741,11 +12746,8 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     """Token accounting: standing cost, shelved mass, compression, realized savings."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     window = _stats_window(root, context_window)
-    catalog = _Catalog(root)
-    try:
+    with _Store(root) as catalog:
         records = catalog.render_records()
-    finally:
-        catalog.close()
     eps = [r for r in records if r.get("id")]
     try:
         index_text = _read_text(os.path.join(root, "INDEX.md"))
@@ -13035,11 +13037,8 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
         raise _usage("occupants must be a list", "pass a list of occupant objects")
     reported = _advise_occupants(occupants, occupants_json)
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
-    catalog = _Catalog(root)
-    try:
+    with _Store(root) as catalog:
         records = catalog.records()
-    finally:
-        catalog.close()
     eps = [r for r in records if r.get("id")]
     live = [r for r in eps if not r["archived"]]
     fmt = "docshelf" if _index_format(root) == "docshelf" else "compact"
@@ -13206,13 +13205,10 @@ def _is_private(rec, patterns):
 
 def _view_records(root, archive=True, label="reading episodes"):
     """Every episode record, sorted by (date, stem), with progress on long scans."""
-    cat = _Catalog(root)
     progress = _Progress(label)
-    try:
-        recs = cat.records(archive=archive, progress=progress)
-    finally:
-        cat.close()
-        progress.done()
+    with _Store(root) as store:
+        recs = store.records(archive=archive, progress=progress)
+    progress.done()
     recs.sort(key=lambda r: (r["date"], r["stem"], r["path"]))
     return recs
 

@@ -182,13 +182,13 @@ def _renders_agree(root):
     import memshelf
     root = str(root)
     first = memshelf._render_derived(root)  # fills the cache's columns (fresh partial reads)
-    cat = memshelf._Catalog(root)
+    cat = memshelf._Store(root)
     try:
         whole = cat.records()               # column-only rows hold no record: read again
         light = cat.render_records()        # every row from the cache this time
     finally:
         cat.close()
-    uncached = memshelf._Catalog(root, use_cache=False)
+    uncached = memshelf._Store(root, use_cache=False)
     bare = uncached.render_records()        # no cache at all: fresh partial reads
     assert len(whole) == len(light) == len(bare)
     # a render record is a part of the whole record, and the episode's own INDEX line and
