@@ -2214,9 +2214,20 @@ def _save_state(root, **updates):
         pass
 
 
-def _episode_text(root, rel):
-    """An episode file's text (BOM dropped); a NUL byte refuses it, so none is ever printed."""
-    text = _read_text(os.path.join(root, rel)).lstrip("\ufeff")
+def _episode_read(root, rel, archived=False):
+    """(record, _EpisodeText) of an episode to show: through the one reader; a file that is not
+    UTF-8 text or holds a NUL byte is refused, so neither is ever printed."""
+    rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
+    error = rec["fm_error"] or ""
+    if error.startswith(("io:", "encoding:")):
+        raise ShelfError("io-error", f"{rel} cannot be read as text ({error})",
+                         "convert the file to UTF-8, or restore it from git", {"path": rel})
+    _episode_text_checked(rel, episode.text)
+    return rec, episode
+
+
+def _episode_text_checked(rel, text):
+    """text itself, unless it holds a NUL byte: then the episode is refused."""
     if "\x00" in text:
         raise ShelfError("episode-invalid", f"{rel} holds a NUL byte (character "
                          f"{text.index(chr(0))})", "remove the byte and amend the episode "
@@ -6425,13 +6436,8 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
                              "pass a section heading as the outline lists it")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     rel, archived = _resolve_episode(root, episode_id)
-    text = _episode_text(root, rel).replace("\r\n", "\n")
-    try:
-        fields, body = parse_frontmatter(text)
-    except FrontmatterError:
-        fields, body = {}, text
-    stem = rel.rsplit("/", 1)[-1][:-3]
-    _, sections = _split_sections(body)
+    rec, episode = _episode_read(root, rel, archived)
+    text, fields, sections, stem = episode.text, rec["fields"], episode.sections, rec["stem"]
     heading = None
     listing = None
     if outline:
@@ -13225,17 +13231,13 @@ def _episode_body(root, rec, skip=False):
     """(fields, body) of an episode file; a broken frontmatter block leaves the text as body.
     skip: a damaged file is None and a warning (a view never stops on one; doctor names it)."""
     try:
-        text = _episode_text(root, rec["path"])
+        read, episode = _episode_read(root, rec["path"], rec.get("archived", False))
     except (OSError, ShelfError) as exc:
         if not skip:
             raise
         _note(f"skipped an unreadable episode: {getattr(exc, 'message', exc)}")
         return None
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    try:
-        return parse_frontmatter(text)
-    except FrontmatterError:
-        return {}, text
+    return read["fields"], episode.body
 
 
 def _body_sections(body):
