@@ -7324,8 +7324,9 @@ def _cap_index(lines, entry_idx, max_chars, offset):
 
 import itertools
 
-_SEARCH_SCHEMA = "1"
+_SEARCH_SCHEMA = "2"
 _SEARCH_WEIGHTS = (3.0, 2.0, 1.0)          # title, heading, body
+_SEARCH_OWN = (1, 2)                       # the columns a section holds itself
 _BM25_K1 = 1.2                              # the constants FTS5's bm25() hard-codes
 _BM25_B = 0.75
 _SNIPPET_CHARS = 200
@@ -7349,6 +7350,15 @@ _SEARCH_TOKEN = _re_lazy(r"[^\W_]+")
 _FOLDABLE = _re_lazy("[\u00c0-\u036f\u1e00-\u1eff]")
 _CYRILLIC_WORD = _re_lazy("[\u0400-\u04ff]+\\Z")
 _QUERY_PART = _re_lazy(r'(-?)"([^"]*)"|(\S+)')
+# an identifier (pg_upgrade, max.poll.records, runbooks/pg16-upgrade.md) is also indexed whole:
+# its pieces joined by a letter no text holds, so unicode61 keeps them one token
+_IDENTIFIER = _re_lazy(r"[^\W_]+(?:[-_./][^\W_]+)+")
+_IDENT_MARK = "\ua78c"
+_EN_SUFFIX = _re_lazy(r"(?:ing|ed|es|e|s)\Z")
+# words a question is made of; dropped from a query that has other words
+_STOPWORDS = frozenset("a about an and are as at be by can did do does for from had has have how "
+                       "i in is it its of on or our should that the their there this to was we "
+                       "were what when where which who why will with would you not".split())
 _SPACE = _re_lazy(r"\s")
 _DAMAGE = _re_lazy(r"malformed|corrupt|not a database|no such (table|column)|disk image",
                      re.IGNORECASE)
@@ -7403,16 +7413,38 @@ def _search_tokens(text):
     return _SEARCH_TOKEN.findall(_fold(_cjk_rewrite(text)))
 
 
+def _identifier_tokens(text):
+    """Each identifier in text, and each /- or .-separated part that is one, as one token."""
+    out = []
+    for m in _IDENTIFIER.finditer(text):
+        run = m.group()
+        for part in [run] + (re.split(r"[/.]", run) if "/" in run or "." in run else []):
+            pieces = _SEARCH_TOKEN.findall(part)
+            if len(pieces) > 1:
+                out.append(_IDENT_MARK.join(pieces))
+    return out
+
+
+def _index_text(text):
+    """A column value as both engines index it: CJK bigrams, and the whole identifiers after
+    the text (so phrases within the text keep their adjacency)."""
+    whole = _identifier_tokens(text)
+    text = _cjk_rewrite(text)
+    return text + "\n" + " ".join(whole) if whole else text
+
+
 # --- the query language ---------------------------------------------------------------------
 
 def _prefix_alternatives(toks):
-    """A word matches as written, and as a prefix: >= 4 letters, or a Cyrillic stem."""
+    """A word matches as written, and as a prefix: >= 4 letters (less an English ending),
+    or a Cyrillic stem."""
     alts = [(toks, False)]
     last = toks[-1]
     if _CYRILLIC_WORD.match(last) and len(last) >= 5:
         alts.append((toks[:-1] + (last[:max(len(last) - 2, 4)],), True))
     elif sum(1 for c in last if c.isalpha()) >= 4:
-        alts.append((toks, True))
+        stem = _EN_SUFFIX.sub("", last) if last.isascii() else last   # decided -> decid*
+        alts.append((toks[:-1] + (stem if len(stem) >= 4 else last,), True))
     return alts
 
 
@@ -7438,14 +7470,16 @@ def _word_terms(word):
             continue
         toks = tuple(_search_tokens(piece))
         if toks:
-            terms.append(_prefix_alternatives(toks))
+            whole = _identifier_tokens(piece)
+            terms.append(([((_fold(max(whole, key=len)),), False)] if whole else []) +
+                         _prefix_alternatives(toks))
     return terms
 
 
 def _parse_query(query):
     """Query text -> (terms, excluded). A term is a list of alternative phrases; a phrase is
     (tokens, last-token-is-a-prefix). Words must all match; quoted phrases match as written."""
-    terms, excluded = [], []
+    terms, excluded, stop = [], [], []
     for m in _QUERY_PART.finditer(query):
         negated, phrase, word = m.groups()
         if phrase is not None:
@@ -7458,8 +7492,22 @@ def _parse_query(query):
             if toks:
                 excluded.append([(toks, False)])
             continue
-        terms.extend(_word_terms(word))
-    return _unique_terms(terms)[:_SEARCH_MAX_TERMS], _unique_terms(excluded)[:_SEARCH_MAX_TERMS]
+        toks = _search_tokens(word)
+        (stop if toks and all(t in _STOPWORDS for t in toks) else terms).extend(
+            _word_terms(word))
+    return _unique_terms(terms or stop)[:_SEARCH_MAX_TERMS], \
+        _unique_terms(excluded)[:_SEARCH_MAX_TERMS]
+
+
+def _adjacent_phrases(terms):
+    """Two query words side by side in the text, as phrases that add weight and never decide
+    a match."""
+    pairs = []
+    for a, b in zip(terms, terms[1:]):
+        head = next(t for t, _ in a if _IDENT_MARK not in t[0])
+        if not _CJK_RUN.match(head[0]) and not _CJK_RUN.match(b[-1][0][0]):
+            pairs.append((head + b[-1][0], b[-1][1]))
+    return pairs
 
 
 def _unique_terms(terms):
@@ -7477,10 +7525,27 @@ def _fts_phrase(toks, prefix):
     return '"' + " ".join(toks) + '"' + ("*" if prefix else "")
 
 
-def _fts_expression(terms, any_word):
+def _held_weights(counts, n_rows):
+    """What holding each query word is worth to a section: 1, up to 2 for a rare word."""
+    import math
+    idf = [max(math.log((n_rows - d + 0.5) / (d + 0.5)), 0.0) if n_rows else 0.0
+           for d in counts]
+    return [1 + v / (1 + v) for v in idf]
+
+
+def _held(weights, terms, first, any_alt):
+    """The weight of the query words a section's own text holds; an identifier held only in
+    pieces (pg-upgrade for pg_upgrade) counts half."""
+    return sum(w * (1.0 if first(i) else 0.5 if any_alt(i) and _IDENT_MARK in t[0][0][0]
+                    else 1.0 if any_alt(i) else 0.0)
+               for i, (w, t) in enumerate(zip(weights, terms)))
+
+
+def _fts_expression(terms, any_word, bonus=()):
     def term(alts):
         return "(" + " OR ".join(_fts_phrase(t, p) for t, p in alts) + ")"
-    return (" OR " if any_word else " AND ").join(term(t) for t in terms)
+    expr = (" OR " if any_word else " AND ").join(term(t) for t in terms)
+    return f"({expr}) OR {term(bonus)}" if bonus else expr
 
 
 # --- episodes as search rows ----------------------------------------------------------------
@@ -7739,12 +7804,12 @@ class _FtsWriter:
         self.eps.append((ep, rel, size, mtime_ns, doc["stem"], doc["kind"], doc["date"],
                          doc["title"], int(doc["archived"]), _tag_field(doc["tags"]),
                          _tag_field(doc["supersedes"])))
-        title = _cjk_rewrite(doc["title_text"])
+        title = _index_text(doc["title_text"])
         for n, heading, body in _search_rows(doc):
             sid = self.next_sid
             self.next_sid += 1
             self.secs.append((sid, ep, n, heading, len(body)))
-            self.fts.append((sid, title, _cjk_rewrite(heading or ""), _cjk_rewrite(body)))
+            self.fts.append((sid, title, _index_text(heading or ""), _index_text(body)))
         self.files += 1
         if self.files % self.BATCH == 0:
             self.flush()
@@ -7804,19 +7869,40 @@ def _fts_update(db, root, changed):
 def _fts_candidates(db, terms, excluded, filters, any_word):
     """A cursor over the matching sections, best first:
     (score, date, stem, ord, path, sid) ranked as _rank_candidates ranks.
-    An excluded word removes every section of an episode that holds it."""
+    An excluded word removes every section of an episode that holds it. The score is the
+    weight of the query words the section's heading and body hold (_held; half in the Digest,
+    which points to the section that answers), plus BM25 / (BM25 + 1); a section holding none
+    is a hit only as its episode's first section (the Digest)."""
     where, params = filters.sql()
-    params = [_fts_expression(terms, any_word)] + params
+    weights = _held_weights([db.execute("SELECT count(*) FROM search_fts WHERE search_fts "
+                                        "MATCH ?", (_fts_expression([t], True),)).fetchone()[0]
+                             for t in terms],
+                            db.execute("SELECT count(*) FROM search_sections").fetchone()[0])
+    own = "(s.sid IN (SELECT rowid FROM search_fts WHERE search_fts MATCH '{heading body}: ' || ?))"
+    held, hp = [], []
+    for w, t in zip(weights, terms):
+        if _IDENT_MARK in t[0][0][0]:
+            held.append(f"? * max({own}, 0.5 * {own})")
+            hp += [w, _fts_expression([t[:1]], True), _fts_expression([t], True)]
+        else:
+            held.append(f"? * {own}")
+            hp += [w, _fts_expression([t], True)]
+    params = hp + [_fts_expression(terms, any_word, _adjacent_phrases(terms))] + params
     if excluded:
         where += (" AND s.ep NOT IN (SELECT x.ep FROM search_fts CROSS JOIN search_sections x"
                   " ON x.sid = search_fts.rowid WHERE search_fts MATCH ?)")
         params.append(_fts_expression(excluded, True))
     w = _SEARCH_WEIGHTS
-    sql = (f"SELECT -bm25(search_fts, {w[0]}, {w[1]}, {w[2]}) AS score, e.date, e.stem, s.ord,"
-           " e.path, s.sid FROM search_fts CROSS JOIN search_sections s"
+    sql = ("SELECT held * (CASE WHEN heading = 'Digest' THEN 0.5 ELSE 1 END)"
+           " + score / (score + 1) AS rank, date, stem, ord, path, sid FROM"
+           f" (SELECT -bm25(search_fts, {w[0]}, {w[1]}, {w[2]}) AS score,"
+           f" {' + '.join(held)} AS held,"
+           " e.date AS date, e.stem AS stem, s.ord AS ord, e.path AS path, s.sid AS sid,"
+           " s.heading AS heading"
+           " FROM search_fts CROSS JOIN search_sections s"
            " ON s.sid = search_fts.rowid CROSS JOIN search_episodes e ON e.ep = s.ep"
-           " WHERE search_fts MATCH ?" + where +
-           " ORDER BY round(score, 6) DESC, e.date DESC, e.stem, s.ord")
+           " WHERE search_fts MATCH ?" + where + ") WHERE held > 0 OR ord = 0"
+           " ORDER BY round(rank, 6) DESC, date DESC, stem, ord")
     return db.execute(sql, params)
 
 
@@ -7849,7 +7935,7 @@ class _ScanColumn:
     __slots__ = ("text", "tokens", "_counts", "_sorted")
 
     def __init__(self, value):
-        self.text = _fold(_cjk_rewrite(value))
+        self.text = _fold(_index_text(value))
         self.tokens = _SEARCH_TOKEN.findall(self.text)
         self._counts = None
         self._sorted = None
@@ -7900,11 +7986,12 @@ def _scan_candidates(root, terms, excluded):
     phrase anywhere in an episode drops all its rows. Returns
     ([(score, episode, ord, heading, chars, terms matched)], {stem: superseded by})."""
     import math
-    phrases = [alt for term in terms for alt in term]
+    phrases = [alt for term in terms for alt in term] + _adjacent_phrases(terms)
     negated = [alt for term in excluded for alt in term]
     n_rows = 0
     n_tokens = 0
     df = [0] * len(phrases)
+    term_df = [0] * len(terms)
     kept = []
     banned = set()
     superseded = {}
@@ -7925,7 +8012,7 @@ def _scan_candidates(root, terms, excluded):
             length = len(title.tokens) + len(columns[1].tokens) + len(columns[2].tokens)
             n_rows += 1
             n_tokens += length
-            freq = None
+            freq, own = None, set()
             for i, (toks, prefix) in enumerate(phrases):
                 hits = [col.hits(toks, prefix) for col in columns]
                 if any(hits):
@@ -7933,15 +8020,21 @@ def _scan_candidates(root, terms, excluded):
                     if freq is None:
                         freq = [0.0] * len(phrases)
                     freq[i] = sum(_SEARCH_WEIGHTS[c] * hits[c] for c in range(3))
+                    if any(hits[c] for c in _SEARCH_OWN):
+                        own.add(i)
             if doc["path"] not in banned and any(
                     col.hits(toks, prefix) for toks, prefix in negated for col in columns):
                 banned.add(doc["path"])
             if freq is None:
                 continue
+            start = 0
+            for t, term in enumerate(terms):
+                term_df[t] += any(freq[start:start + len(term)])
+                start += len(term)
             if episode is None:
                 episode = {k: doc[k] for k in ("path", "stem", "kind", "date", "title",
                                                "archived", "tags")}
-            kept.append((episode, ordinal, heading, len(body), freq, length))
+            kept.append((episode, ordinal, heading, len(body), freq, length, own))
     idf = []
     for d in df:
         value = math.log((n_rows - d + 0.5) / (d + 0.5)) if n_rows else 0.0
@@ -7952,8 +8045,11 @@ def _scan_candidates(root, terms, excluded):
         spans.append(range(start, start + len(term)))
         start += len(term)
     scored = []
-    for episode, ordinal, heading, chars, freq, length in kept:
-        if episode["path"] in banned:
+    weights = _held_weights(term_df, n_rows)
+    for episode, ordinal, heading, chars, freq, length, own in kept:
+        held = _held(weights, terms, lambda t: spans[t][0] in own,
+                     lambda t: own.intersection(spans[t]))
+        if episode["path"] in banned or not held and ordinal:
             continue
         score = 0.0
         norm = _BM25_K1 * (1 - _BM25_B + _BM25_B * length / avgdl)
@@ -7961,7 +8057,8 @@ def _scan_candidates(root, terms, excluded):
             if f:
                 score += idf[i] * (f * (_BM25_K1 + 1.0)) / (f + norm)
         matched = sum(1 for span in spans if any(freq[i] for i in span))
-        scored.append((score, episode, ordinal, heading, chars, matched))
+        held *= 0.5 if heading == "Digest" else 1
+        scored.append((held + score / (score + 1), episode, ordinal, heading, chars, matched))
     return scored, {stem: sorted(v) for stem, v in superseded.items()}
 
 
@@ -8280,7 +8377,8 @@ def _bench_scores(ranks, k):
 
 
 def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=False):
-    """hit@1, hit@k and MRR of search on a labelled query set, per mode and per label."""
+    """hit@1, hit@k and MRR of search on a labelled query set, per mode and per label; an
+    expected `id § Section` is ranked among sections instead of episodes."""
     if not queries:
         raise _usage("--queries FILE is required",
                      "pass a file of query<TAB>expected-id[<TAB>label] lines")
@@ -8297,8 +8395,9 @@ def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=Fal
     for m in (("lexical", "semantic", "hybrid") if mode == "all" else (mode,)):
         ranks, misses, engine, skipped = [], [], None, None
         for query, expected, label in items:
+            ident, _, section = expected.partition(" § ")   # `id § Section`: section level
             try:
-                r = search(root, query, max_results=depth, per_episode=True, mode=m)
+                r = search(root, query, max_results=depth, per_episode=not section, mode=m)
             except ShelfError as exc:
                 if exc.code == "semantic-unavailable":
                     skipped = exc.message
@@ -8308,9 +8407,9 @@ def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=Fal
                                "rank": None, "top": [], "error": exc.message})
                 continue
             engine = r["engine"]
-            ids = [h["id"] for h in r["hits"]]
-            rank = next((i for i, h in enumerate(r["hits"], 1)
-                         if expected in (h["id"], h["address"])), None)
+            ids = [h["id"] + (f" § {h['section']}" if section else "") for h in r["hits"]]
+            rank = next((i for i, h in enumerate(r["hits"], 1) if ident in (h["id"], h["address"])
+                         and section in ("", h["section"])), None)
             ranks.append(rank)
             if not rank or rank > k:
                 misses.append({"query": query, "expected": expected, "label": label,
@@ -8356,7 +8455,8 @@ def _text_search_bench(result):
 _EXTRA_VERB_FACTORIES.append(lambda: _Verb("search-bench", search_bench, [
     _shelf_param(),
     _Param("queries", "string", metavar="FILE",
-           help="query<TAB>expected-id[<TAB>label] per line; # comments."),
+           help="query<TAB>expected-id[<TAB>label] per line (id § Section: section "
+                "level); # comments."),
     _Param("k", "integer", default=5, minimum=1, maximum=100, help="Cut-off for hit@k."),
     _Param("mode", "string", default="lexical", enum=["lexical", "semantic", "hybrid", "all"],
            help="Which ranking to measure."),
