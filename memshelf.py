@@ -8073,10 +8073,9 @@ def _rank_candidates(cands):
     return cands
 
 
-def _cap_per_episode(ranked, per_episode, limit):
-    """The first `limit` candidates, at most 2 (or 1) per episode, and how many there were.
+def _cap_per_episode(ranked, cap, limit):
+    """The first `limit` candidates, at most `cap` per episode, and how many there were.
     ranked may be a cursor: it is read to the end only to count."""
-    cap = 1 if per_episode else 2
     seen = {}
     out = []
     total = 0
@@ -8165,6 +8164,63 @@ def _build_hits(root, chosen, info, superseded, terms, via):
     return hits
 
 
+def _scan_vocabulary(root):
+    """Every term the episode files hold, read as the scan reads them."""
+    vocab = set()
+    for rel, _, _ in [f for d in _SEARCH_DIRS for f in _episode_files(root, d)]:
+        try:
+            doc = _search_document(root, rel, False)
+        except OSError:
+            continue
+        for _, heading, body in _search_rows(doc):
+            vocab.update(_search_tokens(f"{doc['title_text']}\n{heading or ''}\n{body}"))
+    return vocab
+
+
+def _did_you_mean(root, query, terms):
+    """The indexed terms nearest to each query word the shelf does not hold (as written or as
+    a prefix), and the query with each such word replaced by the nearest (None if unchanged).
+    The sidecar's vocabulary (fts5vocab) answers, else a scan's."""
+    import difflib
+    words = [t for t in terms if all(len(a[0]) == 1 for a in t) and len(t[0][0][0]) >= 3 and
+             not _CJK_RUN.match(t[0][0][0]) and _IDENT_MARK not in t[0][0][0]]
+    db = _fts_open(root) if words else None
+    try:
+        if db is not None:
+            db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_vocab USING "
+                       "fts5vocab(main, search_fts, row)")
+
+            def known(t, p):
+                return db.execute("SELECT 1 FROM temp.search_vocab WHERE term >= ? AND term < ?"
+                                  " LIMIT 1", (t, t + ("\U0010ffff" if p else "\x00"))).fetchone()
+
+            def sized(lo, hi):
+                return [v for (v,) in db.execute("SELECT term FROM temp.search_vocab WHERE "
+                                                 "length(term) BETWEEN ? AND ?", (lo, hi))]
+        elif words:
+            vocab = _scan_vocabulary(root)
+
+            def known(t, p):
+                return t in vocab or p and any(v.startswith(t) for v in vocab)
+
+            def sized(lo, hi):
+                return sorted(v for v in vocab if lo <= len(v) <= hi)
+        near, corrected = [], query
+        for term in words:
+            if any(known(t, p) for (t,), p in term):
+                continue
+            word = term[0][0][0]
+            close = difflib.get_close_matches(word, [v for v in sized(len(word) - 2, len(
+                word) + 2) if _IDENT_MARK not in v], 3, 0.8)
+            near += [c for c in close if c not in near]
+            if close:
+                corrected = re.sub(rf"(?i)(?<!\w){re.escape(word)}(?!\w)", close[0], corrected)
+        return near, (corrected if corrected != query else None)
+    finally:
+        if db is not None:
+            db.close()
+
+
 # --- semantic hook (verbs.md § 4.8) -----------------------------------------------------------
 
 def _semantic_list(root, query, k, requested):
@@ -8245,18 +8301,36 @@ def _check_search_args(query, max_results, kinds, tags, since, until, archive, m
 
 
 def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, since=None,
-           until=None, archive="include", per_episode=False, mode="auto", reindex=False):
-    """Rank episode sections by BM25 for a query (verbs.md § 2.3)."""
+           until=None, archive="include", per_episode=2, mode="auto", reindex=False):
+    """Rank episode sections for a query (verbs.md § 2.3), at most per_episode sections of one
+    episode (True: 1, False: 2). For a word the shelf does not hold: did_you_mean; a query
+    with no hit at all is retried with such words replaced by the nearest (corrected_query)."""
     kinds, tags = _check_search_args(query, max_results, kinds, tags, since, until, archive,
                                      mode)
+    if isinstance(per_episode, bool):
+        per_episode = 1 if per_episode else 2
+    if not isinstance(per_episode, int) or not 1 <= per_episode <= 100:
+        raise _usage(f"per_episode must be 1..100 (got {per_episode!r})")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
+    if mode in ("semantic", "hybrid") and globals().get("_semantic_rank") is None:
+        raise _semantic_unavailable(mode, "the semantic extra is not installed")
+    run = (_SearchFilters(kinds, tags, since, until, archive), max_results, per_episode, mode)
+    result = _search_run(root, query, *run, reindex)
+    if not result["hits"] or result["match_mode"] == "any":
+        near, corrected = _did_you_mean(root, query, _parse_query(query)[0])
+        result.update({"did_you_mean": near} if near else {})
+        again = _search_run(root, corrected, *run, False) if corrected and \
+            not result["hits"] else None
+        if again and again["hits"]:
+            result = dict(again, query=query, did_you_mean=near, corrected_query=corrected)
+    return result
+
+
+def _search_run(root, query, filters, max_results, per_episode, mode, reindex):
     terms, excluded = _parse_query(query)
     if not terms:
         raise _usage(f"the query {query!r} has no word to search for",
                      "give at least one word that is not excluded with -")
-    if mode in ("semantic", "hybrid") and globals().get("_semantic_rank") is None:
-        raise _semantic_unavailable(mode, "the semantic extra is not installed")
-    filters = _SearchFilters(kinds, tags, since, until, archive)
     found = None
     db = _fts_open(root)
     if db is not None:
@@ -15729,14 +15803,15 @@ def _verbs():
             _Param("until", _S, nullable=True, help="Date on/before YYYY-MM-DD."),
             _Param("archive", _S, default="include", enum=["include", "exclude", "only"],
                    help="Archived episodes."),
-            _Param("per_episode", _B, default=False, help="At most one hit per episode."),
+            _Param("per_episode", _I, default=2, minimum=1, maximum=100, nargs="?", metavar="N",
+                   help="At most N sections of one episode (default 2; CLI flag alone: 1)."),
             _Param("mode", _S, default="auto", enum=["auto", "lexical", "semantic", "hybrid"],
                    help="Ranking mode."),
             _Param("reindex", _B, default=False, mcp=False, help="Drop and rebuild the index."),
         ], title="Search the shelf",
             description="Search sections when no INDEX entry fits; hits give episode, section, token cost.",
             output={"query": _S, "match_mode": _S, "engine": _S, "mode": _S, "hits": _A,
-                    "total_candidates": _I},
+                    "total_candidates": _I, "did_you_mean": _A, "corrected_query": _S},
             required_output=("status", "hits"), text=_text_search),
         _Verb("shelve", shelve, [
             sp(),
@@ -16165,12 +16240,17 @@ def _text_recall(result):
 
 
 def _text_search(result):
+    near = result.get("did_you_mean")
     if not result.get("hits"):
-        return f"no hits for {result.get('query', '')!r}"
-    out = []
+        return f"no hits for {result.get('query', '')!r}" + \
+            (f" — did you mean {', '.join(near)}?" if near else "")
+    out = [f"no hits for {result['query']!r}; hits for {result['corrected_query']!r}:"] \
+        if result.get("corrected_query") else []
     for h in result["hits"]:
         out.append(f"{h['score']:.2f}  {h['id']} § {h['section']}  ~{h['tokens']} tok  "
                    f"{h.get('snippet', '')}")
+    if near and not result.get("corrected_query"):
+        out.append(f"did you mean {', '.join(near)}?")
     return "\n".join(out)
 
 
@@ -16449,6 +16529,7 @@ def _build_parser(only=None):
             conv = {"integer": _cli_int, "number": _cli_number}.get(prm.type, str)
             choices = [e for e in prm.enum if e is not None] if prm.enum else None
             p.add_argument(*prm.flags, type=conv, default=None, choices=choices,
+                           **({"nargs": "?", "const": prm.minimum} if prm.nargs == "?" else {}),
                            metavar=prm.metavar or ("{" + ",".join(choices) + "}" if choices
                                                    else prm.name.upper()), **kw)
         if v.needs_shelf or any(x.name == "shelf_path" for x in v.params):
