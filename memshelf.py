@@ -712,6 +712,8 @@ _FM_SIMPLE_ESCAPES = {
     "L": "\u2028", "P": "\u2029", " ": " ",
 }
 _FM_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+# `key: |` or `key: >`, then chomping (- or +) and an indentation digit in either order
+_FM_BLOCK_HEADER = _re_lazy(r"([|>])(?:([-+])([1-9])?|([1-9])([-+])?)?(?:[ \t]+#.*)?[ \t]*\Z")
 # Characters a YAML 1.1 reader treats as line breaks inside a plain scalar.
 _FM_YAML_BREAKS = _re_lazy("[\x85\u2028\u2029]")
 
@@ -850,6 +852,7 @@ class _YamlSubsetParser:
         self.last_key = ""
         self.tabbed = False  # the current line holds a tab
         self.tab_noted = False
+        self.block = None  # [key, | or >, chomping, indentation, lines] of a block scalar
 
     # ---- errors -------------------------------------------------------------------------
 
@@ -884,6 +887,8 @@ class _YamlSubsetParser:
     def parse(self):
         first = self.first_line
         for index, line in enumerate(self.lines):
+            if self.block is not None and self.block_line(line):
+                continue
             content = line.lstrip(" \t")
             self.tabbed, self.tab_noted = "\t" in line, False
             if not content or content[0] == "#":
@@ -902,6 +907,8 @@ class _YamlSubsetParser:
             else:
                 self.top_entry(line, line_no)
             self.seen_content = True
+        if self.block is not None:
+            self.end_block()
         return self.fields
 
     # ---- top-level entries --------------------------------------------------------------
@@ -935,9 +942,18 @@ class _YamlSubsetParser:
             self.owner, self.owner_kind = key, None
             self.item_indent = None
             return
+        if rest[0] in "|>":
+            m = _FM_BLOCK_HEADER.match(rest)
+            if not m:
+                self.fail("syntax", "the block scalar header %s is not | or > with an optional "
+                          "- or + and an indentation digit" % _fm_excerpt(rest), line_no,
+                          "write 'key: |' and the text on the lines below, indented")
+            digit = m.group(3) or m.group(4)
+            self.block = [key, m.group(1), m.group(2) or m.group(5), int(digit or 0), []]
+            return
         value, style = self.value(rest, line_no, key)
         self.fields[key] = value
-        if key == "id" and style == "plain":
+        if key == "id" and style == "plain" and value is not None:
             kind, shown = _yaml_retyped(value)
             if kind and shown != value:
                 self.problem(line_no, key, "a YAML loader reads the id %s as %s %s%s, so it "
@@ -1001,6 +1017,44 @@ class _YamlSubsetParser:
         # keys repeat across thousands of episodes; one shared object each keeps records small
         return sys.intern(line[:colon]), line[colon + 1:].lstrip(" \t")
 
+    # ---- block scalars (YAML § 8.1: literal | and folded >, chomping - and +) ----------
+
+    def block_line(self, line):
+        """Take a line into the open block scalar; False (block closed) for a line that is
+        indented less than its first line."""
+        lines = self.block[4]
+        if not line.strip(" \t"):
+            lines.append("")
+            return True
+        lead = len(line) - len(line.lstrip(" "))
+        self.block[3] = self.block[3] or lead
+        if lead < self.block[3] or not lead:
+            self.end_block()
+            return False
+        lines.append(line[self.block[3]:])
+        return True
+
+    def end_block(self):
+        key, style, chomp, _, lines = self.block
+        self.block = None
+        n = len(lines)
+        while n and not lines[n - 1]:
+            n -= 1
+        text = "\n".join(lines[:n]) if style == "|" else ""
+        if style == ">":   # a break between two text lines folds to a space
+            empty, prev = 0, None
+            for line in lines[:n]:
+                if not line:
+                    empty += 1
+                    continue
+                more = line[0] in " \t"
+                text += "\n" * empty if prev is None else (
+                    "\n" * empty or " ") if prev == "text" and not more else "\n" * (empty + 1)
+                text += line
+                empty, prev = 0, "more" if more else "text"
+        self.fields[key] = text + ("\n" if n and chomp != "-" else "") + \
+            ("\n" * (len(lines) - n) if chomp == "+" else "")
+
     # ---- values -------------------------------------------------------------------------
 
     def value(self, text, line_no, key):
@@ -1015,7 +1069,9 @@ class _YamlSubsetParser:
         if first == "-" and (len(text) == 1 or text[1] in " \t"):
             self.fail("syntax", "a list item cannot follow the key on its line", line_no,
                       "put each item on its own line as '- item', or write [a, b]")
-        return self.scalar(text, line_no, key, "value")
+        value, style = self.scalar(text, line_no, key, "value")
+        return None if style == "plain" and _YAML_IMPLICIT_TYPES[0][1].match(value) else \
+            value, style
 
     def scalar(self, text, line_no, key, where):
         """A plain, double-quoted or single-quoted scalar filling the rest of the line."""
@@ -1383,7 +1439,7 @@ def _fm_canonical_fields(block):
     found = _FM_CANONICAL_LINE.findall(block)
     if not found or len(found) != block.count("\n") or not block.endswith("\n"):
         return None   # another line: the grammar reads it
-    fields = {key: plain if plain else
+    fields = {key: (None if plain in ("null", "Null", "NULL") else plain) if plain else
               (flow[1:-1].split(", ") if len(flow) > 2 else []) if flow else quoted
               for key, quoted, flow, plain in found}
     if len(fields) < len(found):
@@ -11589,11 +11645,11 @@ def _format_findings(rec, text, body_start):
             out.append(_finding("frontmatter-not-portable", path, shown,
                                 _with_path(_DOCTOR_CODES["frontmatter-not-portable"][2], path)))
         for key in _REQUIRED_FIELDS:
-            if key not in fields:
+            if fields.get(key) is None:   # absent, empty or null
                 out.append(_finding("frontmatter-missing-field", path,
                                     f"required field {key!r} is missing",
                                     f"add {key}: to the frontmatter"))
-        if "id" in fields and fields["id"] != rec["stem"]:
+        if fields.get("id") is not None and fields["id"] != rec["stem"]:
             shown = fields["id"] if isinstance(fields["id"], str) else "(not a string)"
             out.append(_finding("id-mismatch", path,
                                 f"id {shown!r} differs from the file stem {rec['stem']!r}"))
