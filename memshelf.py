@@ -948,8 +948,8 @@ class _YamlSubsetParser:
                 self.fail("syntax", "the block scalar header %s is not | or > with an optional "
                           "- or + and an indentation digit" % _fm_excerpt(rest), line_no,
                           "write 'key: |' and the text on the lines below, indented")
-            digit = m.group(3) or m.group(4)
-            self.block = [key, m.group(1), m.group(2) or m.group(5), int(digit or 0), []]
+            self.block = [key, m.group(1), m.group(2) or m.group(5),
+                          int(m.group(3) or m.group(4) or 0), []]
             return
         value, style = self.value(rest, line_no, key)
         self.fields[key] = value
@@ -1020,26 +1020,20 @@ class _YamlSubsetParser:
     # ---- block scalars (YAML § 8.1: literal | and folded >, chomping - and +) ----------
 
     def block_line(self, line):
-        """Take a line into the open block scalar; False (block closed) for a line that is
-        indented less than its first line."""
-        lines = self.block[4]
-        if not line.strip(" \t"):
-            lines.append("")
-            return True
-        lead = len(line) - len(line.lstrip(" "))
-        self.block[3] = self.block[3] or lead
-        if lead < self.block[3] or not lead:
+        """Take a line into the open block scalar; False (block closed) for a line indented
+        less than its first."""
+        lead, blank = len(line) - len(line.lstrip(" ")), not line.strip(" \t")
+        self.block[3] = self.block[3] or (0 if blank else lead)
+        if not blank and (lead < self.block[3] or not lead):
             self.end_block()
             return False
-        lines.append(line[self.block[3]:])
+        self.block[4].append("" if blank else line[self.block[3]:])
         return True
 
     def end_block(self):
         key, style, chomp, _, lines = self.block
         self.block = None
-        n = len(lines)
-        while n and not lines[n - 1]:
-            n -= 1
+        n = next((i + 1 for i in range(len(lines) - 1, -1, -1) if lines[i]), 0)
         text = "\n".join(lines[:n]) if style == "|" else ""
         if style == ">":   # a break between two text lines folds to a space
             empty, prev = 0, None
@@ -7382,7 +7376,6 @@ import itertools
 
 _SEARCH_SCHEMA = "2"
 _SEARCH_WEIGHTS = (3.0, 2.0, 1.0)          # title, heading, body
-_SEARCH_OWN = (1, 2)                       # the columns a section holds itself
 _BM25_K1 = 1.2                              # the constants FTS5's bm25() hard-codes
 _BM25_B = 0.75
 _SNIPPET_CHARS = 200
@@ -7472,21 +7465,18 @@ def _search_tokens(text):
 def _identifier_tokens(text):
     """Each identifier in text, and each /- or .-separated part that is one, as one token."""
     out = []
-    for m in _IDENTIFIER.finditer(text):
-        run = m.group()
+    for run in _IDENTIFIER.findall(text):
         for part in [run] + (re.split(r"[/.]", run) if "/" in run or "." in run else []):
             pieces = _SEARCH_TOKEN.findall(part)
-            if len(pieces) > 1:
-                out.append(_IDENT_MARK.join(pieces))
+            out += [_IDENT_MARK.join(pieces)] if len(pieces) > 1 else []
     return out
 
 
 def _index_text(text):
     """A column value as both engines index it: CJK bigrams, and the whole identifiers after
     the text (so phrases within the text keep their adjacency)."""
-    whole = _identifier_tokens(text)
-    text = _cjk_rewrite(text)
-    return text + "\n" + " ".join(whole) if whole else text
+    whole = " ".join(_identifier_tokens(text))
+    return _cjk_rewrite(text) + ("\n" + whole if whole else "")
 
 
 # --- the query language ---------------------------------------------------------------------
@@ -7556,8 +7546,7 @@ def _parse_query(query):
 
 
 def _adjacent_phrases(terms):
-    """Two query words side by side in the text, as phrases that add weight and never decide
-    a match."""
+    """Query words side by side, as phrases that add weight and never decide a match."""
     pairs = []
     for a, b in zip(terms, terms[1:]):
         head = next(t for t, _ in a if _IDENT_MARK not in t[0])
@@ -7922,27 +7911,19 @@ def _fts_update(db, root, changed):
         progress.done()
 
 
-def _fts_candidates(db, terms, excluded, filters, any_word):
+def _fts_candidates(db, terms, excluded, filters, any_word, weights):
     """A cursor over the matching sections, best first:
     (score, date, stem, ord, path, sid) ranked as _rank_candidates ranks.
-    An excluded word removes every section of an episode that holds it. The score is the
-    weight of the query words the section's heading and body hold (_held; half in the Digest,
-    which points to the section that answers), plus BM25 / (BM25 + 1); a section holding none
-    is a hit only as its episode's first section (the Digest)."""
+    An excluded word removes every section of an episode that holds it. Score: _held (half in
+    the Digest, which points to the section that answers) + BM25 / (BM25 + 1); a section
+    holding no query word is a hit only as its episode's first section (the Digest)."""
     where, params = filters.sql()
-    weights = _held_weights([db.execute("SELECT count(*) FROM search_fts WHERE search_fts "
-                                        "MATCH ?", (_fts_expression([t], True),)).fetchone()[0]
-                             for t in terms],
-                            db.execute("SELECT count(*) FROM search_sections").fetchone()[0])
     own = "(s.sid IN (SELECT rowid FROM search_fts WHERE search_fts MATCH '{heading body}: ' || ?))"
     held, hp = [], []
-    for w, t in zip(weights, terms):
-        if _IDENT_MARK in t[0][0][0]:
-            held.append(f"? * max({own}, 0.5 * {own})")
-            hp += [w, _fts_expression([t[:1]], True), _fts_expression([t], True)]
-        else:
-            held.append(f"? * {own}")
-            hp += [w, _fts_expression([t], True)]
+    for w, t in zip(weights, terms):   # as _held: an identifier held in pieces counts half
+        whole = _IDENT_MARK in t[0][0][0]
+        held.append(f"? * max({own}, 0.5 * {own})" if whole else f"? * {own}")
+        hp += [w] + [_fts_expression([t[:1]], True)] * whole + [_fts_expression([t], True)]
     params = hp + [_fts_expression(terms, any_word, _adjacent_phrases(terms))] + params
     if excluded:
         where += (" AND s.ep NOT IN (SELECT x.ep FROM search_fts CROSS JOIN search_sections x"
@@ -8048,6 +8029,10 @@ def _scan_candidates(root, terms, excluded):
     n_tokens = 0
     df = [0] * len(phrases)
     term_df = [0] * len(terms)
+    spans, start = [], 0
+    for term in terms:
+        spans.append(range(start, start + len(term)))
+        start += len(term)
     kept = []
     banned = set()
     superseded = {}
@@ -8076,17 +8061,15 @@ def _scan_candidates(root, terms, excluded):
                     if freq is None:
                         freq = [0.0] * len(phrases)
                     freq[i] = sum(_SEARCH_WEIGHTS[c] * hits[c] for c in range(3))
-                    if any(hits[c] for c in _SEARCH_OWN):
+                    if hits[1] or hits[2]:   # the section's own heading and body
                         own.add(i)
             if doc["path"] not in banned and any(
                     col.hits(toks, prefix) for toks, prefix in negated for col in columns):
                 banned.add(doc["path"])
             if freq is None:
                 continue
-            start = 0
-            for t, term in enumerate(terms):
-                term_df[t] += any(freq[start:start + len(term)])
-                start += len(term)
+            for t, span in enumerate(spans):
+                term_df[t] += any(freq[i] for i in span)
             if episode is None:
                 episode = {k: doc[k] for k in ("path", "stem", "kind", "date", "title",
                                                "archived", "tags")}
@@ -8096,10 +8079,6 @@ def _scan_candidates(root, terms, excluded):
         value = math.log((n_rows - d + 0.5) / (d + 0.5)) if n_rows else 0.0
         idf.append(value if value > 0 else 1e-6)
     avgdl = (n_tokens / n_rows) if n_rows else 1.0
-    spans, start = [], 0
-    for term in terms:
-        spans.append(range(start, start + len(term)))
-        start += len(term)
     scored = []
     weights = _held_weights(term_df, n_rows)
     for episode, ordinal, heading, chars, freq, length, own in kept:
@@ -8115,7 +8094,7 @@ def _scan_candidates(root, terms, excluded):
         matched = sum(1 for span in spans if any(freq[i] for i in span))
         held *= 0.5 if heading == "Digest" else 1
         scored.append((held + score / (score + 1), episode, ordinal, heading, chars, matched))
-    return scored, {stem: sorted(v) for stem, v in superseded.items()}
+    return scored, {stem: sorted(v) for stem, v in superseded.items()}, term_df
 
 
 # --- ranking, snippets, hits ----------------------------------------------------------------
@@ -8220,8 +8199,16 @@ def _build_hits(root, chosen, info, superseded, terms, via):
     return hits
 
 
-def _scan_vocabulary(root):
-    """Every term the episode files hold, read as the scan reads them."""
+def _search_vocabulary(root):
+    """Every indexed term, sorted: the sidecar's (fts5vocab), else the episode files'."""
+    db = _fts_open(root)
+    if db is not None:
+        try:
+            db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_vocab USING "
+                       "fts5vocab(main, search_fts, row)")
+            return [v for (v,) in db.execute("SELECT term FROM temp.search_vocab")]
+        finally:
+            db.close()
     vocab = set()
     for rel, _, _ in [f for d in _SEARCH_DIRS for f in _episode_files(root, d)]:
         try:
@@ -8230,51 +8217,24 @@ def _scan_vocabulary(root):
             continue
         for _, heading, body in _search_rows(doc):
             vocab.update(_search_tokens(f"{doc['title_text']}\n{heading or ''}\n{body}"))
-    return vocab
+    return sorted(vocab)
 
 
-def _did_you_mean(root, query, terms):
-    """The indexed terms nearest to each query word the shelf does not hold (as written or as
-    a prefix), and the query with each such word replaced by the nearest (None if unchanged).
-    The sidecar's vocabulary (fts5vocab) answers, else a scan's."""
+def _did_you_mean(root, query, unknown):
+    """The indexed terms nearest to the query words no section holds (as written or as a
+    prefix), and the query with each replaced by the nearest (None when none is near)."""
     import difflib
-    words = [t for t in terms if all(len(a[0]) == 1 for a in t) and len(t[0][0][0]) >= 3 and
+    words = [t[0][0][0] for t in unknown if len(t[0][0]) == 1 and len(t[0][0][0]) >= 3 and
              not _CJK_RUN.match(t[0][0][0]) and _IDENT_MARK not in t[0][0][0]]
-    db = _fts_open(root) if words else None
-    try:
-        if db is not None:
-            db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_vocab USING "
-                       "fts5vocab(main, search_fts, row)")
-
-            def known(t, p):
-                return db.execute("SELECT 1 FROM temp.search_vocab WHERE term >= ? AND term < ?"
-                                  " LIMIT 1", (t, t + ("\U0010ffff" if p else "\x00"))).fetchone()
-
-            def sized(lo, hi):
-                return [v for (v,) in db.execute("SELECT term FROM temp.search_vocab WHERE "
-                                                 "length(term) BETWEEN ? AND ?", (lo, hi))]
-        elif words:
-            vocab = _scan_vocabulary(root)
-
-            def known(t, p):
-                return t in vocab or p and any(v.startswith(t) for v in vocab)
-
-            def sized(lo, hi):
-                return sorted(v for v in vocab if lo <= len(v) <= hi)
-        near, corrected = [], query
-        for term in words:
-            if any(known(t, p) for (t,), p in term):
-                continue
-            word = term[0][0][0]
-            close = difflib.get_close_matches(word, [v for v in sized(len(word) - 2, len(
-                word) + 2) if _IDENT_MARK not in v], 3, 0.8)
-            near += [c for c in close if c not in near]
-            if close:
-                corrected = re.sub(rf"(?i)(?<!\w){re.escape(word)}(?!\w)", close[0], corrected)
-        return near, (corrected if corrected != query else None)
-    finally:
-        if db is not None:
-            db.close()
+    vocab = _search_vocabulary(root) if words else []
+    near, corrected = [], query
+    for word in words:
+        close = difflib.get_close_matches(word, [v for v in vocab if abs(len(v) - len(word))
+                                                 <= 2 and _IDENT_MARK not in v], 3, 0.8)
+        near += [c for c in close if c not in near]
+        if close:
+            corrected = re.sub(rf"(?i)(?<!\w){re.escape(word)}(?!\w)", close[0], corrected)
+    return near, (corrected if corrected != query else None)
 
 
 # --- semantic hook (verbs.md § 4.8) -----------------------------------------------------------
@@ -8363,26 +8323,25 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
     with no hit at all is retried with such words replaced by the nearest (corrected_query)."""
     kinds, tags = _check_search_args(query, max_results, kinds, tags, since, until, archive,
                                      mode)
-    if isinstance(per_episode, bool):
-        per_episode = 1 if per_episode else 2
+    per_episode = (1 if per_episode else 2) if isinstance(per_episode, bool) else per_episode
     if not isinstance(per_episode, int) or not 1 <= per_episode <= 100:
         raise _usage(f"per_episode must be 1..100 (got {per_episode!r})")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     if mode in ("semantic", "hybrid") and globals().get("_semantic_rank") is None:
         raise _semantic_unavailable(mode, "the semantic extra is not installed")
     run = (_SearchFilters(kinds, tags, since, until, archive), max_results, per_episode, mode)
-    result = _search_run(root, query, *run, reindex)
-    if not result["hits"] or result["match_mode"] == "any":
-        near, corrected = _did_you_mean(root, query, _parse_query(query)[0])
-        result.update({"did_you_mean": near} if near else {})
-        again = _search_run(root, corrected, *run, False) if corrected and \
-            not result["hits"] else None
-        if again and again["hits"]:
-            result = dict(again, query=query, did_you_mean=near, corrected_query=corrected)
+    result, unknown = _search_run(root, query, *run, reindex)
+    near, corrected = _did_you_mean(root, query, unknown)
+    result.update({"did_you_mean": near} if near else {})
+    again = _search_run(root, corrected, *run, False)[0] if corrected and \
+        not result["hits"] else None
+    if again and again["hits"]:
+        result = dict(again, query=query, did_you_mean=near, corrected_query=corrected)
     return result
 
 
 def _search_run(root, query, filters, max_results, per_episode, mode, reindex):
+    """(the search result, the query words no section holds)."""
     terms, excluded = _parse_query(query)
     if not terms:
         raise _usage(f"the query {query!r} has no word to search for",
@@ -8399,10 +8358,11 @@ def _search_run(root, query, filters, max_results, per_episode, mode, reindex):
         if mode in ("semantic", "hybrid"):
             raise _semantic_unavailable(mode, "the SQLite sidecar is unavailable here")
         found = _search_scan(root, terms, excluded, filters, max_results, per_episode)
-    engine, match_mode, used_mode, chosen, total, info, superseded, via = found
+    engine, match_mode, used_mode, chosen, total, info, superseded, via, counts = found
     hits = _build_hits(root, chosen, info, superseded, terms, via)
     return {"status": "ok", "query": query, "match_mode": match_mode, "engine": engine,
-            "mode": used_mode, "hits": hits, "total_candidates": total}
+            "mode": used_mode, "hits": hits, "total_candidates": total}, \
+        [t for t, n in zip(terms, counts) if not n]
 
 
 def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, mode, reindex):
@@ -8412,11 +8372,15 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
         try:
             _fts_sync(db, root, rebuild=reindex or attempt == 2)
             match_mode = "all"
-            ranked = _fts_candidates(db, terms, excluded, filters, False)
+            counts = [db.execute("SELECT count(*) FROM search_fts WHERE search_fts MATCH ?",
+                                 (_fts_expression([t], True),)).fetchone()[0] for t in terms]
+            weights = _held_weights(counts, db.execute("SELECT count(*) FROM search_sections")
+                                    .fetchone()[0])
+            ranked = _fts_candidates(db, terms, excluded, filters, False, weights)
             first = ranked.fetchone()
             if first is None and len(terms) > 1:
                 match_mode = "any"
-                ranked = _fts_candidates(db, terms, excluded, filters, True)
+                ranked = _fts_candidates(db, terms, excluded, filters, True, weights)
                 first = ranked.fetchone()
             ranked = itertools.chain([first] if first else [], ranked)
             via, used = {}, "lexical"
@@ -8431,7 +8395,7 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
                     ranked, used = _rank_candidates(fused), "hybrid"
             chosen, total = _cap_per_episode(ranked, per_episode, limit)
             info, superseded = _fts_hit_rows(db, chosen)
-            return "fts5", match_mode, used, chosen, total, info, superseded, via
+            return "fts5", match_mode, used, chosen, total, info, superseded, via, counts
         except _SidecarBusy:
             return None
         except sqlite3.DatabaseError as exc:
@@ -8456,7 +8420,7 @@ def _fts_semantic_candidates(db, semantic, filters):
 
 
 def _search_scan(root, terms, excluded, filters, limit, per_episode):
-    scored, superseded = _scan_candidates(root, terms, excluded)
+    scored, superseded, counts = _scan_candidates(root, terms, excluded)
     match_mode = "all"
     accepted = [s for s in scored if filters.accepts(s[1])]
     picked = [s for s in accepted if s[5] == len(terms)]
@@ -8474,7 +8438,7 @@ def _search_scan(root, terms, excluded, filters, limit, per_episode):
                 "ord": ordinal, "section": heading, "chars": chars, "address": ep["path"],
                 "id": ep["stem"], "kind": ep["kind"], "date": ep["date"], "title": ep["title"],
                 "archived": ep["archived"]}
-    return "scan", match_mode, "lexical", chosen, total, info, superseded, {}
+    return "scan", match_mode, "lexical", chosen, total, info, superseded, {}, counts
 
 
 # --- search-bench (verbs.md § 4.9) ----------------------------------------------------------
@@ -8585,8 +8549,7 @@ def _text_search_bench(result):
 _EXTRA_VERB_FACTORIES.append(lambda: _Verb("search-bench", search_bench, [
     _shelf_param(),
     _Param("queries", "string", metavar="FILE",
-           help="query<TAB>expected-id[<TAB>label] per line (id § Section: section "
-                "level); # comments."),
+           help="query<TAB>expected-id or id § Section[<TAB>label] per line; # comments."),
     _Param("k", "integer", default=5, minimum=1, maximum=100, help="Cut-off for hit@k."),
     _Param("mode", "string", default="lexical", enum=["lexical", "semantic", "hybrid", "all"],
            help="Which ranking to measure."),
@@ -16296,16 +16259,15 @@ def _text_recall(result):
 
 
 def _text_search(result):
-    near = result.get("did_you_mean")
+    near, fixed = result.get("did_you_mean"), result.get("corrected_query")
     if not result.get("hits"):
         return f"no hits for {result.get('query', '')!r}" + \
             (f" — did you mean {', '.join(near)}?" if near else "")
-    out = [f"no hits for {result['query']!r}; hits for {result['corrected_query']!r}:"] \
-        if result.get("corrected_query") else []
+    out = [f"no hits for {result['query']!r}; hits for {fixed!r}:"] if fixed else []
     for h in result["hits"]:
         out.append(f"{h['score']:.2f}  {h['id']} § {h['section']}  ~{h['tokens']} tok  "
                    f"{h.get('snippet', '')}")
-    if near and not result.get("corrected_query"):
+    if near and not fixed:
         out.append(f"did you mean {', '.join(near)}?")
     return "\n".join(out)
 
