@@ -1796,7 +1796,8 @@ def _fill_record(rec, body, whole=True, digest=None):
     (preamble, sections). Not whole: no sections (None), the digest read on its own.
     `digest`: the body's digest when the caller already found it (_episode_head)."""
     f = rec["fields"]
-    s = {k: v for k, v in f.items() if isinstance(v, str)}.get   # a string field, else None
+    # a string field on one line (a block scalar or a "\n" escape may hold breaks), else None
+    s = {k: _collapse(v) if "\n" in v else v for k, v in f.items() if isinstance(v, str)}.get
     rec["id"] = s("id")
     rec["kind"] = s("kind")
     rec["date"] = _episode_date(f, rec["stem"])

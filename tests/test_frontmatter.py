@@ -981,7 +981,7 @@ def test_block_scalar_episode_through_the_cli(plain_shelf, cli):
     text = ("# 2026-05-01-queue-move\n\n---\nid: 2026-05-01-queue-move\nkind: topic\n"
             "span: 2026-05-01\ndate: 2026-05-01\ndisplay_title: null\nlayout: ~\n"
             "description: |\n  The ops team moved the queue to NATS.\n  Second line.\n"
-            "notes: >-\n  folded\n  notes\ntags: [queue]\napprox_tokens: 120\n"
+            "notes: |\n  line a\n  line b\ntags: [queue]\napprox_tokens: 120\n"
             "approx_tokens_source: estimate\nmode: live\n---\n\n## Digest\n"
             "The ops team moved the work queue to NATS JetStream. Open: retention.\n\n"
             "## Decisions\nUse NATS JetStream with file storage.\n")
@@ -1004,7 +1004,7 @@ def test_block_scalar_episode_through_the_cli(plain_shelf, cli):
     codes = {f["code"] for f in doctor.json()["findings"]}
     assert not {c for c in codes if c.startswith("frontmatter")}, codes
     ledger = (plain_shelf / "ledger.tsv").read_text(encoding="utf-8")
-    assert "\tfolded notes\n" in ledger
+    assert "\tline a line b\n" in ledger        # one ledger row: the breaks collapsed
 
 
 def test_null_id_is_a_missing_id(plain_shelf, cli):
