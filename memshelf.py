@@ -7402,7 +7402,9 @@ _CYRILLIC_WORD = _re_lazy("[\u0400-\u04ff]+\\Z")
 _QUERY_PART = _re_lazy(r'(-?)"([^"]*)"|(\S+)')
 # an identifier (pg_upgrade, max.poll.records, runbooks/pg16-upgrade.md) is also indexed whole:
 # its pieces joined by a letter no text holds, so unicode61 keeps them one token
-_IDENTIFIER = _re_lazy(r"[^\W_]+(?:[-_./][^\W_]+)+")
+# ((?=(x))\2: a piece taken whole, without the backtracking that makes the search slow)
+_IDENTIFIER = _re_lazy(r"(\b(?=([^\W_]+))\2(?:[-_./](?=([^\W_]+))\3)+)")
+_IDENT_PART = _re_lazy(r"[^\s/.]*[-_][^\s/.]*")
 _IDENT_MARK = "\ua78c"
 _EN_SUFFIX = _re_lazy(r"(?:ing|ed|es|e|s)\Z")
 # words a question is made of; dropped from a query that has other words
@@ -7465,18 +7467,16 @@ def _search_tokens(text):
 
 def _identifier_tokens(text):
     """Each identifier in text, and each /- or .-separated part that is one, as one token."""
-    out = []
-    for run in _IDENTIFIER.findall(text):
-        for part in [run] + (re.split(r"[/.]", run) if "/" in run or "." in run else []):
-            pieces = _SEARCH_TOKEN.findall(part)
-            out += [_IDENT_MARK.join(pieces)] if len(pieces) > 1 else []
-    return out
+    runs = [m[0] for m in _IDENTIFIER.findall(text)]
+    runs += _IDENT_PART.findall(" ".join(r for r in runs if "/" in r or "." in r))
+    return " ".join(runs).replace("-", _IDENT_MARK).replace("_", _IDENT_MARK).replace(
+        ".", _IDENT_MARK).replace("/", _IDENT_MARK)
 
 
 def _index_text(text):
     """A column value as both engines index it: CJK bigrams, and the whole identifiers after
     the text (so phrases within the text keep their adjacency)."""
-    whole = " ".join(_identifier_tokens(text))
+    whole = _identifier_tokens(text)
     return _cjk_rewrite(text) + ("\n" + whole if whole else "")
 
 
@@ -7517,7 +7517,7 @@ def _word_terms(word):
             continue
         toks = tuple(_search_tokens(piece))
         if toks:
-            whole = _identifier_tokens(piece)
+            whole = _identifier_tokens(piece).split()
             terms.append(([((_fold(max(whole, key=len)),), False)] if whole else []) +
                          _prefix_alternatives(toks))
     return terms
@@ -8200,41 +8200,40 @@ def _build_hits(root, chosen, info, superseded, terms, via):
     return hits
 
 
-def _search_vocabulary(root):
-    """Every indexed term, sorted: the sidecar's (fts5vocab), else the episode files'."""
-    db = _fts_open(root)
-    if db is not None:
-        try:
-            db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_vocab USING "
-                       "fts5vocab(main, search_fts, row)")
-            return [v for (v,) in db.execute("SELECT term FROM temp.search_vocab")]
-        finally:
-            db.close()
+def _did_you_mean(root, query, unknown):
+    """The indexed terms (fts5vocab's, else the files') nearest to the query words no section
+    holds, with their first letter and at most 2 letters more or less; and the query with each
+    replaced by the nearest (None when none is near)."""
+    import difflib
+    words = [t[0][0][0] for t in unknown if len(t[0][0]) == 1 and len(t[0][0][0]) >= 3 and
+             not _CJK_RUN.match(t[0][0][0]) and _IDENT_MARK not in t[0][0][0]]
+    db = _fts_open(root) if words else None
     vocab = set()
-    for rel, _, _ in [f for d in _SEARCH_DIRS for f in _episode_files(root, d)]:
+    if db is not None:
+        db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_vocab USING "
+                   "fts5vocab(main, search_fts, row)")
+    for rel, _, _ in [f for d in _SEARCH_DIRS for f in _episode_files(root, d)] \
+            if words and db is None else []:
         try:
             doc = _search_document(root, rel, False)
         except OSError:
             continue
         for _, heading, body in _search_rows(doc):
             vocab.update(_search_tokens(f"{doc['title_text']}\n{heading or ''}\n{body}"))
-    return sorted(vocab)
-
-
-def _did_you_mean(root, query, unknown):
-    """The indexed terms nearest to the query words no section holds (as written or as a
-    prefix), and the query with each replaced by the nearest (None when none is near)."""
-    import difflib
-    words = [t[0][0][0] for t in unknown if len(t[0][0]) == 1 and len(t[0][0][0]) >= 3 and
-             not _CJK_RUN.match(t[0][0][0]) and _IDENT_MARK not in t[0][0][0]]
-    vocab = _search_vocabulary(root) if words else []
     near, corrected = [], query
     for word in words:
-        close = difflib.get_close_matches(word, [v for v in vocab if abs(len(v) - len(word))
-                                                 <= 2 and _IDENT_MARK not in v], 3, 0.8)
+        span = (word[0], chr(ord(word[0]) + 1), len(word) - 2, len(word) + 2)
+        found = [v for (v,) in db.execute(
+            "SELECT term FROM temp.search_vocab WHERE term >= ? AND term < ? AND length(term)"
+            " BETWEEN ? AND ?", span)] if db is not None else \
+            sorted(v for v in vocab if span[0] <= v < span[1] and span[2] <= len(v) <= span[3])
+        close = difflib.get_close_matches(word, [v for v in found if _IDENT_MARK not in v],
+                                          3, 0.8)
         near += [c for c in close if c not in near]
         if close:
             corrected = re.sub(rf"(?i)(?<!\w){re.escape(word)}(?!\w)", close[0], corrected)
+    if db is not None:
+        db.close()
     return near, (corrected if corrected != query else None)
 
 
