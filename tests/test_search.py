@@ -664,7 +664,7 @@ def test_per_episode_n(docs_shelf):
         memshelf.search(shelf_path=docs_shelf, query="upgrade", per_episode=1.5)
     assert err.value.exit_code == 2
     help_text = run_cli("search", "--help").stdout
-    assert "--per-episode [N]" in help_text and "default 2" in help_text
+    assert "--per-episode [N]" in help_text and "Max hits per episode (2)" in help_text
 
 
 def test_the_section_that_answers_comes_first(docs_shelf):
