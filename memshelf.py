@@ -7547,7 +7547,7 @@ def _parse_query(query):
 
 
 def _adjacent_phrases(terms):
-    """Query words side by side, as phrases that add weight and never decide a match."""
+    """Query words side by side, as phrases: held, they add weight; they never decide a match."""
     pairs = []
     for a, b in zip(terms, terms[1:]):
         head = next(t for t, _ in a if _IDENT_MARK not in t[0])
@@ -7587,11 +7587,10 @@ def _held(weights, terms, first, any_alt):
                for i, (w, t) in enumerate(zip(weights, terms)))
 
 
-def _fts_expression(terms, any_word, bonus=()):
+def _fts_expression(terms, any_word):
     def term(alts):
         return "(" + " OR ".join(_fts_phrase(t, p) for t, p in alts) + ")"
-    expr = (" OR " if any_word else " AND ").join(term(t) for t in terms)
-    return f"({expr}) OR {term(bonus)}" if bonus else expr
+    return (" OR " if any_word else " AND ").join(term(t) for t in terms)
 
 
 # --- episodes as search rows ----------------------------------------------------------------
@@ -7915,9 +7914,8 @@ def _fts_update(db, root, changed):
 def _fts_candidates(db, terms, excluded, filters, any_word, weights):
     """A cursor over the matching sections, best first:
     (score, date, stem, ord, path, sid) ranked as _rank_candidates ranks.
-    An excluded word removes every section of an episode that holds it. Score: _held (half in
-    the Digest, which points to the section that answers) + BM25 / (BM25 + 1); a section
-    holding no query word is a hit only as its episode's first section (the Digest)."""
+    An excluded word removes every section of an episode that holds it. Score: _held (halved
+    in a Digest) + BM25/(BM25+1); a section holding no query word is a hit only as a Digest."""
     where, params = filters.sql()
     own = "(s.sid IN (SELECT rowid FROM search_fts WHERE search_fts MATCH '{heading body}: ' || ?))"
     held, hp = [], []
@@ -7925,7 +7923,10 @@ def _fts_candidates(db, terms, excluded, filters, any_word, weights):
         whole = _IDENT_MARK in t[0][0][0]
         held.append(f"? * max({own}, 0.5 * {own})" if whole else f"? * {own}")
         hp += [w] + [_fts_expression([t[:1]], True)] * whole + [_fts_expression([t], True)]
-    params = hp + [_fts_expression(terms, any_word, _adjacent_phrases(terms))] + params
+    pairs = _adjacent_phrases(terms)   # two query words side by side: one word more
+    held += [own] * len(pairs)
+    params = hp + [_fts_expression([[p]], True) for p in pairs] + \
+        [_fts_expression(terms, any_word)] + params
     if excluded:
         where += (" AND s.ep NOT IN (SELECT x.ep FROM search_fts CROSS JOIN search_sections x"
                   " ON x.sid = search_fts.rowid WHERE search_fts MATCH ?)")
@@ -8024,7 +8025,9 @@ def _scan_candidates(root, terms, excluded):
     phrase anywhere in an episode drops all its rows. Returns
     ([(score, episode, ord, heading, chars, terms matched)], {stem: superseded by})."""
     import math
-    phrases = [alt for term in terms for alt in term] + _adjacent_phrases(terms)
+    phrases = [alt for term in terms for alt in term]
+    n_alts = len(phrases)
+    phrases += _adjacent_phrases(terms)   # held, not scored
     negated = [alt for term in excluded for alt in term]
     n_rows = 0
     n_tokens = 0
@@ -8084,12 +8087,13 @@ def _scan_candidates(root, terms, excluded):
     weights = _held_weights(term_df, n_rows)
     for episode, ordinal, heading, chars, freq, length, own in kept:
         held = _held(weights, terms, lambda t: spans[t][0] in own,
-                     lambda t: own.intersection(spans[t]))
+                     lambda t: own.intersection(spans[t])) + \
+            len(own.intersection(range(n_alts, len(phrases))))
         if episode["path"] in banned or not held and ordinal:
             continue
         score = 0.0
         norm = _BM25_K1 * (1 - _BM25_B + _BM25_B * length / avgdl)
-        for i, f in enumerate(freq):
+        for i, f in enumerate(freq[:n_alts]):
             if f:
                 score += idf[i] * (f * (_BM25_K1 + 1.0)) / (f + norm)
         matched = sum(1 for span in spans if any(freq[i] for i in span))
@@ -8201,9 +8205,8 @@ def _build_hits(root, chosen, info, superseded, terms, via):
 
 
 def _did_you_mean(root, query, unknown):
-    """The indexed terms (fts5vocab's, else the files') nearest to the query words no section
-    holds, with their first letter and at most 2 letters more or less; and the query with each
-    replaced by the nearest (None when none is near)."""
+    """The indexed terms (fts5vocab's, else the files') of the same first letter and length
+    ±2 nearest to the words no section holds; the query with each replaced (None: none near)."""
     import difflib
     words = [t[0][0][0] for t in unknown if len(t[0][0]) == 1 and len(t[0][0][0]) >= 3 and
              not _CJK_RUN.match(t[0][0][0]) and _IDENT_MARK not in t[0][0][0]]
@@ -8318,9 +8321,8 @@ def _check_search_args(query, max_results, kinds, tags, since, until, archive, m
 
 def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, since=None,
            until=None, archive="include", per_episode=2, mode="auto", reindex=False):
-    """Rank episode sections for a query (verbs.md § 2.3), at most per_episode sections of one
-    episode (True: 1, False: 2). For a word the shelf does not hold: did_you_mean; a query
-    with no hit at all is retried with such words replaced by the nearest (corrected_query)."""
+    """Rank episode sections for a query (verbs.md § 2.3, docs/search.md), at most per_episode
+    of one episode (True: 1, False: 2); did_you_mean, corrected_query for unknown words."""
     kinds, tags = _check_search_args(query, max_results, kinds, tags, since, until, archive,
                                      mode)
     per_episode = (1 if per_episode else 2) if isinstance(per_episode, bool) else per_episode
@@ -8341,7 +8343,6 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
 
 
 def _search_run(root, query, filters, max_results, per_episode, mode, reindex):
-    """(the search result, the query words no section holds)."""
     terms, excluded = _parse_query(query)
     if not terms:
         raise _usage(f"the query {query!r} has no word to search for",
