@@ -8204,13 +8204,13 @@ def _build_hits(root, chosen, info, superseded, terms, via):
     return hits
 
 
-def _did_you_mean(root, query, unknown):
+def _did_you_mean(root, query, unknown, fts):
     """The indexed terms (fts5vocab's, else the files') of the same first letter and length
     ±2 nearest to the words no section holds; the query with each replaced (None: none near)."""
     import difflib
     words = [t[0][0][0] for t in unknown if len(t[0][0]) == 1 and len(t[0][0][0]) >= 3 and
              not _CJK_RUN.match(t[0][0][0]) and _IDENT_MARK not in t[0][0][0]]
-    db = _fts_open(root) if words else None
+    db = _fts_open(root) if words and fts else None   # the engine that answered the query
     vocab = set()
     if db is not None:
         db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_vocab USING "
@@ -8333,7 +8333,7 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
         raise _semantic_unavailable(mode, "the semantic extra is not installed")
     run = (_SearchFilters(kinds, tags, since, until, archive), max_results, per_episode, mode)
     result, unknown = _search_run(root, query, *run, reindex)
-    near, corrected = _did_you_mean(root, query, unknown)
+    near, corrected = _did_you_mean(root, query, unknown, result["engine"] == "fts5")
     result.update({"did_you_mean": near} if near else {})
     again = _search_run(root, corrected, *run, False)[0] if corrected and \
         not result["hits"] else None
