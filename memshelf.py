@@ -763,6 +763,8 @@ _FM_SIMPLE_ESCAPES = {
     "L": "\u2028", "P": "\u2029", " ": " ",
 }
 _FM_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+# `key: |` or `key: >`, then chomping (- or +) and an indentation digit in either order
+_FM_BLOCK_HEADER = _re_lazy(r"([|>])(?:([-+])([1-9])?|([1-9])([-+])?)?(?:[ \t]+#.*)?[ \t]*\Z")
 # Characters a YAML 1.1 reader treats as line breaks inside a plain scalar.
 _FM_YAML_BREAKS = _re_lazy("[\x85\u2028\u2029]")
 
@@ -901,6 +903,7 @@ class _YamlSubsetParser:
         self.last_key = ""
         self.tabbed = False  # the current line holds a tab
         self.tab_noted = False
+        self.block = None  # [key, | or >, chomping, indentation, lines] of a block scalar
 
     # ---- errors -------------------------------------------------------------------------
 
@@ -935,6 +938,8 @@ class _YamlSubsetParser:
     def parse(self):
         first = self.first_line
         for index, line in enumerate(self.lines):
+            if self.block is not None and self.block_line(line):
+                continue
             content = line.lstrip(" \t")
             self.tabbed, self.tab_noted = "\t" in line, False
             if not content or content[0] == "#":
@@ -953,6 +958,8 @@ class _YamlSubsetParser:
             else:
                 self.top_entry(line, line_no)
             self.seen_content = True
+        if self.block is not None:
+            self.end_block()
         return self.fields
 
     # ---- top-level entries --------------------------------------------------------------
@@ -986,9 +993,18 @@ class _YamlSubsetParser:
             self.owner, self.owner_kind = key, None
             self.item_indent = None
             return
+        if rest[0] in "|>":
+            m = _FM_BLOCK_HEADER.match(rest)
+            if not m:
+                self.fail("syntax", "the block scalar header %s is not | or > with an optional "
+                          "- or + and an indentation digit" % _fm_excerpt(rest), line_no,
+                          "write 'key: |' and the text on the lines below, indented")
+            self.block = [key, m.group(1), m.group(2) or m.group(5),
+                          int(m.group(3) or m.group(4) or 0), []]
+            return
         value, style = self.value(rest, line_no, key)
         self.fields[key] = value
-        if key == "id" and style == "plain":
+        if key == "id" and style == "plain" and value is not None:
             kind, shown = _yaml_retyped(value)
             if kind and shown != value:
                 self.problem(line_no, key, "a YAML loader reads the id %s as %s %s%s, so it "
@@ -1052,6 +1068,38 @@ class _YamlSubsetParser:
         # keys repeat across thousands of episodes; one shared object each keeps records small
         return sys.intern(line[:colon]), line[colon + 1:].lstrip(" \t")
 
+    # ---- block scalars (YAML § 8.1: literal | and folded >, chomping - and +) ----------
+
+    def block_line(self, line):
+        """Take a line into the open block scalar; False (block closed) for a line indented
+        less than its first."""
+        lead, blank = len(line) - len(line.lstrip(" ")), not line.strip(" \t")
+        self.block[3] = self.block[3] or (0 if blank else lead)
+        if not blank and (lead < self.block[3] or not lead):
+            self.end_block()
+            return False
+        self.block[4].append("" if blank else line[self.block[3]:])
+        return True
+
+    def end_block(self):
+        key, style, chomp, _, lines = self.block
+        self.block = None
+        n = next((i + 1 for i in range(len(lines) - 1, -1, -1) if lines[i]), 0)
+        text = "\n".join(lines[:n]) if style == "|" else ""
+        if style == ">":   # a break between two text lines folds to a space
+            empty, prev = 0, None
+            for line in lines[:n]:
+                if not line:
+                    empty += 1
+                    continue
+                more = line[0] in " \t"
+                text += "\n" * empty if prev is None else (
+                    "\n" * empty or " ") if prev == "text" and not more else "\n" * (empty + 1)
+                text += line
+                empty, prev = 0, "more" if more else "text"
+        self.fields[key] = text + ("\n" if n and chomp != "-" else "") + \
+            ("\n" * (len(lines) - n) if chomp == "+" else "")
+
     # ---- values -------------------------------------------------------------------------
 
     def value(self, text, line_no, key):
@@ -1066,7 +1114,9 @@ class _YamlSubsetParser:
         if first == "-" and (len(text) == 1 or text[1] in " \t"):
             self.fail("syntax", "a list item cannot follow the key on its line", line_no,
                       "put each item on its own line as '- item', or write [a, b]")
-        return self.scalar(text, line_no, key, "value")
+        value, style = self.scalar(text, line_no, key, "value")
+        return None if style == "plain" and _YAML_IMPLICIT_TYPES[0][1].match(value) else \
+            value, style
 
     def scalar(self, text, line_no, key, where):
         """A plain, double-quoted or single-quoted scalar filling the rest of the line."""
@@ -1695,7 +1745,8 @@ def _fill_record(rec, body):
     """Fill the record's fields from its frontmatter and body; returns the body's
     (preamble, sections)."""
     f = rec["fields"]
-    s = {k: v for k, v in f.items() if isinstance(v, str)}.get   # a string field, else None
+    # a string field on one line (a block scalar or a "\n" escape may hold breaks), else None
+    s = {k: _collapse(v) if "\n" in v else v for k, v in f.items() if isinstance(v, str)}.get
     rec["id"] = s("id")
     rec["kind"] = s("kind")
     rec["date"] = _episode_date(f, rec["stem"])
@@ -7239,6 +7290,17 @@ _SEARCH_TOKEN = _re_lazy(r"[^\W_]+")
 _FOLDABLE = _re_lazy("[\u00c0-\u036f\u1e00-\u1eff]")
 _CYRILLIC_WORD = _re_lazy("[\u0400-\u04ff]+\\Z")
 _QUERY_PART = _re_lazy(r'(-?)"([^"]*)"|(\S+)')
+# an identifier (pg_upgrade, max.poll.records, runbooks/pg16-upgrade.md) is also indexed whole:
+# its pieces joined by a letter no text holds, so unicode61 keeps them one token
+# ((?=(x))\2: a piece taken whole, without the backtracking that makes the search slow)
+_IDENTIFIER = _re_lazy(r"(\b(?=([^\W_]+))\2(?:[-_./](?=([^\W_]+))\3)+)")
+_IDENT_PART = _re_lazy(r"[^\s/.]*[-_][^\s/.]*")
+_IDENT_MARK = "\ua78c"
+_EN_SUFFIX = _re_lazy(r"(?:ing|ed|es|e|s)\Z")
+# words a question is made of; dropped from a query that has other words
+_STOPWORDS = frozenset("a about an and are as at be by can did do does for from had has have how "
+                       "i in is it its of on or our should that the their there this to was we "
+                       "were what when where which who why will with would you not".split())
 _SPACE = _re_lazy(r"\s")
 _DAMAGE = _re_lazy(r"malformed|corrupt|not a database|no such (table|column)|disk image",
                      re.IGNORECASE)
@@ -7293,16 +7355,33 @@ def _search_tokens(text):
     return _SEARCH_TOKEN.findall(_fold(_cjk_rewrite(text)))
 
 
+def _identifier_tokens(text):
+    """Each identifier in text, and each /- or .-separated part that is one, as one token."""
+    runs = [m[0] for m in _IDENTIFIER.findall(text)]
+    runs += _IDENT_PART.findall(" ".join(r for r in runs if "/" in r or "." in r))
+    return " ".join(runs).replace("-", _IDENT_MARK).replace("_", _IDENT_MARK).replace(
+        ".", _IDENT_MARK).replace("/", _IDENT_MARK)
+
+
+def _index_text(text):
+    """A column value as both engines index it: CJK bigrams, and the whole identifiers after
+    the text (so phrases within the text keep their adjacency)."""
+    whole = _identifier_tokens(text)
+    return _cjk_rewrite(text) + ("\n" + whole if whole else "")
+
+
 # --- the query language ---------------------------------------------------------------------
 
 def _prefix_alternatives(toks):
-    """A word matches as written, and as a prefix: >= 4 letters, or a Cyrillic stem."""
+    """A word matches as written, and as a prefix: >= 4 letters (less an English ending),
+    or a Cyrillic stem."""
     alts = [(toks, False)]
     last = toks[-1]
     if _CYRILLIC_WORD.match(last) and len(last) >= 5:
         alts.append((toks[:-1] + (last[:max(len(last) - 2, 4)],), True))
     elif sum(1 for c in last if c.isalpha()) >= 4:
-        alts.append((toks, True))
+        stem = _EN_SUFFIX.sub("", last) if last.isascii() else last   # decided -> decid*
+        alts.append((toks[:-1] + (stem if len(stem) >= 4 else last,), True))
     return alts
 
 
@@ -7328,14 +7407,16 @@ def _word_terms(word):
             continue
         toks = tuple(_search_tokens(piece))
         if toks:
-            terms.append(_prefix_alternatives(toks))
+            whole = _identifier_tokens(piece).split()
+            terms.append(([((_fold(max(whole, key=len)),), False)] if whole else []) +
+                         _prefix_alternatives(toks))
     return terms
 
 
 def _parse_query(query):
     """Query text -> (terms, excluded). A term is a list of alternative phrases; a phrase is
     (tokens, last-token-is-a-prefix). Words must all match; quoted phrases match as written."""
-    terms, excluded = [], []
+    terms, excluded, stop = [], [], []
     for m in _QUERY_PART.finditer(query):
         negated, phrase, word = m.groups()
         if phrase is not None:
@@ -7348,8 +7429,21 @@ def _parse_query(query):
             if toks:
                 excluded.append([(toks, False)])
             continue
-        terms.extend(_word_terms(word))
-    return _unique_terms(terms)[:_SEARCH_MAX_TERMS], _unique_terms(excluded)[:_SEARCH_MAX_TERMS]
+        toks = _search_tokens(word)
+        (stop if toks and all(t in _STOPWORDS for t in toks) else terms).extend(
+            _word_terms(word))
+    return _unique_terms(terms or stop)[:_SEARCH_MAX_TERMS], \
+        _unique_terms(excluded)[:_SEARCH_MAX_TERMS]
+
+
+def _adjacent_phrases(terms):
+    """Query words side by side, as phrases: held, they add weight; they never decide a match."""
+    pairs = []
+    for a, b in zip(terms, terms[1:]):
+        head = next(t for t, _ in a if _IDENT_MARK not in t[0])
+        if not _CJK_RUN.match(head[0]) and not _CJK_RUN.match(b[-1][0][0]):
+            pairs.append((head + b[-1][0], b[-1][1]))
+    return pairs
 
 
 def _unique_terms(terms):
@@ -7365,6 +7459,22 @@ def _unique_terms(terms):
 def _fts_phrase(toks, prefix):
     # tokens are letters and digits only, so quoting them leaves no FTS5 syntax to inject
     return '"' + " ".join(toks) + '"' + ("*" if prefix else "")
+
+
+def _held_weights(counts, n_rows):
+    """What holding each query word is worth to a section: 1, up to 2 for a rare word."""
+    import math
+    idf = [max(math.log((n_rows - d + 0.5) / (d + 0.5)), 0.0) if n_rows else 0.0
+           for d in counts]
+    return [1 + v / (1 + v) for v in idf]
+
+
+def _held(weights, terms, first, any_alt):
+    """The weight of the query words a section's own text holds; an identifier held only in
+    pieces (pg-upgrade for pg_upgrade) counts half."""
+    return sum(w * (1.0 if first(i) else 0.5 if any_alt(i) and _IDENT_MARK in t[0][0][0]
+                    else 1.0 if any_alt(i) else 0.0)
+               for i, (w, t) in enumerate(zip(weights, terms)))
 
 
 def _fts_expression(terms, any_word):
@@ -7582,12 +7692,12 @@ class _FtsWriter:
         self.eps.append((ep, rel, st[0], st[1], st[2], seen, doc["stem"], doc["kind"], doc["date"],
                          doc["title"], int(doc["archived"]), _tag_field(doc["tags"]),
                          _tag_field(doc["supersedes"])))
-        title = _cjk_rewrite(doc["title_text"])
+        title = _index_text(doc["title_text"])
         for n, heading, body in _search_rows(doc):
             sid = self.next_sid
             self.next_sid += 1
             self.secs.append((sid, ep, n, heading, len(body)))
-            self.fts.append((sid, title, _cjk_rewrite(heading or ""), _cjk_rewrite(body)))
+            self.fts.append((sid, title, _index_text(heading or ""), _index_text(body)))
         self.files += 1
         if self.files % self.BATCH == 0:
             self.flush()
@@ -7623,22 +7733,37 @@ def _fts_update(db, root, gone, fresh):
         progress.done()
 
 
-def _fts_candidates(db, terms, excluded, filters, any_word):
+def _fts_candidates(db, terms, excluded, filters, any_word, weights):
     """A cursor over the matching sections, best first:
     (score, date, stem, ord, path, sid) ranked as _rank_candidates ranks.
-    An excluded word removes every section of an episode that holds it."""
+    An excluded word removes every section of an episode that holds it. Score: _held (halved
+    in a Digest) + BM25/(BM25+1); a section holding no query word is a hit only as a Digest."""
     where, params = filters.sql()
-    params = [_fts_expression(terms, any_word)] + params
+    own = "(s.sid IN (SELECT rowid FROM search_fts WHERE search_fts MATCH '{heading body}: ' || ?))"
+    held, hp = [], []
+    for w, t in zip(weights, terms):   # as _held: an identifier held in pieces counts half
+        whole = _IDENT_MARK in t[0][0][0]
+        held.append(f"? * max({own}, 0.5 * {own})" if whole else f"? * {own}")
+        hp += [w] + [_fts_expression([t[:1]], True)] * whole + [_fts_expression([t], True)]
+    pairs = _adjacent_phrases(terms)   # two query words side by side: one word more
+    held += [own] * len(pairs)
+    params = hp + [_fts_expression([[p]], True) for p in pairs] + \
+        [_fts_expression(terms, any_word)] + params
     if excluded:
         where += (" AND s.ep NOT IN (SELECT x.ep FROM search_fts CROSS JOIN search_sections x"
                   " ON x.sid = search_fts.rowid WHERE search_fts MATCH ?)")
         params.append(_fts_expression(excluded, True))
     w = _SEARCH_WEIGHTS
-    sql = (f"SELECT -bm25(search_fts, {w[0]}, {w[1]}, {w[2]}) AS score, e.date, e.stem, s.ord,"
-           " e.path, s.sid FROM search_fts CROSS JOIN search_sections s"
+    sql = ("SELECT held * (CASE WHEN heading = 'Digest' THEN 0.5 ELSE 1 END)"
+           " + score / (score + 1) AS rank, date, stem, ord, path, sid FROM"
+           f" (SELECT -bm25(search_fts, {w[0]}, {w[1]}, {w[2]}) AS score,"
+           f" {' + '.join(held)} AS held,"
+           " e.date AS date, e.stem AS stem, s.ord AS ord, e.path AS path, s.sid AS sid,"
+           " s.heading AS heading"
+           " FROM search_fts CROSS JOIN search_sections s"
            " ON s.sid = search_fts.rowid CROSS JOIN search_episodes e ON e.ep = s.ep"
-           " WHERE search_fts MATCH ?" + where +
-           " ORDER BY round(score, 6) DESC, e.date DESC, e.stem, s.ord")
+           " WHERE search_fts MATCH ?" + where + ") WHERE held > 0 OR ord = 0"
+           " ORDER BY round(rank, 6) DESC, date DESC, stem, ord")
     return db.execute(sql, params)
 
 
@@ -7671,7 +7796,7 @@ class _ScanColumn:
     __slots__ = ("text", "tokens", "_counts", "_sorted")
 
     def __init__(self, value):
-        self.text = _fold(_cjk_rewrite(value))
+        self.text = _fold(_index_text(value))
         self.tokens = _SEARCH_TOKEN.findall(self.text)
         self._counts = None
         self._sorted = None
@@ -7723,10 +7848,17 @@ def _scan_candidates(root, terms, excluded):
     ([(score, episode, ord, heading, chars, terms matched)], {stem: superseded by})."""
     import math
     phrases = [alt for term in terms for alt in term]
+    n_alts = len(phrases)
+    phrases += _adjacent_phrases(terms)   # held, not scored
     negated = [alt for term in excluded for alt in term]
     n_rows = 0
     n_tokens = 0
     df = [0] * len(phrases)
+    term_df = [0] * len(terms)
+    spans, start = [], 0
+    for term in terms:
+        spans.append(range(start, start + len(term)))
+        start += len(term)
     kept = []
     banned = set()
     superseded = {}
@@ -7747,7 +7879,7 @@ def _scan_candidates(root, terms, excluded):
             length = len(title.tokens) + len(columns[1].tokens) + len(columns[2].tokens)
             n_rows += 1
             n_tokens += length
-            freq = None
+            freq, own = None, set()
             for i, (toks, prefix) in enumerate(phrases):
                 hits = [col.hits(toks, prefix) for col in columns]
                 if any(hits):
@@ -7755,36 +7887,41 @@ def _scan_candidates(root, terms, excluded):
                     if freq is None:
                         freq = [0.0] * len(phrases)
                     freq[i] = sum(_SEARCH_WEIGHTS[c] * hits[c] for c in range(3))
+                    if hits[1] or hits[2]:   # the section's own heading and body
+                        own.add(i)
             if doc["path"] not in banned and any(
                     col.hits(toks, prefix) for toks, prefix in negated for col in columns):
                 banned.add(doc["path"])
             if freq is None:
                 continue
+            for t, span in enumerate(spans):
+                term_df[t] += any(freq[i] for i in span)
             if episode is None:
                 episode = {k: doc[k] for k in ("path", "stem", "kind", "date", "title",
                                                "archived", "tags")}
-            kept.append((episode, ordinal, heading, len(body), freq, length))
+            kept.append((episode, ordinal, heading, len(body), freq, length, own))
     idf = []
     for d in df:
         value = math.log((n_rows - d + 0.5) / (d + 0.5)) if n_rows else 0.0
         idf.append(value if value > 0 else 1e-6)
     avgdl = (n_tokens / n_rows) if n_rows else 1.0
-    spans, start = [], 0
-    for term in terms:
-        spans.append(range(start, start + len(term)))
-        start += len(term)
     scored = []
-    for episode, ordinal, heading, chars, freq, length in kept:
-        if episode["path"] in banned:
+    weights = _held_weights(term_df, n_rows)
+    for episode, ordinal, heading, chars, freq, length, own in kept:
+        held = _held(weights, terms, lambda t: spans[t][0] in own,
+                     lambda t: own.intersection(spans[t])) + \
+            len(own.intersection(range(n_alts, len(phrases))))
+        if episode["path"] in banned or not held and ordinal:
             continue
         score = 0.0
         norm = _BM25_K1 * (1 - _BM25_B + _BM25_B * length / avgdl)
-        for i, f in enumerate(freq):
+        for i, f in enumerate(freq[:n_alts]):
             if f:
                 score += idf[i] * (f * (_BM25_K1 + 1.0)) / (f + norm)
         matched = sum(1 for span in spans if any(freq[i] for i in span))
-        scored.append((score, episode, ordinal, heading, chars, matched))
-    return scored, {stem: sorted(v) for stem, v in superseded.items()}
+        held *= 0.5 if heading == "Digest" else 1
+        scored.append((held + score / (score + 1), episode, ordinal, heading, chars, matched))
+    return scored, {stem: sorted(v) for stem, v in superseded.items()}, term_df
 
 
 # --- ranking, snippets, hits ----------------------------------------------------------------
@@ -7798,10 +7935,9 @@ def _rank_candidates(cands):
     return cands
 
 
-def _cap_per_episode(ranked, per_episode, limit):
-    """The first `limit` candidates, at most 2 (or 1) per episode, and how many there were.
+def _cap_per_episode(ranked, cap, limit):
+    """The first `limit` candidates, at most `cap` per episode, and how many there were.
     ranked may be a cursor: it is read to the end only to count."""
-    cap = 1 if per_episode else 2
     seen = {}
     out = []
     total = 0
@@ -7890,6 +8026,41 @@ def _build_hits(root, chosen, info, superseded, terms, via):
     return hits
 
 
+def _did_you_mean(root, query, unknown, fts):
+    """The indexed terms (fts5vocab's, else the files') of the same first letter and length
+    ±2 nearest to the words no section holds; the query with each replaced (None: none near)."""
+    import difflib
+    words = [t[0][0][0] for t in unknown if len(t[0][0]) == 1 and len(t[0][0][0]) >= 3 and
+             not _CJK_RUN.match(t[0][0][0]) and _IDENT_MARK not in t[0][0][0]]
+    db = _fts_open(root) if words and fts else None   # the engine that answered the query
+    vocab = set()
+    if db is not None:
+        db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_vocab USING "
+                   "fts5vocab(main, search_fts, row)")
+    for rel, archived, _ in _scan_episode_files(root) if words and db is None else []:
+        try:
+            doc = _search_document(root, rel, archived)
+        except OSError:
+            continue
+        for _, heading, body in _search_rows(doc):
+            vocab.update(_search_tokens(f"{doc['title_text']}\n{heading or ''}\n{body}"))
+    near, corrected = [], query
+    for word in words:
+        span = (word[0], chr(ord(word[0]) + 1), len(word) - 2, len(word) + 2)
+        found = [v for (v,) in db.execute(
+            "SELECT term FROM temp.search_vocab WHERE term >= ? AND term < ? AND length(term)"
+            " BETWEEN ? AND ?", span)] if db is not None else \
+            sorted(v for v in vocab if span[0] <= v < span[1] and span[2] <= len(v) <= span[3])
+        close = difflib.get_close_matches(word, [v for v in found if _IDENT_MARK not in v],
+                                          3, 0.8)
+        near += [c for c in close if c not in near]
+        if close:
+            corrected = re.sub(rf"(?i)(?<!\w){re.escape(word)}(?!\w)", close[0], corrected)
+    if db is not None:
+        db.close()
+    return near, (corrected if corrected != query else None)
+
+
 # --- semantic hook (verbs.md § 4.8) -----------------------------------------------------------
 
 def _semantic_list(root, query, k, requested):
@@ -7966,16 +8137,33 @@ def _check_search_args(query, max_results, kinds, tags, since, until, archive, m
 
 
 def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, since=None,
-           until=None, archive="include", per_episode=False, mode="auto", reindex=False):
-    """Rank episode sections by BM25 for a query (verbs.md § 2.3)."""
+           until=None, archive="include", per_episode=2, mode="auto", reindex=False):
+    """Rank episode sections for a query (verbs.md § 2.3, docs/search.md), at most per_episode
+    of one episode (True: 1, False: 2); did_you_mean, corrected_query for unknown words."""
     kinds, tags = _check_search_args(query, max_results, kinds, tags, since, until, archive,
                                      mode)
+    per_episode = (1 if per_episode else 2) if isinstance(per_episode, bool) else per_episode
+    if not isinstance(per_episode, int) or not 1 <= per_episode <= 100:
+        raise _usage(f"per_episode must be 1..100 (got {per_episode!r})")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
+    if mode in ("semantic", "hybrid") and globals().get("_semantic_rank") is None:
+        raise _semantic_unavailable(mode, "the semantic extra is not installed")
+    run = (_SearchFilters(kinds, tags, since, until, archive), max_results, per_episode, mode)
+    result, unknown = _search_run(root, query, *run, reindex)
+    near, corrected = _did_you_mean(root, query, unknown, result["engine"] == "fts5")
+    result.update({"did_you_mean": near} if near else {})
+    again = _search_run(root, corrected, *run, False)[0] if corrected and \
+        not result["hits"] else None
+    if again and again["hits"]:
+        result = dict(again, query=query, did_you_mean=near, corrected_query=corrected)
+    return result
+
+
+def _search_run(root, query, filters, max_results, per_episode, mode, reindex):
     terms, excluded = _parse_query(query)
     if not terms:
         raise _usage(f"the query {_excerpt(query)} has no word to search for",
                      "give at least one word that is not excluded with -")
-    filters = _SearchFilters(kinds, tags, since, until, archive)
     found = None
     db = _fts_open(root)
     if db is not None:
@@ -7988,10 +8176,11 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
         if mode in ("semantic", "hybrid"):
             raise _semantic_unavailable(mode, "the SQLite sidecar is unavailable here")
         found = _search_scan(root, terms, excluded, filters, max_results, per_episode)
-    engine, match_mode, used_mode, chosen, total, info, superseded, via = found
+    engine, match_mode, used_mode, chosen, total, info, superseded, via, counts = found
     hits = _build_hits(root, chosen, info, superseded, terms, via)
     return {"status": "ok", "query": query, "match_mode": match_mode, "engine": engine,
-            "mode": used_mode, "hits": hits, "total_candidates": total}
+            "mode": used_mode, "hits": hits, "total_candidates": total}, \
+        [t for t, n in zip(terms, counts) if not n]
 
 
 def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, mode, reindex):
@@ -8001,11 +8190,15 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
         try:
             _fts_sync(db, root, rebuild=reindex or attempt == 2)
             match_mode = "all"
-            ranked = _fts_candidates(db, terms, excluded, filters, False)
+            counts = [db.execute("SELECT count(*) FROM search_fts WHERE search_fts MATCH ?",
+                                 (_fts_expression([t], True),)).fetchone()[0] for t in terms]
+            weights = _held_weights(counts, db.execute("SELECT count(*) FROM search_sections")
+                                    .fetchone()[0])
+            ranked = _fts_candidates(db, terms, excluded, filters, False, weights)
             first = ranked.fetchone()
             if first is None and len(terms) > 1:
                 match_mode = "any"
-                ranked = _fts_candidates(db, terms, excluded, filters, True)
+                ranked = _fts_candidates(db, terms, excluded, filters, True, weights)
                 first = ranked.fetchone()
             ranked = itertools.chain([first] if first else [], ranked)
             via, used = {}, "lexical"
@@ -8020,7 +8213,7 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
                     ranked, used = _rank_candidates(fused), "hybrid"
             chosen, total = _cap_per_episode(ranked, per_episode, limit)
             info, superseded = _fts_hit_rows(db, chosen)
-            return "fts5", match_mode, used, chosen, total, info, superseded, via
+            return "fts5", match_mode, used, chosen, total, info, superseded, via, counts
         except _SidecarBusy:
             return None
         except sqlite3.DatabaseError as exc:
@@ -8045,7 +8238,7 @@ def _fts_semantic_candidates(db, semantic, filters):
 
 
 def _search_scan(root, terms, excluded, filters, limit, per_episode):
-    scored, superseded = _scan_candidates(root, terms, excluded)
+    scored, superseded, counts = _scan_candidates(root, terms, excluded)
     match_mode = "all"
     accepted = [s for s in scored if filters.accepts(s[1])]
     picked = [s for s in accepted if s[5] == len(terms)]
@@ -8063,7 +8256,7 @@ def _search_scan(root, terms, excluded, filters, limit, per_episode):
                 "ord": ordinal, "section": heading, "chars": chars, "address": ep["path"],
                 "id": ep["stem"], "kind": ep["kind"], "date": ep["date"], "title": ep["title"],
                 "archived": ep["archived"]}
-    return "scan", match_mode, "lexical", chosen, total, info, superseded, {}
+    return "scan", match_mode, "lexical", chosen, total, info, superseded, {}, counts
 
 
 # --- search-bench (verbs.md § 4.9) ----------------------------------------------------------
@@ -8096,7 +8289,8 @@ def _bench_scores(ranks, k):
 
 
 def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=False):
-    """hit@1, hit@k and MRR of search on a labelled query set, per mode and per label."""
+    """hit@1, hit@k and MRR of search on a labelled query set, per mode and per label; an
+    expected `id § Section` is ranked among sections instead of episodes."""
     if not queries:
         raise _usage("--queries FILE is required",
                      "pass a file of query<TAB>expected-id[<TAB>label] lines")
@@ -8113,8 +8307,9 @@ def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=Fal
     for m in (("lexical", "semantic", "hybrid") if mode == "all" else (mode,)):
         ranks, misses, engine, skipped = [], [], None, None
         for query, expected, label in items:
+            ident, _, section = expected.partition(" § ")   # `id § Section`: section level
             try:
-                r = search(root, query, max_results=depth, per_episode=True, mode=m)
+                r = search(root, query, max_results=depth, per_episode=not section, mode=m)
             except ShelfError as exc:
                 if exc.code == "semantic-unavailable":
                     skipped = exc.message
@@ -8124,9 +8319,9 @@ def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=Fal
                                "rank": None, "top": [], "error": exc.message})
                 continue
             engine = r["engine"]
-            ids = [h["id"] for h in r["hits"]]
-            rank = next((i for i, h in enumerate(r["hits"], 1)
-                         if expected in (h["id"], h["address"])), None)
+            ids = [h["id"] + (f" § {h['section']}" if section else "") for h in r["hits"]]
+            rank = next((i for i, h in enumerate(r["hits"], 1) if ident in (h["id"], h["address"])
+                         and section in ("", h["section"])), None)
             ranks.append(rank)
             if not rank or rank > k:
                 misses.append({"query": query, "expected": expected, "label": label,
@@ -8172,7 +8367,7 @@ def _text_search_bench(result):
 _EXTRA_VERB_FACTORIES.append(lambda: _Verb("search-bench", search_bench, [
     _shelf_param(),
     _Param("queries", "string", metavar="FILE",
-           help="query<TAB>expected-id[<TAB>label] per line; # comments."),
+           help="query<TAB>expected-id or id § Section[<TAB>label] per line; # comments."),
     _Param("k", "integer", default=5, minimum=1, maximum=100, help="Cut-off for hit@k."),
     _Param("mode", "string", default="lexical", enum=["lexical", "semantic", "hybrid", "all"],
            help="Which ranking to measure."),
@@ -11237,11 +11432,11 @@ def _format_findings(rec, text, body_start):
             out.append(_finding("frontmatter-not-portable", path, shown,
                                 _with_path(_DOCTOR_CODES["frontmatter-not-portable"][2], path)))
         for key in _REQUIRED_FIELDS:
-            if key not in fields:
+            if fields.get(key) is None:   # absent, empty or null
                 out.append(_finding("frontmatter-missing-field", path,
                                     f"required field {key!r} is missing",
                                     f"add {key}: to the frontmatter"))
-        if "id" in fields and fields["id"] != rec["stem"]:
+        if fields.get("id") is not None and fields["id"] != rec["stem"]:
             shown = fields["id"] if isinstance(fields["id"], str) else "(not a string)"
             out.append(_finding("id-mismatch", path,
                                 f"id {shown!r} differs from the file stem {rec['stem']!r}"))
@@ -15390,7 +15585,8 @@ def _verbs():
             _Param("until", _S, nullable=True, help="Date on/before YYYY-MM-DD."),
             _Param("archive", _S, default="include", enum=["include", "exclude", "only"],
                    help="Archived episodes."),
-            _Param("per_episode", _B, default=False, help="At most one hit per episode."),
+            _Param("per_episode", _I, default=2, minimum=1, nargs="?", metavar="N",
+                   help="Max hits per episode (2)."),
             _Param("mode", _S, default="auto", enum=["auto", "lexical", "semantic", "hybrid"],
                    help="Ranking mode."),
             _Param("reindex", _B, default=False, mcp=False, help="Drop and rebuild the index."),
@@ -15851,12 +16047,16 @@ def _text_recall(result):
 
 
 def _text_search(result):
+    near, fixed = result.get("did_you_mean"), result.get("corrected_query")
     if not result.get("hits"):
-        return f"no hits for {result.get('query', '')!r}"
-    out = []
+        return f"no hits for {result.get('query', '')!r}" + \
+            (f" — did you mean {', '.join(near)}?" if near else "")
+    out = [f"no hits for {result['query']!r}; hits for {fixed!r}:"] if fixed else []
     for h in result["hits"]:
         out.append(f"{h['score']:.2f}  {h['id']} § {h['section']}  ~{h['tokens']} tok  "
                    f"{h.get('snippet', '')}")
+    if near and not fixed:
+        out.append(f"did you mean {', '.join(near)}?")
     return "\n".join(out)
 
 
@@ -16203,6 +16403,7 @@ def _build_parser(only=None):
             conv = {"integer": _cli_int, "number": _cli_number}.get(prm.type, str)
             choices = [e for e in prm.enum if e is not None] if prm.enum else None
             p.add_argument(*prm.flags, type=conv, default=None, choices=choices,
+                           **({"nargs": "?", "const": prm.minimum} if prm.nargs == "?" else {}),
                            metavar=prm.metavar or ("{" + ",".join(choices) + "}" if choices
                                                    else prm.name.upper()), **kw)
         p.add_argument("--json", action="store_true", help="print the result object as JSON")

@@ -30,6 +30,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -75,6 +76,7 @@ CASES = [
     ("shelve-bot", "`shelve`, derived: bot, cold CLI, episode-only commit"),
     ("shelve-script", "`python3 memshelf.py shelve`, derived: auto, script mode (0.4.0: console)"),
     ("retrieval", "lexical hit@5 / MRR per query label"),
+    ("questions", "section hit@1 / hit@5 of bench/questions.tsv on bench/design_docs.py"),
     ("tokens", "token economy (§ 4)"),
 ]
 CASE_NAMES = [c[0] for c in CASES]
@@ -84,7 +86,8 @@ CASE_GROUPS = {
              "doctor-empty", "doctor-warm", "search-build", "search", "shelve-auto",
              "shelve-bot", "shelve-script"],
     "mcp": ["mcp-initialize", "mcp-recall", "mcp-search"],
-    "search": ["search-build", "search", "mcp-search", "search-incremental", "retrieval"],
+    "search": ["search-build", "search", "mcp-search", "search-incremental", "retrieval",
+               "questions"],
     "write": ["shelve-auto", "shelve-bot", "shelve-script"],
 }
 HEAVY = {"rebuild-empty", "doctor-empty", "search-build"}
@@ -781,7 +784,7 @@ class Bench:
                      storage="plain" if a.plain else "git-local")
         episode = pick_episode(base)
         keyword_qs = [q for q, _, label in queries if label == "keyword"] or ["cache"]
-        out = {"shelf": facts, "cases": {}, "tokens": {}, "retrieval": {}}
+        out = {"shelf": facts, "cases": {}, "tokens": {}, "retrieval": {}, "questions": {}}
         ctxs = []
         for impl in self.impls:
             log(f"bench: {n:,} episodes, {impl.label}: copying the shelf ...")
@@ -792,7 +795,7 @@ class Bench:
         # implementations run by run (ours, 0.4.0, ours, ...): a machine whose speed drifts
         # over the seconds of a case slows both alike, and no ratio is skewed by it
         for case in CASE_NAMES:
-            if case not in self.selected or case in ("tokens", "retrieval"):
+            if case not in self.selected or case in ("tokens", "retrieval", "questions"):
                 continue
             rounds = self.repeat_for(case, n) if case in CASE_GROUPS["cold"] else 1
             spent = {ctx["impl"].key: 0.0 for ctx in ctxs}   # seconds each implementation took
@@ -824,6 +827,9 @@ class Bench:
             if "retrieval" in self.selected:
                 log(f"bench: {n:,} {impl.key}: retrieval")
                 out["retrieval"][impl.key] = self.retrieval(ctx)
+            if "questions" in self.selected and not impl.ref:
+                log(f"bench: {n:,} {impl.key}: questions")
+                out["questions"][impl.key] = self.questions(impl)
             if "tokens" in self.selected:
                 log(f"bench: {n:,} {impl.key}: tokens")
                 out["tokens"][impl.key] = self.token_economy(ctx, out["cases"])
@@ -1086,6 +1092,26 @@ print(json.dumps(times))
                           "mrr": round(rr / len(items), 3)}
         return {"status": "ok", "labels": out,
                 "method": "CLI per query" if impl.ref else "memshelf.search() in one process"}
+
+    def questions(self, impl):
+        """`search-bench` of bench/questions.tsv (section level: `id § Section`) on the shelf
+        bench/design_docs.py builds; the same at every size (a small shelf of its own)."""
+        work = tempfile.mkdtemp(prefix="memshelf-questions-")   # outside this repository
+        shelf = os.path.join(work, "shelf")
+        here = os.path.dirname(os.path.abspath(__file__))
+        code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import design_docs,"
+                " memshelf; root = design_docs.build(sys.argv[3], sys.argv[1]); print(json.dumps("
+                "memshelf.search_bench(root, sys.argv[4], k=5)))")
+        res = self.runner.run([PYTHON, "-c", code, self.args.code, here, shelf,
+                               os.path.join(here, "questions.tsv")], impl.env())
+        shutil.rmtree(work, ignore_errors=True)
+        why = failure(res)
+        if why:
+            return {"status": "n/a", "reason": why}
+        (lexical,) = json.loads(res["stdout"].strip().splitlines()[-1])["modes"]
+        return {"status": "ok", "engine": lexical["engine"], "labels": {
+            lb: {"n": v["queries"], "hit@1": v["hit_at_1"], "hit@5": v["hit_at_k"],
+                 "mrr": v["mrr"]} for lb, v in lexical["labels"].items()}}
 
     def _ranked_cli(self, impl, shelf, per_label):
         ranked, env = {}, impl.env()
@@ -1460,6 +1486,15 @@ def markdown(results, targets, check):
                 floor = floors.get(lb)
                 out.append(row + f" {count} |" + cells +
                            (f" hit@5 ≥ {floor:.2f} |" if floor else " reported |"))
+        q = (data.get("questions") or {}).get("ours")
+        if q:
+            out += ["", "### Questions (`search-bench`, bench/questions.tsv, section level)", "",
+                    "| label | queries | hit@1 | hit@5 | MRR |", "|---|---:|---:|---:|---:|"]
+            if q.get("status") != "ok":
+                notes.append(f"questions: {q.get('reason')}")
+            for lb, v in sorted(q.get("labels", {}).items()):
+                out.append(f"| {lb} | {v['n']} | {v['hit@1']:.2f} | {v['hit@5']:.2f} | "
+                           f"{v['mrr']:.2f} |")
         if notes:
             out += ["", "n/a and notes:", ""] + [f"- {n}" for n in notes]
     if check is not None:

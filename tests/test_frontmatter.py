@@ -207,10 +207,22 @@ def test_keys_are_case_sensitive_and_keep_order():
 
 
 @pytest.mark.parametrize("value", ["38000", "true", "1.10", "01234", "10:30", "NO",
-                                   "2026-06-02", "null", "~", "yes", "0x1F", "-1", ".inf"])
+                                   "2026-06-02", "nulls", "~x", "yes", "0x1F", "-1", ".inf"])
 def test_no_implicit_typing(value):
     assert fields_of("k: " + value) == {"k": value}
     assert fields_of("k: [" + value + "]") == {"k": [value]}
+
+
+@pytest.mark.parametrize("value", ["null", "Null", "NULL", "~"])
+def test_yaml_null_is_none(value):
+    # the fast canonical-line path and the grammar agree
+    assert fields_of("layout: " + value) == {"layout": None}
+    assert fields_of("a: 1\nlayout: " + value + "  # comment\nb: [x]") == \
+        {"a": "1", "layout": None, "b": ["x"]}
+    # quoted it is text; a list item stays a string (lists hold strings)
+    assert fields_of('k: "%s"\nl: [%s]\nm:\n  - %s' % (value, value, value)) == \
+        {"k": value, "l": [value], "m": [value]}
+    assert fields_of("k: nULL") == {"k": "nULL"}
 
 
 def test_plain_value_with_colon_space_keeps_the_rest_of_the_line():
@@ -269,10 +281,8 @@ UNSUPPORTED = [
     "a: b\n...",
     "a: b\n... ",
     "a: b\n--- more",
-    "a: |\n  text",
-    "a: >\n  text",
-    "a: |-",
     "|\n  x",
+    "a:\n  - |\n    x",
     "a: {b: c}",
     "a: {}",
     "{a: b}",
@@ -487,7 +497,7 @@ def test_mapping_shaped_value_with_a_tab_has_both_problems():
 
 
 @pytest.mark.parametrize("value", ["007", "1e3", "yes", "Yes", "NO", "on", "off", "y", "n",
-                                   "null", "Null", "~", "2026-01-01", "0x1F", "0o17", "1_000",
+                                   "2026-01-01", "0x1F", "0o17", "1_000",
                                    "+3", "-0", "1.50", ".5", "1.", "10:30", "1:30:00.5",
                                    ".inf", "-.Inf", ".nan", "true", "FALSE", "<<", "=",
                                    "2026-01-01 10:30:00", "2026-01-01T10:30:00Z"])
@@ -736,7 +746,7 @@ def test_writers_agree_with_pyyaml():
 def test_portability_findings_match_pyyaml():
     yaml = pytest.importorskip("yaml")
     for block in ["id: 007", "id: yes", "id: 2026-01-01", "id: 0x1F", "id: 1_000",
-                  "id: null", "id: ~", "title: a: b", "k: [a: b]", "k: x:"]:
+                  "title: a: b", "k: [a: b]", "k: x:"]:
         assert portability(block), block
         try:
             loaded = yaml.safe_load(block)
@@ -757,3 +767,101 @@ def test_control_characters_are_refused_by_the_block_check(value):
     rejected(fm(block[:-1]))
 
 
+# ------------------------------------------------------------------------------------------
+# Block scalars (| and >, chomping - and +) and null, as a YAML loader reads them
+# ------------------------------------------------------------------------------------------
+
+BLOCK_SCALARS = [
+    ("d: |\n  line one\n  line two\n\n  after blank\nk: v", "line one\nline two\n\nafter blank\n"),
+    ("d: |-\n  x\n  y\n\n\nk: v", "x\ny"),
+    ("d: |+\n  x\n  y\n\n\nk: v", "x\ny\n\n\n"),
+    ("d: >\n  folded\n  line\n\n  next\n    more\n  last\nk: v",
+     "folded line\nnext\n  more\nlast\n"),
+    ("d: >-\n  The ops team\n  moved the queue.\nk: v", "The ops team moved the queue."),
+    ("d: >+\n  a\n  b\n\nk: v", "a b\n\n"),
+    ("d: | # a comment\n  # data, not a comment\n    indented\n  back\nk: v",
+     "# data, not a comment\n  indented\nback\n"),
+    ("d: |2\n    two more\n  base\nk: v", "  two more\nbase\n"),
+    ("d: >-1\n  one more\n x\nk: v", " one more\nx"),
+    ("d: |\nk: v", ""),
+    ("d: |\n  tab\there: kept\nk: v", "tab\there: kept\n"),
+]
+
+
+@pytest.mark.parametrize("block,value", BLOCK_SCALARS)
+def test_block_scalars(block, value):
+    assert fields_of(block) == {"d": value, "k": "v"}
+    assert memshelf._parse_frontmatter_detail(fm(block))["portability"] == []
+
+
+def test_block_scalars_agree_with_pyyaml():
+    yaml = pytest.importorskip("yaml")
+    import random
+    rng = random.Random(22)
+    pieces = ["  a", "  b c", "", "    d", "   e", "  \tf", "  g #h", " ", "  k: v"]
+    blocks = [b for b, _ in BLOCK_SCALARS]
+    for _ in range(1500):
+        lines = [rng.choice(pieces) for _ in range(rng.randint(0, 6))]
+        blocks.append("d: " + rng.choice(["|", ">", "|-", ">-", "|+", ">+", "|2", ">-2"]) +
+                      "".join("\n" + line for line in lines) + "\nk: v")
+    for block in blocks:
+        try:
+            want = yaml.safe_load(block)
+        except yaml.YAMLError:
+            continue
+        assert fields_of(block) == want, block
+
+
+@pytest.mark.parametrize("block,error_class", [
+    ("d: |x\n  y", "syntax"), ("d: |-+\n  y", "syntax"), ("d: >0\n  y", "syntax"),
+    ("d: |1 2\n  y", "syntax"), ("d: |\n  x\n\ty", "syntax"),
+    ("d: &a |\n  y", "unsupported_yaml"), ("d: !t |\n  y", "unsupported_yaml"),
+    ("d: |\n  x\n...", "unsupported_yaml"),
+])
+def test_block_scalar_errors(block, error_class):
+    err = rejected(fm("a: 1\n" + block))
+    assert err.error_class == error_class, str(err)
+    assert err.fix
+
+
+def test_block_scalar_episode_through_the_cli(plain_shelf, cli):
+    """index, recall, search and doctor read an episode whose description is a block and
+    whose optional fields are null."""
+    text = ("# 2026-05-01-queue-move\n\n---\nid: 2026-05-01-queue-move\nkind: topic\n"
+            "span: 2026-05-01\ndate: 2026-05-01\ndisplay_title: null\nlayout: ~\n"
+            "description: |\n  The ops team moved the queue to NATS.\n  Second line.\n"
+            "notes: |\n  line a\n  line b\ntags: [queue]\napprox_tokens: 120\n"
+            "approx_tokens_source: estimate\nmode: live\n---\n\n## Digest\n"
+            "The ops team moved the work queue to NATS JetStream. Open: retention.\n\n"
+            "## Decisions\nUse NATS JetStream with file storage.\n")
+    path = plain_shelf / "docs" / "topics" / "2026-05-01-queue-move.md"
+    path.write_text(text, encoding="utf-8")
+    assert cli("rebuild", "--shelf", plain_shelf).code == 0
+    index = cli("index", "--shelf", plain_shelf)
+    assert index.code == 0
+    assert "- 2026-05-01-queue-move — The ops team moved the queue to NATS. Second line.\n" \
+        in index.out
+    recall = cli("recall", "--shelf", plain_shelf, "--id", "2026-05-01-queue-move",
+                 "--section", "Decisions", "--json")
+    assert recall.code == 0 and "file storage" in recall.json()["content"]
+    assert recall.json()["title"] == "2026-05-01-queue-move"        # display_title: null
+    found = cli("search", "--shelf", plain_shelf, "jetstream", "--json")
+    assert found.code == 0 and found.json()["hits"][0]["id"] == "2026-05-01-queue-move"
+    doctor = cli("doctor", "--shelf", plain_shelf, "--json")
+    assert doctor.code == 0, doctor
+    codes = {f["code"] for f in doctor.json()["findings"]}
+    assert not {c for c in codes if c.startswith("frontmatter")}, codes
+    ledger = (plain_shelf / "ledger.tsv").read_text(encoding="utf-8")
+    assert "\tline a line b\n" in ledger        # one ledger row: the breaks collapsed
+
+
+def test_null_id_is_a_missing_id(plain_shelf, cli):
+    path = plain_shelf / "docs" / "topics" / "2026-05-02-null-id.md"
+    path.write_text("---\nid: null\nkind: topic\nspan: 2026-05-02\ntags: []\n"
+                    "approx_tokens: 1\n---\n\n## Digest\nThe ops team wrote it.\n\n"
+                    "## Decisions\nNone.\n", encoding="utf-8")
+    assert parse_frontmatter(path.read_text(encoding="utf-8"))[0]["id"] is None
+    doctor = cli("doctor", "--shelf", plain_shelf, "--json")
+    found = [f for f in doctor.json()["findings"] if f.get("path", "").endswith("null-id.md")]
+    assert any(f["code"] == "frontmatter-missing-field" and "id" in f["detail"]
+               for f in found), found
