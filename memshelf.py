@@ -3274,12 +3274,56 @@ def _map_back(pos, moves):
     return old_s if pos < new_e else old_e + (pos - new_e)
 
 
-def _run(text, rules, disable, legacy_compat, rewrite):
-    """(redacted text or None, [(start, end, kind)] in original coordinates, the scan)."""
+def _detect(text, rules, disable):
     if not isinstance(text, str):
         raise TypeError("redaction works on str")
     sc = _Scan(text, frozenset(disable or ()))
-    spans = _select(sc, rules)
+    return sc, _select(sc, rules)
+
+
+def _taint_values(text, spans, into):
+    """The detected values worth masking wherever they recur: 8+ characters, and not a lone
+    short word (a password `postgres` must not mask every mention of the database)."""
+    for start, end, kind in spans:
+        value = text[start:end]
+        if len(value) >= 8 and (len(value) >= 12 or not value.isalpha()):
+            into.setdefault(value, kind)
+    return into
+
+
+def _tainted(text, spans, values):
+    """spans plus every other occurrence of a detected value (the taint pass): a secret found
+    once by its context is masked at each bare repetition too, inside a word only when the
+    value itself is not word-shaped at that end."""
+    if not values:
+        return spans
+    taken = _Taken()
+    for start, end, _kind in spans:
+        taken.add(start, end)
+    if _MASK_PREFIX in text:
+        for m in _MASK_RE.finditer(text):
+            if taken.free(m.start(), m.end()):
+                taken.add(m.start(), m.end())
+    extra = []
+    for value in sorted(values, key=len, reverse=True):
+        at = text.find(value)
+        while at >= 0:
+            end = at + len(value)
+            left, right = text[at - 1:at] if at else "", text[end:end + 1]
+            glued = (value[0].isalnum() and (left.isalnum() or left == "_")) or \
+                (value[-1].isalnum() and (right.isalnum() or right == "_"))
+            if not glued and taken.free(at, end):
+                taken.add(at, end)
+                extra.append((at, end, values[value]))
+            at = text.find(value, at + 1)
+    return sorted(spans + extra) if extra else spans
+
+
+def _run(text, rules, disable, legacy_compat, rewrite, found=None, values=None):
+    """(redacted text or None, [(start, end, kind)] in original coordinates, the scan);
+    `found` is _detect's answer when the caller has it, `values` the taint of other parts."""
+    sc, spans = found or _detect(text, rules, disable)
+    spans = _tainted(text, spans, _taint_values(text, spans, dict(values or {})))
     out = None
     if rewrite or legacy_compat:
         out, moves = _rewrite(text, spans) if spans else (text, [])
@@ -3333,6 +3377,25 @@ def find_secrets(text, rules=None, *, disable=(), legacy_compat=False):
     _out, spans, sc = _run(text, rules, disable, legacy_compat, False)
     return [{"kind": kind, "line": sc.line_of(start), "start": start, "end": end}
             for start, end, kind in spans]
+
+
+def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False):
+    """Redact the parts of one episode together: [(part, text or None)] -> ([text or None],
+    merged report). A value detected in any part is masked in every part (the taint pass)."""
+    found = [None if t is None else _detect(t, rules, disable) for _p, t in parts]
+    values = {}
+    for (_part, text), hit in zip(parts, found):
+        if hit:
+            _taint_values(text, hit[1], values)
+    outs, reports = [], []
+    for (part, text), hit in zip(parts, found):
+        if text is None:
+            outs.append(None)
+            continue
+        out, spans, sc = _run(text, rules, disable, legacy_compat, True, hit, values)
+        outs.append(out)
+        reports.append(_report([(kind, sc.line_of(s)) for s, _e, kind in spans], part))
+    return outs, merge_redaction_reports(reports)
 
 
 def merge_redaction_reports(reports):
@@ -6014,20 +6077,14 @@ def _shelve_locked(root, a):
     rules, problems = _shelf_policy(root)
     for p in problems:
         warnings.append(f"POLICY.patterns: line {p['line']}: {p['reason']}")
-    switches = _redaction_switches(root)
-    reports = []
-
-    def clean(text, part):
-        if text is None:
-            return None
-        out, rep = redact(text, rules, part=part, **switches)
-        reports.append(rep)
-        return out
-    digest = clean(a["digest"], "digest")
-    sections = [(n, clean(t, f"section:{n}")) for n, t in a["section_list"]]
-    free = {k: clean(a[k], k) for k in ("display_title", "description", "notes", "session",
-                                          "agent", "model")}
-    redaction = merge_redaction_reports(reports)
+    fields = ("display_title", "description", "notes", "session", "agent", "model")
+    outs, redaction = redact_parts([("digest", a["digest"])] +
+                                   [(f"section:{n}", t) for n, t in a["section_list"]] +
+                                   [(k, a[k]) for k in fields], rules,
+                                   **_redaction_switches(root))
+    digest = outs[0]
+    sections = [(n, t) for (n, _), t in zip(a["section_list"], outs[1:])]
+    free = dict(zip(fields, outs[-len(fields):]))
     # 6. the digest contract
     digest, demoted = _demote_headings(digest.strip())
     report = validate_digest(digest, patterns=rules, strict=a["strict"])
@@ -9979,22 +10036,18 @@ def _rollup_locked(root, a):
     rules, problems = _shelf_policy(root)
     for p in problems:
         warnings.append(f"POLICY.patterns: line {p['line']}: {p['reason']}")
-    switches = _redaction_switches(root)
-    reports = []
-
-    def clean(text, part):
-        out, rep = redact(text, rules, part=part, **switches)
-        reports.append(rep)
-        return out
-    digest, demoted = _demote_headings(clean(a["digest"], "digest").strip())
+    outs, redaction = redact_parts([("digest", a["digest"])] +
+                                   [(f"section:{n}", b) for n, b in a["sections"]] +
+                                   [("display_title", a["display_title"] or None)], rules,
+                                   **_redaction_switches(root))
+    digest, demoted = _demote_headings(outs[0].strip())
     sections = []
-    for name, body in a["sections"]:
-        body, n = _demote_headings(clean(body, f"section:{name}").strip())
+    for (name, _), body in zip(a["sections"], outs[1:]):
+        body, n = _demote_headings(body.strip())
         demoted += n
         if body:
             sections.append((name, body))
-    title = clean(a["display_title"], "display_title") if a["display_title"] else None
-    redaction = merge_redaction_reports(reports)
+    title = outs[-1]
     if demoted:
         warnings.append(f"{demoted} '## ' line(s) inside bodies were demoted to '### ' so the "
                         "section structure stays as written")
@@ -10681,14 +10734,13 @@ def _redact_transcript(conv, enabled):
     """Mask credentials in the title and every message; returns the merged report."""
     if not enabled:
         return None
-    reports = []
-    title, rep = redact(conv["title"] or "", part="title")
-    reports.append(rep)
-    conv["title"] = title
-    for n, msg in enumerate(conv["messages"], 1):
-        msg["text"], rep = redact(msg["text"], part=f"message:{n}")
-        reports.append(rep)
-    return merge_redaction_reports(reports)
+    outs, report = redact_parts([("title", conv["title"] or "")] +
+                                [(f"message:{n}", m["text"]) for n, m in
+                                 enumerate(conv["messages"], 1)])
+    conv["title"] = outs[0]
+    for msg, text in zip(conv["messages"], outs[1:]):
+        msg["text"] = text
+    return report
 
 
 def _import_output_path(out, conv):

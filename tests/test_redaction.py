@@ -3,6 +3,7 @@ secret, precedence and the quote rule, the report, POLICY.patterns, the per-shel
 and memshelf-mcp 0.4.0 compatibility (shelf-format.md § 13)."""
 
 import base64
+import os
 import random
 import re
 import string
@@ -951,3 +952,51 @@ def test_prefilters_read_keywords_in_any_case():
     }
     for text, kind in cases.items():
         assert [h["kind"] for h in find_secrets(text)] == ([kind] if kind else []), text
+
+
+# ------------------------------------------------------------------------------------------
+# Taint: a value found once is masked at every occurrence, in every part
+# ------------------------------------------------------------------------------------------
+
+def test_repeated_secret_masked_in_every_part_of_a_shelved_episode(shelf, cli):
+    value = rand(ALNUM, 24)
+    r = cli("shelve", "--shelf", shelf, "--slug", "2026-07-22-token-leak", "--kind", "topic",
+                "--digest", f"Dana rotated the API token {value} after the leak. Open: audit.",
+                "--section", f"Decisions=export API_TOKEN={value}\nlater the log printed {value}",
+                "--section", f"Notes=old value {value}.", "--description", f"Token {value} rotated",
+                "--notes", f"was {value}", "--display-title", f"Leak of {value}",
+                "--session", f"s-{value}", "--json")
+    assert r.code == 0, r
+    assert r.json()["redaction"]["counts"] == {"env-secret": 8}
+    text = (shelf / "docs" / "topics" / "2026-07-22-token-leak.md").read_text()
+    assert value not in text and text.count("«redacted:env-secret»") == 8
+    for root, _dirs, files in os.walk(shelf):
+        for name in files if ".git" not in root else ():
+            with open(os.path.join(root, name), errors="replace") as f:
+                assert value not in f.read(), name
+
+
+def test_taint_in_redact_find_secrets_and_policy_rules():
+    value = "Zt9" + rand(ALNUM, 17)
+    text = f"DB_PASSWORD='{value}'\nthe log said {value}; retry with ({value})\n"
+    out, report = redact(text)
+    assert value not in out and report["counts"] == {"env-secret": 3}
+    assert [f["line"] for f in find_secrets(text)] == [1, 2, 2]
+    # inside a longer word it is another value; a lone short word is never tainted
+    assert redact(f"password={value}\nx{value}y\n")[0] == f"password=«redacted:env-secret»\nx{value}y\n"
+    assert redact("https://u:postgres@db.acme.io/x\npostgres is up\n")[0] == \
+        "https://u:«redacted:connection-string»@db.acme.io/x\npostgres is up\n"
+    rules, _ = load_policy_patterns("ticket (?<=ticket: )[A-Z0-9]{10}\n")
+    out, report = redact("ticket: AB12CD34EF\nagain AB12CD34EF\n", rules)
+    assert out == "ticket: «redacted:ticket»\nagain «redacted:ticket»\n"
+
+
+def test_redact_parts_share_the_taint():
+    value = rand(ALNUM, 20) + "7"
+    outs, report = memshelf.redact_parts([("digest", f"saw {value}"), ("notes", None),
+                                         ("section:Raw", f"export SECRET_KEY={value}\n")])
+    assert outs == ["saw «redacted:env-secret»", None, "export SECRET_KEY=«redacted:env-secret»\n"]
+    assert report["hits"] == [{"kind": "env-secret", "part": "digest", "line": 1},
+                              {"kind": "env-secret", "part": "section:Raw", "line": 1}]
+    # idempotent as a whole
+    assert memshelf.redact_parts([("a", o) for o in outs if o])[1]["total"] == 0
