@@ -26,6 +26,7 @@ __version__ = "0.5.0"
 import collections
 import functools
 import json
+import math
 import operator
 import os
 import re
@@ -1852,12 +1853,13 @@ import bisect
 REDACTION_KINDS = (
     "aws-access-key", "aws-secret-key", "gcp-api-key", "gcp-oauth-secret",
     "azure-client-secret", "azure-storage-key", "azure-sas", "digitalocean-token",
-    "alibaba-access-key", "heroku-api-key", "databricks-token",
+    "alibaba-access-key", "heroku-api-key", "databricks-token", "aws-api-key",
     "github-token", "gitlab-token", "bitbucket-token", "atlassian-token",
     "npm-token", "pypi-token", "docker-token", "artifactory-token",
     "sonar-token", "vault-token", "terraform-token", "doppler-token", "pulumi-token",
     "postman-key", "grafana-token", "sentry-token", "newrelic-key", "dynatrace-token",
-    "linear-key", "notion-token",
+    "linear-key", "notion-token", "sourcegraph-token", "onepassword-key", "flyio-token",
+    "saas-token", "facebook-token",
     "slack-token", "slack-webhook", "discord-token", "discord-webhook", "telegram-token",
     "twilio-key", "sendgrid-key", "mailgun-key", "mailchimp-key",
     "stripe-key", "square-token", "shopify-token", "braintree-token",
@@ -1930,13 +1932,18 @@ _TOKEN_TABLE = (
     ("alibaba-access-key", ("LTAI",), (0,), r"LTAI[A-Za-z0-9]{12,20}(?![A-Za-z0-9_])"),
     ("heroku-api-key", ("HRKU-AA",), (0,), r"HRKU-AA[0-9A-Za-z_-]{58}(?![0-9A-Za-z_-])"),
     ("databricks-token", ("dapi",), (0,), r"dapi[a-f0-9]{32}(?:-[0-9])?(?![A-Za-z0-9_])"),
+    ("aws-api-key", ("da2-",), (0,), r"da2-[a-z0-9]{26}(?![A-Za-z0-9_])"),   # AppSync
+    ("aws-api-key", ("ABSK", "bedrock-api-key-"), (0,),   # Bedrock, long- and short-lived
+     r"(?:ABSK[A-Za-z0-9+/]{109,269}={0,2}|bedrock-api-key-YmVkcm9jay5hbWF6b25hd3MuY29t"
+     r"[A-Za-z0-9+/%=_-]{20,4000})(?![A-Za-z0-9+/=_-])"),
     ("github-token", ("ghp_", "gho_", "ghu_", "ghs_", "ghr_"), (0,),
      r"gh[pousr]_[A-Za-z0-9]{36,255}(?![A-Za-z0-9_])"),
     ("github-token", ("github_pat_",), (0,), r"github_pat_[A-Za-z0-9_]{80,255}(?![A-Za-z0-9_])"),
     ("gitlab-token",
-     ("glpat-", "glptt-", "gldt-", "glrt-", "glcbt-", "glimt-", "gloas-", "glft-", "glsoat-"),
+     ("glpat-", "glptt-", "gldt-", "glrt-", "glcbt-", "glimt-", "gloas-", "glft-", "glsoat-",
+      "glagent-", "glffct-"),
      (0,),
-     r"gl(?:pat|ptt|dt|rt|cbt|imt|oas|ft|soat)-[0-9A-Za-z_.-]{19,400}[0-9A-Za-z_-]"
+     r"gl(?:pat|ptt|dt|rt|cbt|imt|oas|ft|soat|agent|ffct)-[0-9A-Za-z_.-]{19,400}[0-9A-Za-z_-]"
      r"(?![0-9A-Za-z_-]|\.[0-9A-Za-z_-])"),
     ("bitbucket-token", ("ATBB",), (0,),
      r"ATBB[A-Za-z0-9_=.-]{31,400}[A-Za-z0-9_=-](?![A-Za-z0-9_=-]|\.[A-Za-z0-9_=-])"),
@@ -1963,6 +1970,34 @@ _TOKEN_TABLE = (
     ("dynatrace-token", ("dt0c01.",), (0,),
      r"dt0c01\.[A-Z0-9]{24}\.[A-Z0-9]{64}(?![A-Za-z0-9_])"),
     ("linear-key", ("lin_api_",), (0,), r"lin_api_[A-Za-z0-9]{40}(?![A-Za-z0-9_])"),
+    ("sourcegraph-token", ("sgp_",), (0,),
+     r"sgp_(?:[a-fA-F0-9]{16}_|local_)?[a-fA-F0-9]{40}(?![A-Za-z0-9_])"),
+    ("onepassword-key", ("A3-",), (0,), r"A3-[A-Z0-9]{6}-(?:[A-Z0-9]{11}|[A-Z0-9]{6}-[A-Z0-9]{5})"
+     r"(?:-[A-Z0-9]{5}){3}(?![A-Za-z0-9_])"),
+    ("onepassword-key", ("ops_eyJ",), (0,), r"ops_eyJ[A-Za-z0-9+/]{250,5000}={0,3}(?![A-Za-z0-9+/=])"),
+    ("flyio-token", ("fo1_", "fm1a_", "fm1r_", "fm2_"), (0,),
+     r"(?:fo1_[A-Za-z0-9_-]{43}|fm[12][ar]?_[A-Za-z0-9+/]{100,5000}={0,3})(?![A-Za-z0-9+/=_-])"),
+    # The long tail of prefixed service tokens, one format each (prefix, alphabet, length).
+    ("saas-token", ("pscale_tkn_", "pscale_pw_", "pscale_oauth_"), (0,),
+     r"pscale_(?:tkn|pw|oauth)_[A-Za-z0-9_=.-]{32,64}(?![A-Za-z0-9_=.-])"),
+    ("saas-token", ("pnu_",), (0,), r"pnu_[A-Za-z0-9]{36}(?![A-Za-z0-9_])"),
+    ("saas-token", ("rdme_",), (0,), r"rdme_[a-z0-9]{70}(?![A-Za-z0-9_])"),
+    ("saas-token", ("rubygems_",), (0,), r"rubygems_[a-f0-9]{48}(?![A-Za-z0-9_])"),
+    ("saas-token", ("shippo_live_", "shippo_test_"), (0,),
+     r"shippo_(?:live|test)_[a-fA-F0-9]{40}(?![A-Za-z0-9_])"),
+    ("saas-token", ("xkeysib-",), (0,), r"xkeysib-[a-f0-9]{64}-[A-Za-z0-9]{16}(?![A-Za-z0-9_])"),
+    ("saas-token", ("ico-",), (0,), r"ico-[A-Za-z0-9]{32}(?![A-Za-z0-9_])"),
+    ("saas-token", ("EZAK", "EZTK"), (0,), r"EZ[AT]K[A-Za-z0-9]{54}(?![A-Za-z0-9_])"),
+    ("saas-token", ("fio-u-",), (0,), r"fio-u-[A-Za-z0-9_=-]{64}(?![A-Za-z0-9_=-])"),
+    ("saas-token", ("sha256~",), (0,), r"sha256~[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"),
+    ("saas-token", ("tk-us-",), (0,), r"tk-us-[A-Za-z0-9_-]{48}(?![A-Za-z0-9_-])"),
+    ("saas-token", ("tfp_",), (0,), r"tfp_[A-Za-z0-9_.=-]{59}(?![A-Za-z0-9_.=-])"),
+    ("saas-token", ("duffel_live_", "duffel_test_"), (0,),
+     r"duffel_(?:live|test)_[A-Za-z0-9_=-]{43}(?![A-Za-z0-9_=-])"),
+    ("saas-token", ("CLOJARS_",), (0,), r"CLOJARS_[A-Za-z0-9]{60}(?![A-Za-z0-9_])"),
+    ("saas-token", ("_mmk",), (36,), r"[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk(?![A-Za-z0-9_])"),
+    ("saas-token", ("v1.0-",), (0,), r"v1\.0-[a-f0-9]{24}-[a-f0-9]{146}(?![A-Za-z0-9_])"),
+    ("saas-token", ("api_org_",), (0,), r"api_org_[A-Za-z]{34}(?![A-Za-z0-9_])"),
     ("notion-token", ("secret_",), (0,), r"secret_[A-Za-z0-9]{43}(?![A-Za-z0-9_])"),
     ("notion-token", ("ntn_",), (0,), r"ntn_[0-9]{11}[A-Za-z0-9]{32,35}(?![A-Za-z0-9_])"),
     ("slack-token", ("xoxa-", "xoxb-", "xoxp-", "xoxo-", "xoxs-", "xoxr-", "xoxe-"), (0,),
@@ -1975,12 +2010,13 @@ _TOKEN_TABLE = (
      r"SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"),
     ("mailgun-key", ("key-",), (0,), r"key-[0-9a-f]{32}(?![A-Za-z0-9_])"),
     ("mailchimp-key", ("-us",), (32,), r"[0-9a-f]{32}-us[0-9]{1,2}(?![A-Za-z0-9_])"),
-    ("stripe-key", ("sk_live_", "sk_test_", "rk_live_", "rk_test_"), (0,),
-     r"[sr]k_(?:live|test)_[A-Za-z0-9]{10,99}(?![A-Za-z0-9_])"),
+    ("stripe-key", ("sk_live_", "sk_test_", "sk_prod_", "rk_live_", "rk_test_", "rk_prod_"), (0,),
+     r"[sr]k_(?:live|test|prod)_[A-Za-z0-9]{10,99}(?![A-Za-z0-9_])"),
     ("stripe-key", ("whsec_",), (0,), r"whsec_[A-Za-z0-9+/=]{32,200}(?![A-Za-z0-9_+/=])"),
     ("square-token", ("sq0atp-", "sq0csp-"), (0,),
      r"sq0(?:atp|csp)-[0-9A-Za-z_-]{22,60}(?![0-9A-Za-z_-])"),
     ("square-token", ("EAAA",), (0,), r"EAAA[0-9A-Za-z_-]{60}(?![0-9A-Za-z_-])"),
+    ("facebook-token", ("EAAC", "EAAM"), (0,), r"EAA[CM][A-Za-z0-9]{100,1000}(?![A-Za-z0-9_])"),
     ("shopify-token", ("shpat_", "shpca_", "shppa_", "shpss_"), (0,),
      r"shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}(?![A-Za-z0-9_])"),
     ("braintree-token", ("access_token$production$",), (0,),
@@ -2041,6 +2077,16 @@ _TRIVIAL_VALUES = frozenset((
     "no", "on", "off", "undefined",
 ))
 _MASK_CHARS = frozenset("*xX•.-_#0…")
+# Words of examples and docs: `password=secret123`, `-u test:test`, `token=foobar1`.
+_DICTIONARY_RE = _re_lazy(r"(?:my|the|some)?(?:pass(?:word|wd)?|secret|token|test(?:ing)?|demo|"
+                          r"sample|foo|bar|baz|foobar|qwerty|letmein|changeit|hello|world|"
+                          r"abc|abcdef|user(?:name)?|apikey|key|value|string|xxx|yyy|zzz)"
+                          r"[-_]?(?:[0-9]{1,4}|!+)?\Z")
+# A format string or template slot in a value: "%s" % x, "{}".format, {{ var }}, $VAR.
+_TEMPLATE_SLOT_RE = _re_lazy(r"%(?:\([A-Za-z_]\w*\))?[-+ #0-9.]*[sdrfx]|\{[A-Za-z0-9_.]*\}|"
+                             r"\$\{[A-Za-z_]")
+_RUNS = "0123456789012345678901234567890abcdefghijklmnopqrstuvwxyz"
+_CAMEL_WORDS_RE = _re_lazy(r"[a-z]+(?:[A-Z][a-z]+){2,}\Z")
 _CODE_CALL_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)*\s*[(\[]")
 _CODE_PATH_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+\Z")
 _PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11})*[-_.]"
@@ -2052,10 +2098,19 @@ _KEYCH = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234567
 
 # Key words of the assignment rule (§ 3.3); found first, the key is then grown around them.
 _KEY_LEADS = (("pass", ""), ("pwd", ""), ("secret", ""), ("token", ""), ("credential", ""),
-              ("api", r"[-_.]?key"), ("access", r"[-_.]?key"), ("private", r"[-_.]?key"),
+              ("api", ""), ("access", ""), ("private", r"[-_.]?key"), ("key", ""), ("auth", ""),
+              ("sid", ""), ("creds", ""),
               ("session", r"[-_.]?key"), ("signing", r"[-_.]?key"),
               ("encryption", r"[-_.]?key"), ("master", r"[-_.]?key"))
-_KEY_GATES = ("pass", "pwd", "secret", "token", "credential", "key")
+_KEY_GATES = ("pass", "pwd", "secret", "token", "credential", "key", "api", "access", "auth",
+              "sid", "creds")
+# Rule (a), the generic credential rule: a key with one of these segments (algolia_key,
+# DATADOG_API, twilio_auth, sumo_access_id) holds a secret only when its value is high-entropy.
+_WEAK_KEYS = frozenset(("key", "keys", "api", "auth", "sid", "creds", "access"))
+_WEAK_NOT = frozenset(("public", "pub", "publishable", "cache", "sha", "hash", "checksum",
+                       "commit", "etag", "fingerprint", "idempotency", "partition", "sort",
+                       "primary", "foreign", "object", "lookup", "ssh", "gpg", "pgp"))
+_WORDY_RE = _re_lazy(r"(?:[_.-]?(?:[A-Z]?[a-z]{2,}|[A-Z]{2,5}|[0-9]{1,4}))+\Z")
 _KEY_WORDS = ("password", "passwd", "passphrase", "secret", "token", "credential", "pwd")
 _KEY_PLURALS = ("passwords", "credentials", "secrets")
 _KEY_COMPOUNDS = ("apikey", "accesskey", "privatekey", "sessionkey", "signingkey",
@@ -2079,7 +2134,7 @@ _CONFIG_FENCES = frozenset((
     "props", "json", "jsonc", "json5", "hcl", "tf", "tfvars", "k8s", "kubernetes", "helm",
     "compose", "docker-compose", "neon",
 ))
-_TOKENISH_RE = _re_lazy(r"(?=[^\n]*[A-Za-z])(?=[^\n]*[0-9])[A-Za-z0-9+/=_.~-]{16,}\Z")
+_TOKENISH_RE = _re_lazy(r"(?=[^\n]*[A-Za-z])(?=[^\n]*[0-9])[A-Za-z0-9+/=_.~-]{14,}\Z")
 
 
 class _Shapes:
@@ -2118,6 +2173,9 @@ class _Shapes:
         self.basic = c(r"(?i)basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})"
                        r"(?![A-Za-z0-9+/=])")
         self.header_name = c(r"(?i)" + "|".join(_HEADER_SUFFIXES))
+        self.authorization = c(r"(?i)authorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:(basic|token|"
+                               r"api-?key|sso-key|key)[ \t]+)?([A-Za-z0-9._~+/=-]{16,4096})"
+                               r"(?![A-Za-z0-9._~+/=-])")
         self.header_rest = c(r"[ \t]*:[ \t]*(\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'"
                              r"|[^\s\"',;]{1,1024})")
         self.cookie = c(r"(?i)(set-)?cookie[\"']?[ \t]*:[ \t]*[\"']?")
@@ -2139,7 +2197,7 @@ class _Shapes:
                           r"auth-token|access-token|secret|client-secret)(?![\w-])(=|[ \t]+)"
                           + value)
         self.cli_user = c(r"(?<![\w-])(?:curl|wget|http)(?![\w-])[^\n|;&]{0,300}?[ \t]"
-                          r"(?:-u|--user)[ \t]+[\"']?([^\s:\"']{1,128}):([^\s\"'@]{1,512})")
+                          r"(?:-u|--user)[ \t]+[\"']?([^\s:\"'<${]{1,128}):([^\s\"']{1,512})")
         self.npm_auth = c(r"(?i)_authToken[ \t]*=[ \t]*(\S{1,1024})")
         self.docker_auth = c(r"\"auth\"[ \t]*:[ \t]*\"([A-Za-z0-9+/]{8,4096}={0,2})\"")
         self.k8s_kind = c(r"(?m)^[ \t]*kind:[ \t]*[\"']?Secret[\"']?[ \t]*$")
@@ -2292,7 +2350,8 @@ def _is_placeholder(value):
     if not value or _MASK_PREFIX in value:
         return True
     low = value.lower()
-    if low in _TRIVIAL_VALUES or all(ch in _MASK_CHARS for ch in value):
+    if low in _TRIVIAL_VALUES or all(ch in _MASK_CHARS for ch in value) or \
+            len(set(low)) == 1 or _DICTIONARY_RE.match(low) or _TEMPLATE_SLOT_RE.search(value):
         return True
     if any(word in low for word in _PLACEHOLDER_WORDS):
         return True
@@ -2314,10 +2373,13 @@ def _is_placeholder(value):
 
 
 def _is_repeated_body(value, anchor):
-    """A prefixed token whose body is one repeated character (ghp_xxxx…) is a placeholder."""
+    """A prefixed token whose body is one repeated character (ghp_xxxx…), a run of sequential
+    digits or letters (xoxp-1234567890, xoxb-abcdef-abcdef) is a placeholder, and one that
+    reads as camelCase words (hf_requiredCharacteristicTypes…) is an identifier."""
     body = value[len(anchor):] if value.startswith(anchor) else value
     longest = max(re.split(r"[-_.$]", body), key=len) if body else ""
-    return len(set(longest)) <= 1
+    return len(set(longest)) <= 1 or longest.lower() in _RUNS or \
+        _CAMEL_WORDS_RE.match(body) is not None
 
 
 # --- tier 1: prefixed tokens --------------------------------------------------------------
@@ -2594,6 +2656,11 @@ def _header_spans(sc):
             pair = _decode_user_password(m.group(1))
             if pair and not _is_placeholder(pair[1]):
                 out.append((m.start(1), m.end(1), "basic-auth"))
+    if "authorization" in words and "api-key-header" not in dis:
+        for m in _matches_at(sc, ("authorization",), shapes.authorization):
+            if _high_entropy(m.group(2)) and not _is_header_placeholder(m.group(2)):
+                kind = "basic-auth" if (m.group(1) or "").lower() == "basic" else "api-key-header"
+                out.append((m.start(2), m.end(2), kind))
     if "api-key-header" not in dis and any(w in words for w in _HEADER_SUFFIXES):
         out.extend(_api_key_header_spans(sc))
     if "cookie" in words and "session-cookie" not in dis:
@@ -2832,6 +2899,11 @@ def _key_info(key):
             hit = i
         elif seg in ("key", "keys") and i and segs[i - 1] in _KEY_PAIR_HEADS:
             hit = i
+    weak = hit < 0 and not _WEAK_NOT.intersection(segs)
+    if weak:
+        hit = max((i for i, seg in enumerate(segs) if seg in _WEAK_KEYS), default=-1)
+        if segs[hit:hit + 2] == ["access", "id"]:
+            hit += 1   # Sumo Logic, Alibaba: the access id is half of the credential
     info = None
     if hit >= 0 and not any(seg in _KEY_META for seg in segs[hit + 1:]) and \
             key.lower() not in _SHELL_PWD_KEYS:
@@ -2841,7 +2913,7 @@ def _key_info(key):
         joined = "".join(segs)
         aws = ("aws" in segs or joined.startswith("aws")) and "secret" in joined or \
             "secretaccesskey" in joined
-        info = (password, aws)
+        info = (password and not weak, aws, len(segs) if weak else 0)
     if len(_key_cache) > 4096:
         _key_cache.clear()
     _key_cache[key] = info
@@ -2903,8 +2975,9 @@ def _assignment_spans(sc, taken):
         if op in (":", "=>") and not (quoted or key_quoted or sc.in_config_fence(ks)):
             # Prose such as "Password: reset flow decided" is no assignment; a lone
             # token-shaped value ending its line still is.
-            if op == "=>" or not _ends_line(text, ve) or \
-                    not (_TOKENISH_RE.match(value) or (info[1] and _is_aws_secret(value))):
+            if op == "=>" or not _ends_line(text, ve) or info[2] == 1 or \
+                    not ((len(value) >= 16 and _TOKENISH_RE.match(value)) or
+                         (info[1] and _is_aws_secret(value))):
                 continue
         if key_quoted and not quoted and re.fullmatch(r"[a-z_][a-z_]*", value):
             continue   # {'password': pw} passes a variable; JSON would quote a literal
@@ -3064,8 +3137,19 @@ def _balanced_end(text, start):
     return start
 
 
+def _high_entropy(value):
+    """A random-looking token: 14+ token characters with letters and digits, not made of words
+    (snake_case, camelCase, dotted names), and 3.0+ bits of Shannon entropy a character (the
+    threshold bench/redaction.py measures against hashes, identifiers and prose)."""
+    if not _TOKENISH_RE.match(value) or _WORDY_RE.match(value):
+        return False
+    n = len(value)
+    counts = {ch: value.count(ch) for ch in set(value)}
+    return -sum(c / n * math.log2(c / n) for c in counts.values()) >= 3.0
+
+
 def _not_a_secret(value, info, key):
-    if _is_placeholder(value):
+    if _is_placeholder(value) or (info[2] and not _high_entropy(value)):
         return True
     low = value.lower()
     if re.fullmatch(r"[0-9]{1,12}(?:\.[0-9]+)?", value) and not info[0]:

@@ -241,7 +241,7 @@ def _corpus():
     add("telegram-token", "url", f"GET https://api.telegram.org/bot{v}/getUpdates\n", [v], ["getUpdates"])
     v = "SK" + rand(HEX, 32)
     add("twilio-key", "env", f"TWILIO_API_KEY={v}\nTWILIO_ACCOUNT_SID=AC{rand(HEX, 32)}\n", [v],
-        ["TWILIO_ACCOUNT_SID=AC"])
+        ["TWILIO_ACCOUNT_SID="])
     v = "SK" + rand(HEX, 32)
     add("twilio-key", "code", f'client = Client("{v}", api_secret, account_sid)\n', [v], ["api_secret"])
     v = rand(HEX, 32)
@@ -421,6 +421,31 @@ def _corpus():
     v = rand(ALNUM + "/+", 40)
     add("aws-secret-key", "shell", f"aws configure set aws_secret_access_key {v}\n", [v],
         ["aws configure set aws_secret_access_key "])
+    v = "da2-" + rand(LOWER + DIGITS, 26)
+    add("aws-api-key", "json", '{"aws_appsync_apiKey": "%s"}\n' % v, [v], ["aws_appsync_apiKey"])
+    v = "ABSK" + rand(B64, 128)
+    add("aws-api-key", "prose", f"Bedrock key {v} was revoked.\n", [v], ["Bedrock key"])
+    v = "sgp_" + rand(HEX, 16) + "_" + rand(HEX, 40)
+    add("sourcegraph-token", "shell", f"export SRC_ACCESS_TOKEN={v}\n", [v], ["SRC_ACCESS_TOKEN"])
+    v = "sgp_" + rand(HEX, 40)
+    add("sourcegraph-token", "http", f"src search -token {v} 'repo:x'\n", [v], ["src search"])
+    v = "A3-" + "-".join(rand(UPPER + DIGITS, n) for n in (6, 11, 5, 5, 5))
+    add("onepassword-key", "prose", f"The emergency kit lists {v} as the secret key.\n", [v])
+    v = "A3-" + "-".join(rand(UPPER + DIGITS, n) for n in (6, 6, 5, 5, 5, 5))
+    add("onepassword-key", "yaml", f"```yaml\nop:\n  key: {v}\n```\n", [v], ["op:"])
+    v = "fm2_" + rand(B64, 140)
+    add("flyio-token", "shell", f"flyctl deploy --access-token {v}\n", [v], ["flyctl deploy"])
+    v = "fo1_" + rand(URLSAFE, 43)
+    add("flyio-token", "env", f"FLY_API_TOKEN={v}\n", [v], ["FLY_API_TOKEN="])
+    v = "pscale_tkn_" + rand(ALNUM, 43)
+    add("saas-token", "env", f"PLANETSCALE_TOKEN={v}\n", [v], ["PLANETSCALE_TOKEN="])
+    v = "rubygems_" + rand(HEX, 48)
+    add("saas-token", "prose", f"gem push used {v} from ~/.gem/credentials.\n", [v], ["gem push"])
+    v = "EAAC" + rand(ALNUM, 150)
+    add("facebook-token", "url", f"GET https://graph.facebook.com/me?access_token={v}\n", [v],
+        ["graph.facebook.com"])
+    v = "EAAM" + rand(ALNUM, 120)
+    add("facebook-token", "log", f"page token {v} expired\n", [v], ["expired"])
     return s
 
 
