@@ -2110,7 +2110,9 @@ _WEAK_KEYS = frozenset(("key", "keys", "api", "auth", "sid", "creds", "access"))
 _WEAK_NOT = frozenset(("public", "pub", "publishable", "cache", "sha", "hash", "checksum",
                        "commit", "etag", "fingerprint", "idempotency", "partition", "sort",
                        "primary", "foreign", "object", "lookup", "ssh", "gpg", "pgp"))
-_WORDY_RE = _re_lazy(r"(?:[_.-]?(?:[A-Z]?[a-z]{2,}|[A-Z]{2,5}|[0-9]{1,4}))+\Z")
+# Word-shaped values (user_profile_cache_v2, userProfileCacheV2, com.acme.app) are names.
+_WORD_SPLIT_RE = _re_lazy(r"[_.-]+|(?<=[a-z0-9])(?=[A-Z])")
+_WORD_PART_RE = _re_lazy(r"(?:[A-Za-z][a-z]+[0-9]{0,2}|[0-9]{1,4}|[A-Z]{2,5})\Z")
 _KEY_WORDS = ("password", "passwd", "passphrase", "secret", "token", "credential", "pwd")
 _KEY_PLURALS = ("passwords", "credentials", "secrets")
 _KEY_COMPOUNDS = ("apikey", "accesskey", "privatekey", "sessionkey", "signingkey",
@@ -2351,7 +2353,9 @@ def _is_placeholder(value):
         return True
     low = value.lower()
     if low in _TRIVIAL_VALUES or all(ch in _MASK_CHARS for ch in value) or \
-            len(set(low)) == 1 or _DICTIONARY_RE.match(low) or _TEMPLATE_SLOT_RE.search(value):
+            len(set(low)) == 1 or _DICTIONARY_RE.match(low) or _TEMPLATE_SLOT_RE.search(value) or \
+            (len(low) >= 4 and low in _RUNS) or (re.search(r"[-_.]", value) and
+                                                 _is_repeated_body(value, "")):
         return True
     if any(word in low for word in _PLACEHOLDER_WORDS):
         return True
@@ -2411,7 +2415,11 @@ def _token_spans(sc):
                     m = rx.match(text, start)
                     if m:
                         value = m.group(0)
-                        if not (_is_placeholder_token(value) or _is_repeated_body(value, anchor)):
+                        check = _checksum_ok(value)
+                        if check or not (_is_placeholder_token(value) or
+                                         (check is False and
+                                          not _high_entropy(value[len(anchor):])) or
+                                         _is_repeated_body(value, anchor)):
                             out.append((m.start(), m.end(), kind))
                         break
                 at = text.find(anchor, at + 1)
@@ -2422,6 +2430,32 @@ def _token_spans(sc):
             if not _is_placeholder_token(m.group(0)):
                 out.append((m.start(), m.end(), "discord-token"))
     return out
+
+
+_BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def _checksum_ok(value):
+    """True or False for a format that carries a check, None for the others. GitHub's
+    gh?_ / github_pat_ and npm's npm_ tokens end in the base62 CRC32 of the rest of the body;
+    a PyPI token is a base64url macaroon. A token that passes is masked even when it reads
+    like a placeholder; one that fails must still look random."""
+    import base64
+    import binascii
+    import zlib
+    if value.startswith("pypi-"):
+        try:
+            return bool(base64.urlsafe_b64decode(value[5:] + "=" * (-len(value[5:]) % 4)))
+        except (binascii.Error, ValueError):
+            return False
+    head = 11 if value.startswith("github_pat_") else 4
+    if not value.startswith(("gh", "npm_")) or len(value) not in (40, 93):
+        return None
+    crc, digits = zlib.crc32(value[head:-6].encode()), ""
+    while crc:
+        crc, r = divmod(crc, 62)
+        digits = _BASE62[r] + digits
+    return digits.rjust(6, "0") == value[-6:]
 
 
 def _long_runs(text):
@@ -3015,7 +3049,7 @@ def _is_code_value(value, separator, sc, key_start, op):
         if paren > 0 and (head[paren - 1].isalnum() or head[paren - 1] == "_") and \
                 ")" not in head[paren:]:
             return True   # f(api_key=key, token=tok): an argument passes a variable on
-    if not (separator[:1] in " \t" and separator[-1:] in " \t"):
+    if not (separator[:1] in " \t" and separator[-1:] in " \t") or _high_entropy(value):
         return False
     if value in _CODE_WORDS or _CODE_EXPRESSION_RE.match(value):
         return True
@@ -3141,7 +3175,8 @@ def _high_entropy(value):
     """A random-looking token: 14+ token characters with letters and digits, not made of words
     (snake_case, camelCase, dotted names), and 3.0+ bits of Shannon entropy a character (the
     threshold bench/redaction.py measures against hashes, identifiers and prose)."""
-    if not _TOKENISH_RE.match(value) or _WORDY_RE.match(value):
+    parts = [p for p in _WORD_SPLIT_RE.split(value) if p]
+    if not _TOKENISH_RE.match(value) or (len(parts) > 1 and all(map(_WORD_PART_RE.match, parts))):
         return False
     n = len(value)
     counts = {ch: value.count(ch) for ch in set(value)}

@@ -145,7 +145,7 @@ def _corpus():
     add("atlassian-token", "yaml", f"```yaml\njira:\n  api_token: {v}\n```\n", [v], ["api_token:"])
 
     v = "npm_" + rand(ALNUM, 36)
-    add("npm-token", "npmrc", f"//registry.npmjs.org/:_authToken={v}\n", [v], ["_authToken="])
+    add("npm-token", "npmrc", f"//registry.npm.example/:_authToken={v}\n", [v], ["_authToken="])
     v = rand(HEX, 8) + "-" + rand(HEX, 4) + "-" + rand(HEX, 4) + "-" + rand(HEX, 4) + "-" + rand(HEX, 12)
     add("npm-token", "npmrc", f"registry=https://npm.acme.io/\n//npm.acme.io/:_authToken={v}\n", [v],
         ["registry=https://npm.acme.io/"])
@@ -662,8 +662,10 @@ def test_example_host_and_placeholders_in_urls():
 
 def test_digits_only_rule_depends_on_the_key():
     assert redact("API_TOKEN=123456\n")[1]["total"] == 0
-    assert redact("DB_PASSWORD=123456\n")[0] == "DB_PASSWORD=«redacted:env-secret»\n"
-    assert redact("TOKEN=1234567890123\n")[0] == "TOKEN=«redacted:env-secret»\n"
+    assert redact("DB_PASSWORD=482913\n")[0] == "DB_PASSWORD=«redacted:env-secret»\n"
+    assert redact("TOKEN=8273645190283\n")[0] == "TOKEN=«redacted:env-secret»\n"
+    # sequential digits are a placeholder (issue 19)
+    assert redact("DB_PASSWORD=123456\nTOKEN=1234567890123\n")[1]["total"] == 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -971,7 +973,7 @@ def test_prefilters_read_keywords_in_any_case():
         f"MYSQL -u root -p{secret}": None,
         f"mysql -u root -p{secret}": "cli-password",
         f"Server=db;Database=app;PASSWORD={secret};": "connection-string",
-        f"//registry.npmjs.org/:_AUTHTOKEN={secret}": "npm-token",
+        f"//registry.npm.example/:_AUTHTOKEN={secret}": "npm-token",
         f"curl --TOKEN {secret}": None,
         f"curl --token {secret}": "cli-password",
     }
@@ -1025,3 +1027,115 @@ def test_redact_parts_share_the_taint():
                               {"kind": "env-secret", "part": "section:Raw", "line": 1}]
     # idempotent as a whole
     assert memshelf.redact_parts([("a", o) for o in outs if o])[1]["total"] == 0
+
+
+# ------------------------------------------------------------------------------------------
+# Whole values, the formats of issue 19 (positive and near miss) and its false positives
+# ------------------------------------------------------------------------------------------
+
+def test_passwords_masked_to_their_real_end():
+    assert redact("curl -u elastic:P@ssw0rd$1 https://es.acme.io:9200/_cat\n")[0] == \
+        "curl -u elastic:«redacted:cli-password» https://es.acme.io:9200/_cat\n"
+    assert redact("curl -u user:P@ss$word! https://x.acme.io\n")[0] == \
+        "curl -u user:«redacted:cli-password» https://x.acme.io\n"
+    assert redact("curl --user 'ops:a%b:c/d@e' https://x.acme.io\n")[0] == \
+        "curl --user 'ops:«redacted:cli-password»' https://x.acme.io\n"
+    # the URL's @host boundary is the last @ before the host
+    assert redact("https://user:P@ss:w$rd!@db.acme.io/x\n")[0] == \
+        "https://user:«redacted:connection-string»@db.acme.io/x\n"
+    assert redact("run --password=P@ss:w/rd!% now\n")[0] == "run --password=«redacted:cli-password» now\n"
+
+
+def _formats():
+    """(positive text, the secret in it, a near miss that stays byte for byte)."""
+    out = []
+
+    def add(template, secret, near_miss):
+        out.append((template.replace("@", secret), secret, near_miss))
+    add('"SecretAccessKey": "@"', rand(B64, 40), '"SecretAccessKey": "${AWS_SECRET}"')
+    add("aws_secret = @", rand(B64, 40), "aws_secret = {{ .Values.awsSecret }}")
+    add("key @", "da2-" + rand(LOWER + DIGITS, 26), f"build da2-{rand(LOWER + DIGITS, 20)}")
+    add("@", "ABSK" + rand(B64, 120), f"ABSK{rand(B64, 60)}")
+    add("@", "rk_prod_" + rand(ALNUM, 40), f"pk_prod_{rand(ALNUM, 40)}")
+    add("@", f"sk-ant-admin01-{rand(URLSAFE, 93)}AA", f"sk-ant-admin01-{rand(ALNUM, 10)}")
+    add("@", f"sgp_{rand(HEX, 16)}_{rand(HEX, 40)}", f"sgp_{rand(HEX, 16)}_{rand(HEX, 39)}")
+    add("token @", "EAAC" + rand(ALNUM, 120), f"token EAAB{rand(ALNUM, 120)}")
+    add("@", "A3-" + "-".join(rand(UPPER + DIGITS, n) for n in (6, 11, 5, 5, 5)),
+        "A3-" + "-".join(rand(UPPER + DIGITS, n) for n in (6, 11, 5, 5)))
+    add("FLY=@", "fm2_" + rand(B64, 120), f"see fm2_{rand(B64, 50)}")
+    add("TWILIO_AUTH_TOKEN=@", rand(HEX, 32), "TWILIO_AUTH_TOKEN=${TWILIO_AUTH_TOKEN}")
+    add('twilio_account_sid: "@"', "AC" + rand(HEX, 32), 'twilio_account_sid: "ACCOUNT_SID"')
+    add('{"value": "@"}', "glpat-" + rand(URLSAFE, 20), f'{{"value": "glpat-{rand(ALNUM, 10)}"}}')
+    add('{"k": "-----BEGIN RSA PRIVATE KEY-----\\n@\\n-----END RSA PRIVATE KEY-----"}', "MIIE" + rand(B64, 60),
+        '{"k": "-----BEGIN PUBLIC KEY-----\\nMIIB' + rand(B64, 60) + '\\n-----END PUBLIC KEY-----"}')
+    add("@", "hvb." + rand(URLSAFE, 140), f"hvb.{rand(URLSAFE, 10)}")
+    add("curl -H 'Authorization: Basic @' https://x", rand(ALNUM, 40) + "=",
+        "curl -H 'Authorization: Basic $CREDS' https://x")
+    add("curl -H 'Authorization: Token @' https://x", rand(ALNUM, 40),
+        "curl -H 'Authorization: Token <token>' https://x")
+    add("apikey: @", rand(ALNUM, 32), "apikey: your-api-key-here")
+    add("AZURE_STORAGE_KEY=@", rand(B64, 86) + "==", "AZURE_STORAGE_KEY=<storage-key>")
+    add("AZURE_SAS=sv=2022-11-02&ss=b&sp=r&sig=@", rand(ALNUM, 40) + "%3D", "sig=abc def")
+    add('"refresh_token": "@"', "0.AXoA" + rand(URLSAFE, 120), '"refresh_token": "<refresh token>"')
+    add("AZURE_OPENAI_API_KEY=@", rand(HEX, 32), "AZURE_OPENAI_ENDPOINT=https://x.openai.azure.com")
+    add("SUMO_ACCESS_ID=@", "su" + rand(ALNUM, 6) + "7" + rand(ALNUM, 5), "SUMO_ACCESS_ID=sumo_collector_prod")
+    add("SUMO_ACCESS_KEY=@", rand(ALNUM, 64), "SUMO_ACCESS_KEY=${SUMO_KEY}")
+    add("algolia_key: '@'", rand(LOWER + DIGITS, 32), "algolia_key: 'search_only_index'")
+    add("DATADOG_API=@", rand(LOWER + DIGITS, 40), "datadog_api: enabled")
+    add("x @", "pscale_tkn_" + rand(ALNUM, 43), f"x pscale_tkn_{rand(ALNUM, 20)}")
+    return out
+
+
+FORMATS = _formats()
+
+
+@pytest.mark.parametrize("positive,secret,near_miss", FORMATS, ids=[str(i) for i in range(len(FORMATS))])
+def test_issue_formats_and_their_near_misses(positive, secret, near_miss):
+    out, report = redact(positive + "\n")
+    assert report["total"] >= 1 and secret not in out and secret[-12:] not in out
+    assert redact(near_miss + "\n") == (near_miss + "\n", redact("")[1])
+
+
+ISSUE_FALSE_POSITIVES = [
+    "curl -u 'test:test' https://api.acme.io\n",
+    'curl --user "xxx:yyy" https://api.acme.io\n',
+    "curl -u <user:password> https://api.acme.io\n",
+    "slack dummy xoxb-abcdef-abcdef in the docs\n",
+    '{"token": "xoxp-1234567890"}\n',
+    "password=secret123\n",
+    'iam_api_key="%s" % NAME\n',
+    "- (id)hf_requiredCharacteristicTypesForSharingCategory;\n",
+    'API_KEY="{}".format(key)\nurl = f"https://x/{token}"\n',
+    "TOKEN=aaaaaaaaaaaaaaaaaaaa\nSECRET_KEY=1234567890123456\n",
+    "# public key: age1ql3z7hjy54pw3hyww5ayyfg7zqgvc7w3j2elw8zmrj2kg5sfn9aqmcac8p\n",
+    "commit a94a8fe5ccb19ba61c4c0873d391e987982fbbd3 and sha_key: e3b0c44298fc1c149afbf4c8996fb924\n",
+]
+
+
+@pytest.mark.parametrize("text", ISSUE_FALSE_POSITIVES)
+def test_issue_false_positives_stay_byte_identical(text):
+    assert redact(text)[0] == text
+    assert find_secrets(text) == []
+
+
+def _github(prefix, body30):
+    import zlib
+    crc, digits = zlib.crc32(body30.encode()), ""
+    while crc:
+        crc, r = divmod(crc, 62)
+        digits = (DIGITS + UPPER + LOWER)[r] + digits
+    return prefix + body30 + digits.rjust(6, "0")
+
+
+def test_checksummed_formats_use_their_checksum():
+    # a low-entropy body passes when its CRC32 is right and fails when it is not
+    plain = "abcabcabcabcabcabcabcabcabcab1"
+    for prefix, kind in (("ghp_", "github-token"), ("npm_", "npm-token")):
+        good = _github(prefix, plain)
+        bad = good[:-1] + ("0" if good[-1] != "0" else "1")
+        assert redact(f"t {good}\n")[0] == f"t «redacted:{kind}»\n"
+        assert redact(f"t {bad}\n")[0] == f"t {bad}\n"
+        # a random body is a token with or without a valid checksum (older test data)
+        assert find_secrets(prefix + rand(ALNUM, 36))
+    pypi = "pypi-AgEIcHlwaS5vcmc" + "abcd" * 13
+    assert find_secrets(pypi + "a") and not find_secrets(pypi + "ab")   # base64url decodes or not
