@@ -2146,6 +2146,8 @@ class _Shapes:
         c = _re_lazy   # each pattern compiles on its first use; most texts touch few
         self.tokens = [(kind, tuple((a, _token_gate(a, offsets)) for a in anchors), offsets,
                         c(src)) for kind, anchors, offsets, src in _TOKEN_TABLE]
+        self.prefixes = tuple(a for _k, anchors, offsets, _s in _TOKEN_TABLE if offsets == (0,)
+                              for a in anchors)
         self.discord_gate = c(r"\.[A-Za-z0-9_-]{6}\.")
         self.discord_token = c(r"[MNO][A-Za-z0-9_-]{23,27}\.[A-Za-z0-9_-]{6}\."
                                r"[A-Za-z0-9_-]{27,40}(?![A-Za-z0-9_-])")
@@ -2162,6 +2164,8 @@ class _Shapes:
                                r"([A-Za-z0-9+/]{38,400}={0,2})(?![A-Za-z0-9+/=])")
         self.url_userinfo = c(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512})@"
                               r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
+        self.url_slashed = c(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512}"
+                             r"(?:/[^\s/@\"'<>`]{0,512}){1,8})@([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
         self.conn_password = c(r"p(?:assword|wd)[ \t]*=[ \t]*")
         self.conn_marker = c(r"(?:^|[;?&\s\"'])(?:server|data source|host|hostaddr|hostname|"
                              r"database|dbname|initial catalog|uid|user id|user|username|"
@@ -2215,6 +2219,7 @@ class _Shapes:
         self.xml_element = c(r"<([A-Za-z][\w.:-]{0,64})>([^<>\n]{1,512})</\1>")
         self.netrc = c(r"(?<![\w-])machine[ \t]+\S{1,256}(?:[ \t\n]+login[ \t]+\S{1,256})?[ \t\n]+"
                        r"password[ \t]+(\S{1,512})")
+        self.xml_add = c(r"<add[ \t]+key=\"([^\"\n]{1,128})\"[ \t]+value=\"([^\"\n]{1,1024})\"")
         self.k8s_env = c(r"(?m)^([ \t]*)-?[ \t]*name:[ \t]*[\"']?([A-Za-z_][A-Za-z0-9_.-]{0,127})"
                          r"[\"']?[ \t]*\r?\n[ \t]*value:[ \t]*(\S[^\n]{0,1023})")
         self.aws_configure = c(r"(?<![\w-])aws[ \t]+configure[ \t]+set[ \t]+([\w.]{1,128})[ \t]+"
@@ -2622,8 +2627,8 @@ def _url_spans(sc):
         while s > 0 and at - s < 30 and (text[s - 1].isalnum() or text[s - 1] in "+.-"):
             s -= 1
         if s < at and text[s].isalpha():
-            m = shapes.url_userinfo.match(text, at + 3)
-            if m:
+            m = shapes.url_userinfo.match(text, at + 3) or shapes.url_slashed.match(text, at + 3)
+            if m and not m.group(2).partition("/")[0].isdigit():   # host:port/path@x is no login
                 pw, host = m.group(2), m.group(3).lower()
                 if not _is_placeholder(pw) and not _example_host(host):
                     out.append((m.start(2), m.end(2), "connection-string"))
@@ -3008,8 +3013,9 @@ def _assignment_spans(sc, taken):
         op = sep.group(1)
         if op in (":", "=>") and not (quoted or key_quoted or sc.in_config_fence(ks)):
             # Prose such as "Password: reset flow decided" is no assignment; a lone
-            # token-shaped value ending its line still is.
-            if op == "=>" or not _ends_line(text, ve) or info[2] == 1 or \
+            # token-shaped value ending its line (or a quoted 'apikey: …' header) still is.
+            if op == "=>" or not (_ends_line(text, ve) or quote and text.startswith(quote, ve)) \
+                    or info[2] == 1 or \
                     not ((len(value) >= 16 and _TOKENISH_RE.match(value)) or
                          (info[1] and _is_aws_secret(value))):
                 continue
@@ -3079,6 +3085,8 @@ def _assignment_form_spans(sc):
         for m in shapes.k8s_env.finditer(text):
             vs, ve = _strip_quotes(text, m.start(3), m.start(3) + len(m.group(3).rstrip()))
             found.append((m.group(2), vs, ve))
+    if "<add" in low:   # .NET / NuGet config: <add key="ApiKey" value="…" />
+        found.extend((m.group(1), m.start(2), m.end(2)) for m in shapes.xml_add.finditer(text))
     if "configure" in words and "aws configure" in low:
         found.extend((m.group(1), m.start(2), m.end(2))
                      for m in shapes.aws_configure.finditer(text))
@@ -3405,7 +3413,8 @@ def _taint_values(text, spans, into):
     short word (a password `postgres` must not mask every mention of the database)."""
     for start, end, kind in spans:
         value = text[start:end]
-        if len(value) >= 8 and (len(value) >= 12 or not value.isalpha()):
+        if len(value) >= 8 and (len(value) >= 12 or not value.isalpha()) and \
+                not value.startswith(_shapes().prefixes):   # the token tier finds each of those
             into.setdefault(value, kind)
     return into
 
