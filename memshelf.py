@@ -2111,8 +2111,8 @@ _WEAK_NOT = frozenset(("public", "pub", "publishable", "cache", "sha", "hash", "
                        "commit", "etag", "fingerprint", "idempotency", "partition", "sort",
                        "primary", "foreign", "object", "lookup", "ssh", "gpg", "pgp"))
 # Word-shaped values (user_profile_cache_v2, userProfileCacheV2, com.acme.app) are names.
-_WORD_SPLIT_RE = _re_lazy(r"[_.-]+|(?<=[a-z0-9])(?=[A-Z])")
-_WORD_PART_RE = _re_lazy(r"(?:[A-Za-z][a-z]+[0-9]{0,2}|[0-9]{1,4}|[A-Z]{2,5})\Z")
+_WORD_SPLIT_RE = _re_lazy(r"[_./-]+|(?<=[a-z0-9])(?=[A-Z])")
+_WORD_PART_RE = _re_lazy(r"(?:[A-Za-z][a-z]*[0-9]{0,3}|[0-9]{1,4}|[A-Z]{2,5})\Z")
 _KEY_WORDS = ("password", "passwd", "passphrase", "secret", "token", "credential", "pwd")
 _KEY_PLURALS = ("passwords", "credentials", "secrets")
 _KEY_COMPOUNDS = ("apikey", "accesskey", "privatekey", "sessionkey", "signingkey",
@@ -2199,9 +2199,8 @@ class _Shapes:
             c(r"(?<![\w-])(?:docker|podman|nerdctl|buildah|skopeo)[ \t]+(?:registry[ \t]+)?"
               r"login(?![\w-])[^\n|;&]{0,300}?[ \t]-p[ \t]+" + value),
         ]
-        self.cli_flag = c(r"--(?:password|passwd|pass|token|api-key|apikey|api-token|"
-                          r"auth-token|access-token|secret|client-secret)(?![\w-])(=|[ \t]+)"
-                          + value)
+        self.cli_flag = c(r"--((?:[a-z0-9]+-){0,3})(?:password|passwd|pass|token|api-key|apikey|"
+                          r"secret|(key))(?![\w-])(=|[ \t]+)" + value)
         self.cli_user = c(r"(?<![\w-])(?:curl|wget|http)(?![\w-])[^\n|;&]{0,300}?[ \t]"
                           r"(?:-u|--user)[ \t]+[\"']?([^\s:\"'<${]{1,128}):([^\s\"']{1,512})")
         self.npm_auth = c(r"(?i)_authToken[ \t]*=[ \t]*(\S{1,1024})")
@@ -2212,11 +2211,17 @@ class _Shapes:
         self.k8s_entry = c(r"([ \t]+)([\w.-]+)[ \t]*:[ \t]*(.*)")
         # One literal-led pattern per key word, run on the lower-cased text: the key word,
         # the rest of the key and a separator (prose that merely mentions a token fails fast).
-        key_tail = (r"[a-z0-9_.-]{0,128}(?:\\?[\"']\]?)?[ \t]*"
-                    r"(?::=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))")
+        # The loose tail (rule (a) for scanners' shapes: `var xToken string = "…"`, `xToken ::= "…"`,
+        # `setProperty("X_TOKEN", "…")`, `xToken, err := "…"`) takes a quoted high-entropy value only.
+        loose = (r"(?:[ \t]+[A-Za-z_]\w{0,19}|[ \t]*,[ \t]*[A-Za-z_]\w{0,19})?[ \t]*"
+                 r"(?:::?:?=|[?.|+]=|\|\|=?|:=|=|:|,|\()[ \t]*")
+        self.loose_separator = c(loose)
+        key_tail = (r"[a-z0-9_.-]{0,128}(?:\\?[\"']\]?)?(?:[ \t]*"
+                    r"(?::=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))|" + loose + ")")
         self.php_define = c(r"(?i)(?<![\w$])define\([ \t]*(['\"])([A-Za-z0-9_]{1,128})\1"
                             r"[ \t]*,[ \t]*(['\"])((?:(?!\3)[^\n\\]|\\.){1,512})\3[ \t]*\)")
-        self.xml_element = c(r"<([A-Za-z][\w.:-]{0,64})>([^<>\n]{1,512})</\1>")
+        self.xml_element = c(r"<([A-Za-z][\w.:-]{0,64})>[ \t]*\n?[ \t]*([^<>\s][^<>\n]{0,511}?)"
+                             r"[ \t]*\n?[ \t]*</\1>")
         self.netrc = c(r"(?<![\w-])machine[ \t]+\S{1,256}(?:[ \t\n]+login[ \t]+\S{1,256})?[ \t\n]+"
                        r"password[ \t]+(\S{1,512})")
         self.xml_add = c(r"<add[ \t]+key=\"([^\"\n]{1,128})\"[ \t]+value=\"([^\"\n]{1,1024})\"")
@@ -2848,17 +2853,19 @@ def _cli_spans(sc):
                 vs, ve = _strip_quotes(text, m.start(1), m.end(1))
                 if ve > vs and not _is_header_placeholder(text[vs:ve]):
                     out.append((vs, ve, "cli-password"))
-    flags = ("--pass", "--token", "--api", "--auth", "--access", "--secret", "--client")
-    if any(flag in words for flag in flags) and any(flag in text for flag in flags):
-        for m in shapes.cli_flag.finditer(text):
+    if "--" in text and any(w in words for w in ("pass", "token", "api", "secret", "key")):
+        for m in _finditer_from("--", shapes.cli_flag, text):
             if m.start() and (text[m.start() - 1].isalnum() or text[m.start() - 1] in "_-"):
                 continue
-            vs, ve = _strip_quotes(text, m.start(2), m.end(2))
+            vs, ve = _strip_quotes(text, m.start(4), m.end(4))
             value = text[vs:ve]
             if ve <= vs or value.startswith("-") or _is_header_placeholder(value):
                 continue
-            if m.group(1) != "=" and not _looks_like_token(value):
+            if m.group(3) != "=" and not _looks_like_token(value):
                 continue   # "use --password prompts" is prose, not a password
+            if m.group(1) + (m.group(2) or "") not in ("", "api-key", "api-", "auth-", "access-",
+                                                       "client-") and not _high_entropy(value):
+                continue   # --sort-key name; --adafruit-token takes a random value only
             out.append((vs, ve, "cli-password"))
     if ("curl" in words or "wget" in words or "http" in words) and \
             (" -u" in text or "--user" in text):
@@ -2964,7 +2971,7 @@ def _assignment_spans(sc, taken):
     if "env-secret" in sc.disable and "aws-secret-key" in sc.disable:
         return out
     words = sc.words   # the key words are a-z only: a cheaper look than the text
-    if ("=" not in text and ":" not in text) or not any(g in words for g in _KEY_GATES):
+    if not any(g in words for g in _KEY_GATES):
         return out
     n = len(text)
     resume = 0
@@ -3003,14 +3010,17 @@ def _assignment_spans(sc, taken):
             key_quoted = True   # JSON inside a string, as logs print it: {\"password\":\"…\"}
             pos += 2
         sep = shapes.separator.match(text, pos)
-        if not sep:
+        loose = None if sep else shapes.loose_separator.match(text, pos)
+        if not (sep or loose):
             continue
-        read = _read_value(text, sep.end(), ks > 0 and text[ks - 1] in "?&")
+        read = _read_value(text, (sep or loose).end(), ks > 0 and text[ks - 1] in "?&")
         if read is None:
             continue
         vs, ve, quoted = read
         value = text[vs:ve]
-        op = sep.group(1)
+        if loose and not (quoted and _high_entropy(value)):
+            continue
+        op = sep.group(1) if sep else "="
         if op in (":", "=>") and not (quoted or key_quoted or sc.in_config_fence(ks)):
             # Prose such as "Password: reset flow decided" is no assignment; a lone
             # token-shaped value ending its line (or a quoted 'apikey: …' header) still is.

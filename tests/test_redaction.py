@@ -1139,3 +1139,36 @@ def test_checksummed_formats_use_their_checksum():
         assert find_secrets(prefix + rand(ALNUM, 36))
     pypi = "pypi-AgEIcHlwaS5vcmc" + "abcd" * 13
     assert find_secrets(pypi + "a") and not find_secrets(pypi + "ab")   # base64url decodes or not
+
+
+SCANNER_SHAPES = [   # how scanners' own samples put a service key next to its name
+    'adafruitToken := "@"', 'var adafruitToken string = "@"', 'adafruit_api_token = "@"',
+    '{"adafruit_api_token": "@"}', 'string adafruitToken = "@";', 'System.setProperty("ADAFRUIT_API_TOKEN", "@")',
+    '$adafruit_api_token .= "@"', 'adafruitToken ?= "@"', 'adafruitToken ::= "@"', 'adafruitToken :::= "@"',
+    "<adafruitToken>\n    @\n</adafruitToken>", 'adafruitToken, err := "@"', "adafruit_token => '@'",
+    'adafruit_client_secret ||= "@"', '"adafruit_key", "@"', 'config.adafruitToken("@")',
+    "--adafruit-token @", "curl -H 'apikey: @' https://x.acme.io", '<add key="StorageKey" value="@" />',
+]
+
+
+@pytest.mark.parametrize("shape", SCANNER_SHAPES)
+def test_generic_rule_takes_scanner_shapes(shape):
+    value = rand(ALNUM, 20) + "7q"
+    out = redact(shape.replace("@", value) + "\n")[0]
+    assert value not in out and "«redacted:" in out
+    # the same shape with a templated value is left alone, and where only the loose form of
+    # rule (a) reads it, a word-shaped value too
+    benign = ["${ADAFRUIT_TOKEN}"] + (["refresh_token_v2"] if shape in LOOSE_ONLY else [])
+    for value in benign:
+        assert redact(shape.replace("@", value) + "\n")[0] == shape.replace("@", value) + "\n"
+
+
+LOOSE_ONLY = {s for s in SCANNER_SHAPES if any(m in s for m in (
+    " string ", "setProperty", ".=", "?=", "::=", ", err", "||=", '_key", ', "Token(", "--ada", "<add"))}
+
+
+def test_generic_rule_leaves_hashes_ids_and_paths_under_other_keys():
+    for text in (f'commit_sha = "{rand(HEX, 40)}"', f'key_id = "{rand(HEX, 16)}"', f'cache_key("{rand(HEX, 32)}")',
+                 's3_key = "uploads/2024/report_123.pdf"', "--sort-key created_at_12", "monkey = 'banana12'",
+                 f"public_key: {rand(B64, 44)}", "the key: sorted by name"):
+        assert redact(text + "\n")[0] == text + "\n", text
