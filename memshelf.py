@@ -2213,8 +2213,8 @@ class _Shapes:
         # the rest of the key and a separator (prose that merely mentions a token fails fast).
         # The loose tail (rule (a) for scanners' shapes: `var xToken string = "…"`, `xToken ::= "…"`,
         # `setProperty("X_TOKEN", "…")`, `xToken, err := "…"`) takes a quoted high-entropy value only.
-        loose = (r"(?:[ \t]+[A-Za-z_]\w{0,19}|[ \t]*,[ \t]*[A-Za-z_]\w{0,19})?[ \t]*"
-                 r"(?:::?:?=|[?.|+]=|\|\|=?|:=|=|:|,|\()[ \t]*")
+        loose = (r"(?:[ \t]+[A-Za-z_]\w{0,19}|[ \t]*,[ \t]*[A-Za-z_]\w{0,19}|\[\])?[ \t]*"
+                 r"(?:::?:?=|[?.|+]=|\|\|=?|[!=]==?|:=|=|:|,|\(|(?<=[ \t])(?=[\"']))[ \t]*")
         self.loose_separator = c(loose)
         key_tail = (r"[a-z0-9_.-]{0,128}(?:\\?[\"']\]?)?(?:[ \t]*"
                     r"(?::=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))|" + loose + ")")
@@ -2363,7 +2363,9 @@ def _is_placeholder(value):
         return True
     low = value.lower()
     if low in _TRIVIAL_VALUES or all(ch in _MASK_CHARS for ch in value) or \
-            len(set(low)) == 1 or _DICTIONARY_RE.match(low) or _TEMPLATE_SLOT_RE.search(value) or \
+            len(set(low)) == 1 or _DICTIONARY_RE.match(low) or \
+            (_TEMPLATE_SLOT_RE.search(value) and
+             sum(map(str.isalnum, _TEMPLATE_SLOT_RE.sub("", value))) < 8) or \
             (len(low) >= 4 and low in _RUNS) or (re.search(r"[-_.]", value) and
                                                  _is_repeated_body(value, "")):
         return True

@@ -1172,3 +1172,13 @@ def test_generic_rule_leaves_hashes_ids_and_paths_under_other_keys():
                  's3_key = "uploads/2024/report_123.pdf"', "--sort-key created_at_12", "monkey = 'banana12'",
                  f"public_key: {rand(B64, 44)}", "the key: sorted by name"):
         assert redact(text + "\n")[0] == text + "\n", text
+
+
+def test_generic_rule_takes_comparisons_bare_quotes_and_arrays():
+    value = rand(ALNUM, 22) + "9"
+    for shape in ('if (db_pass == "@")', 'private_key "@"', 'char password[] = "@";',
+                  'password = "m{{h}o)p${e]nob(ody[@}"'):
+        assert value not in redact(shape.replace("@", value))[0], shape
+    # a template or format slot with little else is a placeholder; a password with $ is not
+    assert redact('password = "%(pw)s"\nAPI_KEY="{}"\n')[1]["total"] == 0
+    assert redact('password = "pa$word1"\n')[1]["total"] == 1
