@@ -2148,6 +2148,7 @@ class _Shapes:
                         c(src)) for kind, anchors, offsets, src in _TOKEN_TABLE]
         self.prefixes = tuple(a for _k, anchors, offsets, _s in _TOKEN_TABLE if offsets == (0,)
                               for a in anchors)
+        self.token_run = c(r"[A-Za-z0-9+/_~.-]{20,}={0,2}")
         self.discord_gate = c(r"\.[A-Za-z0-9_-]{6}\.")
         self.discord_token = c(r"[MNO][A-Za-z0-9_-]{23,27}\.[A-Za-z0-9_-]{6}\."
                                r"[A-Za-z0-9_-]{27,40}(?![A-Za-z0-9_-])")
@@ -3459,11 +3460,53 @@ def _tainted(text, spans, values):
     return sorted(spans + extra) if extra else spans
 
 
-def _run(text, rules, disable, legacy_compat, rewrite, found=None, values=None):
+_UNLEARNED = frozenset(("cli-password", "connection-string", "basic-auth"))
+
+
+def _taint_memory(root, learn=()):
+    """The shelf's memory of masked values beyond one episode, (salt, {hash: kind}) or None:
+    .memshelf/taint, local and never committed, holds a random salt and salted SHA-256
+    prefixes of high-entropy token values (20+ characters, never a password kind), never a
+    value (docs/redaction.md, threat model). `learn` [(value, kind)] adds to it first."""
+    path = os.path.join(root, ".memshelf", "taint")
+    try:
+        lines = _read_text(path).split("\n")
+    except (OSError, ShelfError):
+        lines = []
+    salt = lines[0] if lines and re.fullmatch(r"[0-9a-f]{32}", lines[0]) else os.urandom(16).hex()
+    known = dict(line.split(" ") for line in lines[1:] if line.count(" ") == 1)
+    fresh = {_taint_hash(salt, v): k for v, k in learn
+             if len(v) >= 20 and k not in _UNLEARNED and _high_entropy(v)}
+    if not fresh.keys() <= known.keys():
+        known.update(fresh)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _atomic_write(path, salt + "\n" + "".join(f"{h} {k}\n" for h, k in known.items()))
+    return (salt, known) if known else None
+
+
+def _taint_hash(salt, value):
+    import hashlib
+    return hashlib.sha256((salt + value).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _remembered(text, memory):
+    """{value: kind} of the token-shaped runs of text that this shelf masked before."""
+    found = {}
+    for m in _shapes().token_run.finditer(text) if memory else ():
+        for value in {m.group(0), m.group(0).rstrip(".-")}:
+            kind = memory[1].get(_taint_hash(memory[0], value))
+            if kind:
+                found[value] = kind
+    return found
+
+
+def _run(text, rules, disable, legacy_compat, rewrite, found=None, values=None, memory=None):
     """(redacted text or None, [(start, end, kind)] in original coordinates, the scan);
-    `found` is _detect's answer when the caller has it, `values` the taint of other parts."""
+    `found` is _detect's answer when the caller has it, `values` the taint of other parts,
+    `memory` the shelf's _taint_memory."""
     sc, spans = found or _detect(text, rules, disable)
-    spans = _tainted(text, spans, _taint_values(text, spans, dict(values or {})))
+    values = dict(values or {}, **_remembered(text, memory))
+    spans = _tainted(text, spans, _taint_values(text, spans, values))
     out = None
     if rewrite or legacy_compat:
         out, moves = _rewrite(text, spans) if spans else (text, [])
@@ -3503,30 +3546,35 @@ def _finish_report(counts, hits):
     return {"total": total, "counts": counts, "summary": summary, "hits": hits}
 
 
-def redact(text, rules=None, *, disable=(), legacy_compat=False, part="text"):
+def redact(text, rules=None, *, disable=(), legacy_compat=False, part="text", memory=None):
     """Mask every credential-shaped string: (redacted_text, report). The report holds kinds,
     parts and line numbers, never a value. Idempotent."""
-    out, spans, sc = _run(text, rules, disable, legacy_compat, True)
+    out, spans, sc = _run(text, rules, disable, legacy_compat, True, memory=memory)
     if not spans:
         return text, _finish_report({}, [])
     return out, _report([(kind, sc.line_of(start)) for start, _end, kind in spans], part)
 
 
-def find_secrets(text, rules=None, *, disable=(), legacy_compat=False):
+def find_secrets(text, rules=None, *, disable=(), legacy_compat=False, memory=None):
     """The same detection as redact, without rewriting: [{kind, line, start, end}]."""
-    _out, spans, sc = _run(text, rules, disable, legacy_compat, False)
+    _out, spans, sc = _run(text, rules, disable, legacy_compat, False, memory=memory)
     return [{"kind": kind, "line": sc.line_of(start), "start": start, "end": end}
             for start, end, kind in spans]
 
 
-def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False):
+def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False, memory=None,
+                 learned=None):
     """Redact the parts of one episode together: [(part, text or None)] -> ([text or None],
-    merged report). A value detected in any part is masked in every part (the taint pass)."""
+    merged report). A value detected in any part is masked in every part (the taint pass);
+    `learned`, a list, receives the (value, kind) pairs for the shelf's _taint_memory."""
     found = [None if t is None else _detect(t, rules, disable) for _p, t in parts]
     values = {}
     for (_part, text), hit in zip(parts, found):
         if hit:
             _taint_values(text, hit[1], values)
+            values.update(_remembered(text, memory))
+    if learned is not None:
+        learned.extend(values.items())
     outs, reports = [], []
     for (part, text), hit in zip(parts, found):
         if text is None:
@@ -5280,7 +5328,7 @@ def _redaction_switches(root):
     cfg = cfg if isinstance(cfg, dict) else {}
     disable = cfg.get("disable") if isinstance(cfg.get("disable"), list) else []
     return {"disable": tuple(x for x in disable if isinstance(x, str)),
-            "legacy_compat": cfg.get("legacy_compat") is True}
+            "legacy_compat": cfg.get("legacy_compat") is True, "memory": _taint_memory(root)}
 
 
 def _context_window(root, override=None):
@@ -6218,9 +6266,10 @@ def _shelve_locked(root, a):
     for p in problems:
         warnings.append(f"POLICY.patterns: line {p['line']}: {p['reason']}")
     fields = ("display_title", "description", "notes", "session", "agent", "model")
+    learned = []
     outs, redaction = redact_parts([("digest", a["digest"])] +
                                    [(f"section:{n}", t) for n, t in a["section_list"]] +
-                                   [(k, a[k]) for k in fields], rules,
+                                   [(k, a[k]) for k in fields], rules, learned=learned,
                                    **_redaction_switches(root))
     digest = outs[0]
     sections = [(n, t) for (n, _), t in zip(a["section_list"], outs[1:])]
@@ -6328,6 +6377,7 @@ def _shelve_locked(root, a):
         journal.restore()
         raise
     _after_write(root)
+    _taint_memory(root, learned)   # masked values beyond this episode (docs/redaction.md)
     if mode == "auto":
         _remember_render(root, rendered)
     # 13. push / publish (git-and-sync.md § 7)

@@ -24,8 +24,8 @@ import sys
 import time
 import zlib
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import memshelf  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+memshelf = None   # imported in main() from --code (default: this checkout)
 
 UP, LO, DG = string.ascii_uppercase, string.ascii_lowercase, string.digits
 AN, HEX = UP + LO + DG, "0123456789abcdef"
@@ -213,7 +213,10 @@ def measure(n, seed, repeat):
     lines = text.splitlines(keepends=True)
     parts = [(f"section:{i}", "".join(lines[i::8])) for i in range(8)]
     c0 = time.process_time()
-    memshelf.redact_parts(parts)
+    if hasattr(memshelf, "redact_parts"):   # older code (--code) redacts part by part
+        memshelf.redact_parts(parts)
+    else:
+        [memshelf.redact(t) for _p, t in parts]
     parts_time = time.process_time() - c0
     return {"seed": seed, "per_format": n,
             "recall": {k: {"caught": c, "total": t, "rate": c / t} for k, (c, t) in fam.items()},
@@ -232,7 +235,11 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=19)
     ap.add_argument("--repeat", type=int, default=3, help="timed runs over the 1 MB transcript")
     ap.add_argument("--json", action="store_true", help="print the result object as JSON")
+    ap.add_argument("--code", default=ROOT, help="folder holding the memshelf.py to measure")
     a = ap.parse_args(argv)
+    global memshelf
+    sys.path.insert(0, os.path.abspath(a.code))
+    import memshelf
     res = measure(a.n, a.seed, a.repeat)
     if a.json:
         print(json.dumps(res, indent=2))

@@ -7,6 +7,7 @@ import os
 import random
 import re
 import string
+import subprocess
 
 import pytest
 
@@ -1182,3 +1183,37 @@ def test_generic_rule_takes_comparisons_bare_quotes_and_arrays():
     # a template or format slot with little else is a placeholder; a password with $ is not
     assert redact('password = "%(pw)s"\nAPI_KEY="{}"\n')[1]["total"] == 0
     assert redact('password = "pa$word1"\n')[1]["total"] == 1
+
+
+# ------------------------------------------------------------------------------------------
+# Beyond one episode: the shelf's local taint memory (.memshelf/taint)
+# ------------------------------------------------------------------------------------------
+
+def _shelve(cli, shelf, slug, section):
+    r = cli("shelve", "--shelf", shelf, "--slug", slug, "--kind", "topic", "--json",
+            "--digest", "Dana rotated the deploy credentials after the audit. Open: the CI job.",
+            "--section", "Decisions=" + section)
+    assert r.code == 0, r
+    return (shelf / "docs" / "topics" / f"{slug}.md")
+
+
+def test_a_masked_token_is_masked_when_it_comes_back_bare_in_a_later_episode(shelf, cli):
+    token, password = rand(ALNUM, 30) + "7", rand(ALNUM, 24) + "5"
+    _shelve(cli, shelf, "2026-07-22-rotation", f"export DEPLOY_TOKEN={token}\n"
+            f"curl -u ops:{password} https://ci.acme.io")
+    memory = (shelf / ".memshelf" / "taint").read_text()
+    assert token not in memory and password not in memory and memory.count("\n") == 2
+    later = _shelve(cli, shelf, "2026-07-23-ci-job", f"The job still sent {token} and {password}.")
+    text = later.read_text()
+    assert token not in text and "«redacted:env-secret»" in text
+    assert password in text   # passwords are never remembered beyond their episode
+    # doctor and the scan verb use the same memory for what is already on disk
+    later.write_text(text.replace(password, token))
+    r = cli("doctor", "--shelf", shelf, "--json")
+    found = [f for f in r.json()["findings"] if f["code"] == "secret-at-rest"]
+    assert [f["path"] for f in found] == ["docs/topics/2026-07-23-ci-job.md"] and token not in r.out
+    r = cli("scan", "--shelf", shelf, later, "--json")
+    assert r.json()["findings"] and token not in r.out
+    # the memory stays out of git
+    assert ".memshelf" not in subprocess.run(["git", "-C", str(shelf), "ls-files"],
+                                             capture_output=True, text=True).stdout
