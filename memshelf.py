@@ -1974,7 +1974,7 @@ _TOKEN_TABLE = (
      r"sgp_(?:[a-fA-F0-9]{16}_|local_)?[a-fA-F0-9]{40}(?![A-Za-z0-9_])"),
     ("onepassword-key", ("A3-",), (0,), r"A3-[A-Z0-9]{6}-(?:[A-Z0-9]{11}|[A-Z0-9]{6}-[A-Z0-9]{5})"
      r"(?:-[A-Z0-9]{5}){3}(?![A-Za-z0-9_])"),
-    ("onepassword-key", ("ops_eyJ",), (0,), r"ops_eyJ[A-Za-z0-9+/]{250,5000}={0,3}(?![A-Za-z0-9+/=])"),
+    ("onepassword-key", ("ops_eyJ",), (0,), r"ops_eyJ[A-Za-z0-9+/]{250,5000}={0,3}(?![\w+/=])"),
     ("flyio-token", ("fo1_", "fm1a_", "fm1r_", "fm2_"), (0,),
      r"(?:fo1_[A-Za-z0-9_-]{43}|fm[12][ar]?_[A-Za-z0-9+/]{100,5000}={0,3})(?![A-Za-z0-9+/=_-])"),
     # The long tail of prefixed service tokens, one format each (prefix, alphabet, length).
@@ -2082,7 +2082,7 @@ _DICTIONARY_RE = _re_lazy(r"(?:my|the|some)?(?:pass(?:word|wd)?|secret|token|tes
                           r"sample|foo|bar|baz|foobar|qwerty|letmein|changeit|hello|world|"
                           r"abc|abcdef|user(?:name)?|apikey|key|value|string|xxx|yyy|zzz)"
                           r"[-_]?(?:[0-9]{1,4}|!+)?\Z")
-# A format string or template slot in a value: "%s" % x, "{}".format, {{ var }}, $VAR.
+# A format string or template slot in a value: "%s" % x, "{}".format, {{ var }}, ${VAR}.
 _TEMPLATE_SLOT_RE = _re_lazy(r"%(?:\([A-Za-z_]\w*\))?[-+ #0-9.]*[sdrfx]|\{[A-Za-z0-9_.]*\}|"
                              r"\$\{[A-Za-z_]")
 _RUNS = "0123456789012345678901234567890abcdefghijklmnopqrstuvwxyz"
@@ -2166,7 +2166,8 @@ class _Shapes:
         self.url_userinfo = c(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512})@"
                               r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
         self.url_slashed = c(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512}"
-                             r"(?:/[^\s/@\"'<>`]{0,512}){1,8})@([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
+                             r"(?:/[^\s/@\"'<>`]{0,512}){1,8})@"
+                             r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
         self.conn_password = c(r"p(?:assword|wd)[ \t]*=[ \t]*")
         self.conn_marker = c(r"(?:^|[;?&\s\"'])(?:server|data source|host|hostaddr|hostname|"
                              r"database|dbname|initial catalog|uid|user id|user|username|"
@@ -2212,8 +2213,8 @@ class _Shapes:
         self.k8s_entry = c(r"([ \t]+)([\w.-]+)[ \t]*:[ \t]*(.*)")
         # One literal-led pattern per key word, run on the lower-cased text: the key word,
         # the rest of the key and a separator (prose that merely mentions a token fails fast).
-        # The loose tail (rule (a) for scanners' shapes: `var xToken string = "…"`, `xToken ::= "…"`,
-        # `setProperty("X_TOKEN", "…")`, `xToken, err := "…"`) takes a quoted high-entropy value only.
+        # The loose tail of rule (a), for scanners' shapes (`var xToken string = "…"`, `::=`,
+        # `setProperty("X_TOKEN", "…")`, `xToken, err := "…"`): a quoted high-entropy value only.
         loose = (r"(?:[ \t]+[A-Za-z_]\w{0,19}|[ \t]*,[ \t]*[A-Za-z_]\w{0,19}|\[\])?[ \t]*"
                  r"(?:::?:?=|[?.|+]=|\|\|=?|[!=]==?|:=|=|:|,|\(|(?<=[ \t])(?=[\"']))[ \t]*")
         self.loose_separator = c(loose)
@@ -2390,9 +2391,8 @@ def _is_placeholder(value):
 
 
 def _is_repeated_body(value, anchor):
-    """A prefixed token whose body is one repeated character (ghp_xxxx…), a run of sequential
-    digits or letters (xoxp-1234567890, xoxb-abcdef-abcdef) is a placeholder, and one that
-    reads as camelCase words (hf_requiredCharacteristicTypes…) is an identifier."""
+    """A token body of one repeated character (ghp_xxxx…) or a sequential run (xoxp-1234567890)
+    is a placeholder; camelCase words (hf_requiredCharacteristicTypes…) are an identifier."""
     body = value[len(anchor):] if value.startswith(anchor) else value
     longest = max(re.split(r"[-_.$]", body), key=len) if body else ""
     return len(set(longest)) <= 1 or longest.lower() in _RUNS or \
@@ -2449,10 +2449,8 @@ _BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
 def _checksum_ok(value):
-    """True or False for a format that carries a check, None for the others. GitHub's
-    gh?_ / github_pat_ and npm's npm_ tokens end in the base62 CRC32 of the rest of the body;
-    a PyPI token is a base64url macaroon. A token that passes is masked even when it reads
-    like a placeholder; one that fails must still look random."""
+    """True/False for a format with a check, else None: GitHub's gh?_ / github_pat_ and npm_
+    tokens end in the base62 CRC32 of the rest of the body; a PyPI token is base64url."""
     import base64
     import binascii
     import zlib
@@ -3193,9 +3191,8 @@ def _balanced_end(text, start):
 
 
 def _high_entropy(value):
-    """A random-looking token: 14+ token characters with letters and digits, not made of words
-    (snake_case, camelCase, dotted names), and 3.0+ bits of Shannon entropy a character (the
-    threshold bench/redaction.py measures against hashes, identifiers and prose)."""
+    """A random-looking token: 14+ token characters with letters and digits, not word-shaped,
+    3.0+ bits of Shannon entropy a character (measured: docs/redaction.md)."""
     parts = [p for p in _WORD_SPLIT_RE.split(value) if p]
     if not _TOKENISH_RE.match(value) or (len(parts) > 1 and all(map(_WORD_PART_RE.match, parts))):
         return False
@@ -3433,9 +3430,8 @@ def _taint_values(text, spans, into):
 
 
 def _tainted(text, spans, values):
-    """spans plus every other occurrence of a detected value (the taint pass): a secret found
-    once by its context is masked at each bare repetition too, inside a word only when the
-    value itself is not word-shaped at that end."""
+    """spans plus every other occurrence of a detected value (the taint pass), except where a
+    word-shaped end of the value is glued to a word character."""
     if not values:
         return spans
     taken = _Taken()
@@ -3464,10 +3460,9 @@ _UNLEARNED = frozenset(("cli-password", "connection-string", "basic-auth"))
 
 
 def _taint_memory(root, learn=()):
-    """The shelf's memory of masked values beyond one episode, (salt, {hash: kind}) or None:
-    .memshelf/taint, local and never committed, holds a random salt and salted SHA-256
-    prefixes of high-entropy token values (20+ characters, never a password kind), never a
-    value (docs/redaction.md, threat model). `learn` [(value, kind)] adds to it first."""
+    """(salt, {hash: kind}) or None: the masked values beyond one episode, in .memshelf/taint
+    (local, never committed; salted SHA-256 prefixes of high-entropy token values, never a value;
+    docs/redaction.md, threat model). `learn` [(value, kind)] adds to it first."""
     path = os.path.join(root, ".memshelf", "taint")
     try:
         lines = _read_text(path).split("\n")
