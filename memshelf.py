@@ -1921,8 +1921,8 @@ def _mask(kind):
 # occurrence minus each offset (0 = the anchor is the token's literal prefix), so a text
 # that holds none of the anchors costs a handful of substring searches.
 _TOKEN_TABLE = (
-    ("aws-access-key", ("AKIA", "ASIA", "ABIA", "ACCA"), (0,),
-     r"(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9_])"),
+    ("aws-access-key", ("AKIA", "ASIA", "ABIA", "ACCA", "A3T"), (0,),
+     r"(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9_])"),
     ("gcp-api-key", ("AIza",), (0,), r"AIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])"),
     ("gcp-oauth-secret", ("GOCSPX-",), (0,), r"GOCSPX-[0-9A-Za-z_-]{28}(?![0-9A-Za-z_-])"),
     ("azure-client-secret", ("Q~",), (4,),
@@ -1945,6 +1945,7 @@ _TOKEN_TABLE = (
      (0,),
      r"gl(?:pat|ptt|dt|rt|cbt|imt|oas|ft|soat|agent|ffct)-[0-9A-Za-z_.-]{19,400}[0-9A-Za-z_-]"
      r"(?![0-9A-Za-z_-]|\.[0-9A-Za-z_-])"),
+    ("gitlab-token", ("GR1348941",), (0,), r"GR1348941[\w-]{20}(?![\w-])"),
     ("bitbucket-token", ("ATBB",), (0,),
      r"ATBB[A-Za-z0-9_=.-]{31,400}[A-Za-z0-9_=-](?![A-Za-z0-9_=-]|\.[A-Za-z0-9_=-])"),
     ("atlassian-token", ("ATATT3",), (0,), r"ATATT3[A-Za-z0-9_=-]{180,2000}(?![A-Za-z0-9_=-])"),
@@ -1964,11 +1965,12 @@ _TOKEN_TABLE = (
     ("postman-key", ("PMAK-",), (0,), r"PMAK-[a-fA-F0-9]{24}-[a-fA-F0-9]{34}(?![A-Za-z0-9_])"),
     ("grafana-token", ("glc_",), (0,), r"glc_[A-Za-z0-9+/]{32,500}={0,2}(?![A-Za-z0-9+/=_])"),
     ("grafana-token", ("glsa_",), (0,), r"glsa_[A-Za-z0-9]{32}_[A-Fa-f0-9]{8}(?![A-Za-z0-9_])"),
+    ("grafana-token", ("eyJrIjoi",), (0,), r"eyJrIjoi[A-Za-z0-9]{70,400}={0,3}(?![\w+/=])"),
     ("sentry-token", ("sntrys_", "sntryu_"), (0,),
      r"sntry[su]_[A-Za-z0-9_+/=-]{40,1000}(?![A-Za-z0-9_+/=-])"),
     ("newrelic-key", ("NRAK-",), (0,), r"NRAK-[A-Z0-9]{27}(?![A-Za-z0-9_])"),
     ("dynatrace-token", ("dt0c01.",), (0,),
-     r"dt0c01\.[A-Z0-9]{24}\.[A-Z0-9]{64}(?![A-Za-z0-9_])"),
+     r"dt0c01\.[A-Za-z0-9]{24}\.[A-Za-z0-9]{64}(?![A-Za-z0-9_])"),
     ("linear-key", ("lin_api_",), (0,), r"lin_api_[A-Za-z0-9]{40}(?![A-Za-z0-9_])"),
     ("sourcegraph-token", ("sgp_",), (0,),
      r"sgp_(?:[a-fA-F0-9]{16}_|local_)?[a-fA-F0-9]{40}(?![A-Za-z0-9_])"),
@@ -1998,6 +2000,10 @@ _TOKEN_TABLE = (
     ("saas-token", ("_mmk",), (36,), r"[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk(?![A-Za-z0-9_])"),
     ("saas-token", ("v1.0-",), (0,), r"v1\.0-[a-f0-9]{24}-[a-f0-9]{146}(?![A-Za-z0-9_])"),
     ("saas-token", ("api_org_",), (0,), r"api_org_[A-Za-z]{34}(?![A-Za-z0-9_])"),
+    ("saas-token", ("p8e-", "4b1d", "sm_aat_", "sm_pat_", "sm_sat_"), (0,),   # Adobe, ClickHouse,
+     r"(?:p8e-[A-Za-z0-9]{32}|4b1d[A-Za-z0-9]{38}|sm_[aps]at_[A-Za-z0-9]{16})(?![\w])"),  # SettleMint
+    ("saas-token", ("pat",), (0,), r"pat[A-Za-z0-9]{14}\.[a-f0-9]{64}(?![\w])"),   # Airtable
+    ("saas-token", ("API-",), (0,), r"API-[A-Z0-9]{26}(?![\w])"),   # Octopus Deploy
     ("notion-token", ("secret_",), (0,), r"secret_[A-Za-z0-9]{43}(?![A-Za-z0-9_])"),
     ("notion-token", ("ntn_",), (0,), r"ntn_[0-9]{11}[A-Za-z0-9]{32,35}(?![A-Za-z0-9_])"),
     ("slack-token", ("xoxa-", "xoxb-", "xoxp-", "xoxo-", "xoxs-", "xoxr-", "xoxe-"), (0,),
@@ -2005,9 +2011,9 @@ _TOKEN_TABLE = (
     ("slack-token", ("xapp-",), (0,), r"xapp-[0-9]-[A-Za-z0-9-]{10,500}(?![A-Za-z0-9_-])"),
     ("telegram-token", (":AA",), (10, 9, 8),
      r"[0-9]{8,10}:AA[0-9A-Za-z_-]{33}(?![0-9A-Za-z_-])"),
-    ("twilio-key", ("SK",), (0,), r"SK[0-9a-f]{32}(?![A-Za-z0-9_])"),
+    ("twilio-key", ("SK",), (0,), r"SK[0-9a-fA-F]{32}(?![A-Za-z0-9_])"),
     ("sendgrid-key", ("SG.",), (0,),
-     r"SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"),
+     r"SG\.(?:[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}|[A-Za-z0-9=_.-]{66})(?![\w=.-])"),
     ("mailgun-key", ("key-",), (0,), r"key-[0-9a-f]{32}(?![A-Za-z0-9_])"),
     ("mailchimp-key", ("-us",), (32,), r"[0-9a-f]{32}-us[0-9]{1,2}(?![A-Za-z0-9_])"),
     ("stripe-key", ("sk_live_", "sk_test_", "sk_prod_", "rk_live_", "rk_test_", "rk_prod_"), (0,),
@@ -2015,7 +2021,7 @@ _TOKEN_TABLE = (
     ("stripe-key", ("whsec_",), (0,), r"whsec_[A-Za-z0-9+/=]{32,200}(?![A-Za-z0-9_+/=])"),
     ("square-token", ("sq0atp-", "sq0csp-"), (0,),
      r"sq0(?:atp|csp)-[0-9A-Za-z_-]{22,60}(?![0-9A-Za-z_-])"),
-    ("square-token", ("EAAA",), (0,), r"EAAA[0-9A-Za-z_-]{60}(?![0-9A-Za-z_-])"),
+    ("square-token", ("EAAA",), (0,), r"EAAA[0-9A-Za-z_-]{22,60}(?![0-9A-Za-z_-])"),
     ("facebook-token", ("EAAC", "EAAM"), (0,), r"EAA[CM][A-Za-z0-9]{100,1000}(?![A-Za-z0-9_])"),
     ("shopify-token", ("shpat_", "shpca_", "shppa_", "shpss_"), (0,),
      r"shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}(?![A-Za-z0-9_])"),

@@ -1084,6 +1084,10 @@ def _formats():
     add("algolia_key: '@'", rand(LOWER + DIGITS, 32), "algolia_key: 'search_only_index'")
     add("DATADOG_API=@", rand(LOWER + DIGITS, 40), "datadog_api: enabled")
     add("x @", "pscale_tkn_" + rand(ALNUM, 43), f"x pscale_tkn_{rand(ALNUM, 20)}")
+    add("x @", f"pat{rand(ALNUM, 14)}.{rand(HEX, 64)}", f"x pattern.{rand(HEX, 64)}")
+    add("x @", "API-" + rand(UPPER + DIGITS, 26), "x API-GATEWAY-" + rand(UPPER, 20))
+    add("x @", "eyJrIjoi" + rand(ALNUM, 80), "x eyJrIjoi" + rand(ALNUM, 20))
+    add("x @", "A3T" + rand(UPPER + DIGITS, 17), "x A3T" + rand(UPPER + DIGITS, 10))
     return out
 
 
