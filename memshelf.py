@@ -2709,9 +2709,10 @@ def _header_spans(sc):
                 out.append((m.start(1), m.end(1), "basic-auth"))
     if "authorization" in words and "api-key-header" not in dis:
         for m in _matches_at(sc, ("authorization",), shapes.authorization):
-            if _high_entropy(m.group(2)) and not _is_header_placeholder(m.group(2)):
-                kind = "basic-auth" if (m.group(1) or "").lower() == "basic" else "api-key-header"
-                out.append((m.start(2), m.end(2), kind))
+            basic = (m.group(1) or "").lower() == "basic"   # a decodable pair: the Basic rule
+            if _high_entropy(m.group(2)) and not _is_header_placeholder(m.group(2)) and \
+                    not (basic and _decode_user_password(m.group(2))):
+                out.append((m.start(2), m.end(2), "basic-auth" if basic else "api-key-header"))
     if "api-key-header" not in dis and any(w in words for w in _HEADER_SUFFIXES):
         out.extend(_api_key_header_spans(sc))
     if "cookie" in words and "session-cookie" not in dis:

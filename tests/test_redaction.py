@@ -1114,6 +1114,11 @@ ISSUE_FALSE_POSITIVES = [
     "TOKEN=aaaaaaaaaaaaaaaaaaaa\nSECRET_KEY=1234567890123456\n",
     "# public key: age1ql3z7hjy54pw3hyww5ayyfg7zqgvc7w3j2elw8zmrj2kg5sfn9aqmcac8p\n",
     "commit a94a8fe5ccb19ba61c4c0873d391e987982fbbd3 and sha_key: e3b0c44298fc1c149afbf4c8996fb924\n",
+    "Authorization: Basic dXNlcjpwYXNzd29yZA==\n",   # user:password
+    'tokenizer = "cl100k_base"\nkey_id = "3f9c2a7d1e4b5c6a"\nsort_key: "createdAt"\n',
+    'api_key_env = "OPENAI_API_KEY"\nkeyPrefix: "sk_live_"\nauth_type = "oauth2_client_credentials"\n',
+    'gpg_key_id = "3AA5C34371567BD2"\nidempotency_key = "7c9e6679-7425-40de-944b-e07fc1f90ae7"\n',
+    "--token-file /run/secrets/token --api-key-env OPENAI_API_KEY --key-file ~/.ssh/id_ed25519\n",
 ]
 
 
