@@ -195,7 +195,7 @@ def transcript(rng, size, pos, neg):
     return "".join(parts)
 
 
-def measure(n, seed, repeat):
+def measure(n, seed, repeat, mb=1.0):
     rng = random.Random(seed)
     pos, neg = positives(rng, n), negatives(rng, n)
     fam = {}
@@ -209,7 +209,7 @@ def measure(n, seed, repeat):
         changed = memshelf.redact(text)[0] != text
         bad, total = fp.get(kind, (0, 0))
         fp[kind] = (bad + changed, total + 1)
-    text = transcript(rng, 1_000_000, pos, neg)
+    text = transcript(rng, int(mb * 1_000_000), pos, neg)
     mb = len(text.encode()) / 1e6
     wall, cpu = [], []   # CPU time is the figure: this machine's wall clock is shared
     for _ in range(repeat):
@@ -240,14 +240,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=20, help="samples per format and negative kind (20)")
     ap.add_argument("--seed", type=int, default=19)
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs over the 1 MB transcript")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs over the transcript")
+    ap.add_argument("--mb", type=float, default=1.0, help="transcript size in MB (1.0)")
     ap.add_argument("--json", action="store_true", help="print the result object as JSON")
     ap.add_argument("--code", default=ROOT, help="folder holding the memshelf.py to measure")
     a = ap.parse_args(argv)
     global memshelf
     sys.path.insert(0, os.path.abspath(a.code))
     import memshelf
-    res = measure(a.n, a.seed, a.repeat)
+    res = measure(a.n, a.seed, a.repeat, a.mb)
     if a.json:
         print(json.dumps(res, indent=2))
         return 0

@@ -3,11 +3,13 @@ secret, precedence and the quote rule, the report, POLICY.patterns, the per-shel
 and memshelf-mcp 0.4.0 compatibility (shelf-format.md § 13)."""
 
 import base64
+import json
 import os
 import random
 import re
 import string
 import subprocess
+import sys
 
 import pytest
 
@@ -1226,3 +1228,14 @@ def test_a_masked_token_is_masked_when_it_comes_back_bare_in_a_later_episode(she
     # the memory stays out of git
     assert ".memshelf" not in subprocess.run(["git", "-C", str(shelf), "ls-files"],
                                              capture_output=True, text=True).stdout
+
+
+def test_redaction_bench_runs_and_its_corpus_stays_clean():
+    # bench/redaction.py must keep running; its own corpus is a regression check (no timing here)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "redaction.py"),
+                        "--n", "2", "--mb", "0.02", "--repeat", "1", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["recall_all"] >= 0.97 and result["fp_rate"] <= 0.01
