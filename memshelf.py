@@ -3044,6 +3044,7 @@ def _assignment_spans(sc, taken):
         if quoted and _is_description(value):
             continue
         if _not_a_secret(value, info, text[ks:ke]):
+            resume = ve if info[2] and ve - vs > 256 else resume   # a long run holds no keys
             continue
         kind = "aws-secret-key" if info[1] and _is_aws_secret(value) else "env-secret"
         if kind in sc.disable:
@@ -3200,16 +3201,17 @@ def _balanced_end(text, start):
 def _high_entropy(value):
     """A random-looking token: 14+ token characters with letters and digits, not word-shaped,
     3.0+ bits of Shannon entropy a character (measured: docs/redaction.md)."""
-    parts = [p for p in _WORD_SPLIT_RE.split(value) if p]
-    if not _TOKENISH_RE.match(value) or (len(parts) > 1 and all(map(_WORD_PART_RE.match, parts))):
+    if not _TOKENISH_RE.match(value):
         return False
     n = len(value)
-    counts = {ch: value.count(ch) for ch in set(value)}
-    return -sum(c / n * math.log2(c / n) for c in counts.values()) >= 3.0
+    if -sum(c / n * math.log2(c / n) for c in map(value.count, set(value))) < 3.0:
+        return False
+    parts = [p for p in _WORD_SPLIT_RE.split(value) if p]
+    return len(parts) < 2 or not all(map(_WORD_PART_RE.match, parts))
 
 
 def _not_a_secret(value, info, key):
-    if _is_placeholder(value) or (info[2] and not _high_entropy(value)):
+    if (info[2] and not _high_entropy(value)) or _is_placeholder(value):
         return True
     low = value.lower()
     if re.fullmatch(r"[0-9]{1,12}(?:\.[0-9]+)?", value) and not info[0]:
