@@ -2210,7 +2210,7 @@ class _Shapes:
         self.cli_flag = c(r"--((?:[a-z0-9]+-){0,3})(?:password|passwd|pass|token|api-key|apikey|"
                           r"secret|(key))(?![\w-])(=|[ \t]+)" + value)
         self.cli_user = c(r"(?<![\w-])(?:curl|wget|http)(?![\w-])[^\n|;&]{0,300}?[ \t]"
-                          r"(?:-u|--user)[ \t]+[\"']?([^\s:\"'<${]{1,128}):([^\s\"']{1,512})")
+                          r"(?:-u|--user)(?:[ \t]+|=)[\"']?([^\s:\"'<${]{0,128}):([^\s\"']{1,512})")
         self.npm_auth = c(r"(?i)_authToken[ \t]*=[ \t]*(\S{1,1024})")
         self.docker_auth = c(r"\"auth\"[ \t]*:[ \t]*\"([A-Za-z0-9+/]{8,4096}={0,2})\"")
         self.k8s_kind = c(r"(?m)^[ \t]*kind:[ \t]*[\"']?Secret[\"']?[ \t]*$")

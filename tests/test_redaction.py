@@ -1047,6 +1047,10 @@ def test_passwords_masked_to_their_real_end():
     assert redact("https://user:P@ss:w$rd!@db.acme.io/x\n")[0] == \
         "https://user:«redacted:connection-string»@db.acme.io/x\n"
     assert redact("run --password=P@ss:w/rd!% now\n")[0] == "run --password=«redacted:cli-password» now\n"
+    assert redact("curl --user=admin:Zx9kL2mQ7pW! https://x.acme.io\n")[0] == \
+        "curl --user=admin:«redacted:cli-password» https://x.acme.io\n"
+    assert redact('curl -u ":Zx9kL2mQ7pW" https://x.acme.io\n')[0] == \
+        'curl -u ":«redacted:cli-password»" https://x.acme.io\n'
 
 
 def _formats():
