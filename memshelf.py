@@ -1852,7 +1852,7 @@ import bisect
 
 REDACTION_KINDS = (
     "aws-access-key", "aws-secret-key", "gcp-api-key", "gcp-oauth-secret",
-    "azure-client-secret", "azure-storage-key", "azure-sas", "digitalocean-token",
+    "azure-client-secret", "azure-storage-key", "azure-sas", "azure-key", "digitalocean-token",
     "alibaba-access-key", "heroku-api-key", "databricks-token", "aws-api-key",
     "github-token", "gitlab-token", "bitbucket-token", "atlassian-token",
     "npm-token", "pypi-token", "docker-token", "artifactory-token",
@@ -1925,6 +1925,9 @@ _TOKEN_TABLE = (
      r"(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9_])"),
     ("gcp-api-key", ("AIza",), (0,), r"AIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])"),
     ("gcp-oauth-secret", ("GOCSPX-",), (0,), r"GOCSPX-[0-9A-Za-z_-]{28}(?![0-9A-Za-z_-])"),
+    ("azure-key", ("JQQJ9",), (52,),   # Microsoft's annotated keys (Azure OpenAI, Cognitive, …)
+     r"[A-Za-z0-9]{52}JQQJ9[9DH][A-Za-z0-9][A-L][A-Za-z0-9]{16}[A-Za-z][A-Za-z0-9]{7}"
+     r"(?:[A-Za-z0-9]{2}==)?(?![\w+/=])"),
     ("azure-client-secret", ("Q~",), (4,),
      r"[A-Za-z0-9_~.]{3}[0-9]Q~[A-Za-z0-9_~.-]{31,34}(?![A-Za-z0-9_~-]|\.[A-Za-z0-9_~-])"),
     ("digitalocean-token", ("dop_v1_", "doo_v1_", "dor_v1_"), (0,),
@@ -2000,8 +2003,8 @@ _TOKEN_TABLE = (
     ("saas-token", ("_mmk",), (36,), r"[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk(?![A-Za-z0-9_])"),
     ("saas-token", ("v1.0-",), (0,), r"v1\.0-[a-f0-9]{24}-[a-f0-9]{146}(?![A-Za-z0-9_])"),
     ("saas-token", ("api_org_",), (0,), r"api_org_[A-Za-z]{34}(?![A-Za-z0-9_])"),
-    ("saas-token", ("p8e-", "4b1d", "sm_aat_", "sm_pat_", "sm_sat_"), (0,),   # Adobe, ClickHouse,
-     r"(?:p8e-[A-Za-z0-9]{32}|4b1d[A-Za-z0-9]{38}|sm_[aps]at_[A-Za-z0-9]{16})(?![\w])"),  # SettleMint
+    ("saas-token", ("p8e-", "4b1d", "sm_aat_", "sm_pat_", "sm_sat_"), (0,),   # Adobe, ClickHouse
+     r"(?:p8e-[A-Za-z0-9]{32}|4b1d[A-Za-z0-9]{38}|sm_[aps]at_[A-Za-z0-9]{16})(?![\w])"),
     ("saas-token", ("pat",), (0,), r"pat[A-Za-z0-9]{14}\.[a-f0-9]{64}(?![\w])"),   # Airtable
     ("saas-token", ("API-",), (0,), r"API-[A-Z0-9]{26}(?![\w])"),   # Octopus Deploy
     ("notion-token", ("secret_",), (0,), r"secret_[A-Za-z0-9]{43}(?![A-Za-z0-9_])"),

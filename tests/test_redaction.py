@@ -447,6 +447,10 @@ def _corpus():
     v = "EAAC" + rand(ALNUM, 150)
     add("facebook-token", "url", f"GET https://graph.facebook.com/me?access_token={v}\n", [v],
         ["graph.facebook.com"])
+    v = rand(ALNUM, 52) + "JQQJ99" + rand(ALNUM, 1) + "B" + rand(ALNUM, 16) + "a" + rand(ALNUM, 7)
+    add("azure-key", "env", f"AZURE_OPENAI_API_KEY={v}\n", [v], ["AZURE_OPENAI_API_KEY="])
+    v = rand(ALNUM, 52) + "JQQJ9D" + rand(ALNUM, 1) + "C" + rand(ALNUM, 16) + "Q" + rand(ALNUM, 7) + "AA=="
+    add("azure-key", "prose", f"The Speech resource key {v} was rotated.\n", [v], ["was rotated"])
     v = "EAAM" + rand(ALNUM, 120)
     add("facebook-token", "log", f"page token {v} expired\n", [v], ["expired"])
     return s
