@@ -2461,12 +2461,11 @@ def _checksum_ok(value):
     """True/False for a format with a check, else None: GitHub's gh?_ / github_pat_ and npm_
     tokens end in the base62 CRC32 of the rest of the body; a PyPI token is base64url."""
     import base64
-    import binascii
     import zlib
     if value.startswith("pypi-"):
         try:
             return bool(base64.urlsafe_b64decode(value[5:] + "=" * (-len(value[5:]) % 4)))
-        except (binascii.Error, ValueError):
+        except ValueError:   # binascii.Error is one
             return False
     head = 11 if value.startswith("github_pat_") else 4
     if not value.startswith(("gh", "npm_")) or len(value) not in (40, 93):
@@ -3468,9 +3467,6 @@ def _tainted(text, spans, values):
     return sorted(spans + extra) if extra else spans
 
 
-_UNLEARNED = frozenset(("cli-password", "connection-string", "basic-auth"))
-
-
 def _taint_memory(root, learn=()):
     """(salt, {hash: kind}) or None: the masked values beyond one episode, in .memshelf/taint
     (local, never committed; salted SHA-256 prefixes of high-entropy token values, never a value;
@@ -3483,7 +3479,8 @@ def _taint_memory(root, learn=()):
     salt = lines[0] if lines and re.fullmatch(r"[0-9a-f]{32}", lines[0]) else os.urandom(16).hex()
     known = dict(line.split(" ") for line in lines[1:] if line.count(" ") == 1)
     fresh = {_taint_hash(salt, v): k for v, k in learn
-             if len(v) >= 20 and k not in _UNLEARNED and _high_entropy(v)}
+             if len(v) >= 20 and k not in ("cli-password", "connection-string", "basic-auth")
+             and _high_entropy(v)}
     if not fresh.keys() <= known.keys():
         known.update(fresh)
         os.makedirs(os.path.dirname(path), exist_ok=True)
