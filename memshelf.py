@@ -26,6 +26,7 @@ __version__ = "0.5.0"
 import collections
 import functools
 import json
+import math
 import operator
 import os
 import re
@@ -2442,13 +2443,14 @@ import bisect
 
 REDACTION_KINDS = (
     "aws-access-key", "aws-secret-key", "gcp-api-key", "gcp-oauth-secret",
-    "azure-client-secret", "azure-storage-key", "azure-sas", "digitalocean-token",
-    "alibaba-access-key", "heroku-api-key", "databricks-token",
+    "azure-client-secret", "azure-storage-key", "azure-sas", "azure-key", "digitalocean-token",
+    "alibaba-access-key", "heroku-api-key", "databricks-token", "aws-api-key",
     "github-token", "gitlab-token", "bitbucket-token", "atlassian-token",
     "npm-token", "pypi-token", "docker-token", "artifactory-token",
     "sonar-token", "vault-token", "terraform-token", "doppler-token", "pulumi-token",
     "postman-key", "grafana-token", "sentry-token", "newrelic-key", "dynatrace-token",
-    "linear-key", "notion-token",
+    "linear-key", "notion-token", "sourcegraph-token", "onepassword-key", "flyio-token",
+    "saas-token", "facebook-token",
     "slack-token", "slack-webhook", "discord-token", "discord-webhook", "telegram-token",
     "twilio-key", "sendgrid-key", "mailgun-key", "mailchimp-key",
     "stripe-key", "square-token", "shopify-token", "braintree-token",
@@ -2510,10 +2512,13 @@ def _mask(kind):
 # occurrence minus each offset (0 = the anchor is the token's literal prefix), so a text
 # that holds none of the anchors costs a handful of substring searches.
 _TOKEN_TABLE = (
-    ("aws-access-key", ("AKIA", "ASIA", "ABIA", "ACCA"), (0,),
-     r"(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9_])"),
+    ("aws-access-key", ("AKIA", "ASIA", "ABIA", "ACCA", "A3T"), (0,),
+     r"(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9_])"),
     ("gcp-api-key", ("AIza",), (0,), r"AIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])"),
     ("gcp-oauth-secret", ("GOCSPX-",), (0,), r"GOCSPX-[0-9A-Za-z_-]{28}(?![0-9A-Za-z_-])"),
+    ("azure-key", ("JQQJ9",), (52,),   # Microsoft's annotated keys (Azure OpenAI, Cognitive, …)
+     r"[A-Za-z0-9]{52}JQQJ9[9DH][A-Za-z0-9][A-L][A-Za-z0-9]{16}[A-Za-z][A-Za-z0-9]{7}"
+     r"(?:[A-Za-z0-9]{2}==)?(?![\w+/=])"),
     ("azure-client-secret", ("Q~",), (4,),
      r"[A-Za-z0-9_~.]{3}[0-9]Q~[A-Za-z0-9_~.-]{31,34}(?![A-Za-z0-9_~-]|\.[A-Za-z0-9_~-])"),
     ("digitalocean-token", ("dop_v1_", "doo_v1_", "dor_v1_"), (0,),
@@ -2521,14 +2526,20 @@ _TOKEN_TABLE = (
     ("alibaba-access-key", ("LTAI",), (0,), r"LTAI[A-Za-z0-9]{12,20}(?![A-Za-z0-9_])"),
     ("heroku-api-key", ("HRKU-AA",), (0,), r"HRKU-AA[0-9A-Za-z_-]{58}(?![0-9A-Za-z_-])"),
     ("databricks-token", ("dapi",), (0,), r"dapi[a-f0-9]{32}(?:-[0-9])?(?![A-Za-z0-9_])"),
+    ("aws-api-key", ("da2-",), (0,), r"da2-[a-z0-9]{26}(?![A-Za-z0-9_])"),   # AppSync
+    ("aws-api-key", ("ABSK", "bedrock-api-key-"), (0,),   # Bedrock, long- and short-lived
+     r"(?:ABSK[A-Za-z0-9+/]{109,269}={0,2}|bedrock-api-key-YmVkcm9jay5hbWF6b25hd3MuY29t"
+     r"[A-Za-z0-9+/%=_-]{20,4000})(?![A-Za-z0-9+/=_-])"),
     ("github-token", ("ghp_", "gho_", "ghu_", "ghs_", "ghr_"), (0,),
      r"gh[pousr]_[A-Za-z0-9]{36,255}(?![A-Za-z0-9_])"),
     ("github-token", ("github_pat_",), (0,), r"github_pat_[A-Za-z0-9_]{80,255}(?![A-Za-z0-9_])"),
     ("gitlab-token",
-     ("glpat-", "glptt-", "gldt-", "glrt-", "glcbt-", "glimt-", "gloas-", "glft-", "glsoat-"),
+     ("glpat-", "glptt-", "gldt-", "glrt-", "glcbt-", "glimt-", "gloas-", "glft-", "glsoat-",
+      "glagent-", "glffct-"),
      (0,),
-     r"gl(?:pat|ptt|dt|rt|cbt|imt|oas|ft|soat)-[0-9A-Za-z_.-]{19,400}[0-9A-Za-z_-]"
+     r"gl(?:pat|ptt|dt|rt|cbt|imt|oas|ft|soat|agent|ffct)-[0-9A-Za-z_.-]{19,400}[0-9A-Za-z_-]"
      r"(?![0-9A-Za-z_-]|\.[0-9A-Za-z_-])"),
+    ("gitlab-token", ("GR1348941",), (0,), r"GR1348941[\w-]{20}(?![\w-])"),
     ("bitbucket-token", ("ATBB",), (0,),
      r"ATBB[A-Za-z0-9_=.-]{31,400}[A-Za-z0-9_=-](?![A-Za-z0-9_=-]|\.[A-Za-z0-9_=-])"),
     ("atlassian-token", ("ATATT3",), (0,), r"ATATT3[A-Za-z0-9_=-]{180,2000}(?![A-Za-z0-9_=-])"),
@@ -2548,12 +2559,45 @@ _TOKEN_TABLE = (
     ("postman-key", ("PMAK-",), (0,), r"PMAK-[a-fA-F0-9]{24}-[a-fA-F0-9]{34}(?![A-Za-z0-9_])"),
     ("grafana-token", ("glc_",), (0,), r"glc_[A-Za-z0-9+/]{32,500}={0,2}(?![A-Za-z0-9+/=_])"),
     ("grafana-token", ("glsa_",), (0,), r"glsa_[A-Za-z0-9]{32}_[A-Fa-f0-9]{8}(?![A-Za-z0-9_])"),
+    ("grafana-token", ("eyJrIjoi",), (0,), r"eyJrIjoi[A-Za-z0-9]{70,400}={0,3}(?![\w+/=])"),
     ("sentry-token", ("sntrys_", "sntryu_"), (0,),
      r"sntry[su]_[A-Za-z0-9_+/=-]{40,1000}(?![A-Za-z0-9_+/=-])"),
     ("newrelic-key", ("NRAK-",), (0,), r"NRAK-[A-Z0-9]{27}(?![A-Za-z0-9_])"),
     ("dynatrace-token", ("dt0c01.",), (0,),
-     r"dt0c01\.[A-Z0-9]{24}\.[A-Z0-9]{64}(?![A-Za-z0-9_])"),
+     r"dt0c01\.[A-Za-z0-9]{24}\.[A-Za-z0-9]{64}(?![A-Za-z0-9_])"),
     ("linear-key", ("lin_api_",), (0,), r"lin_api_[A-Za-z0-9]{40}(?![A-Za-z0-9_])"),
+    ("sourcegraph-token", ("sgp_",), (0,),
+     r"sgp_(?:[a-fA-F0-9]{16}_|local_)?[a-fA-F0-9]{40}(?![A-Za-z0-9_])"),
+    ("onepassword-key", ("A3-",), (0,), r"A3-[A-Z0-9]{6}-(?:[A-Z0-9]{11}|[A-Z0-9]{6}-[A-Z0-9]{5})"
+     r"(?:-[A-Z0-9]{5}){3}(?![A-Za-z0-9_])"),
+    ("onepassword-key", ("ops_eyJ",), (0,), r"ops_eyJ[A-Za-z0-9+/]{250,5000}={0,3}(?![\w+/=])"),
+    ("flyio-token", ("fo1_", "fm1a_", "fm1r_", "fm2_"), (0,),
+     r"(?:fo1_[A-Za-z0-9_-]{43}|fm[12][ar]?_[A-Za-z0-9+/]{100,5000}={0,3})(?![A-Za-z0-9+/=_-])"),
+    # The long tail of prefixed service tokens, one format each (prefix, alphabet, length).
+    ("saas-token", ("pscale_tkn_", "pscale_pw_", "pscale_oauth_"), (0,),
+     r"pscale_(?:tkn|pw|oauth)_[A-Za-z0-9_=.-]{32,64}(?![A-Za-z0-9_=.-])"),
+    ("saas-token", ("pnu_",), (0,), r"pnu_[A-Za-z0-9]{36}(?![A-Za-z0-9_])"),
+    ("saas-token", ("rdme_",), (0,), r"rdme_[a-z0-9]{70}(?![A-Za-z0-9_])"),
+    ("saas-token", ("rubygems_",), (0,), r"rubygems_[a-f0-9]{48}(?![A-Za-z0-9_])"),
+    ("saas-token", ("shippo_live_", "shippo_test_"), (0,),
+     r"shippo_(?:live|test)_[a-fA-F0-9]{40}(?![A-Za-z0-9_])"),
+    ("saas-token", ("xkeysib-",), (0,), r"xkeysib-[a-f0-9]{64}-[A-Za-z0-9]{16}(?![A-Za-z0-9_])"),
+    ("saas-token", ("ico-",), (0,), r"ico-[A-Za-z0-9]{32}(?![A-Za-z0-9_])"),
+    ("saas-token", ("EZAK", "EZTK"), (0,), r"EZ[AT]K[A-Za-z0-9]{54}(?![A-Za-z0-9_])"),
+    ("saas-token", ("fio-u-",), (0,), r"fio-u-[A-Za-z0-9_=-]{64}(?![A-Za-z0-9_=-])"),
+    ("saas-token", ("sha256~",), (0,), r"sha256~[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"),
+    ("saas-token", ("tk-us-",), (0,), r"tk-us-[A-Za-z0-9_-]{48}(?![A-Za-z0-9_-])"),
+    ("saas-token", ("tfp_",), (0,), r"tfp_[A-Za-z0-9_.=-]{59}(?![A-Za-z0-9_.=-])"),
+    ("saas-token", ("duffel_live_", "duffel_test_"), (0,),
+     r"duffel_(?:live|test)_[A-Za-z0-9_=-]{43}(?![A-Za-z0-9_=-])"),
+    ("saas-token", ("CLOJARS_",), (0,), r"CLOJARS_[A-Za-z0-9]{60}(?![A-Za-z0-9_])"),
+    ("saas-token", ("_mmk",), (36,), r"[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk(?![A-Za-z0-9_])"),
+    ("saas-token", ("v1.0-",), (0,), r"v1\.0-[a-f0-9]{24}-[a-f0-9]{146}(?![A-Za-z0-9_])"),
+    ("saas-token", ("api_org_",), (0,), r"api_org_[A-Za-z]{34}(?![A-Za-z0-9_])"),
+    ("saas-token", ("p8e-", "4b1d", "sm_aat_", "sm_pat_", "sm_sat_"), (0,),   # Adobe, ClickHouse
+     r"(?:p8e-[A-Za-z0-9]{32}|4b1d[A-Za-z0-9]{38}|sm_[aps]at_[A-Za-z0-9]{16})(?![\w])"),
+    ("saas-token", ("pat",), (0,), r"pat[A-Za-z0-9]{14}\.[a-f0-9]{64}(?![\w])"),   # Airtable
+    ("saas-token", ("API-",), (0,), r"API-[A-Z0-9]{26}(?![\w])"),   # Octopus Deploy
     ("notion-token", ("secret_",), (0,), r"secret_[A-Za-z0-9]{43}(?![A-Za-z0-9_])"),
     ("notion-token", ("ntn_",), (0,), r"ntn_[0-9]{11}[A-Za-z0-9]{32,35}(?![A-Za-z0-9_])"),
     ("slack-token", ("xoxa-", "xoxb-", "xoxp-", "xoxo-", "xoxs-", "xoxr-", "xoxe-"), (0,),
@@ -2561,17 +2605,18 @@ _TOKEN_TABLE = (
     ("slack-token", ("xapp-",), (0,), r"xapp-[0-9]-[A-Za-z0-9-]{10,500}(?![A-Za-z0-9_-])"),
     ("telegram-token", (":AA",), (10, 9, 8),
      r"[0-9]{8,10}:AA[0-9A-Za-z_-]{33}(?![0-9A-Za-z_-])"),
-    ("twilio-key", ("SK",), (0,), r"SK[0-9a-f]{32}(?![A-Za-z0-9_])"),
+    ("twilio-key", ("SK",), (0,), r"SK[0-9a-fA-F]{32}(?![A-Za-z0-9_])"),
     ("sendgrid-key", ("SG.",), (0,),
-     r"SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"),
+     r"SG\.(?:[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}|[A-Za-z0-9=_.-]{66})(?![\w=.-])"),
     ("mailgun-key", ("key-",), (0,), r"key-[0-9a-f]{32}(?![A-Za-z0-9_])"),
     ("mailchimp-key", ("-us",), (32,), r"[0-9a-f]{32}-us[0-9]{1,2}(?![A-Za-z0-9_])"),
-    ("stripe-key", ("sk_live_", "sk_test_", "rk_live_", "rk_test_"), (0,),
-     r"[sr]k_(?:live|test)_[A-Za-z0-9]{10,99}(?![A-Za-z0-9_])"),
+    ("stripe-key", ("sk_live_", "sk_test_", "sk_prod_", "rk_live_", "rk_test_", "rk_prod_"), (0,),
+     r"[sr]k_(?:live|test|prod)_[A-Za-z0-9]{10,99}(?![A-Za-z0-9_])"),
     ("stripe-key", ("whsec_",), (0,), r"whsec_[A-Za-z0-9+/=]{32,200}(?![A-Za-z0-9_+/=])"),
     ("square-token", ("sq0atp-", "sq0csp-"), (0,),
      r"sq0(?:atp|csp)-[0-9A-Za-z_-]{22,60}(?![0-9A-Za-z_-])"),
-    ("square-token", ("EAAA",), (0,), r"EAAA[0-9A-Za-z_-]{60}(?![0-9A-Za-z_-])"),
+    ("square-token", ("EAAA",), (0,), r"EAAA[0-9A-Za-z_-]{22,60}(?![0-9A-Za-z_-])"),
+    ("facebook-token", ("EAAC", "EAAM"), (0,), r"EAA[CM][A-Za-z0-9]{100,1000}(?![A-Za-z0-9_])"),
     ("shopify-token", ("shpat_", "shpca_", "shppa_", "shpss_"), (0,),
      r"shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}(?![A-Za-z0-9_])"),
     ("braintree-token", ("access_token$production$",), (0,),
@@ -2632,6 +2677,16 @@ _TRIVIAL_VALUES = frozenset((
     "no", "on", "off", "undefined",
 ))
 _MASK_CHARS = frozenset("*xX•.-_#0…")
+# Words of examples and docs: `password=secret123`, `-u test:test`, `token=foobar1`.
+_DICTIONARY_RE = _re_lazy(r"(?:my|the|some)?(?:pass(?:word|wd)?|secret|token|test(?:ing)?|demo|"
+                          r"sample|foo|bar|baz|foobar|qwerty|letmein|changeit|hello|world|"
+                          r"abc|abcdef|user(?:name)?|apikey|key|value|string|xxx|yyy|zzz)"
+                          r"[-_]?(?:[0-9]{1,4}|!+)?\Z")
+# A format string or template slot in a value: "%s" % x, "{}".format, {{ var }}, ${VAR}.
+_TEMPLATE_SLOT_RE = _re_lazy(r"%(?:\([A-Za-z_]\w*\))?[-+ #0-9.]*[sdrfx]|\{[A-Za-z0-9_.]*\}|"
+                             r"\$\{[A-Za-z_]")
+_RUNS = "0123456789012345678901234567890abcdefghijklmnopqrstuvwxyz"
+_CAMEL_WORDS_RE = _re_lazy(r"[a-z]+(?:[A-Z][a-z]+){2,}\Z")
 _CODE_CALL_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)*\s*[(\[]")
 _CODE_PATH_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+\Z")
 _PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11})*[-_.]"
@@ -2643,10 +2698,21 @@ _KEYCH = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234567
 
 # Key words of the assignment rule (§ 3.3); found first, the key is then grown around them.
 _KEY_LEADS = (("pass", ""), ("pwd", ""), ("secret", ""), ("token", ""), ("credential", ""),
-              ("api", r"[-_.]?key"), ("access", r"[-_.]?key"), ("private", r"[-_.]?key"),
+              ("api", ""), ("access", ""), ("private", r"[-_.]?key"), ("key", ""), ("auth", ""),
+              ("sid", ""), ("creds", ""),
               ("session", r"[-_.]?key"), ("signing", r"[-_.]?key"),
               ("encryption", r"[-_.]?key"), ("master", r"[-_.]?key"))
-_KEY_GATES = ("pass", "pwd", "secret", "token", "credential", "key")
+_KEY_GATES = ("pass", "pwd", "secret", "token", "credential", "key", "api", "access", "auth",
+              "sid", "creds")
+# Rule (a), the generic credential rule: a key with one of these segments (algolia_key,
+# DATADOG_API, twilio_auth, sumo_access_id) holds a secret only when its value is high-entropy.
+_WEAK_KEYS = frozenset(("key", "keys", "api", "auth", "sid", "creds", "access"))
+_WEAK_NOT = frozenset(("public", "pub", "publishable", "cache", "sha", "hash", "checksum",
+                       "commit", "etag", "fingerprint", "idempotency", "partition", "sort",
+                       "primary", "foreign", "object", "lookup", "ssh", "gpg", "pgp"))
+# Word-shaped values (user_profile_cache_v2, userProfileCacheV2, com.acme.app) are names.
+_WORD_SPLIT_RE = _re_lazy(r"[_./-]+|(?<=[a-z0-9])(?=[A-Z])")
+_WORD_PART_RE = _re_lazy(r"(?:[A-Za-z][a-z]*[0-9]{0,3}|[0-9]{1,4}|[A-Z]{2,5})\Z")
 _KEY_WORDS = ("password", "passwd", "passphrase", "secret", "token", "credential", "pwd")
 _KEY_PLURALS = ("passwords", "credentials", "secrets")
 _KEY_COMPOUNDS = ("apikey", "accesskey", "privatekey", "sessionkey", "signingkey",
@@ -2670,7 +2736,7 @@ _CONFIG_FENCES = frozenset((
     "props", "json", "jsonc", "json5", "hcl", "tf", "tfvars", "k8s", "kubernetes", "helm",
     "compose", "docker-compose", "neon",
 ))
-_TOKENISH_RE = _re_lazy(r"(?=[^\n]*[A-Za-z])(?=[^\n]*[0-9])[A-Za-z0-9+/=_.~-]{16,}\Z")
+_TOKENISH_RE = _re_lazy(r"(?=[^\n]*[A-Za-z])(?=[^\n]*[0-9])[A-Za-z0-9+/=_.~-]{14,}\Z")
 
 
 class _Shapes:
@@ -2680,6 +2746,9 @@ class _Shapes:
         c = _re_lazy   # each pattern compiles on its first use; most texts touch few
         self.tokens = [(kind, tuple((a, _token_gate(a, offsets)) for a in anchors), offsets,
                         c(src)) for kind, anchors, offsets, src in _TOKEN_TABLE]
+        self.prefixes = tuple(a for _k, anchors, offsets, _s in _TOKEN_TABLE if offsets == (0,)
+                              for a in anchors)
+        self.token_run = c(r"[A-Za-z0-9+/_~.-]{20,}={0,2}")
         self.discord_gate = c(r"\.[A-Za-z0-9_-]{6}\.")
         self.discord_token = c(r"[MNO][A-Za-z0-9_-]{23,27}\.[A-Za-z0-9_-]{6}\."
                                r"[A-Za-z0-9_-]{27,40}(?![A-Za-z0-9_-])")
@@ -2696,6 +2765,9 @@ class _Shapes:
                                r"([A-Za-z0-9+/]{38,400}={0,2})(?![A-Za-z0-9+/=])")
         self.url_userinfo = c(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512})@"
                               r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
+        self.url_slashed = c(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512}"
+                             r"(?:/[^\s/@\"'<>`]{0,512}){1,8})@"
+                             r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
         self.conn_password = c(r"p(?:assword|wd)[ \t]*=[ \t]*")
         self.conn_marker = c(r"(?:^|[;?&\s\"'])(?:server|data source|host|hostaddr|hostname|"
                              r"database|dbname|initial catalog|uid|user id|user|username|"
@@ -2709,6 +2781,9 @@ class _Shapes:
         self.basic = c(r"(?i)basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})"
                        r"(?![A-Za-z0-9+/=])")
         self.header_name = c(r"(?i)" + "|".join(_HEADER_SUFFIXES))
+        self.authorization = c(r"(?i)authorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:(basic|token|"
+                               r"api-?key|sso-key|key)[ \t]+)?([A-Za-z0-9._~+/=-]{16,4096})"
+                               r"(?![A-Za-z0-9._~+/=-])")
         self.header_rest = c(r"[ \t]*:[ \t]*(\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'"
                              r"|[^\s\"',;]{1,1024})")
         self.cookie = c(r"(?i)(set-)?cookie[\"']?[ \t]*:[ \t]*[\"']?")
@@ -2726,11 +2801,10 @@ class _Shapes:
             c(r"(?<![\w-])(?:docker|podman|nerdctl|buildah|skopeo)[ \t]+(?:registry[ \t]+)?"
               r"login(?![\w-])[^\n|;&]{0,300}?[ \t]-p[ \t]+" + value),
         ]
-        self.cli_flag = c(r"--(?:password|passwd|pass|token|api-key|apikey|api-token|"
-                          r"auth-token|access-token|secret|client-secret)(?![\w-])(=|[ \t]+)"
-                          + value)
+        self.cli_flag = c(r"--((?:[a-z0-9]+-){0,3})(?:password|passwd|pass|token|api-key|apikey|"
+                          r"secret|(key))(?![\w-])(=|[ \t]+)" + value)
         self.cli_user = c(r"(?<![\w-])(?:curl|wget|http)(?![\w-])[^\n|;&]{0,300}?[ \t]"
-                          r"(?:-u|--user)[ \t]+[\"']?([^\s:\"']{1,128}):([^\s\"'@]{1,512})")
+                          r"(?:-u|--user)(?:[ \t]+|=)[\"']?([^\s:\"'<${]{0,128}):([^\s\"']{1,512})")
         self.npm_auth = c(r"(?i)_authToken[ \t]*=[ \t]*(\S{1,1024})")
         self.docker_auth = c(r"\"auth\"[ \t]*:[ \t]*\"([A-Za-z0-9+/]{8,4096}={0,2})\"")
         self.k8s_kind = c(r"(?m)^[ \t]*kind:[ \t]*[\"']?Secret[\"']?[ \t]*$")
@@ -2739,13 +2813,20 @@ class _Shapes:
         self.k8s_entry = c(r"([ \t]+)([\w.-]+)[ \t]*:[ \t]*(.*)")
         # One literal-led pattern per key word, run on the lower-cased text: the key word,
         # the rest of the key and a separator (prose that merely mentions a token fails fast).
-        key_tail = (r"[a-z0-9_.-]{0,128}(?:\\?[\"']\]?)?[ \t]*"
-                    r"(?::=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))")
+        # The loose tail of rule (a), for scanners' shapes (`var xToken string = "…"`, `::=`,
+        # `setProperty("X_TOKEN", "…")`, `xToken, err := "…"`): a quoted high-entropy value only.
+        loose = (r"(?:[ \t]+[A-Za-z_]\w{0,19}|[ \t]*,[ \t]*[A-Za-z_]\w{0,19}|\[\])?[ \t]*"
+                 r"(?:::?:?=|[?.|+]=|\|\|=?|[!=]==?|:=|=|:|,|\(|(?<=[ \t])(?=[\"']))[ \t]*")
+        self.loose_separator = c(loose)
+        key_tail = (r"[a-z0-9_.-]{0,128}(?:\\?[\"']\]?)?(?:[ \t]*"
+                    r"(?::=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))|" + loose + ")")
         self.php_define = c(r"(?i)(?<![\w$])define\([ \t]*(['\"])([A-Za-z0-9_]{1,128})\1"
                             r"[ \t]*,[ \t]*(['\"])((?:(?!\3)[^\n\\]|\\.){1,512})\3[ \t]*\)")
-        self.xml_element = c(r"<([A-Za-z][\w.:-]{0,64})>([^<>\n]{1,512})</\1>")
+        self.xml_element = c(r"<([A-Za-z][\w.:-]{0,64})>[ \t]*\n?[ \t]*([^<>\s][^<>\n]{0,511}?)"
+                             r"[ \t]*\n?[ \t]*</\1>")
         self.netrc = c(r"(?<![\w-])machine[ \t]+\S{1,256}(?:[ \t\n]+login[ \t]+\S{1,256})?[ \t\n]+"
                        r"password[ \t]+(\S{1,512})")
+        self.xml_add = c(r"<add[ \t]+key=\"([^\"\n]{1,128})\"[ \t]+value=\"([^\"\n]{1,1024})\"")
         self.k8s_env = c(r"(?m)^([ \t]*)-?[ \t]*name:[ \t]*[\"']?([A-Za-z_][A-Za-z0-9_.-]{0,127})"
                          r"[\"']?[ \t]*\r?\n[ \t]*value:[ \t]*(\S[^\n]{0,1023})")
         self.aws_configure = c(r"(?<![\w-])aws[ \t]+configure[ \t]+set[ \t]+([\w.]{1,128})[ \t]+"
@@ -2883,7 +2964,12 @@ def _is_placeholder(value):
     if not value or _MASK_PREFIX in value:
         return True
     low = value.lower()
-    if low in _TRIVIAL_VALUES or all(ch in _MASK_CHARS for ch in value):
+    if low in _TRIVIAL_VALUES or all(ch in _MASK_CHARS for ch in value) or \
+            len(set(low)) == 1 or _DICTIONARY_RE.match(low) or \
+            (_TEMPLATE_SLOT_RE.search(value) and
+             sum(map(str.isalnum, _TEMPLATE_SLOT_RE.sub("", value))) < 8) or \
+            (len(low) >= 4 and low in _RUNS) or (re.search(r"[-_.]", value) and
+                                                 _is_repeated_body(value, "")):
         return True
     if any(word in low for word in _PLACEHOLDER_WORDS):
         return True
@@ -2905,10 +2991,12 @@ def _is_placeholder(value):
 
 
 def _is_repeated_body(value, anchor):
-    """A prefixed token whose body is one repeated character (ghp_xxxx…) is a placeholder."""
+    """A token body of one repeated character (ghp_xxxx…) or a sequential run (xoxp-1234567890)
+    is a placeholder; camelCase words (hf_requiredCharacteristicTypes…) are an identifier."""
     body = value[len(anchor):] if value.startswith(anchor) else value
     longest = max(re.split(r"[-_.$]", body), key=len) if body else ""
-    return len(set(longest)) <= 1
+    return len(set(longest)) <= 1 or longest.lower() in _RUNS or \
+        _CAMEL_WORDS_RE.match(body) is not None
 
 
 # --- tier 1: prefixed tokens --------------------------------------------------------------
@@ -2940,7 +3028,11 @@ def _token_spans(sc):
                     m = rx.match(text, start)
                     if m:
                         value = m.group(0)
-                        if not (_is_placeholder_token(value) or _is_repeated_body(value, anchor)):
+                        check = _checksum_ok(value)
+                        if check or not (_is_placeholder_token(value) or
+                                         (check is False and
+                                          not _high_entropy(value[len(anchor):])) or
+                                         _is_repeated_body(value, anchor)):
                             out.append((m.start(), m.end(), kind))
                         break
                 at = text.find(anchor, at + 1)
@@ -2951,6 +3043,29 @@ def _token_spans(sc):
             if not _is_placeholder_token(m.group(0)):
                 out.append((m.start(), m.end(), "discord-token"))
     return out
+
+
+_BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def _checksum_ok(value):
+    """True/False for a format with a check, else None: GitHub's gh?_ / github_pat_ and npm_
+    tokens end in the base62 CRC32 of the rest of the body; a PyPI token is base64url."""
+    import base64
+    import zlib
+    if value.startswith("pypi-"):
+        try:
+            return bool(base64.urlsafe_b64decode(value[5:] + "=" * (-len(value[5:]) % 4)))
+        except ValueError:   # binascii.Error is one
+            return False
+    head = 11 if value.startswith("github_pat_") else 4
+    if not value.startswith(("gh", "npm_")) or len(value) not in (40, 93):
+        return None
+    crc, digits = zlib.crc32(value[head:-6].encode()), ""
+    while crc:
+        crc, r = divmod(crc, 62)
+        digits = _BASE62[r] + digits
+    return digits.rjust(6, "0") == value[-6:]
 
 
 def _long_runs(text):
@@ -3117,8 +3232,8 @@ def _url_spans(sc):
         while s > 0 and at - s < 30 and (text[s - 1].isalnum() or text[s - 1] in "+.-"):
             s -= 1
         if s < at and text[s].isalpha():
-            m = shapes.url_userinfo.match(text, at + 3)
-            if m:
+            m = shapes.url_userinfo.match(text, at + 3) or shapes.url_slashed.match(text, at + 3)
+            if m and not m.group(2).partition("/")[0].isdigit():   # host:port/path@x is no login
                 pw, host = m.group(2), m.group(3).lower()
                 if not _is_placeholder(pw) and not _example_host(host):
                     out.append((m.start(2), m.end(2), "connection-string"))
@@ -3185,6 +3300,12 @@ def _header_spans(sc):
             pair = _decode_user_password(m.group(1))
             if pair and not _is_placeholder(pair[1]):
                 out.append((m.start(1), m.end(1), "basic-auth"))
+    if "authorization" in words and "api-key-header" not in dis:
+        for m in _matches_at(sc, ("authorization",), shapes.authorization):
+            basic = (m.group(1) or "").lower() == "basic"   # a decodable pair: the Basic rule
+            if _high_entropy(m.group(2)) and not _is_header_placeholder(m.group(2)) and \
+                    not (basic and _decode_user_password(m.group(2))):
+                out.append((m.start(2), m.end(2), "basic-auth" if basic else "api-key-header"))
     if "api-key-header" not in dis and any(w in words for w in _HEADER_SUFFIXES):
         out.extend(_api_key_header_spans(sc))
     if "cookie" in words and "session-cookie" not in dis:
@@ -3333,17 +3454,19 @@ def _cli_spans(sc):
                 vs, ve = _strip_quotes(text, m.start(1), m.end(1))
                 if ve > vs and not _is_header_placeholder(text[vs:ve]):
                     out.append((vs, ve, "cli-password"))
-    flags = ("--pass", "--token", "--api", "--auth", "--access", "--secret", "--client")
-    if any(flag in words for flag in flags) and any(flag in text for flag in flags):
-        for m in shapes.cli_flag.finditer(text):
+    if "--" in text and any(w in words for w in ("pass", "token", "api", "secret", "key")):
+        for m in _finditer_from("--", shapes.cli_flag, text):
             if m.start() and (text[m.start() - 1].isalnum() or text[m.start() - 1] in "_-"):
                 continue
-            vs, ve = _strip_quotes(text, m.start(2), m.end(2))
+            vs, ve = _strip_quotes(text, m.start(4), m.end(4))
             value = text[vs:ve]
             if ve <= vs or value.startswith("-") or _is_header_placeholder(value):
                 continue
-            if m.group(1) != "=" and not _looks_like_token(value):
+            if m.group(3) != "=" and not _looks_like_token(value):
                 continue   # "use --password prompts" is prose, not a password
+            if m.group(1) + (m.group(2) or "") not in ("", "api-key", "api-", "auth-", "access-",
+                                                       "client-") and not _high_entropy(value):
+                continue   # --sort-key name; --adafruit-token takes a random value only
             out.append((vs, ve, "cli-password"))
     if ("curl" in words or "wget" in words or "http" in words) and \
             (" -u" in text or "--user" in text):
@@ -3423,6 +3546,11 @@ def _key_info(key):
             hit = i
         elif seg in ("key", "keys") and i and segs[i - 1] in _KEY_PAIR_HEADS:
             hit = i
+    weak = hit < 0 and not _WEAK_NOT.intersection(segs)
+    if weak:
+        hit = max((i for i, seg in enumerate(segs) if seg in _WEAK_KEYS), default=-1)
+        if segs[hit:hit + 2] == ["access", "id"]:
+            hit += 1   # Sumo Logic, Alibaba: the access id is half of the credential
     info = None
     if hit >= 0 and not any(seg in _KEY_META for seg in segs[hit + 1:]) and \
             key.lower() not in _SHELL_PWD_KEYS:
@@ -3432,7 +3560,7 @@ def _key_info(key):
         joined = "".join(segs)
         aws = ("aws" in segs or joined.startswith("aws")) and "secret" in joined or \
             "secretaccesskey" in joined
-        info = (password, aws)
+        info = (password and not weak, aws, len(segs) if weak else 0)
     if len(_key_cache) > 4096:
         _key_cache.clear()
     _key_cache[key] = info
@@ -3444,7 +3572,7 @@ def _assignment_spans(sc, taken):
     if "env-secret" in sc.disable and "aws-secret-key" in sc.disable:
         return out
     words = sc.words   # the key words are a-z only: a cheaper look than the text
-    if ("=" not in text and ":" not in text) or not any(g in words for g in _KEY_GATES):
+    if not any(g in words for g in _KEY_GATES):
         return out
     n = len(text)
     resume = 0
@@ -3483,19 +3611,24 @@ def _assignment_spans(sc, taken):
             key_quoted = True   # JSON inside a string, as logs print it: {\"password\":\"…\"}
             pos += 2
         sep = shapes.separator.match(text, pos)
-        if not sep:
+        loose = None if sep else shapes.loose_separator.match(text, pos)
+        if not (sep or loose):
             continue
-        read = _read_value(text, sep.end(), ks > 0 and text[ks - 1] in "?&")
+        read = _read_value(text, (sep or loose).end(), ks > 0 and text[ks - 1] in "?&")
         if read is None:
             continue
         vs, ve, quoted = read
         value = text[vs:ve]
-        op = sep.group(1)
+        if loose and not (quoted and _high_entropy(value)):
+            continue
+        op = sep.group(1) if sep else "="
         if op in (":", "=>") and not (quoted or key_quoted or sc.in_config_fence(ks)):
             # Prose such as "Password: reset flow decided" is no assignment; a lone
-            # token-shaped value ending its line still is.
-            if op == "=>" or not _ends_line(text, ve) or \
-                    not (_TOKENISH_RE.match(value) or (info[1] and _is_aws_secret(value))):
+            # token-shaped value ending its line (or a quoted 'apikey: …' header) still is.
+            if op == "=>" or not (_ends_line(text, ve) or quote and text.startswith(quote, ve)) \
+                    or info[2] == 1 or \
+                    not ((len(value) >= 16 and _TOKENISH_RE.match(value)) or
+                         (info[1] and _is_aws_secret(value))):
                 continue
         if key_quoted and not quoted and re.fullmatch(r"[a-z_][a-z_]*", value):
             continue   # {'password': pw} passes a variable; JSON would quote a literal
@@ -3504,6 +3637,7 @@ def _assignment_spans(sc, taken):
         if quoted and _is_description(value):
             continue
         if _not_a_secret(value, info, text[ks:ke]):
+            resume = ve if info[2] and ve - vs > 256 else resume   # a long run holds no keys
             continue
         kind = "aws-secret-key" if info[1] and _is_aws_secret(value) else "env-secret"
         if kind in sc.disable:
@@ -3533,7 +3667,7 @@ def _is_code_value(value, separator, sc, key_start, op):
         if paren > 0 and (head[paren - 1].isalnum() or head[paren - 1] == "_") and \
                 ")" not in head[paren:]:
             return True   # f(api_key=key, token=tok): an argument passes a variable on
-    if not (separator[:1] in " \t" and separator[-1:] in " \t"):
+    if not (separator[:1] in " \t" and separator[-1:] in " \t") or _high_entropy(value):
         return False
     if value in _CODE_WORDS or _CODE_EXPRESSION_RE.match(value):
         return True
@@ -3563,6 +3697,8 @@ def _assignment_form_spans(sc):
         for m in shapes.k8s_env.finditer(text):
             vs, ve = _strip_quotes(text, m.start(3), m.start(3) + len(m.group(3).rstrip()))
             found.append((m.group(2), vs, ve))
+    if "<add" in low:   # .NET / NuGet config: <add key="ApiKey" value="…" />
+        found.extend((m.group(1), m.start(2), m.end(2)) for m in shapes.xml_add.finditer(text))
     if "configure" in words and "aws configure" in low:
         found.extend((m.group(1), m.start(2), m.end(2))
                      for m in shapes.aws_configure.finditer(text))
@@ -3655,8 +3791,20 @@ def _balanced_end(text, start):
     return start
 
 
+def _high_entropy(value):
+    """A random-looking token: 14+ token characters with letters and digits, not word-shaped,
+    3.0+ bits of Shannon entropy a character (measured: docs/redaction.md)."""
+    if not _TOKENISH_RE.match(value):
+        return False
+    n = len(value)
+    if -sum(c / n * math.log2(c / n) for c in map(value.count, set(value))) < 3.0:
+        return False
+    parts = [p for p in _WORD_SPLIT_RE.split(value) if p]
+    return len(parts) < 2 or not all(map(_WORD_PART_RE.match, parts))
+
+
 def _not_a_secret(value, info, key):
-    if _is_placeholder(value):
+    if (info[2] and not _high_entropy(value)) or _is_placeholder(value):
         return True
     low = value.lower()
     if re.fullmatch(r"[0-9]{1,12}(?:\.[0-9]+)?", value) and not info[0]:
@@ -3865,12 +4013,95 @@ def _map_back(pos, moves):
     return old_s if pos < new_e else old_e + (pos - new_e)
 
 
-def _run(text, rules, disable, legacy_compat, rewrite):
-    """(redacted text or None, [(start, end, kind)] in original coordinates, the scan)."""
+def _detect(text, rules, disable):
     if not isinstance(text, str):
         raise TypeError("redaction works on str")
     sc = _Scan(text, frozenset(disable or ()))
-    spans = _select(sc, rules)
+    return sc, _select(sc, rules)
+
+
+def _taint_values(text, spans, into):
+    """The detected values worth masking wherever they recur: 8+ characters, and not a lone
+    short word (a password `postgres` must not mask every mention of the database)."""
+    for start, end, kind in spans:
+        value = text[start:end]
+        if len(value) >= 8 and (len(value) >= 12 or not value.isalpha()) and \
+                not value.startswith(_shapes().prefixes):   # the token tier finds each of those
+            into.setdefault(value, kind)
+    return into
+
+
+def _tainted(text, spans, values):
+    """spans plus every other occurrence of a detected value (the taint pass), except where a
+    word-shaped end of the value is glued to a word character."""
+    if not values:
+        return spans
+    taken = _Taken()
+    for start, end, _kind in spans:
+        taken.add(start, end)
+    if _MASK_PREFIX in text:
+        for m in _MASK_RE.finditer(text):
+            if taken.free(m.start(), m.end()):
+                taken.add(m.start(), m.end())
+    extra = []
+    for value in sorted(values, key=len, reverse=True):
+        at = text.find(value)
+        while at >= 0:
+            end = at + len(value)
+            left, right = text[at - 1:at] if at else "", text[end:end + 1]
+            glued = (value[0].isalnum() and (left.isalnum() or left == "_")) or \
+                (value[-1].isalnum() and (right.isalnum() or right == "_"))
+            if not glued and taken.free(at, end):
+                taken.add(at, end)
+                extra.append((at, end, values[value]))
+            at = text.find(value, at + 1)
+    return sorted(spans + extra) if extra else spans
+
+
+def _taint_memory(root, learn=()):
+    """(salt, {hash: kind}) or None: the masked values beyond one episode, in .memshelf/taint
+    (local, never committed; salted SHA-256 prefixes of high-entropy token values, never a value;
+    docs/redaction.md, threat model). `learn` [(value, kind)] adds to it first."""
+    path = os.path.join(root, ".memshelf", "taint")
+    try:
+        lines = _read_text(path).split("\n")
+    except (OSError, ShelfError):
+        lines = []
+    salt = lines[0] if lines and re.fullmatch(r"[0-9a-f]{32}", lines[0]) else os.urandom(16).hex()
+    known = dict(line.split(" ") for line in lines[1:] if line.count(" ") == 1)
+    fresh = {_taint_hash(salt, v): k for v, k in learn
+             if len(v) >= 20 and k not in ("cli-password", "connection-string", "basic-auth")
+             and _high_entropy(v)}
+    if not fresh.keys() <= known.keys():
+        known.update(fresh)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _atomic_write(path, salt + "\n" + "".join(f"{h} {k}\n" for h, k in known.items()))
+    return (salt, known) if known else None
+
+
+def _taint_hash(salt, value):
+    import hashlib
+    return hashlib.sha256((salt + value).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _taint_found(text, memory):
+    """{value: kind} of the token-shaped runs of text that this shelf masked before."""
+    found = {}
+    for m in _shapes().token_run.finditer(text) if memory else ():
+        for value in {m.group(0), m.group(0).rstrip(".-")}:
+            kind = memory[1].get(_taint_hash(memory[0], value))
+            if kind:
+                found[value] = kind
+    return found
+
+
+def _run(text, rules, disable, legacy_compat, rewrite, found=None, values=None, memory=None):
+    """(redacted text or None, [(start, end, kind)] in original coordinates, the scan);
+    `found` is _detect's answer when the caller has it, `values` the taint of other parts,
+    `memory` the shelf's _taint_memory."""
+    sc, spans = found or _detect(text, rules, disable)
+    values = dict(values or {}, **_taint_found(text, memory))
+    spans = _tainted(text, spans, _taint_values(text, spans, values))
     out = None
     if rewrite or legacy_compat:
         out, moves = _rewrite(text, spans) if spans else (text, [])
@@ -3910,20 +4141,44 @@ def _finish_report(counts, hits):
     return {"total": total, "counts": counts, "summary": summary, "hits": hits}
 
 
-def redact(text, rules=None, *, disable=(), legacy_compat=False, part="text"):
+def redact(text, rules=None, *, disable=(), legacy_compat=False, part="text", memory=None):
     """Mask every credential-shaped string: (redacted_text, report). The report holds kinds,
     parts and line numbers, never a value. Idempotent."""
-    out, spans, sc = _run(text, rules, disable, legacy_compat, True)
+    out, spans, sc = _run(text, rules, disable, legacy_compat, True, memory=memory)
     if not spans:
         return text, _finish_report({}, [])
     return out, _report([(kind, sc.line_of(start)) for start, _end, kind in spans], part)
 
 
-def find_secrets(text, rules=None, *, disable=(), legacy_compat=False):
+def find_secrets(text, rules=None, *, disable=(), legacy_compat=False, memory=None):
     """The same detection as redact, without rewriting: [{kind, line, start, end}]."""
-    _out, spans, sc = _run(text, rules, disable, legacy_compat, False)
+    _out, spans, sc = _run(text, rules, disable, legacy_compat, False, memory=memory)
     return [{"kind": kind, "line": sc.line_of(start), "start": start, "end": end}
             for start, end, kind in spans]
+
+
+def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False, memory=None,
+                 learned=None):
+    """Redact the parts of one episode together: [(part, text or None)] -> ([text or None],
+    merged report). A value detected in any part is masked in every part (the taint pass);
+    `learned`, a list, receives the (value, kind) pairs for the shelf's _taint_memory."""
+    found = [None if t is None else _detect(t, rules, disable) for _p, t in parts]
+    values = {}
+    for (_part, text), hit in zip(parts, found):
+        if hit:
+            _taint_values(text, hit[1], values)
+            values.update(_taint_found(text, memory))
+    if learned is not None:
+        learned.extend(values.items())
+    outs, reports = [], []
+    for (part, text), hit in zip(parts, found):
+        if text is None:
+            outs.append(None)
+            continue
+        out, spans, sc = _run(text, rules, disable, legacy_compat, True, hit, values)
+        outs.append(out)
+        reports.append(_report([(kind, sc.line_of(s)) for s, _e, kind in spans], part))
+    return outs, merge_redaction_reports(reports)
 
 
 def merge_redaction_reports(reports):
@@ -5668,7 +5923,7 @@ def _redaction_switches(root):
     cfg = cfg if isinstance(cfg, dict) else {}
     disable = cfg.get("disable") if isinstance(cfg.get("disable"), list) else []
     return {"disable": tuple(x for x in disable if isinstance(x, str)),
-            "legacy_compat": cfg.get("legacy_compat") is True}
+            "legacy_compat": cfg.get("legacy_compat") is True, "memory": _taint_memory(root)}
 
 
 def _context_window(root, override=None):
@@ -6119,20 +6374,15 @@ def _shelve_locked(root, a):
     rules, problems = _shelf_policy(root)
     for p in problems:
         warnings.append(f"POLICY.patterns: line {p['line']}: {p['reason']}")
-    switches = _redaction_switches(root)
-    reports = []
-
-    def clean(text, part):
-        if text is None:
-            return None
-        out, rep = redact(text, rules, part=part, **switches)
-        reports.append(rep)
-        return out
-    digest = clean(a["digest"], "digest")
-    sections = [(n, clean(t, f"section:{n}")) for n, t in a["section_list"]]
-    free = {k: clean(a[k], k) for k in ("display_title", "description", "notes", "session",
-                                          "agent", "model")}
-    redaction = merge_redaction_reports(reports)
+    fields = ("display_title", "description", "notes", "session", "agent", "model")
+    learned = []
+    outs, redaction = redact_parts([("digest", a["digest"])] +
+                                   [(f"section:{n}", t) for n, t in a["section_list"]] +
+                                   [(k, a[k]) for k in fields], rules, learned=learned,
+                                   **_redaction_switches(root))
+    digest = outs[0]
+    sections = [(n, t) for (n, _), t in zip(a["section_list"], outs[1:])]
+    free = dict(zip(fields, outs[-len(fields):]))
     # 6. the digest contract
     digest, demoted = _demote_headings(digest.strip())
     report = validate_digest(digest, patterns=rules, strict=a["strict"])
@@ -6165,8 +6415,12 @@ def _shelve_locked(root, a):
             raise ShelfError("section-not-found", f"{slug} has no section to drop: "
                              + ", ".join(sorted(unknown)) + "; it has: "
                              + ", ".join(h for h, _ in olds), "drop one of the listed sections")
+        kept = [(h, t) for h, t in olds if h.casefold() not in drop and h.casefold() not in new]
+        # kept sections meet today's rules too
+        kept = dict(zip((h for h, _ in kept), redact_parts(
+            [(f"section:{h}", t) for h, t in kept], rules, **_redaction_switches(root))[0]))
         sections = _canonical_sections(
-            [new.pop(h.casefold(), (h, clean(t, f"section:{h}"))) for h, t in olds
+            [new.pop(h.casefold(), (h, kept.get(h))) for h, t in olds
              if h.casefold() not in drop] + list(new.values()))
     date = a["date"] or (old_fields.get("date") if _is_iso_date(old_fields.get("date")) else None) \
         or (slug[:10] if _is_iso_date(slug[:10]) else None) or _today()
@@ -6266,6 +6520,7 @@ def _shelve_locked(root, a):
     except BaseException:
         journal.restore()
         raise
+    _taint_memory(root, learned)   # masked values beyond this episode (docs/redaction.md)
     if mode == "auto":
         _remember_render(root, rendered)
     # 13. push / publish (git-and-sync.md § 7)
@@ -9996,22 +10251,18 @@ def _rollup_locked(root, a):
     rules, problems = _shelf_policy(root)
     for p in problems:
         warnings.append(f"POLICY.patterns: line {p['line']}: {p['reason']}")
-    switches = _redaction_switches(root)
-    reports = []
-
-    def clean(text, part):
-        out, rep = redact(text, rules, part=part, **switches)
-        reports.append(rep)
-        return out
-    digest, demoted = _demote_headings(clean(a["digest"], "digest").strip())
+    outs, redaction = redact_parts([("digest", a["digest"])] +
+                                   [(f"section:{n}", b) for n, b in a["sections"]] +
+                                   [("display_title", a["display_title"] or None)], rules,
+                                   **_redaction_switches(root))
+    digest, demoted = _demote_headings(outs[0].strip())
     sections = []
-    for name, body in a["sections"]:
-        body, n = _demote_headings(clean(body, f"section:{name}").strip())
+    for (name, _), body in zip(a["sections"], outs[1:]):
+        body, n = _demote_headings(body.strip())
         demoted += n
         if body:
             sections.append((name, body))
-    title = clean(a["display_title"], "display_title") if a["display_title"] else None
-    redaction = merge_redaction_reports(reports)
+    title = outs[-1]
     if demoted:
         warnings.append(f"{demoted} '## ' line(s) inside bodies were demoted to '### ' so the "
                         "section structure stays as written")
@@ -10692,14 +10943,13 @@ def _redact_transcript(conv, enabled):
     """Mask credentials in the title and every message; returns the merged report."""
     if not enabled:
         return None
-    reports = []
-    title, rep = redact(conv["title"] or "", part="title")
-    reports.append(rep)
-    conv["title"] = title
-    for n, msg in enumerate(conv["messages"], 1):
-        msg["text"], rep = redact(msg["text"], part=f"message:{n}")
-        reports.append(rep)
-    return merge_redaction_reports(reports)
+    outs, report = redact_parts([("title", conv["title"] or "")] +
+                                [(f"message:{n}", m["text"]) for n, m in
+                                 enumerate(conv["messages"], 1)])
+    conv["title"] = outs[0]
+    for msg, text in zip(conv["messages"], outs[1:]):
+        msg["text"] = text
+    return report
 
 
 def _import_output_path(out, conv):

@@ -3,9 +3,13 @@ secret, precedence and the quote rule, the report, POLICY.patterns, the per-shel
 and memshelf-mcp 0.4.0 compatibility (shelf-format.md § 13)."""
 
 import base64
+import json
+import os
 import random
 import re
 import string
+import subprocess
+import sys
 
 import pytest
 
@@ -144,7 +148,7 @@ def _corpus():
     add("atlassian-token", "yaml", f"```yaml\njira:\n  api_token: {v}\n```\n", [v], ["api_token:"])
 
     v = "npm_" + rand(ALNUM, 36)
-    add("npm-token", "npmrc", f"//registry.npmjs.org/:_authToken={v}\n", [v], ["_authToken="])
+    add("npm-token", "npmrc", f"//registry.npm.example/:_authToken={v}\n", [v], ["_authToken="])
     v = rand(HEX, 8) + "-" + rand(HEX, 4) + "-" + rand(HEX, 4) + "-" + rand(HEX, 4) + "-" + rand(HEX, 12)
     add("npm-token", "npmrc", f"registry=https://npm.acme.io/\n//npm.acme.io/:_authToken={v}\n", [v],
         ["registry=https://npm.acme.io/"])
@@ -240,7 +244,7 @@ def _corpus():
     add("telegram-token", "url", f"GET https://api.telegram.org/bot{v}/getUpdates\n", [v], ["getUpdates"])
     v = "SK" + rand(HEX, 32)
     add("twilio-key", "env", f"TWILIO_API_KEY={v}\nTWILIO_ACCOUNT_SID=AC{rand(HEX, 32)}\n", [v],
-        ["TWILIO_ACCOUNT_SID=AC"])
+        ["TWILIO_ACCOUNT_SID="])
     v = "SK" + rand(HEX, 32)
     add("twilio-key", "code", f'client = Client("{v}", api_secret, account_sid)\n', [v], ["api_secret"])
     v = rand(HEX, 32)
@@ -420,6 +424,35 @@ def _corpus():
     v = rand(ALNUM + "/+", 40)
     add("aws-secret-key", "shell", f"aws configure set aws_secret_access_key {v}\n", [v],
         ["aws configure set aws_secret_access_key "])
+    v = "da2-" + rand(LOWER + DIGITS, 26)
+    add("aws-api-key", "json", '{"aws_appsync_apiKey": "%s"}\n' % v, [v], ["aws_appsync_apiKey"])
+    v = "ABSK" + rand(B64, 128)
+    add("aws-api-key", "prose", f"Bedrock key {v} was revoked.\n", [v], ["Bedrock key"])
+    v = "sgp_" + rand(HEX, 16) + "_" + rand(HEX, 40)
+    add("sourcegraph-token", "shell", f"export SRC_ACCESS_TOKEN={v}\n", [v], ["SRC_ACCESS_TOKEN"])
+    v = "sgp_" + rand(HEX, 40)
+    add("sourcegraph-token", "http", f"src search -token {v} 'repo:x'\n", [v], ["src search"])
+    v = "A3-" + "-".join(rand(UPPER + DIGITS, n) for n in (6, 11, 5, 5, 5))
+    add("onepassword-key", "prose", f"The emergency kit lists {v} as the secret key.\n", [v])
+    v = "A3-" + "-".join(rand(UPPER + DIGITS, n) for n in (6, 6, 5, 5, 5, 5))
+    add("onepassword-key", "yaml", f"```yaml\nop:\n  key: {v}\n```\n", [v], ["op:"])
+    v = "fm2_" + rand(B64, 140)
+    add("flyio-token", "shell", f"flyctl deploy --access-token {v}\n", [v], ["flyctl deploy"])
+    v = "fo1_" + rand(URLSAFE, 43)
+    add("flyio-token", "env", f"FLY_API_TOKEN={v}\n", [v], ["FLY_API_TOKEN="])
+    v = "pscale_tkn_" + rand(ALNUM, 43)
+    add("saas-token", "env", f"PLANETSCALE_TOKEN={v}\n", [v], ["PLANETSCALE_TOKEN="])
+    v = "rubygems_" + rand(HEX, 48)
+    add("saas-token", "prose", f"gem push used {v} from ~/.gem/credentials.\n", [v], ["gem push"])
+    v = "EAAC" + rand(ALNUM, 150)
+    add("facebook-token", "url", f"GET https://graph.facebook.com/me?access_token={v}\n", [v],
+        ["graph.facebook.com"])
+    v = rand(ALNUM, 52) + "JQQJ99" + rand(ALNUM, 1) + "B" + rand(ALNUM, 16) + "a" + rand(ALNUM, 7)
+    add("azure-key", "env", f"AZURE_OPENAI_API_KEY={v}\n", [v], ["AZURE_OPENAI_API_KEY="])
+    v = rand(ALNUM, 52) + "JQQJ9D" + rand(ALNUM, 1) + "C" + rand(ALNUM, 16) + "Q" + rand(ALNUM, 7) + "AA=="
+    add("azure-key", "prose", f"The Speech resource key {v} was rotated.\n", [v], ["was rotated"])
+    v = "EAAM" + rand(ALNUM, 120)
+    add("facebook-token", "log", f"page token {v} expired\n", [v], ["expired"])
     return s
 
 
@@ -636,8 +669,10 @@ def test_example_host_and_placeholders_in_urls():
 
 def test_digits_only_rule_depends_on_the_key():
     assert redact("API_TOKEN=123456\n")[1]["total"] == 0
-    assert redact("DB_PASSWORD=123456\n")[0] == "DB_PASSWORD=«redacted:env-secret»\n"
-    assert redact("TOKEN=1234567890123\n")[0] == "TOKEN=«redacted:env-secret»\n"
+    assert redact("DB_PASSWORD=482913\n")[0] == "DB_PASSWORD=«redacted:env-secret»\n"
+    assert redact("TOKEN=8273645190283\n")[0] == "TOKEN=«redacted:env-secret»\n"
+    # sequential digits are a placeholder (issue 19)
+    assert redact("DB_PASSWORD=123456\nTOKEN=1234567890123\n")[1]["total"] == 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -945,9 +980,270 @@ def test_prefilters_read_keywords_in_any_case():
         f"MYSQL -u root -p{secret}": None,
         f"mysql -u root -p{secret}": "cli-password",
         f"Server=db;Database=app;PASSWORD={secret};": "connection-string",
-        f"//registry.npmjs.org/:_AUTHTOKEN={secret}": "npm-token",
+        f"//registry.npm.example/:_AUTHTOKEN={secret}": "npm-token",
         f"curl --TOKEN {secret}": None,
         f"curl --token {secret}": "cli-password",
     }
     for text, kind in cases.items():
         assert [h["kind"] for h in find_secrets(text)] == ([kind] if kind else []), text
+
+
+# ------------------------------------------------------------------------------------------
+# Taint: a value found once is masked at every occurrence, in every part
+# ------------------------------------------------------------------------------------------
+
+def test_repeated_secret_masked_in_every_part_of_a_shelved_episode(shelf, cli):
+    value = rand(ALNUM, 24)
+    r = cli("shelve", "--shelf", shelf, "--slug", "2026-07-22-token-leak", "--kind", "topic",
+                "--digest", f"Dana rotated the API token {value} after the leak. Open: audit.",
+                "--section", f"Decisions=export API_TOKEN={value}\nlater the log printed {value}",
+                "--section", f"Notes=old value {value}.", "--description", f"Token {value} rotated",
+                "--notes", f"was {value}", "--display-title", f"Leak of {value}",
+                "--session", f"s-{value}", "--json")
+    assert r.code == 0, r
+    assert r.json()["redaction"]["counts"] == {"env-secret": 8}
+    text = (shelf / "docs" / "topics" / "2026-07-22-token-leak.md").read_text()
+    assert value not in text and text.count("«redacted:env-secret»") == 8
+    for root, _dirs, files in os.walk(shelf):
+        for name in files if ".git" not in root else ():
+            with open(os.path.join(root, name), errors="replace") as f:
+                assert value not in f.read(), name
+
+
+def test_taint_in_redact_find_secrets_and_policy_rules():
+    value = "Zt9" + rand(ALNUM, 17)
+    text = f"DB_PASSWORD='{value}'\nthe log said {value}; retry with ({value})\n"
+    out, report = redact(text)
+    assert value not in out and report["counts"] == {"env-secret": 3}
+    assert [f["line"] for f in find_secrets(text)] == [1, 2, 2]
+    # inside a longer word it is another value; a lone short word is never tainted
+    assert redact(f"password={value}\nx{value}y\n")[0] == f"password=«redacted:env-secret»\nx{value}y\n"
+    assert redact("https://u:postgres@db.acme.io/x\npostgres is up\n")[0] == \
+        "https://u:«redacted:connection-string»@db.acme.io/x\npostgres is up\n"
+    rules, _ = load_policy_patterns("ticket (?<=ticket: )[A-Z0-9]{10}\n")
+    out, report = redact("ticket: AB12CD34EF\nagain AB12CD34EF\n", rules)
+    assert out == "ticket: «redacted:ticket»\nagain «redacted:ticket»\n"
+
+
+def test_redact_parts_share_the_taint():
+    value = rand(ALNUM, 20) + "7"
+    outs, report = memshelf.redact_parts([("digest", f"saw {value}"), ("notes", None),
+                                         ("section:Raw", f"export SECRET_KEY={value}\n")])
+    assert outs == ["saw «redacted:env-secret»", None, "export SECRET_KEY=«redacted:env-secret»\n"]
+    assert report["hits"] == [{"kind": "env-secret", "part": "digest", "line": 1},
+                              {"kind": "env-secret", "part": "section:Raw", "line": 1}]
+    # idempotent as a whole
+    assert memshelf.redact_parts([("a", o) for o in outs if o])[1]["total"] == 0
+
+
+# ------------------------------------------------------------------------------------------
+# Whole values, the formats of issue 19 (positive and near miss) and its false positives
+# ------------------------------------------------------------------------------------------
+
+def test_passwords_masked_to_their_real_end():
+    assert redact("curl -u elastic:P@ssw0rd$1 https://es.acme.io:9200/_cat\n")[0] == \
+        "curl -u elastic:«redacted:cli-password» https://es.acme.io:9200/_cat\n"
+    assert redact("curl -u user:P@ss$word! https://x.acme.io\n")[0] == \
+        "curl -u user:«redacted:cli-password» https://x.acme.io\n"
+    assert redact("curl --user 'ops:a%b:c/d@e' https://x.acme.io\n")[0] == \
+        "curl --user 'ops:«redacted:cli-password»' https://x.acme.io\n"
+    # the URL's @host boundary is the last @ before the host
+    assert redact("https://user:P@ss:w$rd!@db.acme.io/x\n")[0] == \
+        "https://user:«redacted:connection-string»@db.acme.io/x\n"
+    assert redact("run --password=P@ss:w/rd!% now\n")[0] == "run --password=«redacted:cli-password» now\n"
+    assert redact("curl --user=admin:Zx9kL2mQ7pW! https://x.acme.io\n")[0] == \
+        "curl --user=admin:«redacted:cli-password» https://x.acme.io\n"
+    assert redact('curl -u ":Zx9kL2mQ7pW" https://x.acme.io\n')[0] == \
+        'curl -u ":«redacted:cli-password»" https://x.acme.io\n'
+
+
+def _formats():
+    """(positive text, the secret in it, a near miss that stays byte for byte)."""
+    out = []
+
+    def add(template, secret, near_miss):
+        out.append((template.replace("@", secret), secret, near_miss))
+    add('"SecretAccessKey": "@"', rand(B64, 40), '"SecretAccessKey": "${AWS_SECRET}"')
+    add("aws_secret = @", rand(B64, 40), "aws_secret = {{ .Values.awsSecret }}")
+    add("key @", "da2-" + rand(LOWER + DIGITS, 26), f"build da2-{rand(LOWER + DIGITS, 20)}")
+    add("@", "ABSK" + rand(B64, 120), f"ABSK{rand(B64, 60)}")
+    add("@", "rk_prod_" + rand(ALNUM, 40), f"pk_prod_{rand(ALNUM, 40)}")
+    add("@", f"sk-ant-admin01-{rand(URLSAFE, 93)}AA", f"sk-ant-admin01-{rand(ALNUM, 10)}")
+    add("@", f"sgp_{rand(HEX, 16)}_{rand(HEX, 40)}", f"sgp_{rand(HEX, 16)}_{rand(HEX, 39)}")
+    add("token @", "EAAC" + rand(ALNUM, 120), f"token EAAB{rand(ALNUM, 120)}")
+    add("@", "A3-" + "-".join(rand(UPPER + DIGITS, n) for n in (6, 11, 5, 5, 5)),
+        "A3-" + "-".join(rand(UPPER + DIGITS, n) for n in (6, 11, 5, 5)))
+    add("FLY=@", "fm2_" + rand(B64, 120), f"see fm2_{rand(B64, 50)}")
+    add("TWILIO_AUTH_TOKEN=@", rand(HEX, 32), "TWILIO_AUTH_TOKEN=${TWILIO_AUTH_TOKEN}")
+    add('twilio_account_sid: "@"', "AC" + rand(HEX, 32), 'twilio_account_sid: "ACCOUNT_SID"')
+    add('{"value": "@"}', "glpat-" + rand(URLSAFE, 20), f'{{"value": "glpat-{rand(ALNUM, 10)}"}}')
+    add('{"k": "-----BEGIN RSA PRIVATE KEY-----\\n@\\n-----END RSA PRIVATE KEY-----"}', "MIIE" + rand(B64, 60),
+        '{"k": "-----BEGIN PUBLIC KEY-----\\nMIIB' + rand(B64, 60) + '\\n-----END PUBLIC KEY-----"}')
+    add("@", "hvb." + rand(URLSAFE, 140), f"hvb.{rand(URLSAFE, 10)}")
+    add("curl -H 'Authorization: Basic @' https://x", rand(ALNUM, 40) + "=",
+        "curl -H 'Authorization: Basic $CREDS' https://x")
+    add("curl -H 'Authorization: Token @' https://x", rand(ALNUM, 40),
+        "curl -H 'Authorization: Token <token>' https://x")
+    add("apikey: @", rand(ALNUM, 32), "apikey: your-api-key-here")
+    add("AZURE_STORAGE_KEY=@", rand(B64, 86) + "==", "AZURE_STORAGE_KEY=<storage-key>")
+    add("AZURE_SAS=sv=2022-11-02&ss=b&sp=r&sig=@", rand(ALNUM, 40) + "%3D", "sig=abc def")
+    add('"refresh_token": "@"', "0.AXoA" + rand(URLSAFE, 120), '"refresh_token": "<refresh token>"')
+    add("AZURE_OPENAI_API_KEY=@", rand(HEX, 32), "AZURE_OPENAI_ENDPOINT=https://x.openai.azure.com")
+    add("SUMO_ACCESS_ID=@", "su" + rand(ALNUM, 6) + "7" + rand(ALNUM, 5), "SUMO_ACCESS_ID=sumo_collector_prod")
+    add("SUMO_ACCESS_KEY=@", rand(ALNUM, 64), "SUMO_ACCESS_KEY=${SUMO_KEY}")
+    add("algolia_key: '@'", rand(LOWER + DIGITS, 32), "algolia_key: 'search_only_index'")
+    add("DATADOG_API=@", rand(LOWER + DIGITS, 40), "datadog_api: enabled")
+    add("x @", "pscale_tkn_" + rand(ALNUM, 43), f"x pscale_tkn_{rand(ALNUM, 20)}")
+    add("x @", f"pat{rand(ALNUM, 14)}.{rand(HEX, 64)}", f"x pattern.{rand(HEX, 64)}")
+    add("x @", "API-" + rand(UPPER + DIGITS, 26), "x API-GATEWAY-" + rand(UPPER, 20))
+    add("x @", "eyJrIjoi" + rand(ALNUM, 80), "x eyJrIjoi" + rand(ALNUM, 20))
+    add("x @", "A3T" + rand(UPPER + DIGITS, 17), "x A3T" + rand(UPPER + DIGITS, 10))
+    return out
+
+
+FORMATS = _formats()
+
+
+@pytest.mark.parametrize("positive,secret,near_miss", FORMATS, ids=[str(i) for i in range(len(FORMATS))])
+def test_issue_formats_and_their_near_misses(positive, secret, near_miss):
+    out, report = redact(positive + "\n")
+    assert report["total"] >= 1 and secret not in out and secret[-12:] not in out
+    assert redact(near_miss + "\n") == (near_miss + "\n", redact("")[1])
+
+
+ISSUE_FALSE_POSITIVES = [
+    "curl -u 'test:test' https://api.acme.io\n",
+    'curl --user "xxx:yyy" https://api.acme.io\n',
+    "curl -u <user:password> https://api.acme.io\n",
+    "slack dummy xoxb-abcdef-abcdef in the docs\n",
+    '{"token": "xoxp-1234567890"}\n',
+    "password=secret123\n",
+    'iam_api_key="%s" % NAME\n',
+    "- (id)hf_requiredCharacteristicTypesForSharingCategory;\n",
+    'API_KEY="{}".format(key)\nurl = f"https://x/{token}"\n',
+    "TOKEN=aaaaaaaaaaaaaaaaaaaa\nSECRET_KEY=1234567890123456\n",
+    "# public key: age1ql3z7hjy54pw3hyww5ayyfg7zqgvc7w3j2elw8zmrj2kg5sfn9aqmcac8p\n",
+    "commit a94a8fe5ccb19ba61c4c0873d391e987982fbbd3 and sha_key: e3b0c44298fc1c149afbf4c8996fb924\n",
+    "Authorization: Basic dXNlcjpwYXNzd29yZA==\n",   # user:password
+    'tokenizer = "cl100k_base"\nkey_id = "3f9c2a7d1e4b5c6a"\nsort_key: "createdAt"\n',
+    'api_key_env = "OPENAI_API_KEY"\nkeyPrefix: "sk_live_"\nauth_type = "oauth2_client_credentials"\n',
+    'gpg_key_id = "3AA5C34371567BD2"\nidempotency_key = "7c9e6679-7425-40de-944b-e07fc1f90ae7"\n',
+    "--token-file /run/secrets/token --api-key-env OPENAI_API_KEY --key-file ~/.ssh/id_ed25519\n",
+]
+
+
+@pytest.mark.parametrize("text", ISSUE_FALSE_POSITIVES)
+def test_issue_false_positives_stay_byte_identical(text):
+    assert redact(text)[0] == text
+    assert find_secrets(text) == []
+
+
+def _github(prefix, body30):
+    import zlib
+    crc, digits = zlib.crc32(body30.encode()), ""
+    while crc:
+        crc, r = divmod(crc, 62)
+        digits = (DIGITS + UPPER + LOWER)[r] + digits
+    return prefix + body30 + digits.rjust(6, "0")
+
+
+def test_checksummed_formats_use_their_checksum():
+    # a low-entropy body passes when its CRC32 is right and fails when it is not
+    plain = "abcabcabcabcabcabcabcabcabcab1"
+    for prefix, kind in (("ghp_", "github-token"), ("npm_", "npm-token")):
+        good = _github(prefix, plain)
+        bad = good[:-1] + ("0" if good[-1] != "0" else "1")
+        assert redact(f"t {good}\n")[0] == f"t «redacted:{kind}»\n"
+        assert redact(f"t {bad}\n")[0] == f"t {bad}\n"
+        # a random body is a token with or without a valid checksum (older test data)
+        assert find_secrets(prefix + rand(ALNUM, 36))
+    pypi = "pypi-AgEIcHlwaS5vcmc" + "abcd" * 13
+    assert find_secrets(pypi + "a") and not find_secrets(pypi + "ab")   # base64url decodes or not
+
+
+SCANNER_SHAPES = [   # how scanners' own samples put a service key next to its name
+    'adafruitToken := "@"', 'var adafruitToken string = "@"', 'adafruit_api_token = "@"',
+    '{"adafruit_api_token": "@"}', 'string adafruitToken = "@";', 'System.setProperty("ADAFRUIT_API_TOKEN", "@")',
+    '$adafruit_api_token .= "@"', 'adafruitToken ?= "@"', 'adafruitToken ::= "@"', 'adafruitToken :::= "@"',
+    "<adafruitToken>\n    @\n</adafruitToken>", 'adafruitToken, err := "@"', "adafruit_token => '@'",
+    'adafruit_client_secret ||= "@"', '"adafruit_key", "@"', 'config.adafruitToken("@")',
+    "--adafruit-token @", "curl -H 'apikey: @' https://x.acme.io", '<add key="StorageKey" value="@" />',
+]
+
+
+@pytest.mark.parametrize("shape", SCANNER_SHAPES)
+def test_generic_rule_takes_scanner_shapes(shape):
+    value = rand(ALNUM, 20) + "7q"
+    out = redact(shape.replace("@", value) + "\n")[0]
+    assert value not in out and "«redacted:" in out
+    # the same shape with a templated value is left alone, and where only the loose form of
+    # rule (a) reads it, a word-shaped value too
+    benign = ["${ADAFRUIT_TOKEN}"] + (["refresh_token_v2"] if shape in LOOSE_ONLY else [])
+    for value in benign:
+        assert redact(shape.replace("@", value) + "\n")[0] == shape.replace("@", value) + "\n"
+
+
+LOOSE_ONLY = {s for s in SCANNER_SHAPES if any(m in s for m in (
+    " string ", "setProperty", ".=", "?=", "::=", ", err", "||=", '_key", ', "Token(", "--ada", "<add"))}
+
+
+def test_generic_rule_leaves_hashes_ids_and_paths_under_other_keys():
+    for text in (f'commit_sha = "{rand(HEX, 40)}"', f'key_id = "{rand(HEX, 16)}"', f'cache_key("{rand(HEX, 32)}")',
+                 's3_key = "uploads/2024/report_123.pdf"', "--sort-key created_at_12", "monkey = 'banana12'",
+                 f"public_key: {rand(B64, 44)}", "the key: sorted by name"):
+        assert redact(text + "\n")[0] == text + "\n", text
+
+
+def test_generic_rule_takes_comparisons_bare_quotes_and_arrays():
+    value = rand(ALNUM, 22) + "9"
+    for shape in ('if (db_pass == "@")', 'private_key "@"', 'char password[] = "@";',
+                  'password = "m{{h}o)p${e]nob(ody[@}"'):
+        assert value not in redact(shape.replace("@", value))[0], shape
+    # a template or format slot with little else is a placeholder; a password with $ is not
+    assert redact('password = "%(pw)s"\nAPI_KEY="{}"\n')[1]["total"] == 0
+    assert redact('password = "pa$word1"\n')[1]["total"] == 1
+
+
+# ------------------------------------------------------------------------------------------
+# Beyond one episode: the shelf's local taint memory (.memshelf/taint)
+# ------------------------------------------------------------------------------------------
+
+def _shelve(cli, shelf, slug, section):
+    r = cli("shelve", "--shelf", shelf, "--slug", slug, "--kind", "topic", "--json",
+            "--digest", "Dana rotated the deploy credentials after the audit. Open: the CI job.",
+            "--section", "Decisions=" + section)
+    assert r.code == 0, r
+    return (shelf / "docs" / "topics" / f"{slug}.md")
+
+
+def test_a_masked_token_is_masked_when_it_comes_back_bare_in_a_later_episode(shelf, cli):
+    token, password = rand(ALNUM, 30) + "7", rand(ALNUM, 24) + "5"
+    _shelve(cli, shelf, "2026-07-22-rotation", f"export DEPLOY_TOKEN={token}\n"
+            f"curl -u ops:{password} https://ci.acme.io")
+    memory = (shelf / ".memshelf" / "taint").read_text()
+    assert token not in memory and password not in memory and memory.count("\n") == 2
+    later = _shelve(cli, shelf, "2026-07-23-ci-job", f"The job still sent {token} and {password}.")
+    text = later.read_text()
+    assert token not in text and "«redacted:env-secret»" in text
+    assert password in text   # passwords are never remembered beyond their episode
+    # doctor and the scan verb use the same memory for what is already on disk
+    later.write_text(text.replace(password, token))
+    r = cli("doctor", "--shelf", shelf, "--json")
+    found = [f for f in r.json()["findings"] if f["code"] == "secret-at-rest"]
+    assert [f["path"] for f in found] == ["docs/topics/2026-07-23-ci-job.md"] and token not in r.out
+    r = cli("scan", "--shelf", shelf, later, "--json")
+    assert r.json()["findings"] and token not in r.out
+    # the memory stays out of git
+    assert ".memshelf" not in subprocess.run(["git", "-C", str(shelf), "ls-files"],
+                                             capture_output=True, text=True).stdout
+
+
+def test_redaction_bench_runs_and_its_corpus_stays_clean():
+    # bench/redaction.py must keep running; its own corpus is a regression check (no timing here)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "redaction.py"),
+                        "--n", "2", "--mb", "0.02", "--repeat", "1", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["recall_all"] >= 0.97 and result["fp_rate"] <= 0.01
