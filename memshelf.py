@@ -3358,6 +3358,20 @@ _HIDDEN_CHAR_CLASS = "\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069\U000e0
 _HIDDEN_CHAR_RE = _LazyPattern("[" + _HIDDEN_CHAR_CLASS + "]")
 _INSTRUCTION_RULES = None  # compiled on first use: the tables below cost a few milliseconds
 
+
+def _harmless_hidden(text, at):
+    """A byte order mark opening the text, a ZWJ joining two emoji (🧑‍🚀, skin tones and
+    variation selectors between) or a lone zero-width space beside CJK: not hidden text."""
+    ch, after = text[at], text[at + 1:at + 2]
+    if ch == "\ufeff":
+        return at == 0
+    before = text[max(0, at - 3):at].rstrip("\ufe0f\U0001f3fb\U0001f3fc\U0001f3fd\U0001f3fe\U0001f3ff")
+    if ch == "\u200d":
+        return all(c and (c >= "\U0001f000" or "\u2190" <= c <= "\u2bff") for c in (before[-1:], after))
+    return ch == "\u200b" and "\u200b" not in (before[-1:], after) and any(
+        "\u2e80" <= c <= "\u9fff" or "\uac00" <= c <= "\ud7af" or "\uff00" <= c <= "\uffef"
+        for c in (text[at - 1:at], after))
+
 # English imperatives must address the reader: line or sentence start, after punctuation,
 # or after "please" / "you must" / "I want you to"; "we decided to ignore X" stays quiet.
 _LEAD_WORDS = _LazyPattern(
@@ -3407,6 +3421,17 @@ _ROLE_CUE = _LazyPattern(
     r"|你|您|必须|忽略|あなた|必ず|너|당신|반드시|أنت|يجب",
     re.IGNORECASE,
 )
+
+# A clause that ends in a role one joins ("you are now an Astro developer", "あなたはもう
+# Astroの開発者です"): a congratulation, not a new identity.
+_ROLE_REACHED = _LazyPattern(
+    r"[^.!?\n\u3002\uff01\uff1f]{0,40}?(?:(?<![\w-])(?:developer(?!\s+mode)|user|member|owner"
+    r"|contributor|maintainer|subscriber|customer|admin\w*|entwickler\w*|benutzer\w*|mitglied"
+    r"|développeu\w*|utilisat\w*|membre|desarrollador\w*|usuari[oa]|usuário|miembro|membro"
+    r"|desenvolvedor\w*|разработчик\w*|пользовател\w*|участник\w*)s?(?![\w-])|开发者|开发人员"
+    r"|開發者|開發人員|用户|用戶|成员|成員|会员|會員|贡献者|一员|一員|開発者|ユーザー|メンバー|会員"
+    r"|개발자|사용자|회원|멤버)[^\w\n]*(?:です|입니다|이에요|예요|야|だ)?\s*(?:[.!\u3002\uff01]|$)",
+    re.IGNORECASE)
 
 # Front matter imitations inside a body: a --- block carrying role or instruction keys.
 _FAKE_FRONTMATTER_KEY = _LazyPattern(
@@ -3495,6 +3520,9 @@ def _instruction_rule_table():
         if lead:
             check = _addresses_reader if check is None else (
                 lambda m, _inner=check: _addresses_reader(m) and _inner(m))
+        if kind == "identity-reset":   # "you are now an Astro developer!" congratulates
+            check = (lambda m, _inner=check: not _ROLE_REACHED.match(m.string, m.end())
+                     and (_inner is None or _inner(m)))
         rows.append((kind, triggers, source, check, flags, also))
 
     # --- override ------------------------------------------------------------------------
@@ -4464,12 +4492,18 @@ def _foreign_send_line(match):
                 r"|диалог\w*|tokens?|المفاتيح|مفتاح|الرموز|المحادثة|الأسرار|كلمات\s+المرور"
                 r"|كلمة\s+المرور)\b|密钥|密鑰|令牌|密码|密碼|对话|對話|聊天记录|聊天記錄|凭据|凭证|秘密"
                 r"|APIキー|トークン|パスワード|会話|履歴|비밀번호|토큰|대화|키|비밀", re.IGNORECASE),
-        )
+            re.compile(r"[!-~]*"))
     text, offset = match.string, match.start()
     end = text.find("\n", offset)
     line = text[text.rfind("\n", 0, offset) + 1:len(text) if end < 0 else end]
-    verbs, nouns = _FOREIGN_SEND
-    return verbs.search(line) is not None and nouns.search(line) is not None
+    verbs, nouns, url_end = _FOREIGN_SEND
+    if verbs.search(line) is None or nouns.search(line) is None:
+        return False
+    # In CJK prose a link beside "send" and "key" is mostly documentation: the address must
+    # be where the data goes (发送到 URL, URL に送信, URL로 보내).
+    return not re.search(r"[\u3040-\u9fff\uac00-\ud7af]", line) or text[max(0, offset - 2):offset] \
+        .strip()[-1:] in ("到", "至", "给", "給") or re.match(
+        r"\s*(?:に|へ|まで|로|으로|에게|에|까지)", text[url_end.match(text, offset).end():]) is not None
 
 
 # --- the scan ----------------------------------------------------------------------------
@@ -4927,7 +4961,7 @@ def scan_instructions(text):
     # hidden-text reads everything, code included.
     if _holds_hidden(text):
         for m in _HIDDEN_CHAR_RE.finditer(text):
-            if not (m.start() == 0 and m.group(0) == "\ufeff"):
+            if not _harmless_hidden(text, m.start()):
                 add("hidden-text", m.start(), False)
     if "<" in text:
         raw = scan.low if prose is text else text.encode("utf-8", "surrogatepass").lower()
@@ -4994,7 +5028,7 @@ def _hidden_characters(text):
     line = 1
     position = 0
     for m in _HIDDEN_CHAR_RE.finditer(text):
-        if m.start() == 0 and m.group(0) == "\ufeff":
+        if _harmless_hidden(text, m.start()):
             continue
         line += text.count("\n", position, m.start())
         position = m.start()
