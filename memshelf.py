@@ -4924,7 +4924,7 @@ def _holds_hidden(text):
 def scan_instructions(text):
     """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4).
 
-    Sorted by line, then kind; one finding per kind and line. Fenced and inline code are
+    Sorted by line, then kind; one finding per kind and section. Fenced and inline code are
     exempt except for hidden-text. A hit seen only in the normalised copy is obfuscated."""
     if not text:
         return []
@@ -5008,7 +5008,16 @@ def scan_instructions(text):
             for kind, offset in _instruction_rule_hits(normal_text, ("hidden-text",)):
                 joined = bisect.bisect_right(normal_starts, offset) - 1
                 add(kind, 0, True, line=order[joined // 2])
-    return [found[key] for key in sorted(found)]
+    # A long jailbreak is one finding per kind, not fifty: in a section (between H1/H2
+    # headings outside code) only a kind's first line is reported; hidden-text keeps each.
+    heads = [line_of(m.start()) for m in re.finditer(r"(?m)^#{1,2}[ \t]", prose)] if found else []
+    out, seen = [], set()
+    for index, kind in sorted(found):
+        region = (bisect.bisect_right(heads, index), kind)
+        if kind == "hidden-text" or region not in seen:
+            seen.add(region)
+            out.append(found[(index, kind)])
+    return out
 
 
 def is_instruction_shaped(text):
