@@ -3564,17 +3564,15 @@ def _instruction_rule_table():
              r"\s+(?:your|the|this|my)\s+new\s+(?:task|assignment|instructions?)|\byour\s+(?:new|real"
              r"|actual|true)\s+(?:task|assignment|mission|job|goal)\s*(?:is|will\s+be|now|:)"
              r"|\ba\s+new\s+(?:task|assignment|job)\s+for\s+you\b"),
-            ("aufgabe aufgaben tâche tâches tarea tareas tarefa tarefas",
+            ("aufgabe aufgaben tâche tâches tarea tareas tarefa tarefas задача задачи задачу задание "
+             "задания 任务 任務 タスク 課題 指示 작업 과제 임무",
              r"\bneue\s+aufgaben?\s*(?:folg\w*|:)|\bfolg\w*\s+(?:eine\s+)?neue\s+aufgabe|\b(?:deine|ihre)"
              r"\s+(?:neue|eigentliche|wahre)\s+aufgabe\b|\bnouvelles?\s+tâches?\s*(?:suit|suivent|:)"
              r"|\b(?:ta|votre)\s+(?:nouvelle|vraie|véritable)\s+tâche\b|\bnuevas?\s+tareas?\s*"
              r"(?:a\s+continuación|:)|\btu\s+(?:nueva|verdadera)\s+tarea\b|\bnovas?\s+tarefas?\s*"
-             r"(?:a\s+seguir|seguem|:)|\b(?:sua|tua)\s+(?:nova|verdadeira)\s+tarefa\b"),
-            ("задача задачи задачу задание задания",
-             r"\bнов(?:ая|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)"
-             r"|\b(?:тво|ваш)\w+\s+(?:нов|настоящ)\w+\s+(?:задач\w*|задани\w*)"),
-            ("任务 任務 タスク 課題 指示 작업 과제 임무",
-             r"(?:你|您)的(?:新|真正的)(?:任务|任務)|新的?(?:任务|任務)(?:如下|：)|专注于.{0,4}新(?:任务|任務)"
+             r"(?:a\s+seguir|seguem|:)|\b(?:sua|tua)\s+(?:nova|verdadeira)\s+tarefa\b"
+             r"|\bнов(?:ая|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)"
+             r"|\b(?:тво|ваш)\w+\s+(?:нов|настоящ)\w+\s+(?:задач\w*|задани\w*)|(?:你|您)的(?:新|真正的)(?:任务|任務)|新的?(?:任务|任務)(?:如下|：)|专注于.{0,4}新(?:任务|任務)"
              r"|あなたの(?:新しい|本当の)(?:タスク|課題|任務)|新しい(?:タスク|課題|指示)に(?:集中|専念)"
              r"|(?:너의|네|당신의)\s*(?:새로운|새|진짜)\s*(?:작업|과제|임무)|새로운\s*(?:작업|과제|임무)에\s*집중")):
         add("override", triggers, source)
@@ -3905,12 +3903,13 @@ def _instruction_rule_table():
              r"\byou(?:'re|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate|role-?\s?play"
              r"|immerse|act\s+as|play\s+the\s+(?:role|part))|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate"
              r"|impersonate|role-?\s?play)|\bimmerse\s+yourself\s+(?:in|into)\s+(?:the\s+)?role"),
-            ("stay+character remain+character keep+character staying+character "
-             "remaining+character break+character breaks+character breaking+character stay+role "
-             "remain+role keep+role staying+role remaining+role", r"\b(?:stay|remain|keep|staying|remaining)\s+in\s+(?:character|role)\b"
-                               r"|\bbreak(?:s|ing)?\s+character\b"),
-            ("developer+mode", r"\b(?:chatgpt|gpt|ai|llm|bot|assistant)\s+(?:\w+\s+){0,2}?(?:with|in)\s+"
-                          r"developer\s+mode|\bdeveloper\s+mode\s+(?:output|response)"),
+            ("character role",
+             r"\b(?:stay|remain|keep|staying)\s+in\s+(?:character|role)\b|\bbreak(?:s|ing)?\s+character\b"),
+            ("developer+mode entwicklermodus développeur desarrollador desenvolvedor разработчика",
+             r"\b(?:chatgpt|gpt|ai|ki|ia|ии|llm|bot|assistant)\s+(?:\w+\s+){0,2}?(?:with|in|mit|im|avec|en"
+             r"|con|com|no|в|с)\s+(?:\w+\s+)?(?:developer\s+mode|entwicklermodus|mode\s+développeur"
+             r"|modo\s+desarrollador|modo\s+desenvolvedor|режим\w*\s+разработчика)"
+             r"|\bdeveloper\s+mode\s+(?:output|response)"),
             ("dan anything jailbreak jailbroken",
              r"\bdo\s+anything\s+now\b|(?-i:\bDAN\b)|\[\W{0,3}jailbreak\W{0,3}\]|\bjailbr(?:oken|eak)\s+"
              r"(?:mode|version|ai|chatbot|bot|model|gpt|response|persona|prompt)s?\b"
@@ -3925,70 +3924,38 @@ def _instruction_rule_table():
             ("uncensored unfiltered amoral unrestricted unethical evil",
              r"\b(?:uncensored|unfiltered|amoral|unrestricted|unethical|evil)\s+(?:ai|chatbot|bot"
              r"|model|assistant|persona|character|responses?|answers?|replies)\b"),
-            ("both twice two+responses two+answers 2+responses 2+answers",
+            ("both ways+two two+responses two+answers 2+responses 2+answers",
              r"\b(?:answer|respond|reply)\w*\s+(?:\w+\s+){0,3}?(?:as\s+both|in\s+two\s+(?:different\s+)?"
-             r"(?:ways|paragraphs|manners)|twice\b[^.\n]{0,40}?\bonce\s+as)\b|\b(?:two|2)\s+(?:separate"
-             r"\s+|different\s+)?(?:responses|answers)\b[^\n]{0,80}?\b(?:one\s+normal|normal\s+and"
-             r"|classic|jailbr\w+|unfiltered|dan)\b"),
-            ("spiel wirst rolle entwicklermodus unterliegst hast+keine hast+keinerlei hast+keinen "
-             "moralische moralischen ethische ethischen",
-             r"\blass\s+uns\s+ein\s+spiel\s+spielen|\bdu\s+wirst\s+(?:jetzt\s+|nun\s+)?(?:so\s+tun"
-             r"|vorgeben|imitieren|nachahmen|die\s+rolle)|\b(?:bleib\w*\s+(?:immer\s+|stets\s+)?in"
-             r"|fall\w*\s+(?:nie(?:mals)?|nicht)\s+aus)\s+(?:der|deiner)\s+rolle|\b(?:ki|chatgpt|gpt|ai"
-             r"|bot)\s+(?:\w+\s+){0,2}?(?:mit|im)\s+(?:aktiviertem\s+)?entwicklermodus|\bdu\s+(?:hast"
-             r"|unterliegst)\s+(?:jetzt\s+|nun\s+)?(?:keine(?:rlei)?|keinen)\s+(?:\w+\s+)?(?:einschränkungen"
-             r"|filter|zensur|richtlinien|grenzen|regeln|moral|ethik)|\bohne\s+(?:jegliche\s+)?(?:moralische"
-             r"|ethische)n?\s+(?:einschränkungen|grenzen|richtlinien|bedenken)"),
-            ("jouons personnage rôle développeur vas+semblant vas+imiter vas+incarner aucune+tu "
-             "aucun+tu aucune+vous aucun+vous",
-             r"\bjouons\s+à\s+un\s+jeu|\btu\s+vas\s+(?:maintenant\s+)?(?:faire\s+semblant|imiter|jouer\s+le"
-             r"\s+rôle|incarner)|\b(?:reste|restez)\s+(?:toujours\s+)?dans\s+(?:ton|votre|le)\s+(?:personnage"
-             r"|rôle)|\bne\s+(?:sors|sortez)\s+(?:jamais|pas)\s+de\s+(?:ton|votre)\s+(?:personnage|rôle)"
-             r"|\b(?:ia|chatgpt|gpt|ai|bot)\s+(?:\w+\s+){0,2}?(?:avec|en)\s+(?:le\s+)?mode\s+développeur"
-             r"|\b(?:tu\s+n'as|vous\s+n'avez)\s+(?:plus\s+)?aucune?\s+(?:\w+\s+)?(?:restriction|limite"
-             r"|règle|censure|filtre|limitation)s?|\bsans\s+aucune\s+(?:restriction|limite)s?\s+(?:morale"
-             r"|éthique)s?"),
-            ("juguemos juego fingir imitar interpretar personaje papel desarrollador tienes+no "
-             "morales+sin éticas+sin éticos+sin",
-             r"\b(?:juguemos|vamos\s+a\s+jugar)\s+a\s+un\s+juego|\bvas\s+a\s+(?:fingir|imitar|interpretar)"
-             r"|\b(?:mantente|permanece|quédate|sigue)\s+(?:siempre\s+)?(?:en|dentro\s+de)\s+(?:tu\s+|el\s+)?"
-             r"(?:personaje|papel)|\bno\s+(?:rompas|salgas\s+de)\s+(?:tu\s+|el\s+)?(?:personaje|papel)"
-             r"|\b(?:ia|chatgpt|gpt|ai|bot)\s+(?:\w+\s+){0,2}?(?:con|en)\s+(?:el\s+)?modo\s+desarrollador"
-             r"|\bno\s+tienes\s+(?:ninguna\s+|ningún\s+)?(?:\w+\s+)?(?:restricci\w+|límites?|limites?"
-             r"|reglas|censura|filtros?)|\bsin\s+(?:ninguna\s+)?(?:restricciones?|límites?)\s+(?:morales"
-             r"|éticas|éticos)"),
-            ("jogo personagem desenvolvedor fingir imitar interpretar restrição restrições restricao "
-             "restricoes limite limites regras censura filtro filtros morais+sem éticas+sem éticos+sem",
-             r"\bvamos\s+jogar\s+um\s+jogo|\b(?:você|voce)\s+vai\s+(?:fingir|imitar|interpretar)"
-             r"|\b(?:permaneça|fique|continue)\s+(?:sempre\s+)?(?:no|em)\s+(?:seu\s+)?personagem"
-             r"|\bnão\s+saia\s+do\s+personagem|\b(?:ia|chatgpt|gpt|ai|bot)\s+(?:\w+\s+){0,2}?(?:com|em|no)"
-             r"\s+(?:o\s+)?modo\s+desenvolvedor|\b(?:você|voce)\s+não\s+tem\s+(?:nenhuma\s+|nenhum\s+)?"
-             r"(?:\w+\s+)?(?:restriç\w+|restric\w+|limites?|regras|censura|filtros?)|\bsem\s+(?:nenhuma\s+)?"
-             r"(?:restrições|limites)\s+(?:morais|éticas|éticos)"),
-            ("сыграем поиграем будешь оставайся оставайтесь выходи выходите разработчика моральных "
-             "этических нет+тебя нет+вас",
-             r"\bдавай(?:те)?\s+(?:сыграем|поиграем)\s+в\s+игру|\bты\s+будешь\s+(?:теперь\s+)?"
-             r"(?:притворяться|изображать|имитировать|играть\s+роль)|\b(?:оставайся|оставайтесь|не\s+выходи"
-             r"(?:те)?\s+из)\s+(?:в\s+)?(?:образ\w*|рол\w*|персонаж\w*)|\b(?:chatgpt|gpt|ии|ai|бот)\s+"
-             r"(?:\w+\s+){0,2}?(?:в|с)\s+режим\w*\s+разработчика|\bу\s+(?:тебя|вас)\s+(?:теперь\s+)?нет\s+"
-             r"(?:никаких\s+)?(?:\w+\s+)?(?:ограничений|фильтров|цензуры|правил)|\bбез\s+(?:каких-либо\s+"
-             r"|всяких\s+)?(?:моральных|этических)\s+(?:ограничений|принципов|норм)"),
-            ("游戏 遊戲 保持 脱离 跳出 打破 开发者模式 開發者模式 你没有 你沒有 你不受 你现在 你現在 越狱 道德 伦理 倫理",
-             r"(?:我们|我們|让我们|讓我們)来?玩(?:一个|一個|个|個)?(?:游戏|遊戲)|(?:保持|不要(?:脱离|跳出|打破))"
-             r"(?:你的)?(?:角色|人设|人設)|(?:开发者|開發者)模式(?:下的|的)?(?:ChatGPT|AI|回答|回复|输出)"
-             r"|(?:ChatGPT|AI|GPT)[^。\n]{0,6}(?:开发者|開發者)模式|你(?:现在|現在)?(?:没有|沒有|不受)(?:任何)?"
-             r"(?:限制|约束|約束|过滤|過濾|审查|審查|道德|伦理|倫理)|越狱(?:模式|版)|(?:没有|不受)(?:任何)?"
-             r"(?:道德|伦理|倫理)(?:限制|约束|約束|底线)"),
-            ("ゲーム キャラクター 役 ロール 開発者モード あなたには あなたは ジェイルブレイク 道徳 倫理",
-             r"ゲームをしましょう|(?:キャラクター|役|ロール)(?:を|に)?(?:維持|保って|崩さない|なりきったまま)"
-             r"|(?:ChatGPT|AI)[^。\n]{0,6}開発者モード|開発者モード(?:の|で)(?:出力|回答|応答)|あなた(?:には|は)"
-             r"(?:一切の|何の|いかなる)?(?:制限|制約|フィルター|検閲|倫理|ルール)(?:も|は|が)?(?:ありません|ない"
-             r"|なく)|ジェイルブレイク|(?:倫理|道徳)的な?(?:制限|制約)(?:は|が|も)?(?:ありません|ない|なし)"),
-            ("게임 캐릭터 역할 개발자 너는 넌 당신은 너에게는 당신에게는 탈옥",
-             r"게임을\s*(?:하자|해\s*보자|합시다)|(?:캐릭터|역할)(?:를|을|에서)?\s*(?:유지|벗어나지)"
-             r"|(?:ChatGPT|AI)[^.\n]{0,8}개발자\s*모드|개발자\s*모드(?:의|로)?\s*(?:출력|응답|답변)"
-             r"|(?:너는|넌|당신은|너에게는|당신에게는)\s*(?:이제\s*)?(?:아무런\s*|어떤\s*)?(?:제한|제약|필터|검열"
-             r"|규칙|윤리)(?:이|도|은)?\s*없|탈옥\s*(?:모드|버전)")):
+             r"ways)\b|\b(?:two|2)\s+(?:different\s+)?(?:responses|answers)\b[^\n]{0,80}?\b(?:one\s+"
+             r"normal|normal\s+and|classic|jailbr\w+|unfiltered|dan)\b"),
+            ("spiel wirst rolle hast+keine hast+keinerlei jouons personnage rôle vas aucune+tu "
+             "aucun+tu juguemos juego personaje papel tienes+no jogo personagem fingir imitar "
+             "restrição restrições regras limites сыграем поиграем будешь оставайся нет+тебя",
+             r"\blass\s+uns\s+ein\s+spiel\s+spielen|\bdu\s+wirst\s+(?:jetzt\s+)?(?:so\s+tun|vorgeben"
+             r"|imitieren|die\s+rolle)|\b(?:bleib\w*\s+(?:immer\s+)?in|fall\w*\s+(?:nie|nicht)\s+aus)\s+"
+             r"(?:der|deiner)\s+rolle|\bdu\s+hast\s+(?:jetzt\s+)?keine(?:rlei)?\s+(?:\w+\s+)?"
+             r"(?:einschränkungen|filter|zensur|richtlinien|grenzen|regeln)|\bjouons\s+à\s+un\s+jeu"
+             r"|\btu\s+vas\s+(?:faire\s+semblant|imiter|jouer\s+le\s+rôle|incarner)|\breste[sz]?\s+"
+             r"(?:toujours\s+)?dans\s+(?:ton|votre|le)\s+(?:personnage|rôle)|\btu\s+n'as\s+(?:plus\s+)?"
+             r"aucune?\s+(?:restriction|limite|règle|censure|filtre)|\b(?:juguemos|vamos\s+a\s+jugar)\s+a"
+             r"\s+un\s+juego|\bvas\s+a\s+(?:fingir|imitar|interpretar)|\b(?:mantente|permanece|sigue)\s+"
+             r"(?:siempre\s+)?en\s+(?:tu\s+|el\s+)?(?:personaje|papel)|\bno\s+tienes\s+(?:ningun[ao]?\s+)?"
+             r"(?:restricci\w+|límites?|reglas|censura|filtros?)|\bvamos\s+jogar\s+um\s+jogo|\b(?:você"
+             r"|voce)\s+vai\s+(?:fingir|imitar|interpretar)|\b(?:permaneça|fique|continue)\s+(?:sempre\s+)?"
+             r"no\s+personagem|\b(?:você|voce)\s+não\s+tem\s+(?:nenhuma?\s+)?(?:restrição|restrições|limites"
+             r"|regras|censura)|\bдавай(?:те)?\s+(?:сыграем|поиграем)\s+в\s+игру|\bты\s+будешь\s+"
+             r"(?:притворяться|изображать|имитировать|играть\s+роль)|\bоставайся\s+в\s+(?:образе|роли)"
+             r"|\bу\s+тебя\s+(?:теперь\s+)?нет\s+(?:никаких\s+)?(?:ограничений|фильтров|цензуры|правил)"),
+            ("游戏 遊戲 保持 脱离 跳出 你没有 你沒有 你不受 你现在 越狱 ゲーム キャラクター 役 ロール あなたには あなたは "
+             "ジェイルブレイク 게임 캐릭터 역할 너는 넌 당신은 너에게는 탈옥",
+             r"(?:我们|我們|让我们|讓我們)来?玩(?:一|个|個)+(?:游戏|遊戲)|(?:保持|不要(?:脱离|跳出))(?:你的)?"
+             r"(?:角色|人设|人設)|你(?:现在|現在)?(?:没有|沒有|不受)(?:任何)?(?:限制|约束|約束|过滤|過濾|审查"
+             r"|審查|道德|伦理|倫理)|越狱(?:模式|版)|ゲームをしましょう|(?:キャラクター|役|ロール)(?:を|に)?"
+             r"(?:維持|保って|崩さない)|あなた(?:には|は)(?:一切の|何の|いかなる)?(?:制限|制約|フィルター|検閲"
+             r"|倫理|ルール)(?:も|は|が)?(?:ありません|ない|なく)|ジェイルブレイク|게임을\s*(?:하자|해\s*보자"
+             r"|합시다)|(?:캐릭터|역할)(?:를|을|에서)?\s*(?:유지|벗어나지)|(?:너는|넌|당신은|너에게는)\s*"
+             r"(?:이제\s*)?(?:아무런\s*|어떤\s*)?(?:제한|제약|필터|검열|규칙|윤리)(?:이|도|은)?\s*없"
+             r"|탈옥\s*(?:모드|버전)")):
         add("jailbreak", triggers, source)
 
     # --- refusal-suppression: never refuse, never apologise, no warnings --------------------
@@ -3997,59 +3964,42 @@ def _instruction_rule_table():
              r"\b(?:never|(?:do|must|will|shall|should|can|may)\s*(?:not|n't)|won'?t|cannot"
              r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:connections?|packets?"
              r"|traffic))|\bnever\s+(?:ever\s+)?(?:refuses|declines)\b"),
-            ("apologise apologize apologising apologizing sorry remind warn say+never saying+never",
+            ("apologise apologize apologising apologizing sorry remind warn say+never saying+never "
+             "disclaimer disclaimers caveat caveats moralizing moralising",
              r"\b(?:never|(?:do|must|will|shall|should)\s*(?:not|n't)|stop|no\s+need\s+to)\s+(?:ever\s+)?"
              r"(?:apologi[sz]\w*|say(?:ing)?\s+(?:(?:that\s+)?you(?:'re|\s+are)\s+sorry|sorry|(?:that\s+)?"
              r"you\s+(?:can'?t|cannot|are\s+(?:unable|not\s+able))|i\s+(?:can'?t|cannot|am\s+sorry)"
-             r"|i'm\s+sorry)|(?:remind|warn)\s+(?:me|the\s+user|users)\s+(?:that|about|of))"),
+             r"|i'm\s+sorry)|(?:remind|warn)\s+(?:me|the\s+user|users)\s+(?:that|about|of)|(?:add|include"
+             r"|give|attach|append)\s+(?:any\s+)?(?:\w+\s+)?(?:disclaimers?|caveats?|moraliz\w+|moralis\w+))"),
             ("without",
              r"\b(?:answer|respond|reply|comply|talk|speak)\w*\b[^.\n]{0,60}?\b(?:without|with\s+no)\s+"
              r"(?:any\s+)?(?:warnings?|disclaimers?|caveats?|censorship|moral\w*|lectur\w+|judg\w+"
              r"|hesitation|objections?|refus\w+)"),
-            ("disclaimer disclaimers caveat caveats moral moralizing moralising ethical warnings",
-             r"\b(?:never|(?:do|must|should)\s*(?:not|n't))\s+(?:add|include|give|attach|append|insert)"
-             r"\s+(?:any\s+)?(?:\w+\s+)?(?:disclaimers?|caveats?|moral\w*|ethical\s+\w+|warnings?\s+about)"),
             ("matter regardless even+if",
              r"\b(?:no\s+matter|regardless\s+of)\s+(?:how|whether|if)?\s*(?:\w+\s+){0,2}?(?:immoral"
              r"|unethical|illegal|dangerous|harmful|offensive|inappropriate|explicit|legality|morality"
              r"|ethics)|\beven\s+if\s+(?:it|they|the\s+\w+)\s*(?:is|are|'s|seems?|sounds?)\s+(?:\w+\s+)?"
              r"(?:illegal|unethical|immoral|harmful|dangerous|offensive|inappropriate)"),
-            ("lehne lehnt verweigere verweigert ablehnen verweigern entschuldige antworte antwortet "
-             "egal",
-             r"\b(?:lehne|lehnt)\s+(?:\w+\s+){0,3}?(?:nie(?:mals)?|nicht)\s+ab\b|\b(?:verweigere|verweigert)"
-             r"\s+(?:nie(?:mals)?|nicht)\b|\bdu\s+(?:darfst|wirst|kannst)\s+(?:\w+\s+){0,2}?(?:nie(?:mals)?"
-             r"|nicht)\s+(?:ablehnen|verweigern)|\bentschuldige\s+dich\s+(?:nie(?:mals)?|nicht)"
-             r"|\b(?:antworte|antwortet)\b[^.\n]{0,60}?\bohne\s+(?:jegliche\s+|irgendwelche\s+)?(?:warnungen"
-             r"|hinweise|disclaimer|bedenken|zensur)|\begal\s+wie\s+(?:illegal|unmoralisch|unethisch"
-             r"|gefährlich|schädlich)"),
-            ("refuse refusez refuser excuse excusez réponds répondez reponds importe",
-             r"\bne\s+(?:refuse|refusez)\s+jamais|\bne\s+(?:dois|devez|peux|pouvez)\s+jamais\s+refuser"
-             r"|\bne\s+(?:t'excuse|vous\s+excusez)\s+(?:pas|jamais)|\b(?:réponds|répondez|reponds)\b[^.\n]"
-             r"{0,60}?\bsans\s+(?:aucune?\s+)?(?:avertissements?|mises?\s+en\s+garde|censure|jugement"
-             r"|refus)|\bpeu\s+importe\s+(?:\w+\s+){0,2}?(?:illégal|immoral|dangereux)"),
-            ("nunca negarte disculpes responde respondas responda importar peça importa",
-             r"\bnunca\s+(?:te\s+|se\s+)?(?:niegues|rechaces|recuse|negue)\b|\bno\s+puedes\s+negarte"
-             r"|\b(?:no|nunca)\s+te\s+disculpes|\b(?:responde|respondas)\b[^.\n]{0,60}?\bsin\s+(?:ninguna\s+"
-             r"|ningún\s+)?(?:advertencias?|avisos?|censura|juicios?)|\bsin\s+importar\s+(?:lo\s+)?"
-             r"(?:\w+\s+){0,2}?(?:ilegal|inmoral|peligroso)|\b(?:não|nunca)\s+peça\s+desculpas|\bresponda"
-             r"\b[^.\n]{0,60}?\bsem\s+(?:nenhum\s+|nenhuma\s+|qualquer\s+)?(?:avisos?|advertências?|censura"
-             r"|ressalvas?)|\bnão\s+importa\s+(?:o\s+)?quão\s+(?:ilegal|imoral|perigoso)"),
-            ("никогда извиняйся извиняйтесь отвечай отвечайте независимо",
-             r"\bникогда\s+не\s+(?:отказывайся|отказываться)|\bне\s+(?:извиняйся|извиняйтесь)"
-             r"|\b(?:отвечай|отвечайте)\b[^.\n]{0,60}?\bбез\s+(?:каких-либо\s+|всяких\s+|любых\s+)?"
-             r"(?:предупреждений|оговорок|цензуры|осуждения)|\bнезависимо\s+от\s+того\s*,?\s+насколько\s+"
-             r"(?:это\s+)?(?:незаконно|аморально|неэтично|опасно)"),
-            ("拒绝 拒絕 道歉 抱歉 警告 免责声明 免責聲明 审查 審查 無論 无论",
-             r"(?:永远|永遠|绝不|絕不|决不|決不|绝对不要|絕對不要|不要|不能|不得|不许|不許)要?(?:拒绝|拒絕)"
-             r"|不要(?:道歉|說抱歉|说抱歉)|(?:不要|不得|不许)(?:添加|加上|给出|給出|附加)(?:任何)?(?:警告"
-             r"|免责声明|免責聲明)|(?:不带|不帶|没有|沒有|不加)(?:任何)?(?:警告|免责声明|免責聲明|审查|審查)"
-             r"地(?:回答|回复|回覆)|(?:无论|無論)(?:多么|多麼)?(?:违法|違法|不道德|危险|危險)"),
-            ("断ら 拒否 拒絶 謝ら 謝罪 警告 免責事項 どんなに 거절하지 사과하지 경고 면책 아무리",
-             r"(?:決して|絶対に)(?:断ら|拒否し|拒絶し)ない|(?:拒否|拒絶)しないで|断らないで"
-             r"|謝(?:ら|罪し)ないで|(?:警告|免責事項)(?:は|を)?(?:一切)?(?:なし|抜き|付けず)(?:で|に)"
-             r"(?:答え|回答|返答)|どんなに(?:違法|非倫理的|危険)|(?:절대|결코|절대로)\s*거절하지|거절하지\s*"
-             r"(?:마|말고|마세요|마라)|사과하지\s*(?:마|말고|마세요|마라)|(?:경고|면책\s*조항)\s*없이\s*"
-             r"(?:답|대답|응답)|아무리\s*(?:불법|비윤리적|위험)")):
+            ("lehne verweigere entschuldige antworte refuse refusez excuse réponds répondez nunca "
+             "disculpes responde responda peça никогда извиняйся отвечай",
+             r"\blehne\s+(?:\w+\s+){0,3}?nie(?:mals)?\s+ab\b|\bverweigere\s+nie(?:mals)?\b|\bentschuldige"
+             r"\s+dich\s+(?:nie(?:mals)?|nicht)|\bantworte\b[^.\n]{0,60}?\bohne\s+(?:jegliche\s+)?(?:warnungen"
+             r"|hinweise|bedenken|zensur)|\bne\s+(?:refuse|refusez)\s+jamais|\bne\s+(?:t'excuse|vous\s+"
+             r"excusez)\s+(?:pas|jamais)|\b(?:réponds|répondez)\b[^.\n]{0,60}?\bsans\s+(?:aucune?\s+)?"
+             r"(?:avertissements?|mises?\s+en\s+garde|censure)|\bnunca\s+(?:te\s+|se\s+)?(?:niegues"
+             r"|rechaces|recuse|negue)\b|\b(?:no|nunca)\s+te\s+disculpes|\bresponde\b[^.\n]{0,60}?\bsin\s+"
+             r"(?:ninguna\s+)?(?:advertencias?|censura)|\b(?:não|nunca)\s+peça\s+desculpas|\bresponda\b"
+             r"[^.\n]{0,60}?\bsem\s+(?:nenhum\s+|nenhuma\s+)?(?:avisos?|advertências?|censura)"
+             r"|\bникогда\s+не\s+(?:отказывайся|отказываться)|\bне\s+(?:извиняйся|извиняйтесь)"
+             r"|\bотвечай\b[^.\n]{0,60}?\bбез\s+(?:каких-либо\s+|всяких\s+)?(?:предупреждений|оговорок"
+             r"|цензуры)"),
+            ("拒绝 拒絕 道歉 抱歉 警告 免责声明 断ら 断らない 拒否 謝ら 거절하지 사과하지 경고",
+             r"(?:永远|永遠|绝不|絕不|决不|決不|不要|不能|不得|不许|不許)要?(?:拒绝|拒絕)|不要(?:道歉|說抱歉"
+             r"|说抱歉)|(?:不带|不帶|没有|沒有|不加)(?:任何)?(?:警告|免责声明|免責聲明)地(?:回答|回复|回覆)"
+             r"|(?:決して|絶対に)(?:断ら|拒否し)ない|(?:拒否|拒絶)しないで|断らないで|謝(?:ら|罪し)ないで"
+             r"|(?:警告|免責事項)(?:は|を)?(?:一切)?(?:なし|抜き|付けず)(?:で|に)(?:答え|回答|返答)"
+             r"|(?:절대|결코|절대로)\s*거절하지|(?:거절|사과)하지\s*(?:마|말고|마세요|마라)|(?:경고|면책\s*조항)"
+             r"\s*없이\s*(?:답|대답|응답)")):
         add("refusal-suppression", triggers, source)
 
     # --- exfiltration --------------------------------------------------------------------
