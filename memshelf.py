@@ -3526,7 +3526,8 @@ def _instruction_rule_table():
         rows.append((kind, triggers, source, check, flags, also))
 
     # --- override ------------------------------------------------------------------------
-    en_verbs = (r"ignore|disregard|forget|override|bypass|discard|neglect|abandon"
+    en_verbs = (r"ignore|disregard|forget|override|bypass|discard|neglect|abandon|leave"
+                r"|pay\s+no\s+attention\s+to"
                 r"|throw\s+away|set\s+aside|(?:do\s+not|don'?t|stop)\s+(?:follow|obey)(?:ing)?")
     en_nouns = (r"instructions?|rules?|context|directions?|directives?|guidelines?|prompts?"
                 r"|commands?|constraints?|restrictions?|guardrails?|polic(?:y|ies)|messages?"
@@ -3551,22 +3552,24 @@ def _instruction_rule_table():
         r"\s+(?:(?:that\s+)?(?:was\s+)?(?:above|before|prior|previously|earlier|so\s+far)"
         r"|(?:that\s+)?(?:you\s+(?:were|have\s+been|'?ve\s+been)\s+(?:told|given|taught)"
         r"|i\s+(?:said|told\s+you)|was\s+said|we\s+(?:talked|discussed|said)))"
-        r"|(?:the\s+)?(?:above|foregoing|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?)))",
+        r"|everything(?=\s*[,.!:;])|(?:the\s+)?(?:above|foregoing|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?)))",
         lead=True, also="everything all anything whatever above foregoing preceding")
     add("override", "instructions instruction",
         r"\b(?:NEW|UPDATED|REVISED|IMPORTANT|URGENT)\s+(?:SYSTEM\s+)?INSTRUCTIONS?\s*:",
         flags=0)
     # A new task handed over ("new tasks follow", "focus on your new task"), in nine languages.
     for triggers, source in (
-            ("task+new tasks+new focus concentrate task+your assignment+your mission+your job+your "
+            ("task+new tasks+new instructions+new instructions+further tasks+further focus concentrate task+your assignment+your mission+your job+your "
              "goal+your",
-             r"\bnew\s+tasks?\s+(?:follows?|below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on"
+             r"\b(?:new|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followed)\b"
+             r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on"
              r"\s+(?:your|the|this|my)\s+new\s+(?:task|assignment|instructions?)|\byour\s+(?:new|real"
              r"|actual|true)\s+(?:task|assignment|mission|job|goal)\s*(?:is|will\s+be|now|:)"
              r"|\ba\s+new\s+(?:task|assignment|job)\s+for\s+you\b"),
-            ("aufgabe aufgaben tâche tâches tarea tareas tarefa tarefas задача задачи задачу задание "
+            ("aufgabe aufgaben anweisungen aufträge tâche tâches tarea tareas tarefa tarefas задача задачи задачу задание "
              "задания 任务 任務 タスク 課題 指示 작업 과제 임무",
-             r"\bneue\s+aufgaben?\s*(?:folg\w*|:)|\bfolg\w*\s+(?:eine\s+)?neue\s+aufgabe|\b(?:deine|ihre)"
+             r"\bneue\s+(?:aufgabe|anweisung|auftr)\w*\s*(?:folg\w*|:)|\bfolg\w*\s+(?:eine\s+)?neue\s+"
+             r"(?:aufgabe|anweisung|auftr)|\b(?:deine|ihre)"
              r"\s+(?:neue|eigentliche|wahre)\s+aufgabe\b|\bnouvelles?\s+tâches?\s*(?:suit|suivent|:)"
              r"|\b(?:ta|votre)\s+(?:nouvelle|vraie|véritable)\s+tâche\b|\bnuevas?\s+tareas?\s*"
              r"(?:a\s+continuación|:)|\btu\s+(?:nueva|verdadera)\s+tarea\b|\bnovas?\s+tarefas?\s*"
@@ -3630,17 +3633,19 @@ def _instruction_rule_table():
                 r"|missachte|missachten\s+sie|überschreibe|verwirf|verwerfen\s+sie"
                 r"|befolge\s+nicht|befolgen\s+sie\s+nicht")
     de_nouns = (r"anweisung\w*|instruktion\w*|regel\w*|befehl\w*|vorgabe\w*|richtlinie\w*"
-                r"|anordnung\w*|einschränkung\w*|systemanweisung\w*|systemprompt\w*|prompts?")
+                r"|anordnung\w*|einschränkung\w*|systemanweisung\w*|systemprompt\w*|prompts?"
+                r"|aufgabe\w*|aufträge|auftrag|information\w*")
     de_quals = (r"vorherig\w*|vorhergehend\w*|bisherig\w*|vorig\w*|obig\w*|früher\w*"
                 r"|vorangegangen\w*|ursprünglich\w*|alt\w*|alle|sämtliche|jegliche|dein\w*|ihre"
                 r"|system\w*")
     source, check = _phrase_rule(de_verbs, de_nouns, de_quals)
     add("override", _trigger_words(de_verbs), source, check,
         also="anweisungen anweisung instruktionen regeln befehle vorgaben richtlinien "
-             "anordnungen einschränkungen systemanweisungen systemprompt prompts prompt")
+             "anordnungen einschränkungen systemanweisungen systemprompt prompts prompt "
+             "aufgaben aufgabe aufträge auftrag informationen")
     add("override", "vergiss vergessen ignoriere ignorieren",
         r"\b(?:vergiss|vergessen\s+sie|ignoriere|ignorieren\s+sie)\s+alles\s*,?\s*"
-        r"(?:was|bisherige|vorherige|obige|oben|davor|zuvor)")
+        r"(?:was|bisherige|vorherige|obige|oben|davor|zuvor|(?<=,))|\bvergiss\s+alles\s*[.!:;]")
     fr_verbs = (r"ignore|ignorez|oublie|oubliez|ne\s+tiens\s+pas\s+compte|ne\s+tenez\s+pas\s+compte"
                 r"|fais\s+abstraction|faites\s+abstraction|écarte|écartez|ne\s+suis\s+pas"
                 r"|ne\s+suivez\s+pas|outrepasse|outrepassez")
@@ -3737,8 +3742,9 @@ def _instruction_rule_table():
                             r"dein\w*|ihr\w*|system\w*|versteckt\w*|ursprünglich\w*|geheim\w*"
                             r"|intern\w*|initial\w*", gap=4)
     add("prompt-leak", _trigger_words(de_leak_verbs), source, check)
-    fr_leak_verbs = (r"révèle|révélez|revele|montre|montrez|affiche|affichez|imprime|imprimez"
-                     r"|répète|répétez|repete|dis-moi|dites-moi|donne-moi|donnez-moi|écris|écrivez"
+    fr_leak_verbs = (r"révèle|révélez|revele|montre(?:-moi)?|montrez(?:-moi)?|affiche|affichez"
+                     r"|imprime|imprimez|répète|répétez|repete|dis-moi|dites-moi|donne-moi|donnez-moi"
+                     r"|écris|écrivez"
                      r"|partage|partagez|divulgue|divulguez|récite")
     source, check = _phrase_rule(fr_leak_verbs, r"prompt|invite|instructions|consignes|règles"
                             r"|directives|configuration|message",
@@ -3752,7 +3758,7 @@ def _instruction_rule_table():
         r"(?:表示|出力|教え|見せ|繰り返|くりかえ|明かし|公開|印刷|書き出|共有)")
     add("prompt-leak", "프롬프트 지시 설정 메시지",
         r"(?:시스템\s*프롬프트|시스템\s*메시지|초기\s*지시|숨겨진\s*지시|원래\s*지시"
-        r"|(?:너의|네|당신의)\s*(?:지시|설정|프롬프트|규칙))(?:사항)?\s*(?:을|를|은|는)?\s*"
+        r"|(?:너의|네|당신의)\s*(?:지시|설정|프롬프트|규칙))(?:\s*사항)?\s*(?:을|를|은|는)?\s*"
         r"(?:그대로\s*|전부\s*|모두\s*)?(?:보여|출력|알려|공개|반복|말해|공유|적어)")
     add("prompt-leak", "اكشف أظهر اظهر اعرض اطبع كرر أخبرني اخبرني قل أعطني اعطني",
         r"(?:اكشف|أظهر|اظهر|اعرض|اطبع|كرر|أخبرني|اخبرني|قل\s+لي|أعطني|اعطني)\s+(?:لي\s+)?"
@@ -3812,9 +3818,10 @@ def _instruction_rule_table():
         r"|input)[\"']\s*:\s*\{")
 
     # --- identity-reset ------------------------------------------------------------------
-    add("identity-reset", "you+now you+longer",
+    add("identity-reset", "you+now you+longer now+you",
         r"\byou(?:\s+are|'re)\s+now\s+(?:(?:a|an|the|my|called|named|known\s+as|in|operating\s+as"
         r"|acting\s+as|playing)\s+)?(?:[\w-]+\s+){0,3}?" + _PERSONA + r"\b"
+        r"|\bnow\s+you\s+are\s+(?-i:[A-Z])[\w-]+(?:\s+(?-i:[A-Z])[\w-]+)?\s*[,.]"
         r"|\byou(?:\s+are|'re)\s+now\s+(?:free|jailbroken|unrestricted|unfiltered|uncensored"
         r"|unchained|liberated|no\s+longer|dan)\b"
         r"|\byou(?:\s+are|'re)\s+no\s+longer\s+(?:an?\s+)?(?:ai|assistant|bound|restricted|limited"
@@ -3863,7 +3870,8 @@ def _instruction_rule_table():
         r"(?:[\w-]+\s+){0,2}?" + _PERSONA
         + r"|\b(?:sua|tua)\s+nova\s+(?:personalidade|identidade|persona|função|funcao)")
     add("identity-reset", "bist jetzt sofort nun tu tue verhalte handle agiere neue sind",
-        r"\bdu\s+bist\s+(?:jetzt|nun|ab\s+sofort|ab\s+jetzt|nicht\s+mehr)\b"
+        r"\bdu\s+bist\s+(?:jetzt|nun|ab\s+sofort|ab\s+jetzt|nicht\s+mehr)\b|\b(?:jetzt|nun)\s+bist"
+        r"\s+du\s+(?:ein(?:e|en)?\s|(?-i:[A-ZÄÖÜ]))"
         r"|\b(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\s*,?\s*(?:bist\s+du|du|antwortest\s+du"
         r"|wirst\s+du|sind\s+sie|verhältst\s+du)\b|\btue?\s+so\s*,?\s*als\s+(?:wärst|wärest"
         r"|seist|bist)\s+du\b|\b(?:verhalte\s+dich|handle|agiere)\s+(?:wie|als)\s+(?:ein|eine)?\s*"
@@ -3910,16 +3918,19 @@ def _instruction_rule_table():
              r"|con|com|no|в|с)\s+(?:\w+\s+)?(?:developer\s+mode|entwicklermodus|mode\s+développeur"
              r"|modo\s+desarrollador|modo\s+desenvolvedor|режим\w*\s+разработчика)"
              r"|\bdeveloper\s+mode\s+(?:output|response)"),
-            ("dan anything jailbreak jailbroken",
+            ("dan anything jailbreak jailbroken insert+prompt output+normal \U0001f513 \U0001f512",
              r"\bdo\s+anything\s+now\b|(?-i:\bDAN\b)|\[\W{0,3}jailbreak\W{0,3}\]|\bjailbr(?:oken|eak)\s+"
              r"(?:mode|version|ai|chatbot|bot|model|gpt|response|persona|prompt)s?\b"
-             r"|\byou\s+(?:are|have\s+been)\s+(?:now\s+)?jailbroken"),
-            (_trigger_words(limits),
+             r"|\b(?:you\s+(?:are|have\s+been)\s+(?:now\s+)?|successfully\s+)jailbroken"
+             r"|\[\s*insert\s+prompt\s+here\s*\]|\(\W{0,3}(?:normal|developer\s+mode)\s+output\)"),
+            (_trigger_words(limits) + " policy policies compass",
              r"\byou(?:'re|'ve|\s+are|\s+have|\s+now\s+have)?\s+(?:(?:now|got|absolutely|completely"
              r"|totally)\s+)?(?:no|without(?:\s+any)?|free\s+(?:of|from)(?:\s+(?:any|all))?|not\s+bound"
              r"\s+by(?:\s+any)?|unbound\s+by)\s+(?:\w+\s+){0,2}?(?:" + limits + r")\b(?!\s+(?:on|for"
              r"|regarding|about|when|in)\b)|\b(?:no|without(?:\s+any)?|free\s+(?:of|from)|not\s+bound"
-             r"\s+by(?:\s+any)?|bypass\w*)\s+(?:moral|ethical|ethics|openai(?:'s)?|safety)\s+(?:\w+\s+)?"
+             r"\s+by(?:\s+any)?|bypass\w*|ignor\w+|violat\w+|(?:does|do)\s*n(?:o|')t\s+(?:have\s+any"
+             r"|follow|care\s+about))\s+(?:any\s+)?(?:moral|ethical|ethics|openai(?:'s)?|safety|content)\s+"
+             r"(?:\w+\s+){0,2}?"
              r"(?:" + limits + r"|limits|polic(?:y|ies)|compass|standards|considerations)"),
             ("uncensored unfiltered amoral unrestricted unethical evil",
              r"\b(?:uncensored|unfiltered|amoral|unrestricted|unethical|evil)\s+(?:ai|chatbot|bot"
@@ -3930,7 +3941,7 @@ def _instruction_rule_table():
              r"normal|normal\s+and|classic|jailbr\w+|unfiltered|dan)\b"),
             ("spiel wirst rolle hast+keine hast+keinerlei jouons personnage rôle vas aucune+tu "
              "aucun+tu juguemos juego personaje papel tienes+no jogo personagem fingir imitar "
-             "restrição restrições regras limites сыграем поиграем будешь оставайся нет+тебя",
+             "restrição restrições regras limites interpretar сыграем поиграем будешь оставайся нет+тебя",
              r"\blass\s+uns\s+ein\s+spiel\s+spielen|\bdu\s+wirst\s+(?:jetzt\s+)?(?:so\s+tun|vorgeben"
              r"|imitieren|die\s+rolle)|\b(?:bleib\w*\s+(?:immer\s+)?in|fall\w*\s+(?:nie|nicht)\s+aus)\s+"
              r"(?:der|deiner)\s+rolle|\bdu\s+hast\s+(?:jetzt\s+)?keine(?:rlei)?\s+(?:\w+\s+)?"
@@ -3964,15 +3975,17 @@ def _instruction_rule_table():
              r"\b(?:never|(?:do|must|will|shall|should|can|may)\s*(?:not|n't)|won'?t|cannot"
              r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:connections?|packets?"
              r"|traffic))|\bnever\s+(?:ever\s+)?(?:refuses|declines)\b"),
-            ("apologise apologize apologising apologizing sorry remind warn say+never saying+never "
+            ("apologise apologize apologising apologizing sorry remind warn say+never tell+never "
              "disclaimer disclaimers caveat caveats moralizing moralising",
              r"\b(?:never|(?:do|must|will|shall|should)\s*(?:not|n't)|stop|no\s+need\s+to)\s+(?:ever\s+)?"
-             r"(?:apologi[sz]\w*|say(?:ing)?\s+(?:(?:that\s+)?you(?:'re|\s+are)\s+sorry|sorry|(?:that\s+)?"
-             r"you\s+(?:can'?t|cannot|are\s+(?:unable|not\s+able))|i\s+(?:can'?t|cannot|am\s+sorry)"
-             r"|i'm\s+sorry)|(?:remind|warn)\s+(?:me|the\s+user|users)\s+(?:that|about|of)|(?:add|include"
+             r"(?:apologi[sz]\w*|(?:say|tell)\w*\s+(?:me\s+|the\s+user\s+)?(?:that\s+)?(?:(?:you|it|he|she)"
+             r"(?:'re|\s+are|\s+is)?\s+sorry|sorry|(?:you|it|he|she)\s+(?:can'?t|cannot|is\s+unable|are\s+"
+             r"(?:unable|not\s+able))|i\s+(?:can'?t|cannot|am\s+sorry)|i'm\s+sorry|as\s+an\s+ai)|(?:remind|warn)\s+(?:me|the\s+user|users)\s+(?:that|about|of)|(?:add|include"
              r"|give|attach|append)\s+(?:any\s+)?(?:\w+\s+)?(?:disclaimers?|caveats?|moraliz\w+|moralis\w+))"),
-            ("without",
-             r"\b(?:answer|respond|reply|comply|talk|speak)\w*\b[^.\n]{0,60}?\b(?:without|with\s+no)\s+"
+            ("without contain+responses contain+answers include+responses",
+             r"\b(?:responses|answers)\s+(?:will|should|must|shall)\s+never\s+(?:contain|include)\b"
+             r"|\bnone\s+of\s+(?:\w+'s\s+|your\s+|the\s+)?(?:responses|answers)\s+(?:will|should|must)\s+"
+             r"(?:contain|include)\b|\b(?:answer|respond|reply|comply|talk|speak)\w*\b[^.\n]{0,60}?\b(?:without|with\s+no)\s+"
              r"(?:any\s+)?(?:warnings?|disclaimers?|caveats?|censorship|moral\w*|lectur\w+|judg\w+"
              r"|hesitation|objections?|refus\w+)"),
             ("matter regardless even+if",
@@ -3993,7 +4006,7 @@ def _instruction_rule_table():
              r"|\bникогда\s+не\s+(?:отказывайся|отказываться)|\bне\s+(?:извиняйся|извиняйтесь)"
              r"|\bотвечай\b[^.\n]{0,60}?\bбез\s+(?:каких-либо\s+|всяких\s+)?(?:предупреждений|оговорок"
              r"|цензуры)"),
-            ("拒绝 拒絕 道歉 抱歉 警告 免责声明 断ら 断らない 拒否 謝ら 거절하지 사과하지 경고",
+            ("拒绝 拒絕 道歉 抱歉 警告 免责声明 免責事項 断ら 拒否 謝ら 거절하지 사과하지 경고 면책",
              r"(?:永远|永遠|绝不|絕不|决不|決不|不要|不能|不得|不许|不許)要?(?:拒绝|拒絕)|不要(?:道歉|說抱歉"
              r"|说抱歉)|(?:不带|不帶|没有|沒有|不加)(?:任何)?(?:警告|免责声明|免責聲明)地(?:回答|回复|回覆)"
              r"|(?:決して|絶対に)(?:断ら|拒否し)ない|(?:拒否|拒絶)しないで|断らないで|謝(?:ら|罪し)ないで"
