@@ -3422,11 +3422,10 @@ _ROLE_CUE = _LazyPattern(
 # A clause ending in a role one joins ("you are now an Astro developer!", "あなたはもう
 # Astroの開発者です！"): a congratulation, not a new identity.
 _ROLE_REACHED = _LazyPattern(
-    r"[^.!?\n\u3002\uff01\uff1f]{0,40}?(?:(?<![\w-])(?:developer(?!\s+mode)|user|member|owner"
-    r"|contributor|maintainer|admin|entwickler\w*|mitglied|développeu\w*|membre|desarrollador\w*"
-    r"|miembro|membro|desenvolvedor\w*|разработчик\w*|участник\w*)s?(?![\w-])|开发者|开发人员"
-    r"|開發者|開發人員|用户|成员|会员|開発者|ユーザー|メンバー|개발자|사용자|회원|멤버)[^\w\n]*"
-    r"(?:です|입니다|이에요|예요|야|だ)?\s*(?:[.!\u3002\uff01]|$)", re.IGNORECASE)
+    r"[^.!?\n\u3002\uff01\uff1f]{0,40}?(?:(?<![\w-])(?:developer(?!\s+mode)|user|member|owner|contributor"
+    r"|maintainer|admin|entwickler\w*|mitglied|développeu\w*|membre|desarrollador\w*|miembro|membro"
+    r"|desenvolvedor\w*|разработчик\w*|участник\w*)s?(?![\w-])|开发者|开发人员|開發者|開發人員|用户|成员|会员|開発者"
+    r"|ユーザー|メンバー|개발자|사용자|회원|멤버)[^\w\n]*(?:です|입니다|이에요|예요|야|だ)?\s*(?:[.!\u3002\uff01]|$)", re.IGNORECASE)
 
 # Front matter imitations inside a body: a --- block carrying role or instruction keys.
 _FAKE_FRONTMATTER_KEY = _LazyPattern(
@@ -3555,30 +3554,26 @@ def _instruction_rule_table():
         flags=0)
     # A new task handed over ("new tasks follow", "focus on your new task"), in nine languages.
     for triggers, source in (
-            ("task+new tasks+new instructions+new instructions+further tasks+further focus "
-             "concentrate task+your assignment+your mission+your job+your goal+your",
-             r"\b(?:new|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followe"
-             r"d)\b|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s"
-             r"+(?:your|the|this|my)\s+new\s+(?:task|assignment|instructions?)|\byour\s+(?:new|real"
-             r"|actual|true)\s+(?:task|assignment|mission|job|goal)\s*(?:is|will\s+be|now|:)"
-             r"|\ba\s+new\s+(?:task|assignment|job)\s+for\s+you\b"),
-            ("aufgabe aufgaben anweisungen aufträge tâche tâches tarea tareas tarefa tarefas "
-             "задача задачи задачу задание задания 任务 任務 タスク 課題 指示 작업 과제 임무",
-             r"\bneue\s+(?:aufgabe|anweisung|auftr)\w*\s*(?:folg\w*|:)|\bfolg\w*\s+(?:eine\s+)?neue"
-             r"\s+(?:aufgabe|anweisung|auftr)|\b(?:deine|ihre)\s+(?:neue|eigentliche|wahre)\s+aufga"
-             r"be\b|\bnouvelles?\s+tâches?\s*(?:suit|suivent|:)|\b(?:ta|votre)\s+(?:nouvelle|vraie"
-             r"|véritable)\s+tâche\b|\bnuevas?\s+tareas?\s*(?:a\s+continuación|:)|\btu\s+(?:nueva"
-             r"|verdadera)\s+tarea\b|\bnovas?\s+tarefas?\s*(?:a\s+seguir|seguem|:)|\b(?:sua"
-             r"|tua)\s+(?:nova|verdadeira)\s+tarefa\b|\bнов(?:ая|ые|ое)\s+(?:задач[аи]|задани[ея])"
-             r"\s*(?::|—|следу)|\b(?:тво|ваш)\w+\s+(?:нов|настоящ)\w+\s+(?:задач\w*|задани\w*)|(?:你"
-             r"|您)的(?:新|真正的)(?:任务|任務)|新的?(?:任务|任務)(?:如下|：)|专注于.{0,4}新(?:任务|任務)|あなたの(?:新しい|本当の)(?:タス"
-             r"ク|課題|任務)|新しい(?:タスク|課題|指示)に(?:集中|専念)|(?:너의|네|당신의)\s*(?:새로운|새|진짜)\s*(?:작업|과제|임무)"
-             r"|새로운\s*(?:작업|과제|임무)에\s*집중")):
+            ("task+new tasks+new instructions+new instructions+further tasks+further focus concentrate task+your "
+             "assignment+your mission+your job+your goal+your",
+             r"\b(?:new|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followed)\b"
+             r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s+(?:your|the|this"
+             r"|my)\s+new\s+(?:task|assignment|instructions?)|\byour\s+(?:new|real|actual|true)\s+(?:task|assignment"
+             r"|mission|job|goal)\s*(?:is|will\s+be|now|:)|\ba\s+new\s+(?:task|assignment|job)\s+for\s+you\b"),
+            ("aufgabe aufgaben anweisungen aufträge tâche tâches tarea tareas tarefa tarefas задача задачи задачу "
+             "задание задания 任务 任務 タスク 課題 指示 작업 과제 임무",
+             r"\bneue\s+(?:aufgabe|anweisung|auftr)\w*\s*(?:folg\w*|:)|\bfolg\w*\s+(?:eine\s+)?neue\s+(?:aufgabe"
+             r"|anweisung|auftr)|\b(?:deine|ihre)\s+(?:neue|eigentliche|wahre)\s+aufgabe\b"
+             r"|\bnouvelles?\s+tâches?\s*(?:suit|suivent|:)|\b(?:ta|votre)\s+(?:nouvelle|vraie|véritable)\s+tâche\b"
+             r"|\bnuevas?\s+tareas?\s*(?:a\s+continuación|:)|\btu\s+(?:nueva|verdadera)\s+tarea\b"
+             r"|\bnovas?\s+tarefas?\s*(?:a\s+seguir|seguem|:)|\b(?:sua|tua)\s+(?:nova|verdadeira)\s+tarefa\b|\bнов(?:ая"
+             r"|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)|\b(?:тво|ваш)\w+\s+(?:нов|настоящ)\w+\s+(?:задач\w*"
+             r"|задани\w*)|(?:你|您)的(?:新|真正的)(?:任务|任務)|新的?(?:任务|任務)(?:如下|：)|专注于.{0,4}新(?:任务|任務)|あなたの(?:新しい|本当の)(?:タスク|課題"
+             r"|任務)|新しい(?:タスク|課題|指示)に(?:集中|専念)|(?:너의|네|당신의)\s*(?:새로운|새|진짜)\s*(?:작업|과제|임무)|새로운\s*(?:작업|과제|임무)에\s*집중")):
         add("override", triggers, source)
     # Urgency framing before orders: stacked alarm words, then a line that addresses the reader.
-    urgent = (r"ATTENTION|ACHTUNG|STOPP?|HALT|URGENT|ALERT|ALARM|EMERGENCY|ВНИМАНИЕ|СТОП|СРОЧНО"
-              r"|ATENCI[OÓ]N|URGENTE|ATEN[CÇ][AÃ]O|PARE|ALTO|ARR[EÊ]TE[ZS]?|紧急|緊急|停止|注意|警告"
-              r"|ストップ|긴급|중지|주의|멈춰")
+    urgent = (r"ATTENTION|ACHTUNG|STOPP?|HALT|URGENT|ALERT|ALARM|EMERGENCY|ВНИМАНИЕ|СТОП|СРОЧНО|ATENCI[OÓ]N"
+              r"|URGENTE|ATEN[CÇ][AÃ]O|PARE|ALTO|ARR[EÊ]TE[ZS]?|紧急|緊急|停止|注意|警告|ストップ|긴급|중지|주의|멈춰")
     add("override", _trigger_words(urgent.lower()),
         r"(?<!\w)(?:" + urgent + r")[\s\-–—!:.,！：、，]{1,6}(?:" + urgent + r")(?!\w)(?P<rest>[^\n]*)",
         lambda m: _ROLE_CUE.search(m.group("rest")) is not None, flags=0)
@@ -3902,27 +3897,23 @@ def _instruction_rule_table():
               r"|constraints|principles|limitations")
     for triggers, source in (
             ("game pretend imitate impersonate roleplay immerse going+act going+play role+play",
-             r"\blet'?s\s+play\s+a\s+(?:\w+\s+)?game\b[\s.,!:;]*(?:called|named|where|in\s+which"
-             r"|you\b)|\byou(?:'re|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate"
-             r"|role-?\s?play|immerse|act\s+as|play\s+the\s+(?:role|part))|\byou\s+will\s+(?:now\s+"
-             r")?(?:pretend|imitate|impersonate|role-?\s?play)|\bimmerse\s+yourself\s+(?:in"
-             r"|into)\s+(?:the\s+)?role"),
+             r"\blet'?s\s+play\s+a\s+(?:\w+\s+)?game\b[\s.,!:;]*(?:called|named|where|in\s+which|you\b)|\byou(?:'re"
+             r"|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate|role-?\s?play|immerse|act\s+as"
+             r"|play\s+the\s+(?:role|part))|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play)"
+             r"|\bimmerse\s+yourself\s+(?:in|into)\s+(?:the\s+)?role"),
             ("character role",
-             r"\b(?:stay|remain|keep|staying)\s+in\s+(?:character|role)\b|\bbreak(?:s|ing)?\s+chara"
-             r"cter\b"),
+             r"\b(?:stay|remain|keep|staying)\s+in\s+(?:character|role)\b|\bbreak(?:s|ing)?\s+character\b"),
             ("developer+mode entwicklermodus développeur desarrollador desenvolvedor разработчика",
-             r"\b(?:chatgpt|gpt|ai|ki|ia|ии|llm|bot|assistant)\s+(?:\w+\s+){0,2}?(?:with|in|mit|im"
-             r"|avec|en|con|com|no|в|с)\s+(?:\w+\s+)?(?:developer\s+mode|entwicklermodus|mode\s+dév"
-             r"eloppeur|modo\s+desarrollador|modo\s+desenvolvedor|режим\w*\s+разработчика)"
-             r"|\bdeveloper\s+mode\s+(?:output|response)"),
-            ("dan anything jailbreak jailbroken insert+prompt output+normal 🔓 🔒 uncensored "
-             "unfiltered amoral unrestricted unethical evil",
-             r"\bdo\s+anything\s+now\b|(?-i:\bDAN\b)|\[\W{0,3}jailbreak\W{0,3}\]|\bjailbr(?:oken"
-             r"|eak)\s+(?:mode|version|ai|chatbot|bot|model|gpt|response|persona|prompt)s?\b"
-             r"|\b(?:you\s+(?:are|have\s+been)\s+(?:now\s+)?|successfully\s+)jailbroken|\[\s*insert"
-             r"\s+prompt\s+here\s*\]|\(\W{0,3}(?:normal|developer\s+mode)\s+output\)|\b(?:uncensore"
-             r"d|unfiltered|amoral|unrestricted|unethical|evil)\s+(?:ai|chatbot|bot|model|assistant"
-             r"|persona|character|responses?|answers?|replies)\b"),
+             r"\b(?:chatgpt|gpt|ai|ki|ia|ии|llm|bot|assistant)\s+(?:\w+\s+){0,2}?(?:with|in|mit|im|avec|en|con|com|no|в"
+             r"|с)\s+(?:\w+\s+)?(?:developer\s+mode|entwicklermodus|mode\s+développeur|modo\s+desarrollador"
+             r"|modo\s+desenvolvedor|режим\w*\s+разработчика)|\bdeveloper\s+mode\s+(?:output|response)"),
+            ("dan anything jailbreak jailbroken insert+prompt output+normal 🔓 🔒 uncensored unfiltered amoral "
+             "unrestricted unethical evil",
+             r"\bdo\s+anything\s+now\b|(?-i:\bDAN\b)|\[\W{0,3}jailbreak\W{0,3}\]|\bjailbr(?:oken|eak)\s+(?:mode|version"
+             r"|ai|chatbot|bot|model|gpt|response|persona|prompt)s?\b|\b(?:you\s+(?:are|have\s+been)\s+(?:now\s+)?"
+             r"|successfully\s+)jailbroken|\[\s*insert\s+prompt\s+here\s*\]|\(\W{0,3}(?:normal"
+             r"|developer\s+mode)\s+output\)|\b(?:uncensored|unfiltered|amoral|unrestricted|unethical|evil)\s+(?:ai"
+             r"|chatbot|bot|model|assistant|persona|character|responses?|answers?|replies)\b"),
             (_trigger_words(limits) + " policy policies",
              r"\byou(?:'re|'ve|\s+are|\s+have)?\s+(?:now\s+)?(?:no|without(?:\s+any)?|free\s+"
              r"(?:of|from)(?:\s+all)?|not\s+bound\s+by(?:\s+any)?)\s+(?:\w+\s+){0,2}?(?:" + limits
@@ -3931,83 +3922,73 @@ def _instruction_rule_table():
              r"(?:have\s+any|follow|care\s+about))\s+(?:any\s+)?(?:moral|ethical|ethics|openai(?:'s)?"
              r"|safety|content)\s+(?:\w+\s+){0,2}?(?:" + limits + r"|limits|polic(?:y|ies))"),
             ("both ways+two two+responses two+answers 2+responses 2+answers",
-             r"\b(?:answer|respond|reply)\w*\s+(?:\w+\s+){0,3}?(?:as\s+both|in\s+two\s+(?:different"
-             r"\s+)?ways)\b|\b(?:two|2)\s+(?:different\s+)?(?:responses|answers)\b[^\n]{0,80}?\b(?:"
-             r"one\s+normal|normal\s+and|classic|jailbr\w+|unfiltered|dan)\b"),
-            ("spiel wirst rolle hast+keine hast+keinerlei jouons personnage rôle vas aucune+tu "
-             "aucun+tu juguemos juego personaje papel tienes+no jogo personagem fingir imitar "
-             "restrição restrições regras limites interpretar сыграем поиграем будешь оставайся "
-             "нет+тебя",
-             r"\blass\s+uns\s+ein\s+spiel\s+spielen|\bdu\s+wirst\s+(?:jetzt\s+)?(?:so\s+tun"
-             r"|vorgeben|imitieren|die\s+rolle)|\b(?:bleib\w*\s+(?:immer\s+)?in|fall\w*\s+(?:nie"
-             r"|nicht)\s+aus)\s+(?:der|deiner)\s+rolle|\bdu\s+hast\s+(?:jetzt\s+)?keine(?:rlei)?\s+"
-             r"(?:\w+\s+)?(?:einschränkungen|filter|zensur|richtlinien|grenzen|regeln)|\bjouons\s+à"
-             r"\s+un\s+jeu|\btu\s+vas\s+(?:faire\s+semblant|imiter|jouer\s+le\s+rôle|incarner)"
-             r"|\breste[sz]?\s+(?:toujours\s+)?dans\s+(?:ton|votre|le)\s+(?:personnage|rôle)"
-             r"|\btu\s+n'as\s+(?:plus\s+)?aucune?\s+(?:restriction|limite|règle|censure|filtre)"
-             r"|\b(?:juguemos|vamos\s+a\s+jugar)\s+a\s+un\s+juego|\bvas\s+a\s+(?:fingir|imitar"
-             r"|interpretar)|\b(?:mantente|permanece|sigue)\s+(?:siempre\s+)?en\s+(?:tu\s+"
-             r"|el\s+)?(?:personaje|papel)|\bno\s+tienes\s+(?:ningun[ao]?\s+)?(?:restricci\w+"
-             r"|límites?|reglas|censura|filtros?)|\bvamos\s+jogar\s+um\s+jogo|\b(?:você|voce)\s+vai"
-             r"\s+(?:fingir|imitar|interpretar)|\b(?:permaneça|fique|continue)\s+(?:sempre\s+)?no\s"
-             r"+personagem|\b(?:você|voce)\s+não\s+tem\s+(?:nenhuma?\s+)?(?:restrição|restrições"
-             r"|limites|regras|censura)|\bдавай(?:те)?\s+(?:сыграем|поиграем)\s+в\s+игру|\bты\s+буд"
-             r"ешь\s+(?:притворяться|изображать|имитировать|играть\s+роль)|\bоставайся\s+в\s+(?:обр"
-             r"азе|роли)|\bу\s+тебя\s+(?:теперь\s+)?нет\s+(?:никаких\s+)?(?:ограничений|фильтров"
-             r"|цензуры|правил)"),
-            ("游戏 遊戲 保持 脱离 跳出 你没有 你沒有 你不受 你现在 越狱 ゲーム キャラクター 役 ロール あなたには あなたは ジェイルブレイク 게임 캐릭터 역할 너는 "
-             "넌 당신은 너에게는 탈옥",
-             r"(?:我们|我們|让我们|讓我們)来?玩(?:一|个|個)+(?:游戏|遊戲)|(?:保持|不要(?:脱离|跳出))(?:你的)?(?:角色|人设|人設)|你(?:现在"
-             r"|現在)?(?:没有|沒有|不受)(?:任何)?(?:限制|约束|約束|过滤|過濾|审查|審查|道德|伦理|倫理)|越狱(?:模式|版)|ゲームをしましょう"
-             r"|(?:キャラクター|役|ロール)(?:を|に)?(?:維持|保って|崩さない)|あなた(?:には|は)(?:一切の|何の|いかなる)?(?:制限|制約|フィルター"
-             r"|検閲|倫理|ルール)(?:も|は|が)?(?:ありません|ない|なく)|ジェイルブレイク|게임을\s*(?:하자|해\s*보자|합시다)|(?:캐릭터|역할)(?:를"
-             r"|을|에서)?\s*(?:유지|벗어나지)|(?:너는|넌|당신은|너에게는)\s*(?:이제\s*)?(?:아무런\s*|어떤\s*)?(?:제한|제약|필터|검열"
-             r"|규칙|윤리)(?:이|도|은)?\s*없|탈옥\s*(?:모드|버전)")):
+             r"\b(?:answer|respond|reply)\w*\s+(?:\w+\s+){0,3}?(?:as\s+both|in\s+two\s+(?:different\s+)?ways)\b"
+             r"|\b(?:two|2)\s+(?:different\s+)?(?:responses|answers)\b[^\n]{0,80}?\b(?:one\s+normal|normal\s+and"
+             r"|classic|jailbr\w+|unfiltered|dan)\b"),
+            ("spiel wirst rolle hast+keine hast+keinerlei jouons personnage rôle vas aucune+tu aucun+tu juguemos "
+             "juego personaje papel tienes+no jogo personagem fingir imitar restrição restrições regras limites "
+             "interpretar сыграем поиграем будешь оставайся нет+тебя",
+             r"\blass\s+uns\s+ein\s+spiel\s+spielen|\bdu\s+wirst\s+(?:jetzt\s+)?(?:so\s+tun|vorgeben|imitieren"
+             r"|die\s+rolle)|\b(?:bleib\w*\s+(?:immer\s+)?in|fall\w*\s+(?:nie|nicht)\s+aus)\s+(?:der|deiner)\s+rolle"
+             r"|\bdu\s+hast\s+(?:jetzt\s+)?keine(?:rlei)?\s+(?:\w+\s+)?(?:einschränkungen|filter|zensur|richtlinien"
+             r"|grenzen|regeln)|\bjouons\s+à\s+un\s+jeu|\btu\s+vas\s+(?:faire\s+semblant|imiter|jouer\s+le\s+rôle"
+             r"|incarner)|\breste[sz]?\s+(?:toujours\s+)?dans\s+(?:ton|votre|le)\s+(?:personnage|rôle)"
+             r"|\btu\s+n'as\s+(?:plus\s+)?aucune?\s+(?:restriction|limite|règle|censure|filtre)|\b(?:juguemos"
+             r"|vamos\s+a\s+jugar)\s+a\s+un\s+juego|\bvas\s+a\s+(?:fingir|imitar|interpretar)|\b(?:mantente|permanece"
+             r"|sigue)\s+(?:siempre\s+)?en\s+(?:tu\s+|el\s+)?(?:personaje|papel)|\bno\s+tienes\s+(?:ningun[ao]?\s+)?"
+             r"(?:restricci\w+|límites?|reglas|censura|filtros?)|\bvamos\s+jogar\s+um\s+jogo|\b(?:você"
+             r"|voce)\s+vai\s+(?:fingir|imitar|interpretar)|\b(?:permaneça|fique|continue)\s+(?:sempre\s+)?no"
+             r"\s+personagem|\b(?:você|voce)\s+não\s+tem\s+(?:nenhuma?\s+)?(?:restrição|restrições|limites|regras"
+             r"|censura)|\bдавай(?:те)?\s+(?:сыграем|поиграем)\s+в\s+игру|\bты\s+будешь\s+(?:притворяться|изображать"
+             r"|имитировать|играть\s+роль)|\bоставайся\s+в\s+(?:образе|роли)|\bу\s+тебя\s+(?:теперь\s+)?нет\s+"
+             r"(?:никаких\s+)?(?:ограничений|фильтров|цензуры|правил)"),
+            ("游戏 遊戲 保持 脱离 跳出 你没有 你沒有 你不受 你现在 越狱 ゲーム キャラクター 役 ロール あなたには あなたは ジェイルブレイク 게임 캐릭터 역할 너는 넌 당신은 너에게는 탈옥",
+             r"(?:我们|我們|让我们|讓我們)来?玩(?:一|个|個)+(?:游戏|遊戲)|(?:保持|不要(?:脱离|跳出))(?:你的)?(?:角色|人设|人設)|你(?:现在|現在)?(?:没有|沒有"
+             r"|不受)(?:任何)?(?:限制|约束|約束|过滤|過濾|审查|審查|道德|伦理|倫理)|越狱(?:模式|版)|ゲームをしましょう|(?:キャラクター|役|ロール)(?:を|に)?(?:維持|保って"
+             r"|崩さない)|あなた(?:には|は)(?:一切の|何の|いかなる)?(?:制限|制約|フィルター|検閲|倫理|ルール)(?:も|は|が)?(?:ありません|ない|なく)|ジェイルブレイク"
+             r"|게임을\s*(?:하자|해\s*보자|합시다)|(?:캐릭터|역할)(?:를|을|에서)?\s*(?:유지|벗어나지)|(?:너는|넌|당신은|너에게는)\s*(?:이제\s*)?(?:아무런\s*"
+             r"|어떤\s*)?(?:제한|제약|필터|검열|규칙|윤리)(?:이|도|은)?\s*없|탈옥\s*(?:모드|버전)")):
         add("jailbreak", triggers, source)
 
     # --- refusal-suppression: never refuse, never apologise, no warnings --------------------
     for triggers, source in (
             ("refuse refuses decline declines",
              r"\b(?:never|(?:do|must|will|shall|should|can|may)\s*(?:not|n't)|won'?t|cannot"
-             r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:connections?"
-             r"|packets?|traffic))|\bnever\s+(?:ever\s+)?(?:refuses|declines)\b"),
-            ("apologise apologize apologising apologizing sorry remind warn say+never tell+never "
-             "disclaimer disclaimers caveat caveats moralizing moralising",
-             r"\b(?:never|(?:do|must|will|shall|should)\s*(?:not|n't)|stop|no\s+need\s+to)\s+(?:eve"
-             r"r\s+)?(?:apologi[sz]\w*|(?:say|tell)\w*\s+(?:me\s+)?(?:that\s+)?(?:(?:you|it|he|she"
-             r"|i)(?:'re|'m|\s+are|\s+is|\s+am)?\s+sorry|sorry|(?:you|it|he|she|i)\s+(?:can'?t"
-             r"|cannot|(?:is|are|am)\s+unable)|as\s+an\s+ai)|(?:remind|warn)\s+(?:me|the\s+user"
-             r"|users)\s+(?:that|about|of)|(?:add|include|give|attach|append)\s+(?:any\s+)?(?:\w+\s"
-             r"+)?(?:disclaimers?|caveats?|moraliz\w+|moralis\w+))"),
-            ("without contain+responses contain+answers include+responses matter regardless "
-             "even+if",
+             r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:connections?|packets?|traffic))"
+             r"|\bnever\s+(?:ever\s+)?(?:refuses|declines)\b"),
+            ("apologise apologize apologising apologizing sorry remind warn say+never tell+never disclaimer "
+             "disclaimers caveat caveats moralizing moralising",
+             r"\b(?:never|(?:do|must|will|shall|should)\s*(?:not|n't)|stop|no\s+need\s+to)\s+(?:ever\s+)?"
+             r"(?:apologi[sz]\w*|(?:say|tell)\w*\s+(?:me\s+)?(?:that\s+)?(?:(?:you|it|he|she|i)(?:'re|'m|\s+are|\s+is"
+             r"|\s+am)?\s+sorry|sorry|(?:you|it|he|she|i)\s+(?:can'?t|cannot|(?:is|are|am)\s+unable)|as\s+an\s+ai)"
+             r"|(?:remind|warn)\s+(?:me|the\s+user|users)\s+(?:that|about|of)|(?:add|include|give|attach"
+             r"|append)\s+(?:any\s+)?(?:\w+\s+)?(?:disclaimers?|caveats?|moraliz\w+|moralis\w+))"),
+            ("without contain+responses contain+answers include+responses matter regardless even+if",
              r"\b(?:responses|answers)\s+(?:will|should|must|shall)\s+never\s+(?:contain|include)\b"
-             r"|\bnone\s+of\s+(?:\w+'s\s+|your\s+|the\s+)?(?:responses|answers)\s+(?:will|should"
-             r"|must)\s+(?:contain|include)\b|\b(?:answer|respond|reply|comply|talk|speak)\w*\b[^."
-             r"\n]{0,60}?\b(?:without|with\s+no)\s+(?:any\s+)?(?:warnings?|disclaimers?|caveats?"
-             r"|censorship|moral\w*|refus\w+)|\b(?:no\s+matter|regardless\s+of)\s+(?:how|whether"
-             r"|if)?\s*(?:\w+\s+){0,2}?(?:immoral|unethical|illegal|dangerous|harmful|offensive"
-             r"|inappropriate|explicit|legality|morality|ethics)|\beven\s+if\s+(?:it|they|the\s+\w+"
-             r")\s*(?:is|are|'s|seems?|sounds?)\s+(?:\w+\s+)?(?:illegal|unethical|immoral|harmful"
-             r"|dangerous|offensive|inappropriate)"),
-            ("lehne verweigere entschuldige antworte refuse refusez excuse réponds répondez nunca "
-             "disculpes responde responda peça никогда извиняйся отвечай",
+             r"|\bnone\s+of\s+(?:\w+'s\s+|your\s+|the\s+)?(?:responses|answers)\s+(?:will|should|must)\s+(?:contain"
+             r"|include)\b|\b(?:answer|respond|reply|comply|talk|speak)\w*\b[^.\n]{0,60}?\b(?:without"
+             r"|with\s+no)\s+(?:any\s+)?(?:warnings?|disclaimers?|caveats?|censorship|moral\w*|refus\w+)"
+             r"|\b(?:no\s+matter|regardless\s+of)\s+(?:how|whether|if)?\s*(?:\w+\s+){0,2}?(?:immoral|unethical|illegal"
+             r"|dangerous|harmful|offensive|inappropriate|explicit|legality|morality|ethics)|\beven\s+if\s+(?:it|they"
+             r"|the\s+\w+)\s*(?:is|are|'s|seems?|sounds?)\s+(?:\w+\s+)?(?:illegal|unethical|immoral|harmful|dangerous"
+             r"|offensive|inappropriate)"),
+            ("lehne verweigere entschuldige antworte refuse refusez excuse réponds répondez nunca disculpes responde "
+             "responda peça никогда извиняйся отвечай",
              r"\blehne\s+(?:\w+\s+){0,3}?nie(?:mals)?\s+ab\b|\bverweigere\s+nie(?:mals)?\b"
-             r"|\bentschuldige\s+dich\s+(?:nie(?:mals)?|nicht)|\bantworte\b[^.\n]{0,60}?\bohne\s+(?"
-             r":jegliche\s+)?(?:warnungen|hinweise|bedenken|zensur)|\bne\s+(?:refuse|refusez)\s+jam"
-             r"ais|\bne\s+(?:t'excuse|vous\s+excusez)\s+(?:pas|jamais)|\b(?:réponds|répondez)\b[^."
-             r"\n]{0,60}?\bsans\s+(?:aucune?\s+)?(?:avertissements?|mises?\s+en\s+garde|censure)"
-             r"|\bnunca\s+(?:te\s+|se\s+)?(?:niegues|rechaces|recuse|negue)\b|\b(?:no|nunca)\s+te\s"
-             r"+disculpes|\bresponde\b[^.\n]{0,60}?\bsin\s+(?:ninguna\s+)?(?:advertencias?|censura)"
-             r"|\b(?:não|nunca)\s+peça\s+desculpas|\bresponda\b[^.\n]{0,60}?\bsem\s+(?:nenhum\s+"
-             r"|nenhuma\s+)?(?:avisos?|advertências?|censura)|\bникогда\s+не\s+(?:отказывайся"
-             r"|отказываться)|\bне\s+(?:извиняйся|извиняйтесь)|\bотвечай\b[^.\n]{0,60}?\bбез\s+(?:к"
-             r"аких-либо\s+|всяких\s+)?(?:предупреждений|оговорок|цензуры)"),
+             r"|\bentschuldige\s+dich\s+(?:nie(?:mals)?|nicht)|\bantworte\b[^.\n]{0,60}?\bohne\s+(?:jegliche\s+)?"
+             r"(?:warnungen|hinweise|bedenken|zensur)|\bne\s+(?:refuse|refusez)\s+jamais|\bne\s+(?:t'excuse"
+             r"|vous\s+excusez)\s+(?:pas|jamais)|\b(?:réponds|répondez)\b[^.\n]{0,60}?\bsans\s+(?:aucune?\s+)?"
+             r"(?:avertissements?|mises?\s+en\s+garde|censure)|\bnunca\s+(?:te\s+|se\s+)?(?:niegues|rechaces|recuse"
+             r"|negue)\b|\b(?:no|nunca)\s+te\s+disculpes|\bresponde\b[^.\n]{0,60}?\bsin\s+(?:ninguna\s+)?"
+             r"(?:advertencias?|censura)|\b(?:não|nunca)\s+peça\s+desculpas|\bresponda\b[^.\n]{0,60}?\bsem\s+(?:nenhum"
+             r"\s+|nenhuma\s+)?(?:avisos?|advertências?|censura)|\bникогда\s+не\s+(?:отказывайся|отказываться)"
+             r"|\bне\s+(?:извиняйся|извиняйтесь)|\bотвечай\b[^.\n]{0,60}?\bбез\s+(?:каких-либо\s+"
+             r"|всяких\s+)?(?:предупреждений|оговорок|цензуры)"),
             ("拒绝 拒絕 道歉 抱歉 警告 免责声明 免責事項 断ら 拒否 謝ら 거절하지 사과하지 경고 면책",
-             r"(?:永远|永遠|绝不|絕不|决不|決不|不要|不能|不得|不许|不許)要?(?:拒绝|拒絕)|不要(?:道歉|說抱歉|说抱歉)|(?:不带|不帶|没有|沒有"
-             r"|不加)(?:任何)?(?:警告|免责声明|免責聲明)地(?:回答|回复|回覆)|(?:決して|絶対に)(?:断ら|拒否し)ない|(?:拒否|拒絶)しないで|断らないで"
-             r"|謝(?:ら|罪し)ないで|(?:警告|免責事項)(?:は|を)?(?:一切)?(?:なし|抜き|付けず)(?:で|に)(?:答え|回答|返答)|(?:절대|결코"
-             r"|절대로)\s*거절하지|(?:거절|사과)하지\s*(?:마|말고|마세요|마라)|(?:경고|면책\s*조항)\s*없이\s*(?:답|대답|응답)")):
+             r"(?:永远|永遠|绝不|絕不|决不|決不|不要|不能|不得|不许|不許)要?(?:拒绝|拒絕)|不要(?:道歉|說抱歉|说抱歉)|(?:不带|不帶|没有|沒有|不加)(?:任何)?(?:警告|免责声明"
+             r"|免責聲明)地(?:回答|回复|回覆)|(?:決して|絶対に)(?:断ら|拒否し)ない|(?:拒否|拒絶)しないで|断らないで|謝(?:ら|罪し)ないで|(?:警告|免責事項)(?:は"
+             r"|を)?(?:一切)?(?:なし|抜き|付けず)(?:で|に)(?:答え|回答|返答)|(?:절대|결코|절대로)\s*거절하지|(?:거절|사과)하지\s*(?:마|말고|마세요|마라)|(?:경고"
+             r"|면책\s*조항)\s*없이\s*(?:답|대답|응답)")):
         add("refusal-suppression", triggers, source)
 
     # --- exfiltration --------------------------------------------------------------------
