@@ -3560,16 +3560,18 @@ def _instruction_rule_table():
              r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s+(?:your|the|this"
              r"|my)\s+new\s+(?:task|assignment|instructions?)|\byour\s+(?:new|real|actual|true)\s+(?:task|assignment"
              r"|mission|job|goal)\s*(?:is|will\s+be|now|:)|\ba\s+new\s+(?:task|assignment|job)\s+for\s+you\b"),
-            ("aufgabe aufgaben anweisungen aufträge tâche tâches tarea tareas tarefa tarefas задача задачи задачу "
-             "задание задания 任务 任務 タスク 課題 指示 작업 과제 임무",
+            ("aufgabe aufgaben anweisungen aufträge tâche tâches tarea tareas tarefa tarefas",
              r"\bneue\s+(?:aufgabe|anweisung|auftr)\w*\s*(?:folg\w*|:)|\bfolg\w*\s+(?:eine\s+)?neue\s+(?:aufgabe"
              r"|anweisung|auftr)|\b(?:deine|ihre)\s+(?:neue|eigentliche|wahre)\s+aufgabe\b"
              r"|\bnouvelles?\s+tâches?\s*(?:suit|suivent|:)|\b(?:ta|votre)\s+(?:nouvelle|vraie|véritable)\s+tâche\b"
              r"|\bnuevas?\s+tareas?\s*(?:a\s+continuación|:)|\btu\s+(?:nueva|verdadera)\s+tarea\b"
-             r"|\bnovas?\s+tarefas?\s*(?:a\s+seguir|seguem|:)|\b(?:sua|tua)\s+(?:nova|verdadeira)\s+tarefa\b|\bнов(?:ая"
-             r"|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)|\b(?:тво|ваш)\w+\s+(?:нов|настоящ)\w+\s+(?:задач\w*"
-             r"|задани\w*)|(?:你|您)的(?:新|真正的)(?:任务|任務)|新的?(?:任务|任務)(?:如下|：)|专注于.{0,4}新(?:任务|任務)|あなたの(?:新しい|本当の)(?:タスク|課題"
-             r"|任務)|新しい(?:タスク|課題|指示)に(?:集中|専念)|(?:너의|네|당신의)\s*(?:새로운|새|진짜)\s*(?:작업|과제|임무)|새로운\s*(?:작업|과제|임무)에\s*집중")):
+             r"|\bnovas?\s+tarefas?\s*(?:a\s+seguir|seguem|:)|\b(?:sua|tua)\s+(?:nova|verdadeira)\s+tarefa\b"),
+            ("задача задачи задачу задание задания",
+             r"\bнов(?:ая|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)|\b(?:тво|ваш)\w+\s+(?:нов"
+             r"|настоящ)\w+\s+(?:задач\w*|задани\w*)"),
+            ("任务 任務 タスク 課題 指示 작업 과제 임무",
+             r"(?:你|您)的(?:新|真正的)(?:任务|任務)|新的?(?:任务|任務)(?:如下|：)|专注于.{0,4}新(?:任务|任務)|あなたの(?:新しい|本当の)(?:タスク|課題|任務)"
+             r"|新しい(?:タスク|課題|指示)に(?:集中|専念)|(?:너의|네|당신의)\s*(?:새로운|새|진짜)\s*(?:작업|과제|임무)|새로운\s*(?:작업|과제|임무)에\s*집중")):
         add("override", triggers, source)
     # Urgency framing before orders: stacked alarm words, then a line that addresses the reader.
     urgent = (r"ATTENTION|ACHTUNG|STOPP?|HALT|URGENT|ALERT|ALARM|EMERGENCY|ВНИМАНИЕ|СТОП|СРОЧНО|ATENCI[OÓ]N"
