@@ -3360,8 +3360,7 @@ _INSTRUCTION_RULES = None  # compiled on first use: the tables below cost a few 
 
 
 def _harmless_hidden(text, at):
-    """Not hidden text: a BOM opening the text, a ZWJ joining two emoji (skin tones and
-    variation selectors may stand between), a lone zero-width space beside CJK."""
+    """Not hidden text: a BOM at the start, a ZWJ between emoji, a lone zero-width space by CJK."""
     ch, before, after = text[at], text[max(0, at - 3):at], text[at + 1:at + 2]
     if ch == "\u200d":
         before = before.rstrip("\ufe0f\U0001f3fb\U0001f3fc\U0001f3fd\U0001f3fe\U0001f3ff")[-1:]
@@ -3549,14 +3548,12 @@ def _instruction_rule_table():
         r"|everything(?=\s*[,.!:;])"
         r"|(?:the\s+)?(?:above|foregoing|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?)))",
         lead=True, also="everything all anything whatever above foregoing preceding")
-    add("override", "instructions instruction",
-        r"\b(?:NEW|UPDATED|REVISED|IMPORTANT|URGENT)\s+(?:SYSTEM\s+)?INSTRUCTIONS?\s*:",
-        flags=0)
     # A new task handed over ("new tasks follow", "focus on your new task"), in nine languages.
     for triggers, source in (
-            ("task+new tasks+new instructions+new instructions+further tasks+further focus concentrate task+your "
-             "assignment+your mission+your job+your goal+your",
-             r"\b(?:new|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followed)\b"
+            ("instructions instruction task+new tasks+new further focus concentrate task+your assignment+your "
+             "mission+your job+your goal+your",
+             r"(?-i:\b(?:NEW|UPDATED|REVISED|IMPORTANT|URGENT)\s+(?:SYSTEM\s+)?INSTRUCTIONS?\s*:)"
+             r"|\b(?:new|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followed)\b"
              r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s+(?:your|the|this"
              r"|my)\s+new\s+(?:task|assignment|instructions?)|\byour\s+(?:new|real|actual|true)\s+(?:task|assignment"
              r"|mission|job|goal)\s*(?:is|will\s+be|now|:)|\ba\s+new\s+(?:task|assignment|job)\s+for\s+you\b"),
