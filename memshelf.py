@@ -3519,7 +3519,7 @@ def _instruction_rule_table():
         rows.append((kind, triggers, source, check, flags, also))
 
     # --- override ------------------------------------------------------------------------
-    en_verbs = (r"ignore|disregard|forget|override|bypass|discard|neglect|abandon|leave"
+    en_verbs = (r"ignore|disregard|forget|override|bypass|discard|neglect|abandon|leave|drop"
                 r"|pay\s+no\s+attention\s+to"
                 r"|throw\s+away|set\s+aside|(?:do\s+not|don'?t|stop)\s+(?:follow|obey)(?:ing)?")
     en_nouns = (r"instructions?|rules?|context|directions?|directives?|guidelines?|prompts?"
@@ -3540,11 +3540,11 @@ def _instruction_rule_table():
         return strong.search(m.group(0)) is not None or all_noun.search(m.group(0)) is not None
 
     add("override", _trigger_words(en_verbs), source, check, lead=True, also=_trigger_words(en_nouns))
-    add("override", "ignore disregard forget",
-        r"\b(?:ignore|disregard|forget)\s+(?:(?:everything|all|anything|whatever)"
+    add("override", "ignore disregard forget drop",
+        r"\b(?:ignore|disregard|forget|drop)\s+(?:(?:everything|all|anything|whatever)"
         r"\s+(?:(?:that\s+)?(?:was\s+)?(?:above|before|prior|previously|earlier|so\s+far)"
         r"|(?:that\s+)?(?:you\s+(?:were|have\s+been|'?ve\s+been)\s+(?:told|given|taught)"
-        r"|i\s+(?:said|told\s+you)|was\s+said|we\s+(?:talked|discussed|said)))"
+        r"|i\s+(?:said|told\s+you)|was\s+said|we\s+(?:talked|discussed|said)|you\s+(?:were|are)\s+doing))"
         r"|everything(?=\s*[,.!:;])"
         r"|(?:the\s+)?(?:above|foregoing|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?)))",
         lead=True, also="everything all anything whatever above foregoing preceding")
@@ -3571,7 +3571,7 @@ def _instruction_rule_table():
              r"|新しい(?:タスク|課題|指示)に(?:集中|専念)|(?:너의|네|당신의)\s*(?:새로운|새|진짜)\s*(?:작업|과제|임무)|새로운\s*(?:작업|과제|임무)에\s*집중")):
         add("override", triggers, source)
     # Urgency framing before orders: stacked alarm words, then a line that addresses the reader.
-    urgent = (r"ATTENTION|ACHTUNG|STOPP?|HALT|URGENT|ALERT|ALARM|EMERGENCY|ВНИМАНИЕ|СТОП|СРОЧНО|ATENCI[OÓ]N"
+    urgent = (r"ATTENTION|ACHTUNG|STOPP?|HALT|URGENT|ALERT|ALARM|EMERGENCY|WICHTIG|ВАЖНО|ВНИМАНИЕ|СТОП|СРОЧНО|ATENCI[OÓ]N"
               r"|URGENTE|ATEN[CÇ][AÃ]O|PARE|ALTO|ARR[EÊ]TE[ZS]?|紧急|緊急|停止|注意|警告|ストップ|긴급|중지|주의|멈춰")
     add("override", _trigger_words(urgent.lower()),
         r"(?<!\w)(?:" + urgent + r")[\s\-–—!:.,！：、，]{1,6}(?:" + urgent + r")(?!\w)(?P<rest>[^\n]*)",
@@ -3706,8 +3706,9 @@ def _instruction_rule_table():
     source, check = _phrase_rule(ru_leak_verbs, ru_leak_nouns, ru_leak_quals, gap=3)
     add("prompt-leak", _trigger_words(ru_leak_verbs),
         source, check)
-    add("prompt-leak", "какой каков какие каковы",
-        r"\b(?:какой|каков|какие|каковы)\s+(?:у\s+(?:тебя|вас)\s+)?(?:тво\w+\s+|ваш\w*\s+)?"
+    add("prompt-leak", "какой каков какие каковы lautet lauten",
+        r"\bwie\s+(?:lautet|lauten)\s+(?:dein|ihr)e?\w*\s+(?:system-?prompt|systemanweisung|anweisung|prompt)"
+        r"|\b(?:какой|каков|какие|каковы)\s+(?:у\s+(?:тебя|вас)\s+)?(?:тво\w+\s+|ваш\w*\s+)?"
         r"(?:системн\w+\s+промпт|системн\w+\s+инструкци\w+|промпт|инструкции)")
     es_leak_verbs = (r"revela|revele|revelá|muestra|muéstrame|muestrame|enséñame|enseñame|imprime"
                      r"|repite|dime|escribe|comparte|divulga|proporciona|dame")
@@ -3811,7 +3812,7 @@ def _instruction_rule_table():
     add("identity-reset", "you+now you+longer now+you",
         r"\byou(?:\s+are|'re)\s+now\s+(?:(?:a|an|the|my|called|named|known\s+as|in|operating\s+as"
         r"|acting\s+as|playing)\s+)?(?:[\w-]+\s+){0,3}?" + _PERSONA + r"\b"
-        r"|\bnow\s+you\s+are\s+(?-i:[A-Z])[\w-]+(?:\s+(?-i:[A-Z])[\w-]+)?\s*[,.]"
+        r"|\b(?:now\s+you\s+are|you(?:\s+are|'re)\s+now)\s+(?-i:[A-Z])[\w.-]+(?:\s+(?-i:[A-Z])[\w-]+)?\s*[,.]"
         r"|\byou(?:\s+are|'re)\s+now\s+(?:free|jailbroken|unrestricted|unfiltered|uncensored"
         r"|unchained|liberated|no\s+longer|dan)\b"
         r"|\byou(?:\s+are|'re)\s+no\s+longer\s+(?:an?\s+)?(?:ai|assistant|bound|restricted|limited"
@@ -3821,7 +3822,8 @@ def _instruction_rule_table():
         r"(?:you(?:'re|'ll)?\s+(?:are|will|must|shall|should|act|respond|answer|reply|behave"
         r"|pretend|speak|talk|have\s+no|no\s+longer|only|always|never|ignore)"
         r"|your\s+(?:new|name|role|persona|identity|only|answers?|responses?|purpose|goal)"
-        r"|(?:act|respond|answer|reply|behave|pretend|speak|talk)\b)")
+        r"|(?:act|respond|answer|reply|behave|pretend|speak|talk)\b)"
+        r"|\b(?:answer|respond|reply|act|behave|speak|talk)\s+(?:only\s+)?from\s+now\s+on\b")
     add("identity-reset", "act behave respond operate function pretend roleplay play",
         r"\b(?:act|behave|respond|operate|function)\s+(?:as|like)\s+(?:if\s+you\s+(?:are"
         r"|were)\s+)?(?:(?:a|an|the|my|your)\s+)?(?:[\w-]+\s+){0,3}?" + _PERSONA_STRICT
@@ -3859,8 +3861,9 @@ def _instruction_rule_table():
         r"|\b(?:aja|comporte-se)\s+como\s+(?:se\s+fosse\s+)?(?:um|uma|o|a)?\s*"
         r"(?:[\w-]+\s+){0,2}?" + _PERSONA
         + r"|\b(?:sua|tua)\s+nova\s+(?:personalidade|identidade|persona|função|funcao)")
-    add("identity-reset", "bist jetzt sofort nun tu tue verhalte handle agiere neue sind",
-        r"\bdu\s+bist\s+(?:jetzt|nun|ab\s+sofort|ab\s+jetzt|nicht\s+mehr)\b|\b(?:jetzt|nun)\s+bist"
+    add("identity-reset", "bist jetzt sofort nun tu tue verhalte handle agiere neue sind stell",
+        r"\bdu\s+bist\s+(?:jetzt|nun|ab\s+sofort|ab\s+jetzt|nicht\s+mehr)\b(?!\s+dran)|\bstell\s+dir\s+vor\s*,?\s*"
+        r"(?:dass\s+)?du\s+(?:bist|wärst)\s+(?:eine?\s+)?(?:[\w-]+\s+){0,2}?" + _PERSONA + r"|\b(?:antworte|sprich)\s+(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\b|\b(?:jetzt|nun)\s+bist"
         r"\s+du\s+(?:ein(?:e|en)?\s|(?-i:[A-ZÄÖÜ]))"
         r"|\b(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\s*,?\s*(?:bist\s+du|du|antwortest\s+du"
         r"|wirst\s+du|sind\s+sie|verhältst\s+du)\b|\btue?\s+so\s*,?\s*als\s+(?:wärst|wärest"
@@ -3916,7 +3919,9 @@ def _instruction_rule_table():
             (_trigger_words(limits) + " policy policies",
              r"\byou(?:'re|'ve|\s+are|\s+have)?\s+(?:now\s+)?(?:no|without(?:\s+any)?|free\s+"
              r"(?:of|from)(?:\s+all)?|not\s+bound\s+by(?:\s+any)?)\s+(?:\w+\s+){0,2}?(?:" + limits
-             + r")\b(?!\s+(?:on|for|about|when|in)\b)|\b(?:no|without(?:\s+any)?|free\s+(?:of|from)"
+             + r")\b(?!\s+(?:on|for|about|when|in)\b)|\b(?:ai|chatbot|assistant|persona)\s+(?:(?:that|who|which)\s+"
+             r"(?:has|have)\s+no|with\s+no|without(?:\s+any)?)\s+(?:\w+\s+){0,2}?(?:restrictions|guidelines|boundaries"
+             r"|censorship|ethics|morals|morality|principles)\b(?!\s+(?:on|for|about|when|in)\b)|\b(?:no|without(?:\s+any)?|free\s+(?:of|from)"
              r"|not\s+bound\s+by(?:\s+any)?|bypass\w*|ignor\w+|violat\w+|(?:does|do)\s*n(?:o|')t\s+"
              r"(?:have\s+any|follow|care\s+about))\s+(?:any\s+)?(?:moral|ethical|ethics|openai(?:'s)?"
              r"|safety|content)\s+(?:\w+\s+){0,2}?(?:" + limits + r"|limits|polic(?:y|ies))"),
