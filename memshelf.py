@@ -3946,11 +3946,11 @@ def _instruction_rule_table():
              r"|censura)|\bдавай(?:те)?\s+(?:сыграем|поиграем)\s+в\s+игру|\bты\s+будешь\s+(?:притворяться|изображать"
              r"|имитировать|играть\s+роль)|\bоставайся\s+в\s+(?:образе|роли)|\bу\s+тебя\s+(?:теперь\s+)?нет\s+"
              r"(?:никаких\s+)?(?:ограничений|фильтров|цензуры|правил)"),
-            ("游戏 遊戲 保持 脱离 跳出 你没有 你沒有 你不受 你现在 越狱 ゲーム キャラクター 役 ロール あなたには あなたは ジェイルブレイク 게임 캐릭터 역할 너는 넌 당신은 너에게는 탈옥",
-             r"(?:我们|我們|让我们|讓我們)来?玩(?:一|个|個)+(?:游戏|遊戲)|(?:保持|不要(?:脱离|跳出))(?:你的)?(?:角色|人设|人設)|你(?:现在|現在)?(?:没有|沒有"
-             r"|不受)(?:任何)?(?:限制|约束|約束|过滤|過濾|审查|審查|道德|伦理|倫理)|越狱(?:模式|版)|ゲームをしましょう|(?:キャラクター|役|ロール)(?:を|に)?(?:維持|保って"
+            ("游戏 遊戲 保持 脱离 跳出 你没有 你沒有 你不受 你现在 越狱 ゲーム キャラクター キャラ 役柄 あなたには あなたは ジェイルブレイク 게임 캐릭터 너는 넌 당신은 너에게는 탈옥",
+             r"(?:我们|我們|让我们|讓我們)来?玩(?:一|个|個)+(?:游戏|遊戲)|(?:保持|不要(?:脱离|跳出))(?:你的(?:角色|人设)|人设|人設)|你(?:现在|現在)?(?:没有|沒有"
+             r"|不受)(?:任何)?(?:限制|约束|約束|过滤|過濾|审查|審查|道德|伦理|倫理)|越狱(?:模式|版)|ゲームをしましょう|(?:キャラクター|キャラ|役柄)(?:を|に)?(?:維持|保って"
              r"|崩さない)|あなた(?:には|は)(?:一切の|何の|いかなる)?(?:制限|制約|フィルター|検閲|倫理|ルール)(?:も|は|が)?(?:ありません|ない|なく)|ジェイルブレイク"
-             r"|게임을\s*(?:하자|해\s*보자|합시다)|(?:캐릭터|역할)(?:를|을|에서)?\s*(?:유지|벗어나지)|(?:너는|넌|당신은|너에게는)\s*(?:이제\s*)?(?:아무런\s*"
+             r"|게임을\s*(?:하자|해\s*보자|합시다)|캐릭터(?:를|에서)?\s*(?:유지|벗어나지)|(?:너는|넌|당신은|너에게는)\s*(?:이제\s*)?(?:아무런\s*"
              r"|어떤\s*)?(?:제한|제약|필터|검열|규칙|윤리)(?:이|도|은)?\s*없|탈옥\s*(?:모드|버전)")):
         add("jailbreak", triggers, source)
 
@@ -3973,9 +3973,8 @@ def _instruction_rule_table():
              r"|include)\b|\b(?:answer|respond|reply|comply|talk|speak)\w*\b[^.\n]{0,60}?\b(?:without"
              r"|with\s+no)\s+(?:any\s+)?(?:warnings?|disclaimers?|caveats?|censorship|moral\w*|refus\w+)"
              r"|\b(?:no\s+matter|regardless\s+of)\s+(?:how|whether|if)?\s*(?:\w+\s+){0,2}?(?:immoral|unethical|illegal"
-             r"|dangerous|harmful|offensive|inappropriate|explicit|legality|morality|ethics)|\beven\s+if\s+(?:it|they"
-             r"|the\s+\w+)\s*(?:is|are|'s|seems?|sounds?)\s+(?:\w+\s+)?(?:illegal|unethical|immoral|harmful|dangerous"
-             r"|offensive|inappropriate)"),
+             r"|offensive|legality|morality|ethics)|\beven\s+if\s+(?:it|they|the\s+\w+)\s*(?:is|are|'s|seems?|sounds?)\s+"
+             r"(?:\w+\s+)?(?:illegal|unethical|immoral|offensive)"),
             ("lehne verweigere entschuldige antworte refuse refusez excuse réponds répondez nunca disculpes responde "
              "responda peça никогда извиняйся отвечай",
              r"\blehne\s+(?:\w+\s+){0,3}?nie(?:mals)?\s+ab\b|\bverweigere\s+nie(?:mals)?\b"
