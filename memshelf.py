@@ -3519,7 +3519,7 @@ def _instruction_rule_table():
         rows.append((kind, triggers, source, check, flags, also))
 
     # --- override ------------------------------------------------------------------------
-    en_verbs = (r"ignore|disregard|forget|override|bypass|discard|neglect|abandon|leave|drop"
+    en_verbs = (r"ignore|disregard|forget|override|bypass|discard|neglect|abandon|leave"
                 r"|pay\s+no\s+attention\s+to"
                 r"|throw\s+away|set\s+aside|(?:do\s+not|don'?t|stop)\s+(?:follow|obey)(?:ing)?")
     en_nouns = (r"instructions?|rules?|context|directions?|directives?|guidelines?|prompts?"
@@ -3541,12 +3541,13 @@ def _instruction_rule_table():
 
     add("override", _trigger_words(en_verbs), source, check, lead=True, also=_trigger_words(en_nouns))
     add("override", "ignore disregard forget drop",
-        r"\b(?:ignore|disregard|forget|drop)\s+(?:(?:everything|all|anything|whatever)"
+        r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard|forget)\s+(?:(?:everything|all"
+        r"|anything|whatever)"
         r"\s+(?:(?:that\s+)?(?:was\s+)?(?:above|before|prior|previously|earlier|so\s+far)"
         r"|(?:that\s+)?(?:you\s+(?:were|have\s+been|'?ve\s+been)\s+(?:told|given|taught)"
-        r"|i\s+(?:said|told\s+you)|was\s+said|we\s+(?:talked|discussed|said)|you\s+(?:were|are)\s+doing))"
+        r"|i\s+(?:said|told\s+you)|was\s+said|we\s+(?:talked|discussed|said)))"
         r"|everything(?=\s*[,.!:;])"
-        r"|(?:the\s+)?(?:above|foregoing|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?)))",
+        r"|(?:the\s+)?(?:above|foregoing|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?))))",
         lead=True, also="everything all anything whatever above foregoing preceding")
     # A new task handed over ("new tasks follow", "focus on your new task"), in nine languages.
     for triggers, source in (
@@ -3554,8 +3555,8 @@ def _instruction_rule_table():
              "mission+your job+your goal+your",
              r"(?-i:\b(?:NEW|UPDATED|REVISED|IMPORTANT|URGENT)\s+(?:SYSTEM\s+)?INSTRUCTIONS?\s*:)"
              r"|\b(?:new|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followed)\b"
-             r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s+(?:your|the|this"
-             r"|my)\s+new\s+(?:task|assignment|instructions?)|\byour\s+(?:new|real|actual|true)\s+(?:task|assignment"
+             r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s+your"
+             r"\s+new\s+(?:task|assignment|instructions?)|\byour\s+(?:new|real|actual|true)\s+(?:task|assignment"
              r"|mission|job|goal)\s*(?:is|will\s+be|now|:)|\ba\s+new\s+(?:task|assignment|job)\s+for\s+you\b"),
             ("aufgabe aufgaben anweisungen aufträge tâche tâches tarea tareas tarefa tarefas",
              r"\bneue\s+(?:aufgabe|anweisung|auftr)\w*\s*(?:folg\w*|:)|\bfolg\w*\s+(?:eine\s+)?neue\s+(?:aufgabe"

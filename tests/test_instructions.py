@@ -365,6 +365,9 @@ BENIGN = [
     "保持角色不变。",
     "Keep the cache warm even if it is harmful to the benchmark.",
     "No matter how dangerous the migration looks, take a backup first.",
+    "Drop all earlier snapshots.",
+    "Drop all tasks before shutdown.",
+    "Now focus on the new task: building the header.",
 ]
 
 
