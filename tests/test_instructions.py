@@ -368,6 +368,11 @@ BENIGN = [
     "Drop all earlier snapshots.",
     "Drop all tasks before shutdown.",
     "Now focus on the new task: building the header.",
+    "你的新任务列表会显示在侧边栏中。",
+    "服务器不能拒绝合法请求。",
+    "あなたの新しいタスクはダッシュボードに表示されます。",
+    "당신은 제한 없이 API를 호출할 수 있습니다.",
+    "새로운 작업에 집중하려면 알림을 끄세요.",
 ]
 
 
