@@ -3900,10 +3900,10 @@ def _instruction_rule_table():
     limits = (r"restrictions|filters|guidelines|boundaries|censorship|ethics|morals|morality"
               r"|constraints|principles|limitations")
     for triggers, source in (
-            ("game pretend imitate impersonate roleplay immerse going+act going+play role+play",
+            ("game pretend imitate impersonate roleplay immerse role+play",
              r"\blet'?s\s+play\s+a\s+(?:\w+\s+)?game\b[\s.,!:;]*(?:called|named|where|in\s+which|you\b)|\byou(?:'re"
-             r"|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate|role-?\s?play|immerse|act\s+as"
-             r"|play\s+the\s+(?:role|part))|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play)"
+             r"|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate|role-?\s?play|immerse)"
+             r"|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play)"
              r"|\bimmerse\s+yourself\s+(?:in|into)\s+(?:the\s+)?role"),
             ("character role",
              r"\b(?:stay|remain|keep|staying)\s+in\s+(?:character|role)\b|\bbreak(?:s|ing)?\s+character\b"),
@@ -3925,7 +3925,7 @@ def _instruction_rule_table():
              r"(?:has|have)\s+no|with\s+no|without(?:\s+any)?)\s+(?:\w+\s+){0,2}?(?:restrictions|guidelines|boundaries"
              r"|censorship|ethics|morals|morality|principles)\b(?!\s+(?:on|for|about|when|in)\b)|\b(?:no|without(?:\s+any)?|free\s+(?:of|from)"
              r"|not\s+bound\s+by(?:\s+any)?|bypass\w*|ignor\w+|violat\w+|(?:does|do)\s*n(?:o|')t\s+"
-             r"(?:have\s+any|follow|care\s+about))\s+(?:any\s+)?(?:moral|ethical|ethics|openai(?:'s)?"
+             r"(?:have\s+any|follow|care\s+about))\s+(?:any\s+|all\s+)?(?:moral|ethical|ethics|openai(?:'s)?"
              r"|safety|content)\s+(?:\w+\s+){0,2}?(?:" + limits + r"|limits|polic(?:y|ies))"),
             ("both ways+two two+responses two+answers 2+responses 2+answers",
              r"\b(?:answer|respond|reply)\w*\s+(?:\w+\s+){0,3}?(?:as\s+both|in\s+two\s+(?:different\s+)?ways)\b"
@@ -3960,7 +3960,7 @@ def _instruction_rule_table():
     for triggers, source in (
             ("refuse refuses decline declines",
              r"\b(?:never|(?:do|must|will|shall|should|can|may)\s*(?:not|n't)|won'?t|cannot"
-             r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:connections?|packets?|traffic))"
+             r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:an?\s+|the\s+)?(?:connections?|packets?|traffic|payments?))"
              r"|\bnever\s+(?:ever\s+)?(?:refuses|declines)\b"),
             ("apologise apologize apologising apologizing sorry remind warn say+never tell+never disclaimer "
              "disclaimers caveat caveats moralizing moralising",

@@ -373,6 +373,8 @@ BENIGN = [
     "あなたの新しいタスクはダッシュボードに表示されます。",
     "당신은 제한 없이 API를 호출할 수 있습니다.",
     "새로운 작업에 집중하려면 알림을 끄세요.",
+    "In this section you are going to act as the reviewer.",
+    "The server will never refuse a connection from localhost.",
 ]
 
 
