@@ -3900,9 +3900,10 @@ def _instruction_rule_table():
     limits = (r"restrictions|filters|guidelines|boundaries|censorship|ethics|morals|morality"
               r"|constraints|principles|limitations")
     for triggers, source in (
-            ("game pretend imitate impersonate roleplay immerse role+play",
+            ("game pretend imitate impersonate roleplay immerse role+play going+act",
              r"\blet'?s\s+play\s+a\s+(?:\w+\s+)?game\b[\s.,!:;]*(?:called|named|where|in\s+which|you\b)|\byou(?:'re"
-             r"|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate|role-?\s?play|immerse)"
+             r"|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate|role-?\s?play|immerse|act\s+as\s+(?:"
+             r"(?-i:[A-Z])|an?\s+(?:\w+\s+){0,2}?(?:ai|chatbot|bot|assistant|persona|character)\b))"
              r"|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play)"
              r"|\bimmerse\s+yourself\s+(?:in|into)\s+(?:the\s+)?role"),
             ("character role",
