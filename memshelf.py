@@ -3906,8 +3906,8 @@ def _instruction_rule_table():
              r"(?-i:[A-Z])|an?\s+(?:\w+\s+){0,2}?(?:ai|chatbot|bot|assistant|persona|character)\b))"
              r"|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play)"
              r"|\bimmerse\s+yourself\s+(?:in|into)\s+(?:the\s+)?role"),
-            ("character+stay character+remain character+keep character+staying character+break character+breaks character+breaking "
-             "role+stay role+remain role+keep role+staying",
+            ("character+stay character+remain character+keep character+staying character+break character+breaks "
+             "character+breaking role+stay role+remain role+keep role+staying",
              r"\b(?:stay|remain|keep|staying)\s+in\s+(?:character|role)\b|\bbreak(?:s|ing)?\s+character\b"),
             ("developer+mode entwicklermodus développeur desarrollador desenvolvedor разработчика",
              r"\b(?:chatgpt|gpt|ai|ki|ia|ии|llm|bot|assistant)\s+(?:\w+\s+){0,2}?(?:with|in|mit|im|avec|en|con|com|no|в"
