@@ -3553,11 +3553,11 @@ def _instruction_rule_table():
     for triggers, source in (
             ("instructions instruction task+new tasks+new further focus concentrate task+your assignment+your "
              "mission+your job+your goal+your",
-             r"(?-i:\b(?:NEW|UPDATED|REVISED|IMPORTANT|URGENT)\s+(?:SYSTEM\s+)?INSTRUCTIONS?\s*:)"
-             r"|\b(?:new|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followed)\b"
-             r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s+your"
-             r"\s+new\s+(?:task|assignment|instructions?)|\byour\s+(?:new|real|actual|true)\s+(?:task|assignment"
-             r"|mission|job|goal)\s*(?:is|will\s+be|now|:)|\ba\s+new\s+(?:task|assignment|job)\s+for\s+you\b"),
+             r"(?-i:\b(?:NEW|UPDATED|REVISED|IMPORTANT|URGENT)\s+(?:SYSTEM\s+)?INSTRUCTIONS?\s*:)|\b(?:new"
+             r"|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followed)\b"
+             r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s+your\s+new\s+(?:task"
+             r"|assignment|instructions?)|\byour\s+(?:new|real|actual|true)\s+(?:task|assignment|mission|job"
+             r"|goal)\s*(?:is|will\s+be|now|:)|\ba\s+new\s+(?:task|assignment|job)\s+for\s+you\b"),
             ("aufgabe aufgaben anweisungen aufträge tâche tâches tarea tareas tarefa tarefas",
              r"\bneue\s+(?:aufgabe|anweisung|auftr)\w*\s*(?:folg\w*|:)|\bfolg\w*\s+(?:eine\s+)?neue\s+(?:aufgabe"
              r"|anweisung|auftr)|\b(?:deine|ihre)\s+(?:neue|eigentliche|wahre)\s+aufgabe\b"
@@ -3568,13 +3568,13 @@ def _instruction_rule_table():
              r"\bнов(?:ая|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)|\b(?:тво|ваш)\w+\s+(?:нов"
              r"|настоящ)\w+\s+(?:задач\w*|задани\w*)"),
             ("任务 任務 タスク 課題 指示 작업 과제 임무",
-             r"(?:你|您)的(?:新|真正的)(?:任务|任務)(?:是|：|:)|专注于.{0,4}新(?:任务|任務)|あなたの(?:新しい|本当の)(?:タスク|課題|任務)は"
-             r"[^。\n]{0,40}?ことです|新しい(?:タスク|課題|指示)に(?:集中|専念)し(?:て|ろ|なさい)|(?:너의|네)\s*(?:새로운|새|진짜)\s*"
-             r"(?:작업|과제|임무)(?:은|는)|새로운\s*(?:작업|과제|임무)에\s*집중(?:해|하세요|하라)")):
+             r"(?:你|您)的(?:新|真正的)(?:任务|任務)(?:是|：|:)|专注于.{0,4}新(?:任务|任務)|あなたの(?:新しい|本当の)(?:タスク|課題|任務)は[^。\n]{0,40}?ことです"
+             r"|新しい(?:タスク|課題|指示)に(?:集中|専念)し(?:て|ろ|なさい)|(?:너의|네)\s*(?:새로운|새|진짜)\s*(?:작업|과제|임무)(?:은|는)|새로운\s*(?:작업|과제"
+             r"|임무)에\s*집중(?:해|하세요|하라)")):
         add("override", triggers, source)
     # Urgency framing before orders: stacked alarm words, then a line that addresses the reader.
-    urgent = (r"ATTENTION|ACHTUNG|STOPP?|HALT|URGENT|ALERT|ALARM|EMERGENCY|WICHTIG|ВАЖНО|ВНИМАНИЕ|СТОП|СРОЧНО|ATENCI[OÓ]N"
-              r"|URGENTE|ATEN[CÇ][AÃ]O|PARE|ALTO|ARR[EÊ]TE[ZS]?|紧急|緊急|停止|注意|警告|ストップ|긴급|중지|주의|멈춰")
+    urgent = (r"ATTENTION|ACHTUNG|STOPP?|HALT|URGENT|ALERT|ALARM|EMERGENCY|WICHTIG|ВАЖНО|ВНИМАНИЕ|СТОП|СРОЧНО"
+              r"|ATENCI[OÓ]N|URGENTE|ATEN[CÇ][AÃ]O|PARE|ALTO|ARR[EÊ]TE[ZS]?|紧急|緊急|停止|注意|警告|ストップ|긴급|중지|주의|멈춰")
     add("override", _trigger_words(urgent.lower()),
         r"(?<!\w)(?:" + urgent + r")[\s\-–—!:.,！：、，]{1,6}(?:" + urgent + r")(?!\w)(?P<rest>[^\n]*)",
         lambda m: _ROLE_CUE.search(m.group("rest")) is not None, flags=0)
@@ -3865,7 +3865,8 @@ def _instruction_rule_table():
         + r"|\b(?:sua|tua)\s+nova\s+(?:personalidade|identidade|persona|função|funcao)")
     add("identity-reset", "bist jetzt sofort nun tu tue verhalte handle agiere neue sind stell",
         r"\bdu\s+bist\s+(?:jetzt|nun|ab\s+sofort|ab\s+jetzt|nicht\s+mehr)\b(?!\s+dran)|\bstell\s+dir\s+vor\s*,?\s*"
-        r"(?:dass\s+)?du\s+(?:bist|wärst)\s+(?:eine?\s+)?(?:[\w-]+\s+){0,2}?" + _PERSONA + r"|\b(?:antworte|sprich)\s+(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\b|\b(?:jetzt|nun)\s+bist"
+        r"(?:dass\s+)?du\s+(?:bist|wärst)\s+(?:eine?\s+)?(?:[\w-]+\s+){0,2}?" + _PERSONA
+        + r"|\b(?:antworte|sprich)\s+(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\b|\b(?:jetzt|nun)\s+bist"
         r"\s+du\s+(?:ein(?:e|en)?\s|(?-i:[A-ZÄÖÜ]))"
         r"|\b(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\s*,?\s*(?:bist\s+du|du|antwortest\s+du"
         r"|wirst\s+du|sind\s+sie|verhältst\s+du)\b|\btue?\s+so\s*,?\s*als\s+(?:wärst|wärest"
@@ -3902,10 +3903,10 @@ def _instruction_rule_table():
     for triggers, source in (
             ("game pretend imitate impersonate roleplay immerse role+play going+act",
              r"\blet'?s\s+play\s+a\s+(?:\w+\s+)?game\b[\s.,!:;]*(?:called|named|where|in\s+which|you\b)|\byou(?:'re"
-             r"|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate|role-?\s?play|immerse|act\s+as\s+(?:"
-             r"(?-i:[A-Z])|an?\s+(?:\w+\s+){0,2}?(?:ai|chatbot|bot|assistant|persona|character)\b))"
-             r"|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play)"
-             r"|\bimmerse\s+yourself\s+(?:in|into)\s+(?:the\s+)?role"),
+             r"|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate|role-?\s?play|immerse"
+             r"|act\s+as\s+(?:(?-i:[A-Z])|an?\s+(?:\w+\s+){0,2}?(?:ai|chatbot|bot|assistant|persona|character)\b))"
+             r"|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play)|\bimmerse\s+yourself\s+(?:in"
+             r"|into)\s+(?:the\s+)?role"),
             ("character+stay character+remain character+keep character+staying character+break character+breaks "
              "character+breaking role+stay role+remain role+keep role+staying",
              r"\b(?:stay|remain|keep|staying)\s+in\s+(?:character|role)\b|\bbreak(?:s|ing)?\s+character\b"),
@@ -3925,7 +3926,8 @@ def _instruction_rule_table():
              r"(?:of|from)(?:\s+all)?|not\s+bound\s+by(?:\s+any)?)\s+(?:\w+\s+){0,2}?(?:" + limits
              + r")\b(?!\s+(?:on|for|about|when|in)\b)|\b(?:ai|chatbot|assistant|persona)\s+(?:(?:that|who|which)\s+"
              r"(?:has|have)\s+no|with\s+no|without(?:\s+any)?)\s+(?:\w+\s+){0,2}?(?:restrictions|guidelines|boundaries"
-             r"|censorship|ethics|morals|morality|principles)\b(?!\s+(?:on|for|about|when|in)\b)|\b(?:no|without(?:\s+any)?|free\s+(?:of|from)"
+             r"|censorship|ethics|morals|morality|principles)\b(?!\s+(?:on|for|about|when|in)\b)"
+             r"|\b(?:no|without(?:\s+any)?|free\s+(?:of|from)"
              r"|not\s+bound\s+by(?:\s+any)?|bypass\w*|ignor\w+|violat\w+|(?:does|do)\s*n(?:o|')t\s+"
              r"(?:have\s+any|follow|care\s+about))\s+(?:any\s+|all\s+)?(?:moral|ethical|ethics|openai(?:'s)?"
              r"|safety|content)\s+(?:\w+\s+){0,2}?(?:" + limits + r"|limits|polic(?:y|ies))"),
@@ -3952,8 +3954,8 @@ def _instruction_rule_table():
              r"(?:никаких\s+)?(?:ограничений|фильтров|цензуры|правил)"),
             ("游戏 遊戲 保持 脱离 跳出 你没有 你沒有 你不受 你现在 越狱 ゲーム キャラクター キャラ 役柄 あなたには あなたは ジェイルブレイク 게임 캐릭터 너는 넌 당신은 너에게는 탈옥",
              r"(?:我们|我們|让我们|讓我們)来?玩(?:一|个|個)+(?:游戏|遊戲)|(?:保持|不要(?:脱离|跳出))(?:你的(?:角色|人设)|人设|人設)|你(?:现在|現在)?(?:没有|沒有"
-             r"|不受)(?:任何)?(?:限制|约束|約束|过滤|過濾|审查|審查|道德|伦理|倫理)|越狱(?:模式|版)|(?<!この)ゲームをしましょう|(?:キャラクター|キャラ|役柄)(?:を|に)?(?:維持|保って"
-             r"|崩さない)|あなた(?:には|は)(?:一切の|何の|いかなる)?(?:制限|制約|フィルター|検閲|倫理|ルール)(?:も|は|が)?(?:ありません|ない|なく)|ジェイルブレイク"
+             r"|不受)(?:任何)?(?:限制|约束|約束|过滤|過濾|审查|審查|道德|伦理|倫理)|越狱(?:模式|版)|(?<!この)ゲームをしましょう|(?:キャラクター|キャラ|役柄)(?:を|に)?(?:維持"
+             r"|保って|崩さない)|あなた(?:には|は)(?:一切の|何の|いかなる)?(?:制限|制約|フィルター|検閲|倫理|ルール)(?:も|は|が)?(?:ありません|ない|なく)|ジェイルブレイク"
              r"|게임을\s*(?:하자|해\s*보자|합시다)(?![는고])|캐릭터(?:를|에서)?\s*(?:유지|벗어나지)|(?:너는|넌|당신은|너에게는)\s*(?:이제\s*)?(?:아무런\s*"
              r"|어떤\s*)?(?:제한|제약|필터|검열|규칙|윤리)(?:이|도|은)?\s*없(?!이)|탈옥\s*(?:모드|버전)")):
         add("jailbreak", triggers, source)
@@ -3962,8 +3964,8 @@ def _instruction_rule_table():
     for triggers, source in (
             ("refuse refuses decline declines",
              r"\b(?:never|(?:do|must|will|shall|should|can|may)\s*(?:not|n't)|won'?t|cannot"
-             r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:an?\s+|the\s+)?(?:connections?|packets?|traffic|payments?))"
-             r"|\bnever\s+(?:ever\s+)?(?:refuses|declines)\b"),
+             r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:an?\s+|the\s+)?(?:connections?|packets?"
+             r"|traffic|payments?))|\bnever\s+(?:ever\s+)?(?:refuses|declines)\b"),
             ("apologise apologize apologising apologizing sorry remind warn say+never tell+never disclaimer "
              "disclaimers caveat caveats moralizing moralising",
              r"\b(?:never|(?:do|must|will|shall|should)\s*(?:not|n't)|stop|no\s+need\s+to)\s+(?:ever\s+)?"
@@ -3977,8 +3979,8 @@ def _instruction_rule_table():
              r"|include)\b|\b(?:answer|respond|reply|comply|talk|speak)\w*\b[^.\n]{0,60}?\b(?:without"
              r"|with\s+no)\s+(?:any\s+)?(?:warnings?|disclaimers?|caveats?|censorship|moral\w*|refus\w+)"
              r"|\b(?:no\s+matter|regardless\s+of)\s+(?:how|whether|if)?\s*(?:\w+\s+){0,2}?(?:immoral|unethical|illegal"
-             r"|offensive|legality|morality|ethics)|\beven\s+if\s+(?:it|they|the\s+\w+)\s*(?:is|are|'s|seems?|sounds?)\s+"
-             r"(?:\w+\s+)?(?:illegal|unethical|immoral|offensive)"),
+             r"|offensive|legality|morality|ethics)|\beven\s+if\s+(?:it|they|the\s+\w+)\s*(?:is|are|'s|seems?"
+             r"|sounds?)\s+(?:\w+\s+)?(?:illegal|unethical|immoral|offensive)"),
             ("lehne verweigere entschuldige antworte refuse refusez excuse réponds répondez nunca disculpes responde "
              "responda peça никогда извиняйся отвечай",
              r"\blehne\s+(?:\w+\s+){0,3}?nie(?:mals)?\s+ab\b|\bverweigere\s+nie(?:mals)?\b"
@@ -3992,10 +3994,10 @@ def _instruction_rule_table():
              r"|\bне\s+(?:извиняйся|извиняйтесь)|\bотвечай\b[^.\n]{0,60}?\bбез\s+(?:каких-либо\s+"
              r"|всяких\s+)?(?:предупреждений|оговорок|цензуры)"),
             ("拒绝 拒絕 道歉 抱歉 警告 免责声明 免責事項 断ら 拒否 謝ら 거절하지 사과하지 경고 면책",
-             r"(?:永远|永遠|绝不|絕不|决不|決不)(?:不要|不会)?(?:拒绝|拒絕)|(?:不要|不能|不得|不许|不許)(?:拒绝|拒絕)(?:回答|我|用户|用戶)|不要(?:道歉|說抱歉|说抱歉)|(?:不带|不帶|没有|沒有|不加)(?:任何)?(?:警告|免责声明"
-             r"|免責聲明)地(?:回答|回复|回覆)|(?:決して|絶対に)(?:断ら|拒否し)ない|(?:拒否|拒絶)しないで|断らないで|謝(?:ら|罪し)ないで|(?:警告|免責事項)(?:は"
-             r"|を)?(?:一切)?(?:なし|抜き|付けず)(?:で|に)(?:答え|回答|返答)|(?:절대|결코|절대로)\s*거절하지|(?:거절|사과)하지\s*(?:마|말고|마세요|마라)|(?:경고"
-             r"|면책\s*조항)\s*없이\s*(?:답|대답|응답)")):
+             r"(?:永远|永遠|绝不|絕不|决不|決不)(?:不要|不会)?(?:拒绝|拒絕)|(?:不要|不能|不得|不许|不許)(?:拒绝|拒絕)(?:回答|我|用户|用戶)|不要(?:道歉|說抱歉|说抱歉)"
+             r"|(?:不带|不帶|没有|沒有|不加)(?:任何)?(?:警告|免责声明|免責聲明)地(?:回答|回复|回覆)|(?:決して|絶対に)(?:断ら|拒否し)ない|(?:拒否|拒絶)しないで|断らないで"
+             r"|謝(?:ら|罪し)ないで|(?:警告|免責事項)(?:は|を)?(?:一切)?(?:なし|抜き|付けず)(?:で|に)(?:答え|回答|返答)|(?:절대|결코|절대로)\s*거절하지|(?:거절"
+             r"|사과)하지\s*(?:마|말고|마세요|마라)|(?:경고|면책\s*조항)\s*없이\s*(?:답|대답|응답)")):
         add("refusal-suppression", triggers, source)
 
     # --- exfiltration --------------------------------------------------------------------
