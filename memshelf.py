@@ -3901,11 +3901,12 @@ def _instruction_rule_table():
     limits = (r"restrictions|filters|guidelines|boundaries|censorship|ethics|morals|morality"
               r"|constraints|principles|limitations")
     for triggers, source in (
-            ("game pretend imitate impersonate roleplay immerse role+play going+act",
+            ("game pretend imitate impersonate roleplay immerse role+play going+act simulate emulate",
              r"\blet'?s\s+play\s+a\s+(?:\w+\s+)?game\b[\s.,!:;]*(?:called|named|where|in\s+which|you\b)|\byou(?:'re"
              r"|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate|role-?\s?play|immerse"
              r"|act\s+as\s+(?:(?-i:[A-Z])|an?\s+(?:\w+\s+){0,2}?(?:ai|chatbot|bot|assistant|persona|character)\b))"
-             r"|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play)|\bimmerse\s+yourself\s+(?:in"
+             r"|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play|(?:simulate|emulate)\s+an?\s+"
+             r"(?:\w+\s+){0,2}?(?:ai|chatbot|bot|assistant|persona)\b)|\bimmerse\s+yourself\s+(?:in"
              r"|into)\s+(?:the\s+)?role"),
             ("character+stay character+remain character+keep character+staying character+break character+breaks "
              "character+breaking role+stay role+remain role+keep role+staying",
@@ -3928,7 +3929,7 @@ def _instruction_rule_table():
              r"(?:has|have)\s+no|with\s+no|without(?:\s+any)?)\s+(?:\w+\s+){0,2}?(?:restrictions|guidelines|boundaries"
              r"|censorship|ethics|morals|morality|principles)\b(?!\s+(?:on|for|about|when|in)\b)"
              r"|\b(?:no|without(?:\s+any)?|free\s+(?:of|from)"
-             r"|not\s+bound\s+by(?:\s+any)?|bypass\w*|ignor\w+|violat\w+|(?:does|do)\s*n(?:o|')t\s+"
+             r"|not\s+bound\s+by(?:\s+any)?|bypass\w*|ignor\w+|disregard\w*|violat\w+|(?:does|do)\s*n(?:o|')t\s+"
              r"(?:have\s+any|follow|care\s+about))\s+(?:any\s+|all\s+)?(?:moral|ethical|ethics|openai(?:'s)?"
              r"|safety|content)\s+(?:\w+\s+){0,2}?(?:" + limits + r"|limits|polic(?:y|ies))"),
             ("both ways+two two+responses two+answers 2+responses 2+answers",
