@@ -4204,6 +4204,16 @@ _HIDDEN_CHAR_CLASS = "\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069\U000e0
 _HIDDEN_CHAR_RE = _LazyPattern("[" + _HIDDEN_CHAR_CLASS + "]")
 _INSTRUCTION_RULES = None  # compiled on first use: the tables below cost a few milliseconds
 
+
+def _harmless_hidden(text, at):
+    """Not hidden text: a BOM at the start, a ZWJ between emoji, a lone zero-width space by CJK."""
+    ch, before, after = text[at], text[max(0, at - 3):at], text[at + 1:at + 2]
+    if ch == "\u200d":
+        before = before.rstrip("\ufe0f\U0001f3fb\U0001f3fc\U0001f3fd\U0001f3fe\U0001f3ff")[-1:]
+        return all(c and (c >= "\U0001f000" or "\u2190" <= c <= "\u2bff") for c in (before, after))
+    return at == 0 if ch == "\ufeff" else ch == "\u200b" and "\u200b" not in before[-1:] + after \
+        and any("\u2e80" <= c <= "\u9fff" or "\uac00" <= c <= "\ud7af" for c in before[-1:] + after)
+
 # English imperatives must address the reader: line or sentence start, after punctuation,
 # or after "please" / "you must" / "I want you to"; "we decided to ignore X" stays quiet.
 _LEAD_WORDS = _LazyPattern(
@@ -4253,6 +4263,14 @@ _ROLE_CUE = _LazyPattern(
     r"|你|您|必须|忽略|あなた|必ず|너|당신|반드시|أنت|يجب",
     re.IGNORECASE,
 )
+
+# A clause ending in a role one joins ("you are now an Astro developer!", "あなたはもう
+# Astroの開発者です！"): a congratulation, not a new identity.
+_ROLE_REACHED = _LazyPattern(
+    r"[^.!?\n\u3002\uff01\uff1f]{0,40}?(?:(?<![\w-])(?:developer(?!\s+mode)|user|member|owner|contributor"
+    r"|maintainer|admin|entwickler\w*|mitglied|développeu\w*|membre|desarrollador\w*|miembro|membro"
+    r"|desenvolvedor\w*|разработчик\w*|участник\w*)s?(?![\w-])|开发者|开发人员|開發者|開發人員|用户|成员|会员|開発者"
+    r"|ユーザー|メンバー|개발자|사용자|회원|멤버)[^\w\n]*(?:です|입니다|이에요|예요|야|だ)?\s*(?:[.!\u3002\uff01]|$)", re.IGNORECASE)
 
 # Front matter imitations inside a body: a --- block carrying role or instruction keys.
 _FAKE_FRONTMATTER_KEY = _LazyPattern(
@@ -4341,18 +4359,23 @@ def _instruction_rule_table():
         if lead:
             check = _addresses_reader if check is None else (
                 lambda m, _inner=check: _addresses_reader(m) and _inner(m))
+        if kind == "identity-reset":   # "you are now an Astro developer!" congratulates
+            check = (lambda m, _inner=check: not _ROLE_REACHED.match(m.string, m.end())
+                     and (_inner is None or _inner(m)))
         rows.append((kind, triggers, source, check, flags, also))
 
     # --- override ------------------------------------------------------------------------
-    en_verbs = (r"ignore|disregard|forget|override|bypass|discard|neglect|abandon"
+    en_verbs = (r"ignore|disregard|forget|override|bypass|discard|neglect|abandon|leave"
+                r"|pay\s+no\s+attention\s+to"
                 r"|throw\s+away|set\s+aside|(?:do\s+not|don'?t|stop)\s+(?:follow|obey)(?:ing)?")
     en_nouns = (r"instructions?|rules?|context|directions?|directives?|guidelines?|prompts?"
                 r"|commands?|constraints?|restrictions?|guardrails?|polic(?:y|ies)|messages?"
-                r"|orders?|programming|training|safeguards?|filters?|conversation")
+                r"|orders?|programming|training|safeguards?|filters?|conversation|tasks?"
+                r"|information|assignments?|requests?|questions?")
     en_quals = (r"previous(?:ly)?|prior|above|aforementioned|earlier|preceding|foregoing"
                 r"|former|original|initial|all|any|every|your|system|safety|developer"
                 r"|content|ethical")
-    source, _ = _phrase_rule(en_verbs, en_nouns, en_quals, gap=3, after=1)
+    source, _ = _phrase_rule(en_verbs, en_nouns, en_quals, gap=4, after=1)
     strong = _LazyPattern(r"\b(?:" + en_quals.replace("|all|any|every", "") + r")\b",
                           re.IGNORECASE)
     all_noun = _LazyPattern(r"\b(?:all|any|every)\s+(?:(?:of\s+)?the\s+)?(?:" + en_nouns + r")\b",
@@ -4363,16 +4386,44 @@ def _instruction_rule_table():
         return strong.search(m.group(0)) is not None or all_noun.search(m.group(0)) is not None
 
     add("override", _trigger_words(en_verbs), source, check, lead=True, also=_trigger_words(en_nouns))
-    add("override", "ignore disregard forget",
-        r"\b(?:ignore|disregard|forget)\s+(?:(?:everything|all|anything|whatever)"
+    add("override", "ignore disregard forget drop",
+        r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard|forget)\s+(?:(?:everything|all"
+        r"|anything|whatever)"
         r"\s+(?:(?:that\s+)?(?:was\s+)?(?:above|before|prior|previously|earlier|so\s+far)"
         r"|(?:that\s+)?(?:you\s+(?:were|have\s+been|'?ve\s+been)\s+(?:told|given|taught)"
-        r"|i\s+(?:said|told\s+you)|was\s+said))"
-        r"|(?:the\s+)?(?:above|foregoing|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?)))",
+        r"|i\s+(?:said|told\s+you)|was\s+said|we\s+(?:talked|discussed|said)))"
+        r"|everything(?=\s*[,.!:;])"
+        r"|(?:the\s+)?(?:above|foregoing|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?))))",
         lead=True, also="everything all anything whatever above foregoing preceding")
-    add("override", "instructions instruction",
-        r"\b(?:NEW|UPDATED|REVISED|IMPORTANT|URGENT)\s+(?:SYSTEM\s+)?INSTRUCTIONS?\s*:",
-        flags=0)
+    # A new task handed over ("new tasks follow", "focus on your new task"), in nine languages.
+    for triggers, source in (
+            ("instructions instruction task+new tasks+new further focus concentrate task+your assignment+your "
+             "mission+your job+your goal+your",
+             r"(?-i:\b(?:NEW|UPDATED|REVISED|IMPORTANT|URGENT)\s+(?:SYSTEM\s+)?INSTRUCTIONS?\s*:)|\b(?:new"
+             r"|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followed)\b"
+             r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s+your\s+new\s+(?:task"
+             r"|assignment|instructions?)|\byour\s+(?:new|real|actual|true)\s+(?:task|assignment|mission|job"
+             r"|goal)\s*(?:is|will\s+be|now|:)|\ba\s+new\s+(?:task|assignment|job)\s+for\s+you\b"),
+            ("aufgabe aufgaben anweisungen aufträge tâche tâches tarea tareas tarefa tarefas",
+             r"\bneue\s+(?:aufgabe|anweisung|auftr)\w*\s*(?:folg\w*|:)|\bfolg\w*\s+(?:eine\s+)?neue\s+(?:aufgabe"
+             r"|anweisung|auftr)|\b(?:deine|ihre)\s+(?:neue|eigentliche|wahre)\s+aufgabe\b"
+             r"|\bnouvelles?\s+tâches?\s*(?:suit|suivent|:)|\b(?:ta|votre)\s+(?:nouvelle|vraie|véritable)\s+tâche\b"
+             r"|\bnuevas?\s+tareas?\s*(?:a\s+continuación|:)|\btu\s+(?:nueva|verdadera)\s+tarea\b"
+             r"|\bnovas?\s+tarefas?\s*(?:a\s+seguir|seguem|:)|\b(?:sua|tua)\s+(?:nova|verdadeira)\s+tarefa\b"),
+            ("задача задачи задачу задание задания",
+             r"\bнов(?:ая|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)|\b(?:тво|ваш)\w+\s+(?:нов"
+             r"|настоящ)\w+\s+(?:задач\w*|задани\w*)"),
+            ("任务 任務 タスク 課題 指示 작업 과제 임무",
+             r"(?:你|您)的(?:新|真正的)(?:任务|任務)(?:是|：|:)|专注于.{0,4}新(?:任务|任務)|あなたの(?:新しい|本当の)(?:タスク|課題|任務)は[^。\n]{0,40}?ことです"
+             r"|新しい(?:タスク|課題|指示)に(?:集中|専念)し(?:て|ろ|なさい)|(?:너의|네)\s*(?:새로운|새|진짜)\s*(?:작업|과제|임무)(?:은|는)|새로운\s*(?:작업|과제"
+             r"|임무)에\s*집중(?:해|하세요|하라)")):
+        add("override", triggers, source)
+    # Urgency framing before orders: stacked alarm words, then a line that addresses the reader.
+    urgent = (r"ATTENTION|ACHTUNG|STOPP?|HALT|URGENT|ALERT|ALARM|EMERGENCY|WICHTIG|ВАЖНО|ВНИМАНИЕ|СТОП|СРОЧНО"
+              r"|ATENCI[OÓ]N|URGENTE|ATEN[CÇ][AÃ]O|PARE|ALTO|ARR[EÊ]TE[ZS]?|紧急|緊急|停止|注意|警告|ストップ|긴급|중지|주의|멈춰")
+    add("override", _trigger_words(urgent.lower()),
+        r"(?<!\w)(?:" + urgent + r")[\s\-–—!:.,！：、，]{1,6}(?:" + urgent + r")(?!\w)(?P<rest>[^\n]*)",
+        lambda m: _ROLE_CUE.search(m.group("rest")) is not None, flags=0)
     zh_q = r"(?:之前|以前|先前|此前|上面|上述|以上|前面|前述|原来|原有|原先|所有|全部|一切|你的|系统|系統)"
     zh_n = (r"(?:指令|指示|命令|规则|規則|提示词|提示詞|提示|说明|說明|设定|設定|要求|限制|约束"
             r"|約束|上下文|内容|內容|对话|對話)")
@@ -4420,17 +4471,19 @@ def _instruction_rule_table():
                 r"|missachte|missachten\s+sie|überschreibe|verwirf|verwerfen\s+sie"
                 r"|befolge\s+nicht|befolgen\s+sie\s+nicht")
     de_nouns = (r"anweisung\w*|instruktion\w*|regel\w*|befehl\w*|vorgabe\w*|richtlinie\w*"
-                r"|anordnung\w*|einschränkung\w*|systemanweisung\w*|systemprompt\w*|prompts?")
+                r"|anordnung\w*|einschränkung\w*|systemanweisung\w*|systemprompt\w*|prompts?"
+                r"|aufgabe\w*|aufträge|auftrag|information\w*")
     de_quals = (r"vorherig\w*|vorhergehend\w*|bisherig\w*|vorig\w*|obig\w*|früher\w*"
                 r"|vorangegangen\w*|ursprünglich\w*|alt\w*|alle|sämtliche|jegliche|dein\w*|ihre"
                 r"|system\w*")
     source, check = _phrase_rule(de_verbs, de_nouns, de_quals)
     add("override", _trigger_words(de_verbs), source, check,
         also="anweisungen anweisung instruktionen regeln befehle vorgaben richtlinien "
-             "anordnungen einschränkungen systemanweisungen systemprompt prompts prompt")
+             "anordnungen einschränkungen systemanweisungen systemprompt prompts prompt "
+             "aufgaben aufgabe aufträge auftrag informationen")
     add("override", "vergiss vergessen ignoriere ignorieren",
         r"\b(?:vergiss|vergessen\s+sie|ignoriere|ignorieren\s+sie)\s+alles\s*,?\s*"
-        r"(?:was|bisherige|vorherige|obige|oben|davor|zuvor)")
+        r"(?:was|bisherige|vorherige|obige|oben|davor|zuvor|(?<=,))|\bvergiss\s+alles\s*[.!:;]")
     fr_verbs = (r"ignore|ignorez|oublie|oubliez|ne\s+tiens\s+pas\s+compte|ne\s+tenez\s+pas\s+compte"
                 r"|fais\s+abstraction|faites\s+abstraction|écarte|écartez|ne\s+suis\s+pas"
                 r"|ne\s+suivez\s+pas|outrepasse|outrepassez")
@@ -4464,7 +4517,7 @@ def _instruction_rule_table():
                      r"|echo|share|tell|give|write\s+out|type\s+out|spell\s+out|paste|copy"
                      r"|provide|return|read\s+back|list|summari[sz]e")
     add("prompt-leak", _trigger_words(en_leak_verbs),
-        r"\b(?:" + en_leak_verbs + r")\s+(?:(?:me|us)\s+)?(?:(?:back|out)\s+)?"
+        r"\b(?:" + en_leak_verbs + r")\s+(?:(?:me|us)\s+)?(?:(?:back|out)\s+)?(?:all\s+(?:of\s+)?)?"
         r"(?:(?:your|the|its)\s+(?:(?:full|entire|complete|exact|original|initial|hidden|secret"
         r"|internal|confidential|underlying|raw|verbatim|real|actual|first|current)\s+){0,3}"
         r"(?:system\s+(?:prompt|message|instructions)|developer\s+(?:prompt|message|instructions)"
@@ -4501,8 +4554,9 @@ def _instruction_rule_table():
     source, check = _phrase_rule(ru_leak_verbs, ru_leak_nouns, ru_leak_quals, gap=3)
     add("prompt-leak", _trigger_words(ru_leak_verbs),
         source, check)
-    add("prompt-leak", "какой каков какие каковы",
-        r"\b(?:какой|каков|какие|каковы)\s+(?:у\s+(?:тебя|вас)\s+)?(?:тво\w+\s+|ваш\w*\s+)?"
+    add("prompt-leak", "какой каков какие каковы lautet lauten",
+        r"\bwie\s+(?:lautet|lauten)\s+(?:dein|ihr)e?\w*\s+(?:system-?prompt|systemanweisung|anweisung|prompt)"
+        r"|\b(?:какой|каков|какие|каковы)\s+(?:у\s+(?:тебя|вас)\s+)?(?:тво\w+\s+|ваш\w*\s+)?"
         r"(?:системн\w+\s+промпт|системн\w+\s+инструкци\w+|промпт|инструкции)")
     es_leak_verbs = (r"revela|revele|revelá|muestra|muéstrame|muestrame|enséñame|enseñame|imprime"
                      r"|repite|dime|escribe|comparte|divulga|proporciona|dame")
@@ -4525,10 +4579,11 @@ def _instruction_rule_table():
     source, check = _phrase_rule(de_leak_verbs, r"system-?prompt\w*|systemanweisung\w*|anweisung\w*"
                             r"|instruktion\w*|systemnachricht\w*|prompt\w*|regeln|konfiguration",
                             r"dein\w*|ihr\w*|system\w*|versteckt\w*|ursprünglich\w*|geheim\w*"
-                            r"|intern\w*|initial\w*", gap=3)
+                            r"|intern\w*|initial\w*", gap=4)
     add("prompt-leak", _trigger_words(de_leak_verbs), source, check)
-    fr_leak_verbs = (r"révèle|révélez|revele|montre|montrez|affiche|affichez|imprime|imprimez"
-                     r"|répète|répétez|repete|dis-moi|dites-moi|donne-moi|donnez-moi|écris|écrivez"
+    fr_leak_verbs = (r"révèle|révélez|revele|montre(?:-moi)?|montrez(?:-moi)?|affiche|affichez"
+                     r"|imprime|imprimez|répète|répétez|repete|dis-moi|dites-moi|donne-moi"
+                     r"|donnez-moi|écris|écrivez"
                      r"|partage|partagez|divulgue|divulguez|récite")
     source, check = _phrase_rule(fr_leak_verbs, r"prompt|invite|instructions|consignes|règles"
                             r"|directives|configuration|message",
@@ -4542,7 +4597,7 @@ def _instruction_rule_table():
         r"(?:表示|出力|教え|見せ|繰り返|くりかえ|明かし|公開|印刷|書き出|共有)")
     add("prompt-leak", "프롬프트 지시 설정 메시지",
         r"(?:시스템\s*프롬프트|시스템\s*메시지|초기\s*지시|숨겨진\s*지시|원래\s*지시"
-        r"|(?:너의|네|당신의)\s*(?:지시|설정|프롬프트|규칙))(?:사항)?\s*(?:을|를|은|는)?\s*"
+        r"|(?:너의|네|당신의)\s*(?:지시|설정|프롬프트|규칙))(?:\s*사항)?\s*(?:을|를|은|는)?\s*"
         r"(?:그대로\s*|전부\s*|모두\s*)?(?:보여|출력|알려|공개|반복|말해|공유|적어)")
     add("prompt-leak", "اكشف أظهر اظهر اعرض اطبع كرر أخبرني اخبرني قل أعطني اعطني",
         r"(?:اكشف|أظهر|اظهر|اعرض|اطبع|كرر|أخبرني|اخبرني|قل\s+لي|أعطني|اعطني)\s+(?:لي\s+)?"
@@ -4602,9 +4657,10 @@ def _instruction_rule_table():
         r"|input)[\"']\s*:\s*\{")
 
     # --- identity-reset ------------------------------------------------------------------
-    add("identity-reset", "you+now you+longer",
+    add("identity-reset", "you+now you+longer now+you",
         r"\byou(?:\s+are|'re)\s+now\s+(?:(?:a|an|the|my|called|named|known\s+as|in|operating\s+as"
         r"|acting\s+as|playing)\s+)?(?:[\w-]+\s+){0,3}?" + _PERSONA + r"\b"
+        r"|\b(?:now\s+you\s+are|you(?:\s+are|'re)\s+now)\s+(?-i:[A-Z])[\w.-]+(?:\s+(?-i:[A-Z])[\w-]+)?\s*[,.]"
         r"|\byou(?:\s+are|'re)\s+now\s+(?:free|jailbroken|unrestricted|unfiltered|uncensored"
         r"|unchained|liberated|no\s+longer|dan)\b"
         r"|\byou(?:\s+are|'re)\s+no\s+longer\s+(?:an?\s+)?(?:ai|assistant|bound|restricted|limited"
@@ -4614,7 +4670,8 @@ def _instruction_rule_table():
         r"(?:you(?:'re|'ll)?\s+(?:are|will|must|shall|should|act|respond|answer|reply|behave"
         r"|pretend|speak|talk|have\s+no|no\s+longer|only|always|never|ignore)"
         r"|your\s+(?:new|name|role|persona|identity|only|answers?|responses?|purpose|goal)"
-        r"|(?:act|respond|answer|reply|behave|pretend|speak|talk)\b)")
+        r"|(?:act|respond|answer|reply|behave|pretend|speak|talk)\b)"
+        r"|\b(?:answer|respond|reply|act|behave|speak|talk)\s+(?:only\s+)?from\s+now\s+on\b")
     add("identity-reset", "act behave respond operate function pretend roleplay play",
         r"\b(?:act|behave|respond|operate|function)\s+(?:as|like)\s+(?:if\s+you\s+(?:are"
         r"|were)\s+)?(?:(?:a|an|the|my|your)\s+)?(?:[\w-]+\s+){0,3}?" + _PERSONA_STRICT
@@ -4652,8 +4709,11 @@ def _instruction_rule_table():
         r"|\b(?:aja|comporte-se)\s+como\s+(?:se\s+fosse\s+)?(?:um|uma|o|a)?\s*"
         r"(?:[\w-]+\s+){0,2}?" + _PERSONA
         + r"|\b(?:sua|tua)\s+nova\s+(?:personalidade|identidade|persona|função|funcao)")
-    add("identity-reset", "bist jetzt sofort nun tu tue verhalte handle agiere neue sind",
-        r"\bdu\s+bist\s+(?:jetzt|nun|ab\s+sofort|ab\s+jetzt|nicht\s+mehr)\b"
+    add("identity-reset", "bist jetzt sofort nun tu tue verhalte handle agiere neue sind stell",
+        r"\bdu\s+bist\s+(?:jetzt|nun|ab\s+sofort|ab\s+jetzt|nicht\s+mehr)\b(?!\s+dran)|\bstell\s+dir\s+vor\s*,?\s*"
+        r"(?:dass\s+)?du\s+(?:bist|wärst)\s+(?:eine?\s+)?(?:[\w-]+\s+){0,2}?" + _PERSONA
+        + r"|\b(?:antworte|sprich)\s+(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\b|\b(?:jetzt|nun)\s+bist"
+        r"\s+du\s+(?:ein(?:e|en)?\s|(?-i:[A-ZÄÖÜ]))"
         r"|\b(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\s*,?\s*(?:bist\s+du|du|antwortest\s+du"
         r"|wirst\s+du|sind\s+sie|verhältst\s+du)\b|\btue?\s+so\s*,?\s*als\s+(?:wärst|wärest"
         r"|seist|bist)\s+du\b|\b(?:verhalte\s+dich|handle|agiere)\s+(?:wie|als)\s+(?:ein|eine)?\s*"
@@ -4682,6 +4742,110 @@ def _instruction_rule_table():
         r"(?:أنت|انت)\s+(?:الآن|الان)|من\s+(?:الآن|الان)\s+(?:فصاعدا|فصاعداً|وصاعدا)"
         r"|تظاهر\s+(?:بأنك|بانك|أنك)|تصرف\s+(?:ك|كأنك|كانك|مثل)|تقمص\s+دور"
         r"|(?:شخصيتك|هويتك|دورك)\s+(?:ال)?جديد")
+
+    # --- jailbreak: role-play games and personas without limits -----------------------------
+    limits = (r"restrictions|filters|guidelines|boundaries|censorship|ethics|morals|morality"
+              r"|constraints|principles|limitations")
+    for triggers, source in (
+            ("game pretend imitate impersonate roleplay immerse role+play going+act simulate emulate",
+             r"\blet'?s\s+play\s+a\s+(?:\w+\s+)?game\b[\s.,!:;]*(?:called|named|where|in\s+which|you\b)|\byou(?:'re"
+             r"|\s+are)\s+(?:going|about)\s+to\s+(?:pretend|imitate|impersonate|role-?\s?play|immerse"
+             r"|act\s+as\s+(?:(?-i:[A-Z])|an?\s+(?:\w+\s+){0,2}?(?:ai|chatbot|bot|assistant|persona|character)\b))"
+             r"|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play|(?:simulate|emulate)\s+an?\s+"
+             r"(?:\w+\s+){0,2}?(?:ai|chatbot|bot|assistant|persona)\b)|\bimmerse\s+yourself\s+(?:in"
+             r"|into)\s+(?:the\s+)?role"),
+            ("character+stay character+remain character+keep character+staying character+break character+breaks "
+             "character+breaking role+stay role+remain role+keep role+staying",
+             r"\b(?:stay|remain|keep|staying)\s+in\s+(?:character|role)\b|\bbreak(?:s|ing)?\s+character\b"),
+            ("developer+mode entwicklermodus développeur desarrollador desenvolvedor разработчика",
+             r"\b(?:chatgpt|gpt|ai|ki|ia|ии|llm|bot|assistant)\s+(?:\w+\s+){0,2}?(?:with|in|mit|im|avec|en|con|com|no|в"
+             r"|с)\s+(?:\w+\s+)?(?:developer\s+mode|entwicklermodus|mode\s+développeur|modo\s+desarrollador"
+             r"|modo\s+desenvolvedor|режим\w*\s+разработчика)|\bdeveloper\s+mode\s+(?:output|response)"),
+            ("dan anything jailbreak jailbroken insert+prompt output+normal 🔓 🔒 uncensored unfiltered amoral "
+             "unrestricted unethical evil",
+             r"\bdo\s+anything\s+now\b|(?-i:\bDAN\b)|\[\W{0,3}jailbreak\W{0,3}\]|\bjailbr(?:oken|eak)\s+(?:mode|version"
+             r"|ai|chatbot|bot|model|gpt|response|persona|prompt)s?\b|\b(?:you\s+(?:are|have\s+been)\s+(?:now\s+)?"
+             r"|successfully\s+)jailbroken|\[\s*insert\s+prompt\s+here\s*\]|\(\W{0,3}(?:normal"
+             r"|developer\s+mode)\s+output\)|\b(?:uncensored|unfiltered|amoral|unrestricted|unethical|evil)\s+(?:ai"
+             r"|chatbot|bot|model|assistant|persona|character|responses?|answers?|replies)\b"),
+            (_trigger_words(limits) + " policy policies",
+             r"\byou(?:'re|'ve|\s+are|\s+have)?\s+(?:now\s+)?(?:no|without(?:\s+any)?|free\s+"
+             r"(?:of|from)(?:\s+all)?|not\s+bound\s+by(?:\s+any)?)\s+(?:\w+\s+){0,2}?(?:" + limits
+             + r")\b(?!\s+(?:on|for|about|when|in)\b)|\b(?:ai|chatbot|assistant|persona)\s+(?:(?:that|who|which)\s+"
+             r"(?:has|have)\s+no|with\s+no|without(?:\s+any)?)\s+(?:\w+\s+){0,2}?(?:restrictions|guidelines|boundaries"
+             r"|censorship|ethics|morals|morality|principles)\b(?!\s+(?:on|for|about|when|in)\b)"
+             r"|\b(?:no|without(?:\s+any)?|free\s+(?:of|from)"
+             r"|not\s+bound\s+by(?:\s+any)?|bypass\w*|ignor\w+|disregard\w*|violat\w+|(?:does|do)\s*n(?:o|')t\s+"
+             r"(?:have\s+any|follow|care\s+about))\s+(?:any\s+|all\s+)?(?:moral|ethical|ethics|openai(?:'s)?"
+             r"|safety|content)\s+(?:\w+\s+){0,2}?(?:" + limits + r"|limits|polic(?:y|ies))"),
+            ("both ways+two two+responses two+answers 2+responses 2+answers",
+             r"\b(?:answer|respond|reply)\w*\s+(?:\w+\s+){0,3}?(?:as\s+both|in\s+two\s+(?:different\s+)?ways)\b"
+             r"|\b(?:two|2)\s+(?:different\s+)?(?:responses|answers)\b[^\n]{0,80}?\b(?:one\s+normal|normal\s+and"
+             r"|classic|jailbr\w+|unfiltered|dan)\b"),
+            ("spiel wirst rolle hast+keine hast+keinerlei jouons personnage rôle vas aucune+tu aucun+tu juguemos "
+             "juego personaje papel tienes+no jogo personagem fingir imitar restrição restrições regras limites "
+             "interpretar сыграем поиграем будешь оставайся нет+тебя",
+             r"\blass\s+uns\s+ein\s+spiel\s+spielen|\bdu\s+wirst\s+(?:jetzt\s+)?(?:so\s+tun|vorgeben|imitieren"
+             r"|die\s+rolle)|\b(?:bleib\w*\s+(?:immer\s+)?in|fall\w*\s+(?:nie|nicht)\s+aus)\s+(?:der|deiner)\s+rolle"
+             r"|\bdu\s+hast\s+(?:jetzt\s+)?keine(?:rlei)?\s+(?:\w+\s+)?(?:einschränkungen|filter|zensur|richtlinien"
+             r"|grenzen|regeln)|\bjouons\s+à\s+un\s+jeu|\btu\s+vas\s+(?:faire\s+semblant|imiter|jouer\s+le\s+rôle"
+             r"|incarner)|\breste[sz]?\s+(?:toujours\s+)?dans\s+(?:ton|votre|le)\s+(?:personnage|rôle)"
+             r"|\btu\s+n'as\s+(?:plus\s+)?aucune?\s+(?:restriction|limite|règle|censure|filtre)|\b(?:juguemos"
+             r"|vamos\s+a\s+jugar)\s+a\s+un\s+juego|\bvas\s+a\s+(?:fingir|imitar|interpretar)|\b(?:mantente|permanece"
+             r"|sigue)\s+(?:siempre\s+)?en\s+(?:tu\s+|el\s+)?(?:personaje|papel)|\bno\s+tienes\s+(?:ningun[ao]?\s+)?"
+             r"(?:restricci\w+|límites?|reglas|censura|filtros?)|\bvamos\s+jogar\s+um\s+jogo|\b(?:você"
+             r"|voce)\s+vai\s+(?:fingir|imitar|interpretar)|\b(?:permaneça|fique|continue)\s+(?:sempre\s+)?no"
+             r"\s+personagem|\b(?:você|voce)\s+não\s+tem\s+(?:nenhuma?\s+)?(?:restrição|restrições|limites|regras"
+             r"|censura)|\bдавай(?:те)?\s+(?:сыграем|поиграем)\s+в\s+игру|\bты\s+будешь\s+(?:притворяться|изображать"
+             r"|имитировать|играть\s+роль)|\bоставайся\s+в\s+(?:образе|роли)|\bу\s+тебя\s+(?:теперь\s+)?нет\s+"
+             r"(?:никаких\s+)?(?:ограничений|фильтров|цензуры|правил)"),
+            ("游戏 遊戲 保持 脱离 跳出 你没有 你沒有 你不受 你现在 越狱 ゲーム キャラクター キャラ 役柄 あなたには あなたは ジェイルブレイク 게임 캐릭터 너는 넌 당신은 너에게는 탈옥",
+             r"(?:我们|我們|让我们|讓我們)来?玩(?:一|个|個)+(?:游戏|遊戲)|(?:保持|不要(?:脱离|跳出))(?:你的(?:角色|人设)|人设|人設)|你(?:现在|現在)?(?:没有|沒有"
+             r"|不受)(?:任何)?(?:限制|约束|約束|过滤|過濾|审查|審查|道德|伦理|倫理)|越狱(?:模式|版)|(?<!この)ゲームをしましょう|(?:キャラクター|キャラ|役柄)(?:を|に)?(?:維持"
+             r"|保って|崩さない)|あなた(?:には|は)(?:一切の|何の|いかなる)?(?:制限|制約|フィルター|検閲|倫理|ルール)(?:も|は|が)?(?:ありません|ない|なく)|ジェイルブレイク"
+             r"|게임을\s*(?:하자|해\s*보자|합시다)(?![는고])|캐릭터(?:를|에서)?\s*(?:유지|벗어나지)|(?:너는|넌|당신은|너에게는)\s*(?:이제\s*)?(?:아무런\s*"
+             r"|어떤\s*)?(?:제한|제약|필터|검열|규칙|윤리)(?:이|도|은)?\s*없(?!이)|탈옥\s*(?:모드|버전)")):
+        add("jailbreak", triggers, source)
+
+    # --- refusal-suppression: never refuse, never apologise, no warnings --------------------
+    for triggers, source in (
+            ("refuse refuses decline declines",
+             r"\b(?:never|(?:do|must|will|shall|should|can|may)\s*(?:not|n't)|won'?t|cannot"
+             r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:an?\s+|the\s+)?(?:connections?|packets?"
+             r"|traffic|payments?))|\bnever\s+(?:ever\s+)?(?:refuses|declines)\b"),
+            ("apologise apologize apologising apologizing sorry remind warn say+never tell+never disclaimer "
+             "disclaimers caveat caveats moralizing moralising",
+             r"\b(?:never|(?:do|must|will|shall|should)\s*(?:not|n't)|stop|no\s+need\s+to)\s+(?:ever\s+)?"
+             r"(?:apologi[sz]\w*|(?:say|tell)\w*\s+(?:me\s+)?(?:that\s+)?(?:(?:you|it|he|she|i)(?:'re|'m|\s+are|\s+is"
+             r"|\s+am)?\s+sorry|sorry|(?:you|it|he|she|i)\s+(?:can'?t|cannot|(?:is|are|am)\s+unable)|as\s+an\s+ai)"
+             r"|(?:remind|warn)\s+(?:me|the\s+user|users)\s+(?:that|about|of)|(?:add|include|give|attach"
+             r"|append)\s+(?:any\s+)?(?:\w+\s+)?(?:disclaimers?|caveats?|moraliz\w+|moralis\w+))"),
+            ("without contain+responses contain+answers include+responses matter regardless even+if",
+             r"\b(?:responses|answers)\s+(?:will|should|must|shall)\s+never\s+(?:contain|include)\b"
+             r"|\bnone\s+of\s+(?:\w+'s\s+|your\s+|the\s+)?(?:responses|answers)\s+(?:will|should|must)\s+(?:contain"
+             r"|include)\b|\b(?:answer|respond|reply|comply|talk|speak)\w*\b[^.\n]{0,60}?\b(?:without"
+             r"|with\s+no)\s+(?:any\s+)?(?:warnings?|disclaimers?|caveats?|censorship|moral\w*|refus\w+)"
+             r"|\b(?:no\s+matter|regardless\s+of)\s+(?:how|whether|if)?\s*(?:\w+\s+){0,2}?(?:immoral|unethical|illegal"
+             r"|offensive|legality|morality|ethics)|\beven\s+if\s+(?:it|they|the\s+\w+)\s*(?:is|are|'s|seems?"
+             r"|sounds?)\s+(?:\w+\s+)?(?:illegal|unethical|immoral|offensive)"),
+            ("lehne verweigere entschuldige antworte refuse refusez excuse réponds répondez nunca disculpes responde "
+             "responda peça никогда извиняйся отвечай",
+             r"\blehne\s+(?:\w+\s+){0,3}?nie(?:mals)?\s+ab\b|\bverweigere\s+nie(?:mals)?\b"
+             r"|\bentschuldige\s+dich\s+(?:nie(?:mals)?|nicht)|\bantworte\b[^.\n]{0,60}?\bohne\s+(?:jegliche\s+)?"
+             r"(?:warnungen|hinweise|bedenken|zensur)|\bne\s+(?:refuse|refusez)\s+jamais|\bne\s+(?:t'excuse"
+             r"|vous\s+excusez)\s+(?:pas|jamais)|\b(?:réponds|répondez)\b[^.\n]{0,60}?\bsans\s+(?:aucune?\s+)?"
+             r"(?:avertissements?|mises?\s+en\s+garde|censure)|\bnunca\s+(?:te\s+|se\s+)?(?:niegues|rechaces|recuse"
+             r"|negue)\b|\b(?:no|nunca)\s+te\s+disculpes|\bresponde\b[^.\n]{0,60}?\bsin\s+(?:ninguna\s+)?"
+             r"(?:advertencias?|censura)|\b(?:não|nunca)\s+peça\s+desculpas|\bresponda\b[^.\n]{0,60}?\bsem\s+(?:nenhum"
+             r"\s+|nenhuma\s+)?(?:avisos?|advertências?|censura)|\bникогда\s+не\s+(?:отказывайся|отказываться)"
+             r"|\bне\s+(?:извиняйся|извиняйтесь)|\bотвечай\b[^.\n]{0,60}?\bбез\s+(?:каких-либо\s+"
+             r"|всяких\s+)?(?:предупреждений|оговорок|цензуры)"),
+            ("拒绝 拒絕 道歉 抱歉 警告 免责声明 免責事項 断ら 拒否 謝ら 거절하지 사과하지 경고 면책",
+             r"(?:永远|永遠|绝不|絕不|决不|決不)(?:不要|不会)?(?:拒绝|拒絕)|(?:不要|不能|不得|不许|不許)(?:拒绝|拒絕)(?:回答|我|用户|用戶)|不要(?:道歉|說抱歉|说抱歉)"
+             r"|(?:不带|不帶|没有|沒有|不加)(?:任何)?(?:警告|免责声明|免責聲明)地(?:回答|回复|回覆)|(?:決して|絶対に)(?:断ら|拒否し)ない|(?:拒否|拒絶)しないで|断らないで"
+             r"|謝(?:ら|罪し)ないで|(?:警告|免責事項)(?:は|を)?(?:一切)?(?:なし|抜き|付けず)(?:で|に)(?:答え|回答|返答)|(?:절대|결코|절대로)\s*거절하지|(?:거절"
+             r"|사과)하지\s*(?:마|말고|마세요|마라)|(?:경고|면책\s*조항)\s*없이\s*(?:답|대답|응답)")):
+        add("refusal-suppression", triggers, source)
 
     # --- exfiltration --------------------------------------------------------------------
     add("exfiltration", "]( src",
@@ -5123,12 +5287,18 @@ def _foreign_send_line(match):
                 r"|диалог\w*|tokens?|المفاتيح|مفتاح|الرموز|المحادثة|الأسرار|كلمات\s+المرور"
                 r"|كلمة\s+المرور)\b|密钥|密鑰|令牌|密码|密碼|对话|對話|聊天记录|聊天記錄|凭据|凭证|秘密"
                 r"|APIキー|トークン|パスワード|会話|履歴|비밀번호|토큰|대화|키|비밀", re.IGNORECASE),
-        )
+            re.compile(r"[!-~]*"))
     text, offset = match.string, match.start()
     end = text.find("\n", offset)
     line = text[text.rfind("\n", 0, offset) + 1:len(text) if end < 0 else end]
-    verbs, nouns = _FOREIGN_SEND
-    return verbs.search(line) is not None and nouns.search(line) is not None
+    verbs, nouns, url_end = _FOREIGN_SEND
+    if verbs.search(line) is None or nouns.search(line) is None:
+        return False
+    # In CJK prose a link beside "send" and "key" is mostly documentation: the address must
+    # be where the data goes (发送到 URL, URL に送信, URL로 보내).
+    return not re.search(r"[\u3040-\u9fff\uac00-\ud7af]", line) or text[max(0, offset - 2):offset] \
+        .strip()[-1:] in ("到", "至", "给", "給") or re.match(
+        r"\s*(?:に|へ|まで|로|으로|에게|에|까지)", text[url_end.match(text, offset).end():]) is not None
 
 
 # --- the scan ----------------------------------------------------------------------------
@@ -5549,7 +5719,7 @@ def _holds_hidden(text):
 def scan_instructions(text):
     """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4).
 
-    Sorted by line, then kind; one finding per kind and line. Fenced and inline code are
+    Sorted by line, then kind; one finding per kind and section. Fenced and inline code are
     exempt except for hidden-text. A hit seen only in the normalised copy is obfuscated."""
     if not text:
         return []
@@ -5586,7 +5756,7 @@ def scan_instructions(text):
     # hidden-text reads everything, code included.
     if _holds_hidden(text):
         for m in _HIDDEN_CHAR_RE.finditer(text):
-            if not (m.start() == 0 and m.group(0) == "\ufeff"):
+            if not _harmless_hidden(text, m.start()):
                 add("hidden-text", m.start(), False)
     if "<" in text:
         raw = scan.low if prose is text else text.encode("utf-8", "surrogatepass").lower()
@@ -5633,7 +5803,16 @@ def scan_instructions(text):
             for kind, offset in _instruction_rule_hits(normal_text, ("hidden-text",)):
                 joined = bisect.bisect_right(normal_starts, offset) - 1
                 add(kind, 0, True, line=order[joined // 2])
-    return [found[key] for key in sorted(found)]
+    # A long jailbreak is one finding per kind, not fifty: in a section (between H1/H2 headings
+    # outside code) only a kind's first line is reported; hidden-text keeps each line.
+    heads = [line_of(m.start()) for m in re.finditer(r"(?m)^#{1,2}[ \t]", prose)] if found else []
+    out, seen = [], set()
+    for index, kind in sorted(found):
+        region = (bisect.bisect_right(heads, index), kind)
+        if kind == "hidden-text" or region not in seen:
+            seen.add(region)
+            out.append(found[(index, kind)])
+    return out
 
 
 def is_instruction_shaped(text):
@@ -5653,7 +5832,7 @@ def _hidden_characters(text):
     line = 1
     position = 0
     for m in _HIDDEN_CHAR_RE.finditer(text):
-        if m.start() == 0 and m.group(0) == "\ufeff":
+        if _harmless_hidden(text, m.start()):
             continue
         line += text.count("\n", position, m.start())
         position = m.start()
