@@ -5901,13 +5901,23 @@ def init(shelf_path=None, name="Memory shelf", storage="git-local", remote=None,
             paths = [p.rstrip("/") for p in created + updated]
             commit = _Git(root).commit(paths, "memshelf: init shelf")
             committed = commit is not None
+        if storage == "git-remote" and committed:
+            git = _Git(root)
+            report = _sync_report(remote="origin", branch=git.out(
+                "symbolic-ref", "--short", "-q", "HEAD", check=False, read_only=True) or "main")
+            _push(root, git, {}, report, amend=False)
+            git_info["pushed"] = report["pushed"]
+            if report["error"]:
+                git_info["warnings"] = [f"not pushed: {report['error']}"]
     fmt = _index_format(root)
     return {"status": "ok", "root": root, "storage": storage,
             "enclosing_repo": git_info["enclosing_repo"], "derived": _derived_mode(root),
             "index_format": fmt, "created": created, "updated": updated,
             "hooks": git_info["hooks"], "committed": committed, "commit": commit,
+            "pushed": git_info.get("pushed", False), "warnings": git_info.get("warnings", []),
             "summary": f"shelf ready at {root} ({storage}, {fmt} INDEX"
-                       f"{', committed' if committed else ''})"
+                       f"{', committed' if committed else ''}"
+                       f"{', pushed' if git_info.get('pushed') else ''})"
                        + (f"; created {len(created)} files" if created else "; nothing to add")}
 
 
@@ -9223,6 +9233,16 @@ def _git_init_shelf(root, storage, remote, hooks, created, updated):
         enclosing = git.toplevel()
     if storage == "git-remote" and "origin" not in git.remotes():
         git.run("remote", "add", "--", "origin", remote)
+    if not git.head() and "origin" in git.remotes():
+        # a first commit here beside a remote that has a history would be an unrelated root
+        p = git.run("ls-remote", "--symref", "--", "origin", "HEAD", check=False)
+        m = re.search(r"^ref: refs/heads/(\S+)\tHEAD", p.stdout.decode("utf-8", "replace"), re.M)
+        if m:
+            url = git.out("remote", "get-url", "origin", read_only=True)
+            raise ShelfError("not-empty", f"the remote {url} already holds a history (branch "
+                             f"{m.group(1)}); a new shelf here would not share it",
+                             f"clone it, then init the clone: git clone -b {m.group(1)} -- "
+                             f"{_shell_quote(url)} <folder>; memshelf init --shelf <folder>")
     ga = os.path.join(root, ".gitattributes")
     current = _read_text(ga) if os.path.exists(ga) else ""
     if "merge=memshelf-derived" not in current:

@@ -68,7 +68,8 @@ def run_signalled(args, sig=None, delay=0.0):
 
 
 def status(root):
-    return git(root, "status", "--porcelain=v1", "-z", "--untracked-files=all")
+    return git(root, "--no-optional-locks", "status", "--porcelain=v1", "-z",
+               "--untracked-files=all")
 
 
 def head(root):
@@ -185,3 +186,207 @@ def test_sigint_and_sigterm_sweep(template, tmp_path):
         print("  ", p)
     assert counts["violations"] == 0 and counts["doctor_misses"] == 0, (counts, problems[:5])
     assert 0 < counts["committed"] < counts["trials"]
+
+
+def test_sigkill_then_doctor_names_the_damage_and_repair_restores(template, tmp_path):
+    root = tmp_path / "shelf"
+    shutil.copytree(template, root, symlinks=True)
+    committed = set(git(root, "ls-files", "--", "docs").split())
+    kinds = {"damaged": 0, "clean": 0}
+    for trial in range(10):
+        slug = f"2026-08-03-kill-{trial}"
+        args = ["shelve", "--shelf", root, "--slug", slug, "--kind", "topic", "--digest", DIGEST,
+                "--section", "Decisions=- JWT."] if trial % 3 else ["rebuild", "--shelf", root,
+                                                                   "--commit"]
+        if not trial % 3:
+            with open(os.path.join(root, "ledger.tsv"), "a", encoding="utf-8") as f:
+                f.write(f"2026-01-01\tstale-{trial}\tlive\t0\t0\t\n")
+            git(root, "commit", "-q", "--no-verify", "-m", "stale ledger", "--", "ledger.tsv")
+        run_signalled(args, signal.SIGKILL, 0.05 + 0.025 * trial)
+        _children_done(root)
+        path = root / "docs" / "topics" / f"{slug}.md"
+        written = path.exists()
+        if [e for e in status(root).split("\0") if e and memshelf._TEMP_MARK not in e]:
+            kinds["damaged"] += 1
+            report = memshelf.doctor(shelf_path=str(root))
+            assert not report["healthy"], (trial, status(root))
+            named = {f["path"] for f in report["findings"] if f["level"] == "error"}
+            dirty = {e[3:] for e in status(root).split("\0") if e}
+            assert dirty & named, (trial, dirty, named)
+        else:
+            kinds["clean"] += 1
+        before = status(root)
+        r = run_signalled(["repair", "--shelf", root])
+        assert r[0] == 0, r
+        assert not status(root) and verdict(root), (trial, before, r, status(root))
+        now = set(git(root, "ls-files", "--", "docs").split())
+        assert committed <= now, trial
+        if written:
+            assert f"docs/topics/{slug}.md" in now, trial
+        committed = now
+    print("sigkill:", kinds)
+
+
+# --- each finding of the tree / index / HEAD comparison, and its repair ----------------------
+
+@pytest.fixture
+def small(tmp_path):
+    root = tmp_path / "small"
+    memshelf.init(shelf_path=str(root))
+    for i in range(3):
+        memshelf.shelve(shelf_path=str(root), slug=f"2026-06-0{i + 1}-small", kind="topic",
+                        digest=DIGEST, sections={"Decisions": "- JWT."})
+    return root
+
+
+def _episode_text(root, slug):
+    return memshelf.shelve(shelf_path=str(root), slug=slug, kind="topic", digest=DIGEST,
+                           sections={"Decisions": "- JWT."}, dry_run=True)["episode_text"]
+
+
+def _findings(root):
+    return {(f["code"], f["path"], f["level"]) for f in memshelf.doctor(shelf_path=str(root))
+            ["findings"] if f["class"] == "git"}
+
+
+def _repaired(root, cwd):
+    """memshelf repair, run from another folder: the shelf ends clean and healthy."""
+    r = run_signalled(["repair", "--shelf", root])
+    assert r[0] == 0, r
+    assert not status(root), status(root)
+    report = memshelf.doctor(shelf_path=str(root))
+    assert report["healthy"] and not [f for f in report["findings"] if f["class"] == "git"]
+
+
+def test_committed_missing(small, tmp_path):
+    rel = "docs/topics/2026-06-01-small.md"
+    os.unlink(small / rel)
+    found = _findings(small)
+    assert ("committed-missing", rel, "error") in found
+    fix = [f["fix"] for f in memshelf.doctor(shelf_path=str(small))["findings"]
+           if f["code"] == "committed-missing"][0]
+    assert fix == f"memshelf repair --shelf {small}"
+    _repaired(small, tmp_path)
+    assert (small / rel).exists()
+
+
+def test_staged_episode_on_disk_and_gone(small, tmp_path):
+    on_disk = "docs/topics/2026-06-10-staged.md"
+    gone = "docs/topics/2026-06-11-staged-gone.md"
+    for rel in (on_disk, gone):
+        (small / rel).write_text(_episode_text(small, rel[12:-3]), encoding="utf-8")
+        git(small, "add", "--", rel)
+    os.unlink(small / gone)
+    found = _findings(small)
+    assert {("git-staged", on_disk, "error"), ("git-staged", gone, "error")} <= found
+    _repaired(small, tmp_path)
+    tracked = git(small, "ls-files", "--", "docs").split()
+    assert on_disk in tracked and gone not in tracked
+
+
+def test_untracked_episode_and_index_listing_it(small, tmp_path):
+    rel = "docs/topics/2026-06-12-orphan.md"
+    (small / rel).write_text(_episode_text(small, "2026-06-12-orphan"), encoding="utf-8")
+    memshelf.rebuild(shelf_path=str(small))
+    # the derived files that list it are committed; the episode is not
+    git(small, "commit", "-q", "--no-verify", "-m", "derived only", "--", "INDEX.md",
+        "ledger.tsv", "docs/topics/.meta.json", "stats.svg")
+    found = _findings(small)
+    assert ("episode-untracked", rel, "error") in found
+    assert ("index-lists-uncommitted", "INDEX.md", "error") in found
+    assert ("index-lists-uncommitted", "ledger.tsv", "error") in found
+    _repaired(small, tmp_path)
+    assert rel in git(small, "ls-files", "--", "docs").split()
+
+
+def test_derived_uncommitted_is_an_error_in_auto_a_warning_in_bot(small, tmp_path):
+    with open(small / "INDEX.md", "a", encoding="utf-8") as f:
+        f.write("\n")
+    assert ("derived-uncommitted", "INDEX.md", "error") in _findings(small)
+    (small / "memshelf.json").write_text('{"derived": "bot"}\n', encoding="utf-8")
+    git(small, "commit", "-q", "-m", "bot", "--", "memshelf.json")
+    assert ("derived-uncommitted", "INDEX.md", "warning") in _findings(small)
+    _repaired(small, tmp_path)   # bot: put back to HEAD, never rendered here
+
+
+def test_stale_git_lock(small, tmp_path):
+    lock = small / ".git" / "index.lock"
+    lock.write_bytes(b"")
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    assert ("git-lock-stale", "index.lock", "error") in _findings(small)
+    code, err, _ = run_signalled(["shelve", "--shelf", small, "--slug", "2026-06-13-locked",
+                                  "--kind", "topic", "--digest", DIGEST,
+                                  "--section", "Decisions=- JWT."])
+    assert code == 1 and "which no running process holds" in err, err
+    assert f"memshelf repair --shelf {small}" in err and "File exists" not in err
+    assert not status(small)   # refused before anything was written
+    _repaired(small, tmp_path)
+    assert not lock.exists()
+
+
+def test_rebuild_commit_commits_drift_an_earlier_run_left(small):
+    with open(small / "ledger.tsv", "a", encoding="utf-8") as f:
+        f.write("2026-01-01\tstale\tlive\t0\t0\t\n")
+    git(small, "commit", "-q", "--no-verify", "-m", "stale", "--", "ledger.tsv")
+    memshelf.rebuild(shelf_path=str(small))       # the fresh ledger, uncommitted: M ledger.tsv
+    assert status(small)
+    r = memshelf.rebuild(shelf_path=str(small), commit=True)   # writes nothing, commits it
+    assert r["written"] == [] and r["committed"] and not status(small), r
+
+
+def test_init_refuses_an_unrelated_root_beside_a_remote_history(small, tmp_path):
+    bare = tmp_path / "remote.git"
+    subprocess.run(["git", "clone", "-q", "--bare", str(small), str(bare)], check=True)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    subprocess.run(["git", "-C", str(fresh), "init", "-q"], check=True)
+    git(fresh, "remote", "add", "origin", str(bare))
+    with pytest.raises(memshelf.ShelfError) as exc:
+        memshelf.init(shelf_path=str(fresh))
+    assert "already holds a history (branch main)" in exc.value.message
+    assert "git clone -b main" in exc.value.fix
+    assert not subprocess.run(["git", "-C", str(fresh), "rev-parse", "-q", "--verify", "HEAD"],
+                              capture_output=True).stdout
+
+
+def _mount_tmpfs(path, size):
+    path.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_disk_full_refused_shelve_leaves_nothing(small, tmp_path):
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "3m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount)")
+    try:
+        root = disk / "shelf"
+        shutil.copytree(small, root, symlinks=True)
+        head_before = head(root)
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+        try:                                     # fill the disk to the last block
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        refused = 0
+        for freed in (0, 8, 16, 32, 64, 128):
+            os.truncate(disk / "filler", max(0, os.path.getsize(disk / "filler") - 4096 * freed))
+            slug = f"2026-06-20-full-{freed}"
+            code, err, _ = run_signalled(["shelve", "--shelf", root, "--slug", slug, "--kind",
+                                          "topic", "--digest", DIGEST, "--section",
+                                          "Decisions=- " + "JWT verified once. " * 400])
+            if code == 0:
+                break
+            refused += 1
+            assert code == 1 and "Traceback" not in err, err
+            assert head(root) == head_before and not status(root), (freed, status(root))
+            for rel in ("INDEX.md", "ledger.tsv", "docs/topics/.meta.json"):
+                assert slug not in (root / rel).read_text(encoding="utf-8"), rel
+        assert refused
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
