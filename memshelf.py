@@ -5898,7 +5898,12 @@ def init(shelf_path=None, name="Memory shelf", storage="git-local", remote=None,
         created += [w for w in written if w not in created]
         committed, commit = False, None
         if storage != "plain":
-            paths = [p.rstrip("/") for p in created + updated]
+            # and the files of an init cut short before its commit, which a rerun finds there
+            owned = ("shelf.yml", ".docshelf.json", "memshelf.json", "POLICY.md",
+                     "POLICY.patterns", ".gitignore", ".gitattributes", "INDEX.md", "ledger.tsv")
+            tracked = _Git(root).out("ls-files", "-z", "--", *owned, read_only=True)
+            paths = [p.rstrip("/") for p in created + updated] + \
+                [p for p in owned if p not in tracked.split("\x00")]
             commit = _Git(root).commit(paths, "memshelf: init shelf")
             committed = commit is not None
         if storage == "git-remote" and committed:
