@@ -9025,14 +9025,14 @@ class _Git:
                              + _shell_quote(self.root))
         index = os.path.join(git_dir, f"memshelf-index-{os.getpid()}")
         private = {"GIT_INDEX_FILE": index}
-        old = self.head()
         try:
             real = os.path.join(git_dir, "index")
             if os.path.isfile(real):
                 import shutil
                 shutil.copyfile(real, index)   # its stat cache spares git re-hashing the tree
-            if not old or not self.ok("read-tree", "-m", old, env=private):
-                self.run("read-tree", *([old] if old else ["--empty"]), env=private)
+            if not self.ok("read-tree", "-m", "HEAD", env=private) and \
+                    not self.ok("read-tree", "HEAD", env=private):
+                self.run("read-tree", "--empty", env=private)   # an unborn branch
             if present:
                 self.run("add", "-A", "--", *present, env=private)
             if gone:
@@ -9046,7 +9046,7 @@ class _Git:
                 return None
             with _Held():
                 if merging:   # git refuses a plain commit beside MERGE_HEAD (a post-merge hook)
-                    tree = self.out("write-tree", env=private)
+                    old, tree = self.head(), self.out("write-tree", env=private)
                     sha = self._commit_point(("commit-tree", tree, "-p", old, "-m", message),
                                              config).stdout.decode().strip()
                     self._commit_point(("update-ref", "-m", f"commit: {message}", "HEAD", sha,
