@@ -11316,8 +11316,8 @@ def repair(shelf_path=None):
             paths += rebuilt["written"] + rebuilt["deleted"]
             if rebuilt["written"] or rebuilt["deleted"]:
                 done.append("re-rendered " + ", ".join(rebuilt["written"] + rebuilt["deleted"]))
-        result["commit"] = git.commit(paths, f"repair: commit {len(episodes)} episode(s) and "
-                                             "the derived files")
+        result["commit"] = git.commit(paths, "repair: commit " + (
+            f"{len(episodes)} episode(s) and " if episodes else "") + "the derived files")
         result["committed"] = result["commit"] is not None
         if result["committed"]:
             done.append("committed " + (", ".join(episodes) if episodes else "the derived files"))
