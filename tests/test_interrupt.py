@@ -407,3 +407,12 @@ def test_disk_full_refused_shelve_leaves_nothing(small, tmp_path):
         assert refused
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_repair_bad_input_and_plain_shelf(tmp_path, plain_shelf):
+    code, err, _ = run_signalled(["repair", "--shelf", tmp_path / "nowhere"])
+    assert code == 1 and "fix: create it with: memshelf init" in err, err
+    assert not (tmp_path / "nowhere").exists()
+    r = memshelf.repair(shelf_path=str(plain_shelf))
+    assert r["summary"] == "not a git shelf: nothing to repair"
+    assert not r["committed"]
