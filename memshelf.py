@@ -47,12 +47,13 @@ def _on_signal(signum, frame):
         raise KeyboardInterrupt
 
 
-def _catch_signals():
+def _catch_signals(handlers=None):
+    """Route SIGINT and SIGTERM to _on_signal (or back to `handlers`); the previous ones."""
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _on_signal)
+        return [(sig, signal.signal(sig, (handlers or {}).get(sig, _on_signal)))
+                for sig in (signal.SIGINT, signal.SIGTERM)]
     except ValueError:   # not the main thread: the caller owns the signals
-        pass
+        return []
 
 
 if __name__ == "__main__" or os.path.basename(getattr(sys, "argv", [""])[0]) == "memshelf":
@@ -16681,7 +16682,7 @@ def _print_json(obj):
 def main(argv=None):
     """The CLI. Returns the exit code: 130 when SIGINT or SIGTERM stopped the verb (what it
     wrote is undone); a signal after its commit waits for the verb to finish, and is said."""
-    _catch_signals()
+    previous = _catch_signals()
     _INTERRUPT.update(held=0, pending=False, committed=False, started=True)
     try:
         code = _main(argv)
@@ -16692,7 +16693,9 @@ def main(argv=None):
         sys.stderr.write("memshelf: interrupted\n")
         return 130
     finally:
-        _INTERRUPT.update(pending=False, committed=False)
+        _INTERRUPT.update(pending=False, committed=False, started=False)
+        # an in-process caller gets its own handlers back
+        _catch_signals({sig: h for sig, h in previous if h is not None})
 
 
 def _main(argv):
@@ -16795,6 +16798,7 @@ def cli():
     thread still running, the process exits the ordinary way (their work happens at exit)."""
     code = main()
     _INTERRUPT["committed"] = True   # done: a signal now waits for the exit
+    _catch_signals()
     try:
         sys.stdout.flush()
     except OSError as exc:
