@@ -9017,7 +9017,12 @@ class _Git:
         if not present and not gone:
             return None
         git_dir = self.out("rev-parse", "--absolute-git-dir", read_only=True)
-        if os.path.exists(os.path.join(git_dir, "index.lock")):
+        lock = os.path.join(git_dir, "index.lock")
+        for _ in range(30):   # a live git command holds it for a moment; a dead one for ever
+            if not os.path.exists(lock) or _stale_git_locks(git_dir):
+                break
+            time.sleep(0.1)
+        if os.path.exists(lock):
             raise _git_lock_error(self)
         merging = os.path.exists(os.path.join(git_dir, "MERGE_HEAD"))
         if merging and not self._merge_concluded():
