@@ -6194,7 +6194,10 @@ def _shelve_locked(root, a):
         else:
             result["derived"] = {"mode": "bot", "written": []}
         if git.is_repo() and a["autocommit"]:
-            paths = [address] + ([moved_from] if moved_from else []) + written
+            # every derived file, not only those written: one a hand rebuild left uncommitted
+            # (0.4.0's way) is committed too
+            paths = [address] + ([moved_from] if moved_from else []) + written + \
+                (list(rendered["files"]) if mode == "auto" else [])
             if _git_has_pending(git, _RECALL_LOG):
                 paths.append(_RECALL_LOG)
             message = f"shelve: {slug}" + (" (amend)" if a["amend"] else "")
@@ -10279,7 +10282,8 @@ def _rollup_locked(root, a):
             result["derived"] = {"mode": "bot", "written": []}
         if git.is_repo() and a["autocommit"]:
             _check_cancelled()
-            result["commit"] = git.commit(paths + written,
+            result["commit"] = git.commit(paths + written + (list(rendered["files"]) if
+                                                             mode == "auto" else []),
                                           f"rollup: {slug} ({n} episode{'s' if n != 1 else ''})")
             result["committed"] = result["commit"] is not None
     except BaseException:
@@ -10400,7 +10404,8 @@ def _purge_locked(root, today, apply, autocommit):
                 written.append("stats.svg")
         if history and autocommit:
             _check_cancelled()
-            result["commit"] = git.commit([r["path"] for r in expired] + written,
+            result["commit"] = git.commit([r["path"] for r in expired] + written +
+                                          (list(rendered["files"]) if mode == "auto" else []),
                                           f"purge: {n} episode(s) past retain_until")
             result["committed"] = result["commit"] is not None
     except BaseException:
