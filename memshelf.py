@@ -23,6 +23,42 @@ arguments. Standard library only; optional extras are imported lazily where they
 
 __version__ = "0.5.0"
 
+import os
+import sys
+try:
+    import _signal as signal   # the C module: `signal` imports enum, too slow to be the first
+except ImportError:
+    import signal
+
+# SIGINT and SIGTERM alike (docs/architecture.md § interruptions): in start-up nothing is written
+# yet, so the process ends at once; inside a verb the signal interrupts it and what it wrote is
+# undone, except across a stretch that must not be split (_Held) or after the commit point, where
+# it waits and the verb completes.
+_INTERRUPT = {"held": 0, "pending": False, "committed": False, "started": False}
+
+
+def _on_signal(signum, frame):
+    if _INTERRUPT["held"] or _INTERRUPT["committed"]:
+        _INTERRUPT["pending"] = True
+    elif not _INTERRUPT["started"]:
+        os.write(2, b"memshelf: interrupted\n")
+        os._exit(130)
+    else:
+        raise KeyboardInterrupt
+
+
+def _catch_signals(handlers=None):
+    """Route SIGINT and SIGTERM to _on_signal (or back to `handlers`); the previous ones."""
+    try:
+        return [(sig, signal.signal(sig, (handlers or {}).get(sig, _on_signal)))
+                for sig in (signal.SIGINT, signal.SIGTERM)]
+    except ValueError:   # not the main thread: the caller owns the signals
+        return []
+
+
+if __name__ == "__main__" or os.path.basename(getattr(sys, "argv", [""])[0]) == "memshelf":
+    _catch_signals()
+
 import collections
 import functools
 import json
@@ -75,6 +111,24 @@ class ShelfError(Exception):
 
 class Cancelled(Exception):
     """The MCP client cancelled the request; no response is sent."""
+
+
+class _Held:
+    """A stretch a signal must not split (a git call, a file replacement, a restore, the commit
+    point): the signal waits for its end, then interrupts the verb unless the commit passed."""
+
+    def __init__(self, active=True):
+        self.step = int(active)
+
+    def __enter__(self):
+        _INTERRUPT["held"] += self.step
+
+    def __exit__(self, kind, exc, tb):
+        _INTERRUPT["held"] -= self.step
+        if not _INTERRUPT["held"] and _INTERRUPT["pending"] and not _INTERRUPT["committed"] \
+                and kind is None:
+            _INTERRUPT["pending"] = False
+            raise KeyboardInterrupt
 
 
 _EXIT_CODES = {"usage": 2, "no-shelf": 2, "shelf-path-relative": 2, "slug-invalid": 2,
@@ -470,6 +524,12 @@ def _atomic_write(path, data):
     if os.path.isdir(path):
         raise _io_error(IsADirectoryError(21, "Is a directory", path))
     tmp = os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
+    with _Held():
+        _replace_with(path, tmp, data)
+    _fsync_dir(directory)
+
+
+def _replace_with(path, tmp, data):
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -487,7 +547,6 @@ def _atomic_write(path, data):
             pass
         raise ShelfError("io-error", f"cannot write {path}: {exc.strerror or exc}",
                          "check permissions and free space", {"path": path}) from None
-    _fsync_dir(directory)
 
 
 def _fsync_dir(directory):
@@ -6357,16 +6416,31 @@ def init(shelf_path=None, name="Memory shelf", storage="git-local", remote=None,
         created += [w for w in written if w not in created]
         committed, commit = False, None
         if storage != "plain":
-            paths = [p.rstrip("/") for p in created + updated]
+            # and the files of an init cut short before its commit, which a rerun finds there
+            owned = ("shelf.yml", ".docshelf.json", "memshelf.json", "POLICY.md",
+                     "POLICY.patterns", ".gitignore", ".gitattributes", "INDEX.md", "ledger.tsv")
+            tracked = _Git(root).out("ls-files", "-z", "--", *owned, read_only=True)
+            paths = [p.rstrip("/") for p in created + updated] + \
+                [p for p in owned if p not in tracked.split("\x00")]
             commit = _Git(root).commit(paths, "memshelf: init shelf")
             committed = commit is not None
+        if storage == "git-remote" and committed:
+            git = _Git(root)
+            report = _sync_report(remote="origin", branch=git.out(
+                "symbolic-ref", "--short", "-q", "HEAD", check=False, read_only=True) or "main")
+            _push(root, git, {}, report, amend=False)
+            git_info["pushed"] = report["pushed"]
+            if report["error"]:
+                git_info["warnings"] = [f"not pushed: {report['error']}"]
     fmt = _index_format(root)
     return {"status": "ok", "root": root, "storage": storage,
             "enclosing_repo": git_info["enclosing_repo"], "derived": _derived_mode(root),
             "index_format": fmt, "created": created, "updated": updated,
             "hooks": git_info["hooks"], "committed": committed, "commit": commit,
+            "pushed": git_info.get("pushed", False), "warnings": git_info.get("warnings", []),
             "summary": f"shelf ready at {root} ({storage}, {fmt} INDEX"
-                       f"{', committed' if committed else ''})"
+                       f"{', committed' if committed else ''}"
+                       f"{', pushed' if git_info.get('pushed') else ''})"
                        + (f"; created {len(created)} files" if created else "; nothing to add")}
 
 
@@ -6689,7 +6763,10 @@ def _shelve_locked(root, a):
         else:
             result["derived"] = {"mode": "bot", "written": []}
         if git.is_repo() and a["autocommit"]:
-            paths = [address] + ([moved_from] if moved_from else []) + written
+            # every derived file, not only those written: one a hand rebuild left uncommitted
+            # (0.4.0's way) is committed too
+            paths = [address] + ([moved_from] if moved_from else []) + written + \
+                (list(rendered["files"]) if mode == "auto" else [])
             if _git_has_pending(git, _RECALL_LOG):
                 paths.append(_RECALL_LOG)
             message = f"shelve: {slug}" + (" (amend)" if a["amend"] else "")
@@ -6777,15 +6854,25 @@ class _Journal:
             pass
 
     def restore(self):
-        for path, data in reversed(self.saved):
-            try:
-                if data is None:
-                    if os.path.exists(path):
-                        os.unlink(path)
-                else:
-                    _atomic_write(path, data)
-            except (OSError, ShelfError):
-                pass
+        """Every path back to its first remembered state: removals first, which frees the room
+        a full disk needs for the rewrites; a rewrite with no room for a temp file is in place."""
+        first = {}
+        for path, data in self.saved:
+            first.setdefault(path, data)
+        with _Held():
+            for path, data in sorted(first.items(), key=lambda t: t[1] is not None):
+                try:
+                    if data is None:
+                        if os.path.exists(path):
+                            os.unlink(path)
+                    else:
+                        _atomic_write(path, data)
+                except (OSError, ShelfError):
+                    try:
+                        with open(path, "wb") as f:
+                            f.write(data)
+                    except (OSError, TypeError):
+                        pass
 
 
 def _ledger_expected(rec):
@@ -7344,13 +7431,15 @@ def _render_records(root, records, fmt, index_only, key):
             "episodes": len([r for r in records if r.get("id")])}
 
 
-def _write_derived(root, files, rendered=None):
+def _write_derived(root, files, rendered=None, journal=None):
     """Write what differs; with the full render it came from, remember that render."""
     written, unchanged, deleted = [], [], []
     for rel, content in sorted(files.items()):
         path = _shelf_join(root, *rel.split("/"))
         if content is None:
             if os.path.exists(path):
+                if journal is not None:
+                    journal._remember(rel)
                 os.unlink(path)
                 deleted.append(rel)
             continue
@@ -7363,6 +7452,8 @@ def _write_derived(root, files, rendered=None):
         except OSError:
             pass
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if journal is not None:
+            journal._remember(rel)
         _atomic_write(path, data)
         written.append(rel)
     if rendered is not None:
@@ -7449,7 +7540,22 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
                              " — run memshelf rebuild")
         progress.done()
         return result
-    written, unchanged, deleted = _write_derived(root, files, rendered)
+    git = _Git(root)
+    # with --commit, an interruption before the commit puts the derived files back
+    journal = _Journal(root) if commit and git.is_repo() else None
+    try:
+        written, unchanged, deleted = _write_derived(root, files, rendered, journal)
+        if journal is not None:
+            # every derived file and source, so that drift an earlier run left uncommitted
+            # is committed too
+            message = ("rebuild: adopt derived fields into episodes" if adopt
+                       else "rebuild: regenerate derived files")
+            result["commit"] = git.commit(sorted(files) + changed_sources, message)
+            result["committed"] = result["commit"] is not None
+    except BaseException:
+        if journal is not None and not result["committed"]:
+            journal.restore()
+        raise
     for temp in _leftover_temps(root):
         try:
             os.unlink(os.path.join(root, temp))
@@ -7458,14 +7564,6 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
             pass
     result.update(written=written, unchanged=unchanged, deleted=deleted)
     progress.done()
-    git = _Git(root)
-    if commit and git.is_repo():
-        paths = written + deleted + changed_sources
-        message = ("rebuild: adopt derived fields into episodes" if adopt
-                   else "rebuild: regenerate derived files")
-        if paths:
-            result["commit"] = git.commit(paths, message)
-            result["committed"] = result["commit"] is not None
     result["summary"] = (f"rebuilt {episodes} episodes: wrote {len(written)}, "
                          f"unchanged {len(unchanged)}" +
                          (f", deleted {len(deleted)}" if deleted else "") +
@@ -9280,10 +9378,14 @@ class _Git:
         for c in config:
             cmd += ["-c", c]
         cmd += ["-C", self.root] + list(args)
+        # a local git call runs to its end, out of reach of the terminal's ^C: one killed
+        # half-way leaves .git/index.lock behind; a network call stays interruptible
+        local = not (args and args[0] in _GIT_NETWORK_VERBS)
         for attempt in range(4):
             try:
-                proc = subprocess.run(cmd, input=input, capture_output=True, timeout=timeout,
-                                      env=env)
+                with _Held(local):
+                    proc = subprocess.run(cmd, input=input, capture_output=True,
+                                          timeout=timeout, env=env, start_new_session=local)
             except subprocess.TimeoutExpired:
                 raise ShelfError("git-failed", f"git {args[0]} timed out after {timeout:g} s",
                                  "check the network or the repository, then retry",
@@ -9297,6 +9399,8 @@ class _Git:
                 continue
             break
         if check and proc.returncode != 0:
+            if b"index.lock" in proc.stderr:
+                raise _git_lock_error(self)
             msg = _git_words(proc)
             raise ShelfError("git-failed", f"git {args[0]} failed: {msg}",
                              "read git's message above; fix the repository and retry",
@@ -9345,11 +9449,14 @@ class _Git:
         return [r for r in out.split() if r]
 
     def head(self):
-        return self.out("rev-parse", "HEAD", check=False, read_only=True) or None
+        return self.out("rev-parse", "-q", "--verify", "HEAD", check=False, read_only=True) or None
 
     def commit(self, paths, message, amend=False, config=()):
         """Commit exactly these shelf-relative paths; returns the sha, or None if unchanged.
 
+        The commit is built in a private index read from HEAD, so the real index never holds
+        half of one: a refused or interrupted commit leaves nothing staged. git's update of
+        HEAD is the one commit point; then the real index takes these paths from HEAD.
         amend=True folds them into HEAD and keeps its message."""
         paths = sorted(set(p.rstrip("/") for p in paths if p))
         present, gone = [], []
@@ -9362,32 +9469,77 @@ class _Git:
                 present.append(p)
             else:
                 gone.append(p)
-        if present:
-            self.run("add", "-A", "--", *present)
-        if gone:
-            self.run("rm", "-r", "--cached", "--ignore-unmatch", "-q", "--", *gone)
-        # --no-renames: a move must list both its paths, or the commit keeps the old one
-        staged = [n for n in self.out("diff", "--cached", "--name-only", "--no-renames", "-z",
-                                      "--relative", "--", *(present + gone),
-                                      read_only=True).split("\x00")
-                  if n] if (present or gone) else []
-        if not staged:
+        if not present and not gone:
             return None
-        args = ["commit", "--only", "-q"] + (["--amend", "--no-edit"] if amend else
-                                             ["-m", message]) + ["--", *staged]
-        p = self.run(*args, check=False, config=config)
+        git_dir = self.out("rev-parse", "--absolute-git-dir", read_only=True)
+        lock = os.path.join(git_dir, "index.lock")
+        for _ in range(30):   # a live git command holds it for a moment; a dead one for ever
+            if not os.path.exists(lock) or _stale_git_locks(git_dir):
+                break
+            time.sleep(0.1)
+        if os.path.exists(lock):
+            raise _git_lock_error(self)
+        merging = os.path.exists(os.path.join(git_dir, "MERGE_HEAD"))
+        if merging and not self._merge_concluded():
+            raise ShelfError("git-failed", "a git merge is in progress; memshelf commits only "
+                             "outside it", "finish the merge: memshelf resolve --commit --shelf "
+                             + _shell_quote(self.root))
+        index = os.path.join(git_dir, f"memshelf-index-{os.getpid()}")
+        private = {"GIT_INDEX_FILE": index}
+        try:
+            real = os.path.join(git_dir, "index")
+            if os.path.isfile(real):
+                import shutil
+                shutil.copyfile(real, index)   # its stat cache spares git re-hashing the tree
+            if not self.ok("read-tree", "-m", "HEAD", env=private) and \
+                    not self.ok("read-tree", "HEAD", env=private):
+                self.run("read-tree", "--empty", env=private)   # an unborn branch
+            if present:
+                self.run("add", "-A", "--", *present, env=private)
+            if gone:
+                self.run("rm", "-r", "--cached", "--ignore-unmatch", "-q", "--", *gone,
+                         env=private)
+            # --no-renames: a move must list both its paths, or the commit keeps the old one
+            staged = [n for n in self.out("diff", "--cached", "--name-only", "--no-renames",
+                                          "-z", "--relative", "--", *(present + gone),
+                                          read_only=True, env=private).split("\x00") if n]
+            if not staged:
+                return None
+            with _Held():
+                if merging:   # git refuses a plain commit beside MERGE_HEAD (a post-merge hook)
+                    old, tree = self.head(), self.out("write-tree", env=private)
+                    sha = self._commit_point(("commit-tree", tree, "-p", old, "-m", message),
+                                             config).stdout.decode().strip()
+                    self._commit_point(("update-ref", "-m", f"commit: {message}", "HEAD", sha,
+                                        old), ())
+                else:
+                    self._commit_point(("commit", "-q") + (("--amend", "--no-edit") if amend
+                                                           else ("-m", message)),
+                                       config, private)
+                    sha = self.head()
+                self.run("reset", "-q", "--", *staged, check=False)
+            return sha
+        finally:
+            for leftover in (index, index + ".lock"):
+                try:
+                    os.unlink(leftover)
+                except OSError:
+                    pass
+
+    def _commit_point(self, args, config, env=None):
+        """A git call that moves HEAD (once an identity is found); from its success on, the verb
+        is committed: a signal no longer interrupts it."""
+        p = self.run(*args, check=False, config=config, env=env)
         if p.returncode != 0 and _missing_identity(p):
-            config = tuple(config) + _FALLBACK_IDENTITY
-            p = self.run(*args, check=False, config=config)
-        if p.returncode != 0 and not amend and b"partial commit during a merge" in p.stderr \
-                and self._merge_concluded():
-            return self._commit_beside_merge(staged, message, config)
+            p = self.run(*args, check=False, config=tuple(config) + _FALLBACK_IDENTITY, env=env)
         if p.returncode != 0:
-            raise ShelfError("git-failed", f"git commit failed: {_git_words(p)}",
+            raise ShelfError("git-failed", f"git {args[0]} failed: {_git_words(p)}",
                              "read git's message above (a pre-commit hook may have refused); "
                              "fix it and retry",
                              {"returncode": p.returncode, "git_message": _git_words(p)})
-        return self.out("rev-parse", "HEAD", read_only=True)
+        if args[0] != "commit-tree":
+            _INTERRUPT["committed"] = True
+        return p
 
     def _merge_concluded(self):
         """MERGE_HEAD is left over from a merge HEAD already contains (a post-merge hook)."""
@@ -9396,34 +9548,45 @@ class _Git:
         return bool(merge_head) and self.ok("merge-base", "--is-ancestor", merge_head, "HEAD",
                                             read_only=True)
 
-    def _commit_beside_merge(self, paths, message, config):
-        """Commit exactly `paths` on top of HEAD through a private index: git refuses a
-        pathspec commit while MERGE_HEAD exists, even inside the post-merge hook."""
-        git_dir = self.out("rev-parse", "--absolute-git-dir", read_only=True)
-        index = os.path.join(git_dir, f"memshelf-index-{os.getpid()}")
-        private = {"GIT_INDEX_FILE": index}
-        try:
-            old = self.out("rev-parse", "HEAD", read_only=True)
-            self.run("read-tree", old, env=private)
-            self.run("update-index", "--add", "--remove", "--", *paths, env=private)
-            tree = self.out("write-tree", env=private)
-            p = self.run("commit-tree", tree, "-p", old, "-m", message, check=False,
-                         config=config)
-            if p.returncode != 0 and _missing_identity(p):
-                p = self.run("commit-tree", tree, "-p", old, "-m", message, check=False,
-                             config=tuple(config) + _FALLBACK_IDENTITY)
-            if p.returncode != 0:
-                raise ShelfError("git-failed", f"git commit-tree failed: {_git_words(p)}",
-                                 "read git's message above; fix it and retry",
-                                 {"git_message": _git_words(p)})
-            sha = p.stdout.decode().strip()
-            self.run("update-ref", "-m", f"commit: {message}", "HEAD", sha, old)
-            return sha
-        finally:
+
+def _git_lock_error(git):
+    """The write verbs' error for a locked git index, with the fix (not git's raw message)."""
+    stale = _stale_git_locks(git.out("rev-parse", "--absolute-git-dir", read_only=True))
+    shelf = _shell_quote(os.path.abspath(git.root))
+    if stale:
+        return ShelfError("git-failed", f"git's index is locked by {stale[0]}, which no running "
+                          "process holds (a git command was killed)",
+                          f"remove it: memshelf repair --shelf {shelf}", {"lock": stale[0]})
+    return ShelfError("git-failed", "another git process holds the index lock "
+                      "(.git/index.lock) of this shelf's repository",
+                      f"wait for it to finish and retry; if none runs: memshelf repair --shelf "
+                      f"{shelf}")
+
+
+def _stale_git_locks(git_dir):
+    """Lock files of a git directory that no live process holds open (Linux: /proc), older
+    than a few seconds; [] where that cannot be proved."""
+    names = [n for n in ("index.lock", "HEAD.lock") if os.path.exists(os.path.join(git_dir, n))]
+    if not names or not os.path.isdir("/proc/self/fd"):
+        return []
+    held = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
             try:
-                os.unlink(index)
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
             except OSError:
                 pass
+    now = time.time()
+    out = []
+    for n in names:
+        path = os.path.realpath(os.path.join(git_dir, n))
+        try:
+            if path not in held and now - os.stat(path).st_mtime > 2:
+                out.append(path)
+        except OSError:
+            pass
+    return out
 
 
 _FALLBACK_IDENTITY = ("user.name=memshelf", "user.email=memshelf@localhost")
@@ -9433,6 +9596,16 @@ def _missing_identity(proc):
     err = proc.stderr.decode("utf-8", "replace")
     return "tell me who you are" in err or "empty ident" in err or \
         "unable to auto-detect email" in err
+
+
+def _shelf_status(git):
+    """(index vs HEAD, tree vs index, shelf-relative path) of every shelf file that differs."""
+    p = git.run("status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames",
+                "--", ".", check=False)
+    prefix = git.prefix()
+    return [(item[0], item[1], item[3 + len(prefix):])
+            for item in p.stdout.decode("utf-8", "replace").split("\x00")
+            if len(item) > 3 and item[3:].startswith(prefix)] if p.returncode == 0 else []
 
 
 def _git_has_pending(git, rel):
@@ -9526,6 +9699,16 @@ def _git_init_shelf(root, storage, remote, hooks, created, updated):
         enclosing = git.toplevel()
     if storage == "git-remote" and "origin" not in git.remotes():
         git.run("remote", "add", "--", "origin", remote)
+    if not git.head() and "origin" in git.remotes():
+        # a first commit here beside a remote that has a history would be an unrelated root
+        p = git.run("ls-remote", "--symref", "--", "origin", "HEAD", check=False)
+        m = re.search(r"^ref: refs/heads/(\S+)\tHEAD", p.stdout.decode("utf-8", "replace"), re.M)
+        if m:
+            url = git.out("remote", "get-url", "origin", read_only=True)
+            raise ShelfError("not-empty", f"the remote {url} already holds a history (branch "
+                             f"{m.group(1)}); a new shelf here would not share it",
+                             f"clone it, then init the clone: git clone -b {m.group(1)} -- "
+                             f"{_shell_quote(url)} <folder>; memshelf init --shelf <folder>")
     ga = os.path.join(root, ".gitattributes")
     current = _read_text(ga) if os.path.exists(ga) else ""
     if "merge=memshelf-derived" not in current:
@@ -10544,12 +10727,12 @@ def _rollup_locked(root, a):
             result["derived"] = {"mode": "bot", "written": []}
         if git.is_repo() and a["autocommit"]:
             _check_cancelled()
-            result["commit"] = git.commit(paths + written,
+            result["commit"] = git.commit(paths + written + (list(rendered["files"]) if
+                                                             mode == "auto" else []),
                                           f"rollup: {slug} ({n} episode{'s' if n != 1 else ''})")
             result["committed"] = result["commit"] is not None
     except BaseException:
         journal.restore()
-        _unstage(git, paths + written)
         for d in reversed(new_dirs):
             try:
                 os.rmdir(os.path.join(root, d))
@@ -10567,15 +10750,6 @@ def _rollup_locked(root, a):
                          f"~{result['index_tokens_before']} → ~{result['index_tokens_after']} "
                          "tok" + (" · committed" if result["committed"] else ""))
     return result
-
-
-def _unstage(git, paths):
-    """After a failed commit the files are restored; put their index entries back to HEAD."""
-    if paths and git.is_repo():
-        try:
-            git.run("reset", "-q", "--", *sorted(set(paths)), check=False)
-        except ShelfError:
-            pass
 
 
 def _rollup_index_tokens(root):
@@ -10674,12 +10848,12 @@ def _purge_locked(root, today, apply, autocommit):
                 written.append("stats.svg")
         if history and autocommit:
             _check_cancelled()
-            result["commit"] = git.commit([r["path"] for r in expired] + written,
+            result["commit"] = git.commit([r["path"] for r in expired] + written +
+                                          (list(rendered["files"]) if mode == "auto" else []),
                                           f"purge: {n} episode(s) past retain_until")
             result["committed"] = result["commit"] is not None
     except BaseException:
         journal.restore()
-        _unstage(git, [r["path"] for r in expired] + written)
         raise
     finally:
         progress.done()
@@ -11392,16 +11566,8 @@ def _resolve_locked(root, commit):
         result["notes"].append("a rebase is in progress: continue it with git -C "
                                f"{_shell_quote(root)} rebase --continue")
     elif result["in_merge"]:
-        args = ("commit", "--no-edit", "-q")
-        p = git.run(*args, check=False)
-        if p.returncode != 0 and ("tell me who you are" in _git_words(p) or
-                                  "empty ident" in _git_words(p)):
-            p = git.run(*args, check=False, config=("user.name=memshelf",
-                                                    "user.email=memshelf@localhost"))
-        if p.returncode != 0:
-            raise ShelfError("git-failed", f"git commit failed: {_git_words(p)}",
-                             "read git's message; fix it and run memshelf resolve --commit again",
-                             {"git_message": _git_words(p)})
+        with _Held():
+            git._commit_point(("commit", "--no-edit", "-q"), ())
         result["commit"] = git.head()
         result["committed"] = True
         result["in_merge"] = False
@@ -11543,6 +11709,78 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("sync", sync_verb, [
 ], title="Fetch and fast-forward the shelf from its upstream", mcp=False, read_only=False,
     text=_text_sync, verdict=lambda r: 1 if r.get("status") == "incomplete" else 0))
 
+# --- repair: back to one consistent commit (docs/architecture.md § Interruptions) -----------
+
+def repair(shelf_path=None):
+    """Bring a git shelf back to one consistent commit, asking nothing: stale git locks go,
+    committed files missing from the tree come back from HEAD, staged entries of files not on
+    disk are dropped, every valid episode that differs from HEAD is committed, derived files
+    are re-rendered (auto) or put back to HEAD (bot). No episode that was committed or written
+    is lost: one that does not parse stays where it is, and is named."""
+    root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
+    done, left = [], []
+    result = {"status": "ok", "done": done, "left": left, "committed": False, "commit": None}
+    git = _Git(root) if _git_available() else None
+    if git is None or not git.is_repo():
+        result["summary"] = "not a git shelf: nothing to repair"
+        return result
+    with _ShelfLock(root):
+        for lock in _stale_git_locks(git.out("rev-parse", "--absolute-git-dir", read_only=True)):
+            os.unlink(lock)
+            done.append(f"removed the stale lock {lock}")
+        auto = _derived_mode(root) == "auto"
+        ours = [e for e in _shelf_status(git) if _EPISODE_REL.match(e[2]) or
+                _is_derived_path(e[2]) or e[2] == _RECALL_LOG]
+        staged = sorted({rel for x, _, rel in ours if x not in " ?"})
+        if staged:   # the index back to HEAD: a commit never needs the real index
+            git.run("reset", "-q", "--", *staged)
+            done += [f"unstaged {rel}" for rel in staged]
+            ours = [e for e in _shelf_status(git) if e[2] in staged] + \
+                [e for e in ours if e[2] not in staged]
+        restore, paths = [], []
+        for x, _, rel in ours:
+            if not os.path.lexists(os.path.join(root, rel)):
+                restore.append(rel)
+            elif auto and not _EPISODE_REL.match(rel) or rel == _RECALL_LOG:
+                paths.append(rel)
+            elif not _EPISODE_REL.match(rel):
+                if x != "?":   # bot: the renderer owns the derived files
+                    restore.append(rel)
+            else:
+                rec = _read_episode(root, rel, archived=rel.startswith("archive/"))
+                if rec["fm_ok"] and rec["fields"].get("id") == rec["stem"]:
+                    paths.append(rel)
+                else:
+                    left.append(f"{rel} does not parse as an episode: fix it (memshelf doctor "
+                                "says how) or delete it, then run memshelf repair again")
+        if restore:
+            git.run("checkout", "-q", "HEAD", "--", *restore)
+            done += [f"restored {rel} from HEAD" for rel in restore]
+        episodes = [rel for rel in paths if _EPISODE_REL.match(rel)]
+        if left:   # the render would list the episodes left out of the commit
+            paths = episodes
+        elif auto:
+            rebuilt = _rebuild_locked(root, False, False, False, None, False)
+            paths += rebuilt["written"] + rebuilt["deleted"]
+            if rebuilt["written"] or rebuilt["deleted"]:
+                done.append("re-rendered " + ", ".join(rebuilt["written"] + rebuilt["deleted"]))
+        result["commit"] = git.commit(paths, "repair: commit " + (
+            f"{len(episodes)} episode(s) and " if episodes else "") + "the derived files")
+        result["committed"] = result["commit"] is not None
+        if result["committed"]:
+            done.append("committed " + (", ".join(episodes) if episodes else "the derived files"))
+    result["summary"] = "repair: " + ("; ".join(done) if done else "nothing to repair") + \
+        "".join(f"\nleft: {w}" for w in left)
+    return result
+
+
+_EXTRA_VERB_FACTORIES.append(lambda: _Verb("repair", repair, [
+    _Param("shelf_path", "string", default="", flags=["--shelf"], metavar="PATH",
+           help="Shelf folder; default MEMSHELF_SHELF."),
+], title="Bring a git shelf back to one consistent commit", mcp=False, read_only=False,
+    text=_text_summary))
+
+
 # ==========================================================================================
 # Doctor
 # ==========================================================================================
@@ -11678,8 +11916,15 @@ _DOCTOR_CODES = {
     "recall-log-malformed": ("warning", "derived",
                              "fix or drop the rows in recall-log.tsv; stats ignores them"),
     "uncommitted-episode": ("warning", "git",
-                            "review it, then amend it (memshelf shelve --amend --file <path>), "
-                            "commit it, or delete it"),
+                            "review it, then commit it: memshelf repair --shelf <shelf> (or "
+                            "delete it)"),
+    # 6. the tree, the git index and HEAD (git shelves): all repaired by one command
+    "git-staged": ("error", "git", "memshelf repair --shelf <shelf>"),
+    "committed-missing": ("error", "git", "memshelf repair --shelf <shelf>"),
+    "episode-untracked": ("error", "git", "memshelf repair --shelf <shelf>"),
+    "derived-uncommitted": ("error", "git", "memshelf repair --shelf <shelf>"),
+    "index-lists-uncommitted": ("error", "git", "memshelf repair --shelf <shelf>"),
+    "git-lock-stale": ("error", "git", "memshelf repair --shelf <shelf>"),
     # 8. INDEX
     "stale-index": ("warning", "derived", "memshelf rebuild --commit"),
     "index-hand-edited": ("error", "derived",
@@ -12928,36 +13173,52 @@ class _DoctorRun:
         return "" if rel == "." else rel + "/"
 
     def uncommitted(self):
+        """The tree, the git index and HEAD compared for every shelf file: one git status."""
         if not self.in_git:
             return []
-        # not read_only: git may refresh its stat cache (an optional lock, skipped when busy);
-        # without that, a copied or touched shelf makes every later status re-hash every file
-        proc = self.git.run("status", "--porcelain", "-z", "--untracked-files=all", "--",
-                            "docs", "archive", check=False)
-        if proc.returncode != 0:
-            return []
-        prefix = self.git_prefix()
         out = []
-        items = proc.stdout.decode("utf-8", "replace").split("\x00")
-        skip = False
-        for item in items:
-            if skip:
-                skip = False
+        shelf = _shell_quote(self.root)
+
+        def add(code, rel, detail, level=None):
+            out.append(_finding(code, rel, detail, _DOCTOR_CODES[code][2].replace("<shelf>",
+                                                                                  shelf), level))
+
+        for lock in _stale_git_locks(self.git.out("rev-parse", "--absolute-git-dir",
+                                                  check=False, read_only=True) or self.root):
+            add("git-lock-stale", os.path.basename(lock), f"{lock} is left from a killed git "
+                "command; no process holds it, and every commit fails while it exists")
+        not_in_head = set()
+        clean = {"ledger.tsv", "INDEX.md"}
+        for x, y, rel in _shelf_status(self.git):
+            episode = bool(_EPISODE_REL.match(rel))
+            if rel == _RECALL_LOG or _TEMP_MARK in rel or not (episode or _is_derived_path(rel)):
                 continue
-            if len(item) < 4:
-                continue
-            state, name = item[:2], item[3:]
-            if state[0] in "RC":
-                skip = True   # the next item is the rename's source
-            if "D" in state:
-                continue
-            rel = name[len(prefix):] if prefix and name.startswith(prefix) else name
-            if not _EPISODE_REL.match(rel) or _linked(self.root, rel):
+            if episode and _linked(self.root, rel):
                 continue   # a link is symlink-ignored, never an episode
-            what = "untracked" if state == "??" else "modified or staged"
-            out.append(_finding("uncommitted-episode", rel,
-                                f"{what} since the last commit",
-                                _with_path(_DOCTOR_CODES["uncommitted-episode"][2], rel)))
+            clean.discard(rel)
+            if x not in " ?":
+                add("git-staged", rel, f"staged in the git index ({x}) but not committed; a "
+                    "plain git commit would commit it")
+            elif y == "D":
+                add("committed-missing", rel, "committed in HEAD but missing from the tree")
+            elif not episode:
+                add("derived-uncommitted", rel, "modified since the last commit",
+                    "warning" if self.mode == "bot" else None)
+            elif x == "?":
+                add("episode-untracked", rel, "not in git: HEAD and every clone lack it")
+            else:
+                add("uncommitted-episode", rel, "modified since the last commit")
+            if episode and x in "?A":
+                not_in_head.add(rel.rsplit("/", 1)[-1][:-3])
+        texts = {rel: _read_bytes(self.root, rel).decode("utf-8", "replace")
+                 for rel in clean} if not_in_head else {}
+        for sid in sorted(not_in_head):
+            e = re.escape(sid)
+            listed = re.compile(rf"^- `?{e}(?:[` ]|$)|\t{e}\t|/{e}\.md", re.M)
+            for rel, text in sorted(texts.items()):
+                if listed.search(text):
+                    add("index-lists-uncommitted", rel,
+                        f"the committed {rel} lists {sid}, which HEAD does not have")
         return out
 
     # 7. orphan ledger rows --------------------------------------------------------------
@@ -16913,7 +17174,25 @@ def _print_json(obj):
 
 
 def main(argv=None):
-    """The CLI. Returns the exit code."""
+    """The CLI. Returns the exit code: 130 when SIGINT or SIGTERM stopped the verb (what it
+    wrote is undone); a signal after its commit waits for the verb to finish, and is said."""
+    previous = _catch_signals()
+    _INTERRUPT.update(held=0, pending=False, committed=False, started=True)
+    try:
+        code = _main(argv)
+        if _INTERRUPT["pending"] and _INTERRUPT["committed"]:
+            sys.stderr.write("memshelf: interrupted after the commit; the write is complete\n")
+        return code
+    except KeyboardInterrupt:
+        sys.stderr.write("memshelf: interrupted\n")
+        return 130
+    finally:
+        _INTERRUPT.update(pending=False, committed=False, started=False)
+        # an in-process caller gets its own handlers back
+        _catch_signals({sig: h for sig, h in previous if h is not None})
+
+
+def _main(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
     want_json = "--json" in argv
     _QUIET[0] = "--quiet" in argv
@@ -17020,6 +17299,8 @@ def cli():
     started, and the output is flushed here. Under a tracer, a profiler or coverage, or with a
     thread still running, the process exits the ordinary way (their work happens at exit)."""
     code = main()
+    _INTERRUPT["committed"] = True   # done: a signal now waits for the exit
+    _catch_signals()
     try:
         sys.stdout.flush()
     except OSError as exc:

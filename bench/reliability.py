@@ -48,6 +48,8 @@ for _name in ("MEMSHELF_SHELF", "MEMSHELF_SHELF_PATH", "MEMSHELF_ROOT", "MEMSHEL
     ENV.pop(_name, None)
 os.environ.update({k: v for k, v in ENV.items() if k.startswith("GIT_")})
 CRASH_FINDINGS = {"uncommitted-episode", "no-ledger-row", "stale-index", "leftover-temp-file",
+                  # what doctor's tree / index / HEAD comparison names after a kill
+                  "episode-untracked", "derived-uncommitted", "git-staged",
                   # "derived files partly re-rendered": a rollup killed between moving an
                   # episode into archive/ and re-rendering leaves its .meta.json entry behind
                   "stale-meta-entry"}
@@ -320,14 +322,8 @@ def _parses(root):
 
 
 def _repair(root):
-    """The documented repair: commit (or amend) the interrupted episodes, rebuild --commit."""
-    pending = git(root, "status", "--porcelain", "--untracked-files=all", "--", "docs",
-                  "archive").strip()
-    if pending:
-        git(root, "add", "-A", "--", "docs", "archive")
-        git(root, "commit", "-q", "-m", "repair: commit what an interrupted write left")
-    r = cli("rebuild", "--shelf", root, "--commit")
-    return r.returncode == 0
+    """The documented repair: memshelf repair (commits what an interrupted write left)."""
+    return cli("repair", "--shelf", root).returncode == 0
 
 
 def _calibrate(args_for, root, runs=2):

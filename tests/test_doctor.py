@@ -569,7 +569,8 @@ def test_uncommitted_episode(tmp_path, three):
     write(root, path, read(root, path) + "\n## Artifacts\n- a hand edit\n")
     write(root, f"docs/topics/{STEM}/001-intro.md", "intro\n")
     result = run(root)
-    assert_finding(result, "uncommitted-episode", "warning", "git", rel)
+    # an untracked episode is in no clone: an error since issue 18; a hand edit stays a warning
+    assert_finding(result, "episode-untracked", "error", "git", rel)
     assert_finding(result, "uncommitted-episode", "warning", "git", path)
     assert_finding(result, "local-split-dir", "warning", "structure", f"docs/topics/{STEM}")
     subprocess.run(["git", "-C", root, "add", f"docs/topics/{STEM}/001-intro.md"], check=True)

@@ -103,8 +103,9 @@ def test_first_push_creates_the_branch_and_reports(tmp_path):
     a = tmp_path / "a"
     r = run_cli("init", "--shelf", a, "--storage", "git-remote", "--remote", bare)
     assert r.code == 0, r
+    # init pushes its commit (issue 18): the remote has main at once
+    assert "pushed" in r.out and head(bare, "main") == head(a)
     res = shelve(a, "2026-07-01-first", "--push")
-    assert res["sync"]["skipped_reason"] == "remote has no main yet"
     assert res["sync"]["pushed"] and head(bare, "main") == head(a)
     assert git(a, "rev-parse", "--abbrev-ref", "@{u}").strip() == "origin/main"
     res = shelve(a, "2026-07-02-second", "--push")
