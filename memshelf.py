@@ -13195,6 +13195,10 @@ class _DoctorRun:
                 continue
             if episode and _linked(self.root, rel):
                 continue   # a link is symlink-ignored, never an episode
+            full = os.path.join(self.root, rel)
+            if not episode and os.path.lexists(full) and \
+                    (os.path.islink(full) or not os.path.isfile(full)):
+                continue   # derived-not-file names it
             clean.discard(rel)
             if x not in " ?":
                 add("git-staged", rel, f"staged in the git index ({x}) but not committed; a "
