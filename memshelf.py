@@ -2464,6 +2464,21 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
             "key": key, "episodes": memo.get("episodes") or 0}
 
 
+def _remember_if_on_disk(root, rendered):
+    """Remember a full render that every derived file on disk already holds."""
+    for rel, content in rendered["files"].items():
+        path = os.path.join(root, rel)
+        try:
+            if content is None:
+                if os.path.lexists(path):
+                    return
+            elif _file_bytes(path) != content.encode("utf-8"):
+                return
+        except OSError:
+            return
+    _remember_render(root, rendered)
+
+
 def _remember_render(root, rendered, files=None):
     """After the derived files on disk equal a full render: remember it under its key."""
     if not rendered.get("key"):
@@ -7364,8 +7379,9 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
 
     Without `records`, the whole shelf is read; when nothing a render reads has changed since
     the last render known to be on disk, the files on disk are the answer (records: None).
-    index_only: INDEX.md and archive/INDEX.md alone (what a reader compares). verify: every
-    episode parsed again, no memo and no cached row trusted (index --verify)."""
+    index_only: the caller reads INDEX.md and archive/INDEX.md alone (a memo hit reads only
+    those; given records, only those are rendered). verify: every episode parsed again, no memo
+    and no cached row trusted (index --verify)."""
     fmt = fmt or _index_format(root)
     key = None
     if records is None:
@@ -7381,7 +7397,8 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
         with _Store(root, use_cache=not verify) as store:
             records = store.render_records(progress=progress, files=scanned)
         del scanned   # a few hundred bytes per episode, not needed while rendering
-        return _render_records(root, records, fmt, index_only, key)
+        # a whole render, even for a reader of INDEX alone: it can be remembered
+        return _render_records(root, records, fmt, False, key)
     return _render_records(root, records, fmt, index_only, key)
 
 
@@ -7687,6 +7704,8 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     lag = 0
     rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
                                index_only=True, verify=verify)
+    if rendered["records"] is not None and not verify:
+        _remember_if_on_disk(root, rendered)   # the next reader is answered from the memo
     fresh = rendered["files"].get(rel)
     if fresh is None:
         fresh = on_disk_text if on_disk_text is not None else _render_compact(
