@@ -2141,7 +2141,7 @@ def _record_from_row(text):
     except (TypeError, ValueError):
         return None
     if not isinstance(values, list) or len(values) != len(_RECORD_KEYS) or \
-            not isinstance(values[8], dict):
+            not isinstance(values[_RECORD_KEYS.index("fields")], dict):
         return None
     return _share_values(dict(zip(_RECORD_KEYS, values)))
 

@@ -172,3 +172,12 @@ def test_doctor_sees_a_same_stamp_edit_of_a_file_it_checked(tmp_path):
     edit_in_place(path, "XXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX",
                   "ghp_" + "Z9yX8wV7uT6sR5qP4oN3mL2kJ1iH0gF9eD8c", keep_mtime=True)
     assert "secret-at-rest" in doctor_codes(run_cli("doctor", "--shelf", root, "--json"))
+
+
+def test_a_cached_record_reads_back_as_the_record_it_was(three):
+    """The row cache answers whole-record readers (doctor, rollup, views): a record stored and
+    read back is the same record, so an unchanged file is not parsed again."""
+    import memshelf
+    rel = f"docs/topics/{SLUGS[0]}.md"
+    rec = memshelf._read_episode(str(three), rel)
+    assert memshelf._record_from_row(memshelf._record_to_row(rec)) == rec
