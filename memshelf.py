@@ -1967,8 +1967,11 @@ class _Store:
             seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
                 (_read_episode(root, *job[1:]), None)
+            # a reader of the columns stores them alone: encoding whole records it does not
+            # read cost an empty-cache rebuild a seventh of its time (docs/performance.md); a
+            # reader of whole records parses such a file once more and stores its record
             row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
-                   _record_to_row(rec) if cached else None) + \
+                   _record_to_row(rec) if cached and whole else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
             if not whole:
                 rec = None
