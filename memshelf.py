@@ -7699,16 +7699,19 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     fmt = _index_format(root)
     rel = "archive/INDEX.md" if archive else "INDEX.md"
     path = os.path.join(root, rel)
-    on_disk_text = None
-    try:
-        on_disk_text = _read_text(path)
-    except (OSError, ShelfError):
-        pass
     lag = 0
     rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
                                index_only=True, verify=verify)
-    if rendered["records"] is not None and not verify:
-        _remember_if_on_disk(root, rendered)   # the next reader is answered from the memo
+    if rendered["records"] is None and rendered["files"].get(rel) is not None:
+        on_disk_text = rendered["files"][rel]   # a memo hit has just read and checked the file
+    else:
+        on_disk_text = None
+        try:
+            on_disk_text = _read_text(path)
+        except (OSError, ShelfError):
+            pass
+        if rendered["records"] is not None and not verify:
+            _remember_if_on_disk(root, rendered)   # the next reader is answered from the memo
     fresh = rendered["files"].get(rel)
     if fresh is None:
         fresh = on_disk_text if on_disk_text is not None else _render_compact(
