@@ -2396,9 +2396,9 @@ def _render_key(root, fmt):
 
 
 def _render_key_of(root, fmt, scanned, subdirs, seen):
-    """The one key derived values are remembered under: a digest of the code, the format, the
-    settings files, the folders and every episode's stamp, all taken after `seen`. A file
-    that could still change without its stamp moving (_unchanged) counts by its content."""
+    """The one key derived values are remembered under: (a digest of the code, the format, the
+    settings files, the folders and every episode's stamp; {path: SHA-1} of the files written
+    within the timestamp granularity before `seen`, whose content _key_holds compares)."""
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     files = list(scanned)
@@ -2408,12 +2408,9 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
             files.append((rel, False, (st.st_size, st.st_mtime_ns, st.st_ino)))
         except OSError:
             parts.append(f"{rel}\0-")
-    for rel, _, st in files:
-        if seen - st[1] <= _RACY_NS:
-            try:
-                parts.append(f"{rel}\0{hashlib.sha1(_file_bytes(os.path.join(root, rel))).hexdigest()}")
-            except OSError:
-                parts.append(f"{rel}\0unreadable")
+    # racy files count by content where the key is used, not here: a key made after the file
+    # has aged is the same key, so a render remembered just after a shelve serves the next read
+    racy = {rel: _content_sha1(root, rel) for rel, _, st in files if seen - st[1] <= _RACY_NS}
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for base in ("docs", "archive/docs"):
         for cat in CATEGORIES:
@@ -2423,7 +2420,24 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
     parts += [rel for rel, _, _ in files]
     digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
     digest.update(repr([n for _, _, st in files for n in st]).encode())   # one string, not 10k
-    return digest.hexdigest()
+    return digest.hexdigest(), racy
+
+
+def _content_sha1(root, rel):
+    import hashlib
+    try:
+        return hashlib.sha1(_file_bytes(os.path.join(root, rel))).hexdigest()
+    except OSError:
+        return "unreadable"
+
+
+def _key_holds(root, entry, key):
+    """Whether a remembered entry was made under `key`: the same stamps, and each file that was
+    racy when it was made (_unchanged) still holds the content it had then."""
+    racy = entry.get("racy") if isinstance(entry, dict) else None
+    return isinstance(racy, dict) and key is not None and entry.get("key") == key[0] and \
+        all(isinstance(rel, str) and ".." not in rel.split("/") and not os.path.isabs(rel) and
+            _content_sha1(root, rel) == h for rel, h in racy.items())
 
 
 def _render_is_current(root, fmt=None):
@@ -2442,8 +2456,7 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
     every derived file still holds what it wrote (compared by content, not by stamp).
     `memo`: the state's render_memo when the caller has just read it."""
     memo = _state(root).get("render_memo") if memo is None else memo
-    if key is None or not isinstance(memo, dict) or memo.get("key") != key or \
-            not isinstance(memo.get("files"), dict):
+    if not _key_holds(root, memo, key) or not isinstance(memo.get("files"), dict):
         return None
     files = {}
     for rel, digest in memo["files"].items():
@@ -2488,7 +2501,8 @@ def _remember_render(root, rendered, files=None):
         return
     digests = {rel: None if content is None else _text_digest(content)
                for rel, content in (rendered["files"] if files is None else files).items()}
-    _save_state(root, render_memo={"key": rendered["key"], "files": digests,
+    _save_state(root, render_memo={"key": rendered["key"][0], "racy": rendered["key"][1],
+                                   "files": digests,
                                    "episodes": rendered["episodes"],
                                    "warnings": rendered["warnings"]})
 
@@ -2496,14 +2510,14 @@ def _remember_render(root, rendered, files=None):
 def _remembered(root, name, key):
     """A derived value remembered under the store key (_render_key_of), or None."""
     entry = _state(root).get(name)
-    if key is not None and isinstance(entry, dict) and entry.get("key") == key:
+    if _key_holds(root, entry, key):
         return entry.get("value")
     return None
 
 
 def _remember(root, name, key, value):
     if key is not None:
-        _save_state(root, **{name: {"key": key, "value": value}})
+        _save_state(root, **{name: {"key": key[0], "racy": key[1], "value": value}})
 
 
 # ==========================================================================================
