@@ -2389,10 +2389,15 @@ def _resolve_episode(root, raw, archive=True):
 def _render_key(root, fmt):
     """(key, scan): the store key of all a full render reads, and the episode scan it was
     made from."""
+    seen, scanned, subdirs = _render_inputs(root)
+    return _render_key_of(root, fmt, scanned, subdirs, seen), scanned
+
+
+def _render_inputs(root):
+    """(time before the scan, the episode scan, the folders inside category folders)."""
     seen = time.time_ns()
     subdirs = []
-    scanned = _scan_episode_files(root, subdirs=subdirs)
-    return _render_key_of(root, fmt, scanned, subdirs, seen), scanned
+    return seen, _scan_episode_files(root, subdirs=subdirs), subdirs
 
 
 def _render_key_of(root, fmt, scanned, subdirs, seen):
@@ -6777,6 +6782,11 @@ def _shelve_locked(root, a):
     # 10-12. write, render, commit; any failure restores every touched path
     _check_cancelled()
     mode = _derived_mode(root)
+    if mode == "auto":
+        fmt = _index_format(root)
+        seen, scanned, subdirs = _render_inputs(root)
+        before = _render_memo_hit(root, _render_key_of(root, fmt, scanned, subdirs, seen)) \
+            if fmt == "compact" else None
     journal = _Journal(root)
     try:
         journal.write(address, text)
@@ -6785,7 +6795,18 @@ def _shelve_locked(root, a):
         written = []
         rendered_records = None
         if mode == "auto":
-            rendered = _render_derived(root)
+            rendered = None
+            if before is not None:
+                # the last render, on disk, with this episode's lines moved (not all re-rendered)
+                st = os.stat(os.path.join(root, address))
+                scanned = sorted([f for f in scanned if f[0] not in (address, moved_from)] +
+                                 [(address, False, _stamp((st.st_size, st.st_mtime_ns,
+                                                           st.st_ino)))])
+                with _Store(root) as store:
+                    records = store.render_records(files=scanned)
+                rendered = _render_one_change(root, before, records, address, old,
+                                              _render_key_of(root, fmt, scanned, subdirs, seen))
+            rendered = rendered or _render_derived(root)
             rendered_records = rendered["records"]
             for rel, content in rendered["files"].items():
                 if journal.write_if_changed(rel, content):
@@ -7463,6 +7484,88 @@ def _render_records(root, records, fmt, index_only, key):
     return {"files": files, "warnings": warnings, "records": records,
             "key": None if index_only else key,   # a partial render is never remembered
             "episodes": len([r for r in records if r.get("id")])}
+
+
+def _render_one_change(root, memo, records, new_rel, old, key):
+    """The derived files after one shelve: the last full render (memo, taken just before the
+    episode at new_rel was written in place of `old`, a record or None) with that episode's
+    INDEX line, ledger row and .meta.json entry moved, the chart redrawn. Byte-identical to a
+    full render (tests/test_store.py fuzzes both against rebuild); None when the change reaches
+    other episodes' lines or a heading (then the caller renders everything)."""
+    new = next((r for r in records if r["path"] == new_rel), None)
+    if memo is None or new is None or new["supersedes"] or (old and old["supersedes"]) or \
+            not new["id"] or new["fields"].get("date") != new["date"] or \
+            (old and old["id"] and old["fields"].get("date") != old["date"]):
+        return None
+    others = [r for r in records if r is not new]
+    files = dict(memo["files"])
+    superseded = _superseded_map(records)
+    index, meta = [], {}
+    for base_rec, add in ((old, False), (new, True)):
+        if base_rec is None:
+            continue
+        entry, warning = _meta_entry(base_rec)
+        if warning:
+            return None
+        cat = base_rec["category"]
+        live = [r for r in others if r["category"] == cat and not r["archived"]]
+        index.append((cat, _compact_entry(base_rec, superseded), add,
+                      [(r["date"], r["stem"]) for r in live], (new["date"], new["stem"])))
+        if entry is not None:
+            meta.setdefault(cat, []).append((entry, add, [
+                (r["date"], r["id"] or "") for r in live if r["meta_entry"] is not None],
+                (new["date"], new["id"])))
+    text = files.get("INDEX.md")
+    if not isinstance(text, str):
+        return None
+    lines = text.split("\n")
+    for cat, line, add, keys, mine in index:
+        heading = f"## {_HEADINGS[cat]}"
+        if lines.count(heading) != 1:
+            return None
+        start = lines.index(heading) + 2
+        end = lines.index("", start)
+        if not _splice_sorted(lines, start, end, line, add, keys, mine):
+            return None
+    files["INDEX.md"] = "\n".join(lines)
+    for cat, changes in meta.items():
+        rel = f"docs/{cat}/.meta.json"
+        text = files.get(rel)
+        if not isinstance(text, str) or not text.startswith("{\n") or \
+                not text.endswith("\n}\n"):
+            return None
+        entries = re.split(r",\n(?=  \S)", text[2:-3])
+        for entry, add, keys, mine in changes:
+            if not _splice_sorted(entries, 0, len(entries), entry, add, keys, mine):
+                return None
+        files[rel] = "{\n" + ",\n".join(entries) + "\n}\n"
+    rows = [r for r in records if r["id"]]
+    lines = (files.get("ledger.tsv") or "").split("\n")
+    keys = [(r["date"], r["id"]) for r in rows if r is not new]
+    if lines[0] + "\n" != _LEDGER_HEADER or lines[-1] or (old and old["id"] and not _splice_sorted(
+            lines, 1, len(lines) - 1, _ledger_row(old), False, keys, None)) or \
+            not _splice_sorted(lines, 1, len(lines) - 1, _ledger_row(new), True, keys,
+                               (new["date"], new["id"])):
+        return None
+    files["ledger.tsv"] = "\n".join(lines)
+    files["stats.svg"] = _render_chart(rows)
+    return {"files": files, "warnings": memo["warnings"], "records": records, "key": key,
+            "episodes": len(rows)}
+
+
+def _splice_sorted(lines, start, end, line, add, keys, mine):
+    """Take `line` out of lines[start:end] (add False) or put it in its sorted place (add True),
+    where `keys` are the sort keys of the block's other lines: False when the block is not
+    what they describe, or the place is not unique."""
+    if add:
+        if end - start != len(keys) or mine in keys:
+            return False
+        lines.insert(start + sum(k < mine for k in keys), line)
+        return True
+    if end - start != len(keys) + 1 or line not in lines[start:end]:
+        return False
+    del lines[lines.index(line, start, end)]
+    return True
 
 
 def _write_derived(root, files, rendered=None, journal=None):

@@ -181,3 +181,55 @@ def test_a_cached_record_reads_back_as_the_record_it_was(three):
     rel = f"docs/topics/{SLUGS[0]}.md"
     rec = memshelf._read_episode(str(three), rel)
     assert memshelf._record_from_row(memshelf._record_to_row(rec)) == rec
+
+
+def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp_path):
+    """shelve moves one episode's INDEX line, ledger row and .meta.json entry in the last full
+    render instead of rendering the shelf again; on fuzzed shelves (new episodes, amends, a
+    kind change that moves the file, ties on the date, titles and descriptions that need
+    quoting, supersedes that reach other lines) the files equal what rebuild writes."""
+    import random
+    import memshelf
+    rng = random.Random(20261202)
+    root = str(tmp_path / "shelf")
+    memshelf.init(root, storage="plain")
+    sections = {"topic": {"Decisions": "- keep it"},
+                "session": {"Timeline": "- 10:00 start", "Open threads": "- none"},
+                "research": {"Findings": "- it works"}}
+    calls = []
+    real = memshelf._render_derived
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    memshelf._render_derived = counted
+    try:
+        slugs = []
+        for n in range(70):
+            amend = bool(slugs) and rng.random() < 0.35
+            if amend:
+                slug = rng.choice(slugs)
+            else:
+                slug = f"2026-0{rng.randint(1, 3)}-{rng.choice(['01', '02', '15'])}-ep-{n}"
+                slugs.append(slug)
+            kind = rng.choice(["topic", "topic", "session", "research"])
+            title = rng.choice([None, f"Plan {n}", "Cache **layer** v2", "Ünïcode — title"])
+            desc = rng.choice([None, f"Ana settled item {n}.", 'Quotes "and" back\\slash.'])
+            sup = [rng.choice(slugs)] if rng.random() < 0.1 and len(slugs) > 1 else None
+            before = len(calls)
+            r = memshelf.shelve(root, slug=slug, kind=kind, amend=amend, display_title=title,
+                                description=desc, supersedes=sup,
+                                date=rng.choice([None, "2026-02-01", "2026-02-02"]),
+                                digest=f"Ana closed item {n} with option A. Open: none.",
+                                sections=sections[kind])
+            assert r["status"] == "ok", r
+            if len(calls) == before:
+                calls.append(0)   # marks a shelve that rendered one change
+            check = memshelf.rebuild(root, check=True)
+            assert check["ok"], (n, slug, amend, kind, check["drifted"])
+    finally:
+        memshelf._render_derived = real
+    # most shelves rendered their one change, not the shelf (a heading's first episode, an
+    # episode that supersedes others, or an amended one that did render it all)
+    assert calls.count(0) >= 40, (calls.count(0), calls.count(1))
