@@ -15566,13 +15566,9 @@ _EXTRA_VERB_FACTORIES.append(lambda: _view_verb("mirror"))
 # ==========================================================================================
 
 
-# Host hooks: the shelf reaches an agent's context at session start and after compaction, and
-# the agent is asked to shelve before context is lost. Claude Code's hook contract, in short:
-# SessionStart may add context (hookSpecificOutput.additionalContext, replaced by a preview
-# above ~10,000 characters); PreCompact and SessionEnd cannot reach the model (SessionEnd hooks
-# share a budget of about 1.5 s); a Stop hook's hookSpecificOutput.additionalContext makes the
-# agent go on without the "Stop hook error" a {"decision": "block"} shows the user, and the next
-# stop of that turn carries stop_hook_active = true.
+# Claude Code's contract: only SessionStart and Stop output reach the model (as
+# hookSpecificOutput.additionalContext; SessionStart's is previewed above ~10,000 characters);
+# SessionEnd hooks share about 1.5 s; a Stop hook's context avoids the "Stop hook error" of a block.
 
 _HOOK_INDEX_CHARS = 9500         # memshelf.json hook_index_chars default (whole hook output)
 _HOOK_STDIN_WAIT = 2.0           # seconds to wait for the host's JSON when stdin stays open
@@ -15605,10 +15601,7 @@ _FILE_DATE = _re_lazy(r"(\d{4}-\d{2}-\d{2})[^\s`)/]*\.md")
 
 
 def hook_verb(name=None, shelf_path=None, payload=None):
-    """Adapter entry points; they read the host's JSON on stdin and always exit 0.
-
-    payload: the host's event as a dict (in-process callers); the CLI reads it from stdin.
-    """
+    """Adapter entry points: the host's JSON from stdin (payload: in-process); always exit 0."""
     try:
         if name in ("git-post-merge", "git-post-rewrite"):
             return _hook_git_regenerate(shelf_path)
@@ -15634,10 +15627,8 @@ def hook_verb(name=None, shelf_path=None, payload=None):
 
 
 def _read_hook_payload(stream=None, wait=_HOOK_STDIN_WAIT):
-    """The host's JSON object from stdin; {} when absent or malformed.
-
-    Reads in a thread and stops as soon as the bytes parse, because some hosts leave stdin open.
-    """
+    """The host's JSON object from stdin ({} when absent or malformed), read in a thread that
+    stops as soon as the bytes parse, because some hosts leave stdin open."""
     stream = sys.stdin if stream is None else stream
     if stream is None or _isatty(stream):
         return {}
@@ -15670,14 +15661,12 @@ def _read_hook_payload(stream=None, wait=_HOOK_STDIN_WAIT):
 
 def _parse_hook_payload(raw, strict=False):
     """dict from bytes/str; strict -> None unless it is a complete JSON value."""
-    if isinstance(raw, bytes):
-        raw = raw.decode("utf-8", "replace")
     try:
-        data = json.loads(raw) if raw and raw.strip() else None
-    except ValueError:
+        data = json.loads(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
+    except (TypeError, ValueError):   # also "" and blanks
         data = None
     if strict:
-        return data if raw and raw.strip() and data is not None else None
+        return data
     return data if isinstance(data, dict) else {}
 
 
@@ -15779,18 +15768,11 @@ def _hook_index_cap(cfg):
 
 
 def _index_units(text, fmt):
-    """INDEX without title, preamble and footer -> [[heading, [unit lines, ...]], ...].
-
-    A unit is one entry: one line in the compact format; in the docshelf format a `- **…`
-    line or a `### ` block of a legacy split document.
-    """
+    """INDEX without title, preamble and footer -> [[heading, [unit lines, ...]], ...]; a unit
+    is one entry: a compact line, or a docshelf `- **…` line or legacy `### ` block."""
     lines = text.rstrip("\n").split("\n")
     start = next((i for i, l in enumerate(lines) if l.startswith("## ")), len(lines))
-    end = len(lines)
-    for i in range(len(lines) - 1, start - 1, -1):
-        if lines[i] == "---":
-            end = i
-            break
+    end = next((i for i in range(len(lines) - 1, start - 1, -1) if lines[i] == "---"), len(lines))
     cats = []
     compact = fmt == "compact"
     for line in lines[start:end]:
@@ -15820,42 +15802,31 @@ def _compact_key_date(line):
 
 
 def _newest_first(cats, compact):
-    """(category, unit) positions, newest entry first.
-
-    Compact categories are sorted by date, so walking back from their ends touches only the
-    entries that are kept, not all 10,000.
-    """
+    """(category, unit) positions, newest entry first; compact categories are sorted by date,
+    so merging back from their ends touches only the entries that are kept, not all 10,000."""
+    import heapq
     if not compact:
         flat = []
         for ci, (_, units) in enumerate(cats):
             for ui, body in enumerate(units):
                 m = _FILE_DATE.search("\n".join(body))
                 flat.append((m.group(1) if m else "", ci, ui))
-        for _, ci, ui in sorted(flat, reverse=True):
-            yield ci, ui
-        return
+        return [(ci, ui) for _, ci, ui in sorted(flat, reverse=True)]
     memo = {}
 
     def date_of(ci, ui):
         # an undated key inherits the date of the nearest dated entry before it
-        j = ui
-        while j >= 0:
+        for j in range(ui, -1, -1):
             if (ci, j) not in memo:
-                memo[(ci, j)] = _compact_key_date(cats[ci][1][j][0])
-            if memo[(ci, j)]:
-                return memo[(ci, j)]
-            j -= 1
+                memo[ci, j] = _compact_key_date(cats[ci][1][j][0])
+            if memo[ci, j]:
+                return memo[ci, j]
         return ""
-    pos = [len(units) - 1 for _, units in cats]
-    while True:
-        best = None
-        for ci, ui in enumerate(pos):
-            if ui >= 0 and (best is None or (date_of(ci, ui), ci) > best[0]):
-                best = ((date_of(ci, ui), ci), ci, ui)
-        if best is None:
-            return
-        pos[best[1]] -= 1
-        yield best[1], best[2]
+
+    def walk_back(ci, units):
+        return ((date_of(ci, ui), ci, ui) for ui in range(len(units) - 1, -1, -1))
+    merged = heapq.merge(*(walk_back(ci, u) for ci, (_, u) in enumerate(cats)), reverse=True)
+    return ((ci, ui) for _, ci, ui in merged)
 
 
 def _json_chars(line):
@@ -15873,8 +15844,7 @@ def _fit_context(head, cats, compact, cap):
         if not total:
             out.append(_HOOK_EMPTY)
         for ci, (heading, units) in enumerate(cats):
-            picked = units if chosen is None else [units[ui] for c, ui in sorted(chosen)
-                                                   if c == ci]
+            picked = units if chosen is None else [units[u] for c, u in sorted(chosen) if c == ci]
             if not picked:
                 continue
             if out[-1] != "":
@@ -15900,8 +15870,8 @@ def _fit_context(head, cats, compact, cap):
         full = compose(None, 0)
         if cost(full) <= cap:
             return full, total
-    used = cost(compose(set(), 0)) + _json_chars(_HOOK_OLDER.format(n=total)) + 2
-    seen_cats, chosen, order = set(), set(), []
+    used = cost(compose([], 0)) + _json_chars(_HOOK_OLDER.format(n=total)) + 2
+    seen_cats, chosen = set(), []
     for ci, ui in _newest_first(cats, compact):
         body = cats[ci][1][ui]
         extra = sum(_json_chars(l) for l in body) + (2 if body[0].startswith("### ") else 0)
@@ -15911,11 +15881,10 @@ def _fit_context(head, cats, compact, cap):
             break
         used += extra
         seen_cats.add(ci)
-        chosen.add((ci, ui))
-        order.append((ci, ui))
+        chosen.append((ci, ui))
     text = compose(chosen, total - len(chosen))
-    while order and cost(text) > cap:
-        chosen.discard(order.pop())   # the oldest kept entry: the estimate missed a line break
+    while chosen and cost(text) > cap:
+        chosen.pop()   # the oldest kept entry: the estimate missed a line break
         text = compose(chosen, total - len(chosen))
     while text and cost(text) > cap:
         # only a tiny cap gets here: the head alone does not fit
@@ -15985,12 +15954,12 @@ def _hook_stop(root, payload):
         return {"text": "", "asked": False, "skipped": "session still short",
                 "transcript_bytes": size}
     start = entry.get("start")
-    if isinstance(start, (int, float)) and _session_episode_since(root, start):
-        _hook_save_state(root, hook_sessions=_remember_session(state, session_id,
-                                                                asked=time.time()))
+    shelved = isinstance(start, (int, float)) and _session_episode_since(root, start)
+    saved = _hook_save_state(root, hook_sessions=_remember_session(state, session_id,
+                                                                   asked=time.time()))
+    if shelved:
         return {"text": "", "asked": False, "skipped": "a session episode was shelved"}
-    if not _hook_save_state(root, hook_sessions=_remember_session(state, session_id,
-                                                                  asked=time.time())):
+    if not saved:
         # without a record of the ask it would come back at every stop
         return {"text": "", "asked": False, "skipped": "state.json is not writable"}
     text = json.dumps({"hookSpecificOutput": {"hookEventName": "Stop",
@@ -16021,10 +15990,8 @@ def _session_episode_since(root, start):
 
 
 def _hook_autopush(root, detach=False):
-    """MEMSHELF_AUTOPUSH=1 or memshelf.json autopush: push within 20 s; failures are ignored.
-
-    detach (SessionEnd, whose hooks get about 1.5 s): start the push in the background, its
-    output in .memshelf/push.log; doctor reports the episode as unpushed until it lands."""
+    """MEMSHELF_AUTOPUSH=1 or memshelf.json autopush: push within 20 s, failures ignored; detach
+    (SessionEnd's ~1.5 s) pushes in the background, its output in .memshelf/push.log."""
     env = os.environ.get("MEMSHELF_AUTOPUSH", "").strip().lower()
     if env not in ("1", "true", "yes", "on") and _memshelf_config(root).get("autopush") is not True:
         return {"requested": False, "pushed": False}
@@ -16032,23 +15999,19 @@ def _hook_autopush(root, detach=False):
     began = time.monotonic()
     try:
         if not _git_available():
-            report["skipped"] = "git is not installed"
-            return report
+            return dict(report, skipped="git is not installed")
         git = _Git(root)
         if not git.is_repo():
-            report["skipped"] = "not a git shelf"
-            return report
+            return dict(report, skipped="not a git shelf")
         target, reason = _sync_target(git)
         if target is None:
-            report["skipped"] = reason
-            return report
+            return dict(report, skipped=reason)
         remote, branch = target
         report.update(remote=remote, branch=branch)
         ahead = git.run("rev-list", "--count", f"{remote}/{branch}..HEAD", check=False,
                         read_only=True)
         if ahead.returncode == 0 and ahead.stdout.strip() == b"0":
-            report["skipped"] = "nothing to push"
-            return report
+            return dict(report, skipped="nothing to push")
         if detach:
             _ensure_cache_ignored(root)
             os.makedirs(os.path.join(root, ".memshelf"), exist_ok=True)
@@ -16079,12 +16042,11 @@ def _hook_git_regenerate(shelf_path):
     if not _is_shelf(root) or _derived_mode(root) != "auto":
         return {"status": "ok", "text": ""}
     git = _Git(root)
-    if not git.is_repo() or git.out("ls-files", "-u", read_only=True):
-        return {"status": "ok", "text": ""}
-    if not git.out("symbolic-ref", "-q", "HEAD", check=False, read_only=True):
-        return {"status": "ok", "text": ""}
-    status = git.out("status", "--porcelain", "--", "docs", "archive", read_only=True)
-    if any(l[3:].endswith(".md") for l in status.splitlines()):
+    # not during a conflict, on a detached HEAD, or with episodes edited but not committed
+    if not git.is_repo() or git.out("ls-files", "-u", read_only=True) or \
+            not git.out("symbolic-ref", "-q", "HEAD", check=False, read_only=True) or \
+            any(l[3:].endswith(".md") for l in git.out(
+                "status", "--porcelain", "--", "docs", "archive", read_only=True).splitlines()):
         return {"status": "ok", "text": ""}
     with _ShelfLock(root):
         rendered = _render_derived(root)
