@@ -15639,23 +15639,19 @@ def _read_hook_payload(stream=None, wait=_HOOK_STDIN_WAIT):
             return _parse_hook_payload(stream.read())
         except (OSError, ValueError):
             return {}
-    chunks, done = [], threading.Event()
+    chunks = []
 
     def pump():
         try:
-            while True:
-                block = os.read(fd, 65536)
-                if not block:
-                    break
+            for block in iter(functools.partial(os.read, fd, 65536), b""):
                 chunks.append(block)
                 if _parse_hook_payload(b"".join(chunks), strict=True) is not None:
                     break
         except OSError:
             pass
-        finally:
-            done.set()
-    threading.Thread(target=pump, name="memshelf-hook-stdin", daemon=True).start()
-    done.wait(wait)
+    reader = threading.Thread(target=pump, name="memshelf-hook-stdin", daemon=True)
+    reader.start()
+    reader.join(wait)
     return _parse_hook_payload(b"".join(list(chunks)))
 
 
@@ -16193,7 +16189,7 @@ def _verbs():
                     "content": _S, "tokens": _I, "truncated": _B, "offset": _I,
                     "next_offset": (_I, _NULLS), "size_bytes": _I, "flags": _A,
                     "superseded_by": _A, "saved_tokens": (_I, _NULLS), "summary": _S},
-            required_output=("status", "id", "content"), text=_text_recall),
+            required_output=("status", "id", "content"), text=lambda r: r["content"]),
         _Verb("search", search, [
             sp(),
             _Param("query", _S, required=True, positional=True, nargs="*", metavar="QUERY",
@@ -16474,23 +16470,18 @@ MCP_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 def tool_definitions(protocol_version="2025-11-25"):
     """The MCP tools/list entries, shaped for the negotiated protocol version."""
     tools = []
-    legacy = protocol_version == "2024-11-05"
-    titles = protocol_version not in ("2024-11-05", "2025-03-26")
-    for name in _TOOL_ORDER:
-        v = _verb(name)
-        tool = {"name": v.tool_name}
-        if titles:
-            tool["title"] = v.title
-        tool["description"] = v.description
-        tool["inputSchema"] = v.input_schema()
-        if titles:
-            tool["outputSchema"] = v.output_schema()
-        if not legacy:
-            ann = {"readOnlyHint": v.read_only, "destructiveHint": v.destructive,
-                   "idempotentHint": v.idempotent, "openWorldHint": v.open_world}
-            if not titles:
-                ann = {"title": v.title, **ann}
-            tool["annotations"] = ann
+    for v in map(_verb, _TOOL_ORDER):
+        tool = {"name": v.tool_name, "title": v.title, "description": v.description,
+                "inputSchema": v.input_schema(), "outputSchema": v.output_schema(),
+                "annotations": {"title": v.title, "readOnlyHint": v.read_only,
+                                "destructiveHint": v.destructive, "idempotentHint": v.idempotent,
+                                "openWorldHint": v.open_world}}
+        if protocol_version in ("2024-11-05", "2025-03-26"):   # no titles, no output schemas
+            del tool["title"], tool["outputSchema"]
+        else:
+            del tool["annotations"]["title"]
+        if protocol_version == "2024-11-05":
+            del tool["annotations"]
         tools.append(tool)
     return tools
 
@@ -16549,10 +16540,8 @@ def _validate_arguments(verb, arguments):
 
 
 def call_tool(name, arguments, *, client_name=None):
-    """Run one MCP tool in-process: validate like the server, resolve the shelf, run the verb.
-
-    Returns the result dict; raises ShelfError on failure and KeyError for an unknown tool.
-    """
+    """Run one MCP tool in-process, validated like the server; the result dict, or ShelfError
+    (KeyError for an unknown tool)."""
     verb = _tool(name)
     kwargs = _validate_arguments(verb, arguments if arguments is not None else {})
     if verb.name == "shelve" and client_name and not kwargs.get("agent") and \
@@ -16579,14 +16568,10 @@ def _io_error(exc):
 
 def _with_default_shelf(verb, kwargs):
     """MCP rule: a default shelf that does not exist yet is created on the first write."""
-    explicit = bool(str(kwargs.get("shelf_path") or "").strip())
-    if not verb.needs_shelf or explicit:
-        return verb.func(**kwargs)
-    value, _ = _env_shelf()
-    if value is None:
-        return verb.func(**kwargs)
-    root = os.path.expanduser(value)
-    if not os.path.isabs(root) or _is_shelf(root):
+    explicit = str(kwargs.get("shelf_path") or "").strip()
+    value = _env_shelf()[0] if verb.needs_shelf and not explicit else None
+    root = os.path.expanduser(value or "")
+    if not os.path.isabs(root) or _is_shelf(root):   # also when there is no default shelf
         return verb.func(**kwargs)
     if verb.read_only:
         if verb.name == "index":
@@ -16601,23 +16586,17 @@ def _with_default_shelf(verb, kwargs):
     return result
 
 
-def _json_default(obj):
-    return str(obj)
-
-
 def render_text(verb_name, result):
     """The human rendering of a result: what the CLI prints and the MCP text block carries."""
-    try:
-        verb = _verb(verb_name.replace("memshelf_", "").replace("_", "-")
-                     if verb_name.startswith("memshelf_") else verb_name)
-    except KeyError:
-        verb = None
-    if verb is not None and verb.text is not None:
+    name = verb_name.replace("memshelf_", "").replace("_", "-") \
+        if verb_name.startswith("memshelf_") else verb_name
+    text = getattr(next((v for v in _verb_table() if v.name == name), None), "text", None)
+    if text is not None:
         try:
-            return verb.text(result)
+            return text(result)
         except (KeyError, TypeError, ValueError):
             pass
-    return json.dumps(result, ensure_ascii=False, indent=2, default=_json_default)
+    return json.dumps(result, ensure_ascii=False, indent=2, default=str)
 
 
 def _warning_lines(result):
@@ -16642,19 +16621,14 @@ def _text_summary(result):
     return "\n".join(lines)
 
 
-def _text_recall(result):
-    return result["content"]
-
-
 def _text_search(result):
     near, fixed = result.get("did_you_mean"), result.get("corrected_query")
     if not result.get("hits"):
         return f"no hits for {result.get('query', '')!r}" + \
             (f" — did you mean {', '.join(near)}?" if near else "")
     out = [f"no hits for {result['query']!r}; hits for {fixed!r}:"] if fixed else []
-    for h in result["hits"]:
-        out.append(f"{h['score']:.2f}  {h['id']} § {h['section']}  ~{h['tokens']} tok  "
-                   f"{h.get('snippet', '')}")
+    out += [f"{h['score']:.2f}  {h['id']} § {h['section']}  ~{h['tokens']} tok  "
+            f"{h.get('snippet', '')}" for h in result["hits"]]
     if near and not fixed:
         out.append(f"did you mean {', '.join(near)}?")
     return "\n".join(out)
@@ -16751,14 +16725,12 @@ PROMPTS = [
 
 def prompt_text(name, arguments=None):
     """The user message of a prompt with ${arguments.X} filled in (missing -> empty)."""
-    for p in PROMPTS:
-        if p["name"] == name:
-            text = p["text"]
-            for arg in p["arguments"]:
-                value = (arguments or {}).get(arg["name"]) or ""
-                text = text.replace("${arguments." + arg["name"] + "}", str(value))
-            return text
-    raise KeyError(name)
+    prompt = {p["name"]: p for p in PROMPTS}[name]
+    text = prompt["text"]
+    for arg in prompt["arguments"]:
+        value = (arguments or {}).get(arg["name"]) or ""
+        text = text.replace("${arguments." + arg["name"] + "}", str(value))
+    return text
 
 
 # --- utility verbs -------------------------------------------------------------------------
@@ -16881,9 +16853,8 @@ _LAUNCHER_MARK = "# memshelf launcher, written by `memshelf install-launcher`"
 
 
 def install_launcher(bin_dir=None):
-    """A `memshelf` command without pip: a launcher in bin_dir that imports this file with its
-    bytecode cached in a folder the user owns, so no call recompiles the 16,000-line file;
-    Python recompiles it once when the file changes (timestamp check, as for any module)."""
+    """A `memshelf` command without pip: a launcher that imports this file with its bytecode
+    cached in a folder the user owns, so only a changed file is compiled again."""
     import importlib.util
     import py_compile
     home = os.path.expanduser("~")
@@ -17000,7 +16971,8 @@ def _build_parser(only=None):
                 p.add_argument(*prm.flags, action="append", default=None,
                                metavar=prm.metavar or "VALUE", **kw)
                 continue
-            conv = {"integer": _cli_int, "number": _cli_number}.get(prm.type, str)
+            conv = {"integer": functools.partial(_cli_number, kind=int),
+                    "number": _cli_number}.get(prm.type, str)
             choices = [e for e in prm.enum if e is not None] if prm.enum else None
             p.add_argument(*prm.flags, type=conv, default=None, choices=choices,
                            **({"nargs": "?", "const": prm.minimum} if prm.nargs == "?" else {}),
@@ -17008,7 +16980,6 @@ def _build_parser(only=None):
                                                    else prm.name.upper()), **kw)
         p.add_argument("--json", action="store_true", help="print the result object as JSON")
         p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
-        _CLI_EXTRA.get(v.name, lambda p: None)(p)
     return parser
 
 
@@ -17026,25 +16997,15 @@ def _terminal_columns():
         return 80
 
 
-# Verb-specific CLI extras (legacy flag spellings of memshelf-mcp 0.4.0 and friends).
-_CLI_EXTRA = {}
-
-
-def _cli_int(text):
+def _cli_number(text, kind=float):
+    """The argparse type of number arguments (kind=int: integer ones); finite only."""
     import argparse
     try:
-        return int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-
-
-def _cli_number(text):
-    import argparse
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+    if kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
     return value
 
@@ -17062,30 +17023,23 @@ def _cli_kwargs(verb, ns):
         if value is None or (prm.positional and prm.nargs == "*" and prm.required and not value):
             continue
         if prm.type == "object":
-            value = _split_pairs(value, prm.flags[0])
+            flag, bad = prm.flags[0], [item for item in value if "=" not in item]
+            if bad:
+                raise _usage(f"{flag} {bad[0]!r} has no '='", f"write {flag} NAME=VALUE")
+            value = dict(item.split("=", 1) for item in value)
         if prm.positional and prm.type == "string" and isinstance(value, list):
             value = " ".join(value)
         kwargs[prm.name] = value
     return kwargs
 
 
-def _split_pairs(items, flag):
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise _usage(f"{flag} {item!r} has no '='", f"write {flag} NAME=VALUE")
-        name, value = item.split("=", 1)
-        out[name] = value
-    return out
-
-
 def _print_json(obj):
-    sys.stdout.write(json.dumps(obj, ensure_ascii=False, indent=2, default=_json_default) + "\n")
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False, indent=2, default=str) + "\n")
 
 
 def main(argv=None):
-    """The CLI. Returns the exit code: 130 when SIGINT or SIGTERM stopped the verb (what it
-    wrote is undone); a signal after its commit waits for the verb to finish, and is said."""
+    """The CLI; returns the exit code (130: SIGINT or SIGTERM stopped the verb, its writes undone;
+    a signal after the commit waits for the verb to finish)."""
     previous = _catch_signals()
     _INTERRUPT.update(held=0, pending=False, committed=False, started=True)
     try:
@@ -17112,9 +17066,6 @@ def _main(argv):
             return _print_version()
         known = {v.name for v in _verb_table()}
         parser = _build_parser(only=verb_name if verb_name in known else None)
-        if not argv:
-            parser.print_help()
-            return 2
         ns, extra = parser.parse_known_args(argv)
         if extra:
             # `memshelf search cache -redis`: an unknown -word is an exclusion, not a flag
@@ -17129,8 +17080,7 @@ def _main(argv):
             parser.print_help()
             return 2
         verb = _verb(ns.verb__name)
-        kwargs = _cli_kwargs(verb, ns)
-        result = verb.func(**kwargs)
+        result = verb.func(**_cli_kwargs(verb, ns))
     except _ArgumentError as exc:
         if verb_name and verb_name not in known:
             import difflib
@@ -17149,8 +17099,6 @@ def _main(argv):
     except KeyboardInterrupt:
         sys.stderr.write("memshelf: interrupted\n")
         return 130
-    except SystemExit:
-        raise
     except BrokenPipeError:
         return 0
     except OSError as exc:
@@ -17185,9 +17133,8 @@ def _print_version():
 
 
 def _output_failed(exc):
-    """The exit code when the verb's answer could not be written: 0 when the reader went away
-    (`memshelf index | head`: what it took was written; the rest goes nowhere), 1 for any
-    other error (a full disk under a redirection), said on stderr."""
+    """The exit code when the answer could not be written: 0 when the reader went away
+    (`memshelf index | head`), else 1 (a full disk under a redirection), said on stderr."""
     if isinstance(exc, BrokenPipeError):
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -17200,14 +17147,8 @@ def _output_failed(exc):
 
 
 def cli():
-    """The `memshelf` command (the package's entry point, and `python memshelf.py`): main() on
-    the process's own arguments, then the process ends without the interpreter's teardown.
-
-    Freeing every object and module one by one costs a short-lived process 10-30 ms (an eighth
-    of a cold `index`) and achieves nothing the kernel does not do at once; by the time main()
-    returns, the verb has closed its files and databases and waited for any process it
-    started, and the output is flushed here. Under a tracer, a profiler or coverage, or with a
-    thread still running, the process exits the ordinary way (their work happens at exit)."""
+    """The `memshelf` command: main(), then os._exit, because the interpreter's teardown costs a
+    short-lived process 10-30 ms; tracers, profilers, coverage and live threads exit normally."""
     code = main()
     _INTERRUPT["committed"] = True   # done: a signal now waits for the exit
     _catch_signals()
@@ -17226,11 +17167,7 @@ def cli():
 
 
 def _print_human(verb, tool_name, result):
-    if tool_name:
-        render = lambda r: render_text(_tool(tool_name).name, r)  # noqa: E731
-    else:
-        render = verb.text or (lambda r: json.dumps(r, ensure_ascii=False, indent=2,
-                                                    default=_json_default))
+    render = functools.partial(render_text, _tool(tool_name).name if tool_name else verb.name)
     text = render(result)
     # warnings the text carries go to stderr instead, where --quiet silences them
     warned = _warning_lines(result)
@@ -17261,9 +17198,8 @@ def _fail(error, verb_name, want_json):
 
 
 def _self_hash():
-    """The first 12 hex digits of this file's SHA-256 (read once per process): the one code
-    stamp of everything remembered (cache rows, the store key, the search sidecar, doctor's
-    verdicts), so a changed memshelf.py never answers from what older code derived."""
+    """The first 12 hex digits of this file's SHA-256: the code stamp of everything remembered,
+    so a changed memshelf.py never answers from what older code derived."""
     if not _SELF_HASH:
         import hashlib
         with open(os.path.abspath(__file__), "rb") as f:
