@@ -15673,10 +15673,9 @@ def _payload_text(payload, key, default=""):
 
 def _hook_shelf(shelf_path, payload):
     """--shelf, else MEMSHELF_SHELF and aliases, else the session's cwd or <cwd>/shelf; or None."""
-    cwd = _payload_text(payload, "cwd")
-    if not cwd or not os.path.isabs(os.path.expanduser(cwd)):
+    cwd = os.path.expanduser(_payload_text(payload, "cwd"))
+    if not os.path.isabs(cwd):
         cwd = os.getcwd()
-    cwd = os.path.expanduser(cwd)
     if shelf_path is not None and str(shelf_path).strip():
         candidates = [str(shelf_path).strip()]
     else:
@@ -15685,10 +15684,7 @@ def _hook_shelf(shelf_path, payload):
     for raw in candidates:
         if "\x00" in raw:
             continue
-        path = os.path.expanduser(raw)
-        if not os.path.isabs(path):
-            path = os.path.join(cwd, path)
-        path = os.path.realpath(path)
+        path = os.path.realpath(os.path.join(cwd, os.path.expanduser(raw)))
         if _is_shelf(path):
             return path
     return None
@@ -16418,8 +16414,7 @@ def _verbs():
         _Verb("redact", redact_verb, [
             _Param("shelf_path", _S, nullable=True, flags=["--shelf"], metavar="PATH",
                    help="Apply this shelf's POLICY.patterns too."),
-        ], title="Redact stdin to stdout", mcp=False, needs_shelf=False,
-            text=lambda r: r["text"]),
+        ], title="Redact stdin to stdout", mcp=False, needs_shelf=False, text=lambda r: r["text"]),
         _Verb("tools", tools_verb, [
             _Param("format", _S, default="mcp", enum=["mcp", "openai", "anthropic", "markdown"],
                    help="Definition format."),
@@ -16825,11 +16820,9 @@ def call_verb(tool, arguments="{}"):
     except ValueError as exc:
         raise _usage(f"ARGS_JSON is not valid JSON: {exc}", "pass a JSON object, e.g. '{}'")
     name = tool if tool.startswith("memshelf_") else "memshelf_" + tool.replace("-", "_")
-    try:
-        _tool(name)
-    except KeyError:
+    if name not in {v.tool_name for v in _verb_table() if v.mcp}:
         raise _usage(f"unknown tool {tool!r}", "tools: " + ", ".join(
-            "memshelf_" + n.replace("-", "_") for n in _TOOL_ORDER)) from None
+            "memshelf_" + n.replace("-", "_") for n in _TOOL_ORDER))
     return {"__verb__": name, **call_tool(name, args, client_name="memshelf-call")}
 
 
@@ -16873,8 +16866,7 @@ def install_launcher(bin_dir=None):
         for name in ("memshelf.py", "server.py"):
             path = os.path.join(os.path.dirname(source), name)
             if os.path.isfile(path):
-                py_compile.compile(path, cfile=importlib.util.cache_from_source(path),
-                                   doraise=True)
+                py_compile.compile(path, cfile=importlib.util.cache_from_source(path), doraise=True)
     except py_compile.PyCompileError as exc:
         raise ShelfError("io-error", f"cannot compile: {exc.msg}", "check the file") from None
     finally:
@@ -17270,15 +17262,13 @@ def demo(shelf_path=None, keep=False):
         storage = "git-local" if _git_available() else "plain"
         step("1. Create a shelf (a folder; git-local keeps history, no remote)",
              f"memshelf init --shelf {q}")
-        r = init(shelf_path=root, storage=storage)
-        show(r["summary"])
+        show(init(shelf_path=root, storage=storage)["summary"])
         step("2. A digest must name its actors: 'we' is refused, with the fix",
              f"memshelf shelve --shelf {q} --slug 2026-07-22-auth-refactor --kind topic "
              "--digest 'We moved auth into middleware.' …")
         try:
             shelve(shelf_path=root, slug="2026-07-22-auth-refactor", kind="topic",
-                   digest="We moved auth into middleware.",
-                   sections={"Decisions": "- middleware"})
+                   digest="We moved auth into middleware.", sections={"Decisions": "- middleware"})
         except ShelfError as exc:
             show(exc.message + "\nfix: " + exc.fix)
         step("3. Shelve three closed topics (topic, research, session); a credential in the "
@@ -17286,8 +17276,7 @@ def demo(shelf_path=None, keep=False):
              f"memshelf shelve --shelf {q} --slug 2026-07-22-auth-refactor --kind topic "
              "--digest '…' --section 'Decisions=…' --section 'Artifacts=…'")
         for ep in _DEMO_EPISODES:
-            r = shelve(shelf_path=root, **ep)
-            show(r["summary"])
+            show(shelve(shelf_path=root, **ep)["summary"])
         step("4. Check a digest before shelving (writes nothing)",
              "memshelf lint-digest --digest 'Priya chose allkeys-lru; open: TTL audit.'")
         show(lint_digest(digest="Priya chose allkeys-lru; open: TTL audit.")["report"])
