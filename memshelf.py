@@ -15922,9 +15922,10 @@ def _hook_stop(root, payload):
         return {"text": "", "asked": False, "skipped": "stop_hook_active"}
     if not session_id:     # "once per session" needs a session to count by
         return {"text": "", "asked": False, "skipped": "no session id"}
-    threshold = _stop_digest_threshold()
-    if threshold is None:
+    raw = os.environ.get("MEMSHELF_STOP_DIGEST", "").strip().lower()   # KB of transcript
+    if raw in ("0", "off", "false", "no"):
         return {"text": "", "asked": False, "skipped": "MEMSHELF_STOP_DIGEST is off"}
+    threshold = int(raw if raw.isdigit() else _STOP_DIGEST_KB) * 1024
     state = _state(root)
     sessions = state.get("hook_sessions") if isinstance(state.get("hook_sessions"), dict) else {}
     entry = sessions.get(session_id) if isinstance(sessions.get(session_id), dict) else {}
@@ -15948,16 +15949,6 @@ def _hook_stop(root, payload):
         # without a record of the ask it would come back at every stop
         return {"text": "", "asked": False, "skipped": "state.json is not writable"}
     return {"text": _hook_output("Stop", _STOP_ASK), "asked": True, "transcript_bytes": size}
-
-
-def _stop_digest_threshold():
-    """Bytes of transcript from which to ask; None when MEMSHELF_STOP_DIGEST switches it off."""
-    raw = os.environ.get("MEMSHELF_STOP_DIGEST", "").strip().lower()
-    if raw in ("0", "off", "false", "no"):
-        return None
-    if raw.isdigit():
-        return int(raw) * 1024
-    return _STOP_DIGEST_KB * 1024
 
 
 def _session_episode_since(root, start):
@@ -16458,8 +16449,6 @@ def _tool(name):
 
 _TOOL_ORDER = ["index", "recall", "search", "shelve", "lint-digest", "stats", "advise", "import",
                "init", "rebuild", "rollup", "purge", "resolve", "doctor"]
-
-MCP_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 
 
 def tool_definitions(protocol_version="2025-11-25"):
