@@ -15681,13 +15681,9 @@ def _hook_shelf(shelf_path, payload):
     else:
         value, _ = _env_shelf()
         candidates = [value] if value else [cwd, os.path.join(cwd, "shelf")]
-    for raw in candidates:
-        if "\x00" in raw:
-            continue
-        path = os.path.realpath(os.path.join(cwd, os.path.expanduser(raw)))
-        if _is_shelf(path):
-            return path
-    return None
+    paths = [os.path.realpath(os.path.join(cwd, os.path.expanduser(raw)))
+             for raw in candidates if "\x00" not in raw]
+    return next((path for path in paths if _is_shelf(path)), None)
 
 
 def _utf8_stdout():
@@ -15893,9 +15889,8 @@ def _remember_session(state, session_id, start=None, asked=None):
     entry["seen"] = time.time()
     sessions[session_id] = entry
     if len(sessions) > _HOOK_SESSIONS_KEPT:
-        newest = sorted(sessions.items(), key=lambda kv: kv[1].get("seen", 0) if
-                        isinstance(kv[1], dict) else 0, reverse=True)[:_HOOK_SESSIONS_KEPT]
-        sessions = dict(newest)
+        sessions = dict(sorted(sessions.items(), key=lambda kv: kv[1].get("seen", 0) if
+                               isinstance(kv[1], dict) else 0, reverse=True)[:_HOOK_SESSIONS_KEPT])
     return sessions
 
 
@@ -16660,9 +16655,8 @@ SERVER_INSTRUCTIONS = (
 
 
 def server_instructions(default_configured):
-    tail = ("Default shelf: configured." if default_configured
-            else "Default shelf: not configured — pass shelf_path.")
-    return SERVER_INSTRUCTIONS + tail
+    return SERVER_INSTRUCTIONS + ("Default shelf: configured." if default_configured else
+                                  "Default shelf: not configured — pass shelf_path.")
 
 
 PROMPTS = [
@@ -16767,9 +16761,7 @@ def _tools_markdown(tools, include_cli=False):
                 f"destructive: {str(v.destructive).lower()}; "
                 f"idempotent: {str(v.idempotent).lower()}.", "",
                 "| argument | type | default | CLI | meaning |", "|---|---|---|---|---|"]
-        for p in v.params:
-            if not p.mcp:
-                continue
+        for p in [p for p in v.params if p.mcp]:
             kind = p.type + (" or null" if p.nullable else "") + (" (required)" if p.required else "")
             if p.enum:
                 kind += ": " + " / ".join(f"`{e}`" for e in p.enum)
@@ -16782,9 +16774,7 @@ def _tools_markdown(tools, include_cli=False):
         out += ["# CLI-only verbs", "",
                 "These run from the command line (`memshelf VERB`, `python3 memshelf.py VERB`); "
                 "every one accepts `--json` and `--quiet`.", ""]
-        for v in _verb_table():
-            if v.mcp:
-                continue
+        for v in [v for v in _verb_table() if not v.mcp]:
             out += [f"## `memshelf {v.name}` — {v.title}", ""]
             if v.description:
                 out += [v.description, ""]
@@ -16915,14 +16905,10 @@ def _build_parser(only=None):
         epilog="Start with: memshelf demo. Per-verb help: memshelf VERB --help.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="verb__name", metavar="VERB")
-    for v in _verb_table():
-        if only is not None and v.name != only:
-            continue
+    for v in [v for v in _verb_table() if only in (None, v.name)]:
         p = sub.add_parser(v.name, help=v.cli_help,
                            description=_cli_words(v, v.description or v.title))
-        for prm in v.params:
-            if not prm.cli:
-                continue
+        for prm in [prm for prm in v.params if prm.cli]:
             # help is written in MCP words; the CLI reads flags, a default, and a bare %
             text = _cli_words(v, prm.cli_help or prm.help).replace("%", "%%")
             if prm.default not in (None, "", [], {}, False) and prm.type != "boolean" and \
@@ -16994,9 +16980,7 @@ def _cli_number(text, kind=float):
 def _cli_kwargs(verb, ns):
     """argparse namespace -> verb kwargs (only what the user gave; the verb has defaults)."""
     kwargs = {}
-    for prm in verb.params:
-        if not prm.cli:
-            continue
+    for prm in [prm for prm in verb.params if prm.cli]:
         value = getattr(ns, prm.name, None)
         extra = getattr(ns, prm.name + "__flag", None)
         if extra:
