@@ -11813,6 +11813,8 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("repair", repair, [
 # Doctor diagnoses a shelf read-only (doctor.md): ten steps in a fixed order, each finding with a
 # level, a class and a one-sentence fix. Per-file results are cached by (size, mtime, hash).
 
+_AMEND = "memshelf shelve --amend --file <path>"
+_REPAIR = "memshelf repair --shelf <shelf>"
 # code -> (level, class, fix). Fixes are one actionable sentence, usually a command.
 _DOCTOR_CODES = {
     # 1. configuration and manifest
@@ -11825,15 +11827,13 @@ _DOCTOR_CODES = {
                        "fix or delete the file; memshelf init rewrites the defaults"),
     "config-unknown-key": ("info", "config",
                            "remove the key from memshelf.json, or ignore this (it is kept)"),
-    "docshelf-config-conflict": ("warning", "config",
-                                 "make shelf.yml and .docshelf.json agree"),
+    "docshelf-config-conflict": ("warning", "config", "make shelf.yml and .docshelf.json agree"),
     "profile-not-memory": ("warning", "config",
                            "set profile: memory in shelf.yml; episode checks run regardless"),
     "reserved-m1": ("info", "config", "none needed: accepted, and nothing behind it is enforced"),
     "derived-mode-conflict": ("warning", "config",
                               "set \"derived\" in memshelf.json to match who renders the shelf"),
-    "merge-driver-missing": ("info", "git",
-                             "run memshelf sync (or memshelf init) to install them"),
+    "merge-driver-missing": ("info", "git", "run memshelf sync (or memshelf init) to install them"),
     # 2. tree structure
     "docs-root-missing": ("error", "structure", "create it with: memshelf init"),
     "category-undeclared": ("error", "structure",
@@ -11871,12 +11871,9 @@ _DOCTOR_CODES = {
                        "add a frontmatter block; memshelf shelve --amend --file <path> writes a "
                        "valid one"),
     "frontmatter-invalid": ("error", "format", "fix the named line of the frontmatter block"),
-    "frontmatter-not-portable": ("error", "format",
-                                 "quote the value, or re-shelve: memshelf shelve --amend --file "
-                                 "<path>"),
+    "frontmatter-not-portable": ("error", "format", "quote the value, or re-shelve: " + _AMEND),
     "frontmatter-missing-field": ("error", "format", "add the field to the frontmatter"),
-    "id-mismatch": ("error", "format",
-                    "make id equal the file name (edit id, or rename the file)"),
+    "id-mismatch": ("error", "format", "make id equal the file name (edit id, or rename the file)"),
     "bad-kind": ("error", "format", "set kind: topic, research or session"),
     "bad-mode": ("error", "format", "set mode: live or import"),
     "bad-tags": ("error", "format", "write tags as a list: tags: [a, b]"),
@@ -11889,39 +11886,30 @@ _DOCTOR_CODES = {
     "no-digest": ("error", "format", "add a ## Digest section"),
     "missing-section": ("error", "format", "add the section heading the kind requires"),
     "supersedes-unknown": ("warning", "format", "correct the id in supersedes"),
-    "episode-large": ("info", "format",
-                      "recall it by section; consider trimming its Raw excerpts"),
+    "episode-large": ("info", "format", "recall it by section; consider trimming its Raw excerpts"),
     "episode-binary": ("error", "format",
-                       "remove the bytes or restore the last good copy from git, then amend "
-                       "it: memshelf shelve --amend --file <path> (views skip it until then)"),
+                       "remove the bytes or restore the last good copy from git, then amend it: "
+                       "memshelf shelve --amend --file <path> (views skip it until then)"),
     "episode-oversize": ("error", "format",
                          "trim it under 8 MiB (move raw material out of the shelf) or split it; "
                          "shelve refuses larger episodes"),
     # 5. episodes: content
-    "digest-empty": ("error", "content",
-                     "write the digest, then amend: memshelf shelve --amend --file <path>"),
-    "digest-too-long": ("error", "content",
-                        "cut the digest, then amend: memshelf shelve --amend --file <path>"),
+    "digest-empty": ("error", "content", "write the digest, then amend: " + _AMEND),
+    "digest-too-long": ("error", "content", "cut the digest, then amend: " + _AMEND),
     "digest-referent-we": ("error", "content",
-                           "name the actor in the digest, then amend: memshelf shelve --amend "
-                           "--file <path>"),
+                           "name the actor in the digest, then amend: " + _AMEND),
     "digest-secret": ("error", "content",
-                      "describe the secret instead of quoting it, then amend: memshelf shelve "
-                      "--amend --file <path>"),
+                      "describe the secret instead of quoting it, then amend: " + _AMEND),
     "digest-body-mismatch": ("warning", "content",
                              "rewrite the digest from the body, or confirm the episode is "
                              "complete"),
-    "secret-at-rest": ("error", "content",
-                       "redact the value and amend the episode: memshelf shelve --amend --file "
-                       "<path>"),
+    "secret-at-rest": ("error", "content", "redact the value and amend the episode: " + _AMEND),
     "policy-pattern-at-rest": ("error", "content",
-                               "redact the match per POLICY.md and amend: memshelf shelve "
-                               "--amend --file <path>"),
+                               "redact the match per POLICY.md and amend: " + _AMEND),
     "instruction-shaped": ("warning", "content",
                            "review it; recall flags it in the envelope as quoted data"),
     "hidden-characters": ("warning", "content",
-                          "remove the characters unless they are intended, then amend the "
-                          "episode"),
+                          "remove the characters unless they are intended, then amend the episode"),
     # 5/6/7. ledger rows and the derived layer
     "no-ledger-row": ("warning", "derived", "memshelf rebuild --commit"),
     "orphan-ledger-row": ("warning", "derived", "regenerate the ledger: memshelf rebuild"),
@@ -11944,12 +11932,12 @@ _DOCTOR_CODES = {
                             "review it, then commit it: memshelf repair --shelf <shelf> (or "
                             "delete it)"),
     # 6. the tree, the git index and HEAD (git shelves): all repaired by one command
-    "git-staged": ("error", "git", "memshelf repair --shelf <shelf>"),
-    "committed-missing": ("error", "git", "memshelf repair --shelf <shelf>"),
-    "episode-untracked": ("error", "git", "memshelf repair --shelf <shelf>"),
-    "derived-uncommitted": ("error", "git", "memshelf repair --shelf <shelf>"),
-    "index-lists-uncommitted": ("error", "git", "memshelf repair --shelf <shelf>"),
-    "git-lock-stale": ("error", "git", "memshelf repair --shelf <shelf>"),
+    "git-staged": ("error", "git", _REPAIR),
+    "committed-missing": ("error", "git", _REPAIR),
+    "episode-untracked": ("error", "git", _REPAIR),
+    "derived-uncommitted": ("error", "git", _REPAIR),
+    "index-lists-uncommitted": ("error", "git", _REPAIR),
+    "git-lock-stale": ("error", "git", _REPAIR),
     # 8. INDEX
     "stale-index": ("warning", "derived", "memshelf rebuild --commit"),
     "index-hand-edited": ("error", "derived",
@@ -12015,11 +12003,7 @@ would your yours yourself used using uses true false
 def _finding(code, path, detail, fix=None, level=None):
     lvl, cls, default_fix = _DOCTOR_CODES[code]
     return {"level": level or lvl, "code": code, "path": path, "detail": detail,
-            "fix": fix if fix is not None else default_fix, "class": cls}
-
-
-def _with_path(fix, path):
-    return fix.replace("<path>", path)
+            "fix": default_fix.replace("<path>", path) if fix is None else fix, "class": cls}
 
 
 def _lines_text(lines, limit=8):
@@ -12029,10 +12013,12 @@ def _lines_text(lines, limit=8):
 
 
 def _kind_counts(kinds):
-    counts = {}
-    for k in kinds:
-        counts[k] = counts.get(k, 0) + 1
-    return ", ".join(f"{k}×{n}" for k, n in sorted(counts.items()))
+    return ", ".join(f"{k}×{n}" for k, n in sorted(collections.Counter(kinds).items()))
+
+
+def _hits_text(what, hits, key="kind"):
+    """What was found, counted by kind, and on which lines."""
+    return f"{what} ({_kind_counts(h[key] for h in hits)}; {_lines_text(h['line'] for h in hits)})"
 
 
 # --- per-file checks: format and content (cached) ------------------------------------------
@@ -12053,13 +12039,8 @@ def _content_words(text):
     # only the distinct pieces holding other characters go through the regexes.
     pieces = set(text.encode("utf-8", "surrogatepass").lower().translate(_WORD_OR_WIDE_BYTES)
                  .split())
-    ascii_words, wide = [], []
-    for piece in pieces:
-        if not piece.isascii():
-            wide.append(piece)
-        elif len(piece) >= 4:
-            ascii_words.append(piece)
-    words = set(b" ".join(ascii_words).decode("ascii").split())
+    wide = [p for p in pieces if not p.isascii()]
+    words = set(b" ".join(p for p in pieces if len(p) >= 4 and p.isascii()).decode().split())
     if wide:
         low = b" ".join(wide).decode("utf-8", "surrogatepass").lower()
         if _CJK.search(low):
@@ -12072,8 +12053,7 @@ def _content_words(text):
 
 
 def _digest_may_fail(digest):
-    """Whether validate_digest can report an error besides `secret` (checked separately), so
-    the full validator runs only on digests that may fail."""
+    """Whether validate_digest can report an error besides `secret` (checked separately)."""
     text = digest.strip()
     if not text or len(text) > MAX_DIGEST_CHARS or count_words(text) > MAX_DIGEST_WORDS:
         return True
@@ -12083,9 +12063,8 @@ def _digest_may_fail(digest):
 
 
 def _grounding(digest, body_text, opening=0):
-    """(share, digest words, grounded) or None when the check abstains. With an opening (a
-    number of characters), None also when the body's opening lines alone ground 20% of the
-    digest words: grounded words only add up as the body goes on, so it would pass."""
+    """(share, digest words, grounded) or None when the check abstains, or when the body's
+    first `opening` characters alone ground 20% (more body only adds grounded words)."""
     dwords = _content_words(digest)
     if len(dwords) < 8:
         return None
@@ -12107,8 +12086,7 @@ def _grounded_count(dwords, bwords):
     return sum(1 for w in dwords if w[:5] in prefixes)
 
 
-# Characters of the body read first by doctor: they ground most digests, at a fraction of
-# the cost.
+# Characters of the body read first by doctor: they ground most digests, at a fraction of cost.
 _GROUNDING_OPENING = 300
 
 
@@ -12116,108 +12094,87 @@ def _format_findings(rec, text, body_start):
     out = []
     path = rec["path"]
     fields = rec.get("fields") or {}
+
+    def add(code, detail, fix=None):
+        out.append(_finding(code, path, detail, fix))
+
     if rec.get("fm_error"):
-        out.append(_finding("frontmatter-invalid", path, f"the frontmatter block is rejected: "
-                            f"{rec['fm_error']}"))
+        add("frontmatter-invalid", f"the frontmatter block is rejected: {rec['fm_error']}")
     elif not rec.get("has_block"):
-        out.append(_finding("no-frontmatter", path,
-                            "no frontmatter block (an optional H1, then a --- fenced block)",
-                            _with_path(_DOCTOR_CODES["no-frontmatter"][2], path)))
+        add("no-frontmatter", "no frontmatter block (an optional H1, then a --- fenced block)")
     else:
         problems = rec.get("portability") or []
         if problems:
-            shown = "; ".join(f"line {p.get('line')} ({p.get('key')}): {p.get('problem')}"
-                              for p in problems[:5])
-            out.append(_finding("frontmatter-not-portable", path, shown,
-                                _with_path(_DOCTOR_CODES["frontmatter-not-portable"][2], path)))
+            add("frontmatter-not-portable", "; ".join(f"line {p.get('line')} ({p.get('key')}): "
+                                                      f"{p.get('problem')}" for p in problems[:5]))
         for key in _REQUIRED_FIELDS:
             if fields.get(key) is None:   # absent, empty or null
-                out.append(_finding("frontmatter-missing-field", path,
-                                    f"required field {key!r} is missing",
-                                    f"add {key}: to the frontmatter"))
-        if fields.get("id") is not None and fields["id"] != rec["stem"]:
-            shown = fields["id"] if isinstance(fields["id"], str) else "(not a string)"
-            out.append(_finding("id-mismatch", path,
-                                f"id {shown!r} differs from the file stem {rec['stem']!r}"))
-        if "kind" in fields and fields["kind"] not in KINDS:
-            shown = fields["kind"] if isinstance(fields["kind"], str) else None
-            out.append(_finding("bad-kind", path, f"kind {shown!r} is not topic, research or "
-                                "session" if shown else "kind is empty"))
-        if "mode" in fields and fields["mode"] not in ("live", "import"):
-            out.append(_finding("bad-mode", path, f"mode {fields['mode']!r} is not live or "
-                                "import"))
+                add("frontmatter-missing-field", f"required field {key!r} is missing",
+                    f"add {key}: to the frontmatter")
+        ident, kind, mode = fields.get("id"), fields.get("kind"), fields.get("mode")
+        if ident is not None and ident != rec["stem"]:
+            shown = ident if isinstance(ident, str) else "(not a string)"
+            add("id-mismatch", f"id {shown!r} differs from the file stem {rec['stem']!r}")
+        if "kind" in fields and kind not in KINDS:
+            add("bad-kind", f"kind {kind!r} is not topic, research or session"
+                if kind and isinstance(kind, str) else "kind is empty")
+        if "mode" in fields and mode not in ("live", "import"):
+            add("bad-mode", f"mode {mode!r} is not live or import")
         if "tags" in fields and not isinstance(fields["tags"], list):
-            out.append(_finding("bad-tags", path, "tags is not a list"))
+            add("bad-tags", "tags is not a list")
         if "approx_tokens" in fields:
             value = fields["approx_tokens"]
             number = _int_or_none(value) if isinstance(value, str) else None
-            block = text[:body_start]
             if number is None:
-                out.append(_finding("bad-approx-tokens", path,
-                                    f"approx_tokens {value!r} is not an integer"))
+                add("bad-approx-tokens", f"approx_tokens {value!r} is not an integer")
             elif number < 0:
-                out.append(_finding("bad-approx-tokens", path,
-                                    f"approx_tokens {number} is negative"))
-            elif _QUOTED_APPROX.search(block):
-                out.append(_finding("bad-approx-tokens", path,
-                                    "approx_tokens is quoted, so a YAML loader reads a string"))
+                add("bad-approx-tokens", f"approx_tokens {number} is negative")
+            elif _QUOTED_APPROX.search(text[:body_start]):
+                add("bad-approx-tokens", "approx_tokens is quoted, so a YAML loader reads a string")
         src = fields.get("approx_tokens_source", "estimate")
         if src not in ("estimate", "measured", "unmeasured"):
-            out.append(_finding("bad-approx-tokens-source", path,
-                                f"approx_tokens_source {src!r} is not estimate, measured or "
-                                "unmeasured"))
+            add("bad-approx-tokens-source",
+                f"approx_tokens_source {src!r} is not estimate, measured or unmeasured")
         for key in ("date", "retain_until"):
             if key in fields and not _is_iso_date(fields[key]):
-                out.append(_finding("bad-date", path,
-                                    f"{key} {fields[key]!r} is not an ISO date"))
+                add("bad-date", f"{key} {fields[key]!r} is not an ISO date")
         if "span" in fields:
             span = fields["span"]
             m = _SPAN.match(span) if isinstance(span, str) else None
             if not m or not all(_is_iso_date(d) for d in m.groups() if d):
-                out.append(_finding("bad-date", path, f"span {span!r} is not YYYY-MM-DD or "
-                                    "YYYY-MM-DD..YYYY-MM-DD of real dates"))
-    headings = [h for h, _ in rec.get("sections") or []]
-    folded = {h.casefold() for h in headings}
+                add("bad-date", f"span {span!r} is not YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD of "
+                    "real dates")
+    folded = {h.casefold() for h, _ in rec.get("sections") or []}
     if "digest" not in folded:
-        out.append(_finding("no-digest", path, "no ## Digest heading"))
+        add("no-digest", "no ## Digest heading")
     kind = rec.get("kind") if rec.get("has_block") and not rec.get("fm_error") else None
-    if kind in _REQUIRED_SECTIONS:
-        for name in _REQUIRED_SECTIONS[kind]:
-            if name.casefold() not in folded:
-                out.append(_finding("missing-section", path,
-                                    f"a {kind} needs a ## {name} section",
-                                    f"add a ## {name} section"))
-        if kind == "research" and not (folded - {"digest"}):
-            out.append(_finding("missing-section", path,
-                                "a research episode needs a body section besides ## Digest",
-                                "add a section such as ## Findings"))
+    for name in _REQUIRED_SECTIONS.get(kind, ()):
+        if name.casefold() not in folded:
+            add("missing-section", f"a {kind} needs a ## {name} section",
+                f"add a ## {name} section")
+    if kind == "research" and not (folded - {"digest"}):
+        add("missing-section", "a research episode needs a body section besides ## Digest",
+            "add a section such as ## Findings")
     if rec.get("size", 0) > _EPISODE_WARN_BYTES:
-        out.append(_finding("episode-large", path,
-                            f"the file is {rec['size'] // 1024} KiB (over 256 KiB)"))
+        add("episode-large", f"the file is {rec['size'] // 1024} KiB (over 256 KiB)")
     return out
 
 
 def _content_findings(rec, parsed, policy):
     out = []
-    text = parsed.text
-    path = rec["path"]
+    text, path = parsed.text, rec["path"]
     rules, switches = policy
-    has_digest = any(h.casefold() == "digest" for h, _ in rec.get("sections") or [])
     digest = rec.get("digest") or ""
     hits = find_secrets(text, rules or None, **switches)
-    if has_digest:
+    if any(h.casefold() == "digest" for h, _ in rec.get("sections") or []):
         if _digest_may_fail(digest):
-            for err in validate_digest(digest)["errors"]:
-                if err["code"] != "secret":
-                    code = "digest-" + err["code"]
-                    out.append(_finding(code, path, err["message"],
-                                        _with_path(_DOCTOR_CODES[code][2], path)))
+            out += [_finding("digest-" + err["code"], path, err["message"])
+                    for err in validate_digest(digest)["errors"] if err["code"] != "secret"]
         # a digest is whole lines of the file: no secret in the file means none in the digest
         digest_hits = find_secrets(digest, rules or None, **switches) if hits else []
         if digest_hits:
             out.append(_finding("digest-secret", path, "secret-shaped text in the digest ("
-                                + _kind_counts(h["kind"] for h in digest_hits) + ")",
-                                _with_path(_DOCTOR_CODES["digest-secret"][2], path)))
+                                + _kind_counts(h["kind"] for h in digest_hits) + ")"))
         # The body's words are the same in any order of its sections; the short ones (mostly
         # prose) first let the body's opening ground most digests by itself.
         rest = "\n".join(sorted((t for h, t in parsed.sections if h.casefold() != "digest"),
@@ -12230,45 +12187,37 @@ def _content_findings(rec, parsed, policy):
                                 f"with the body ({grounded} of {total})"))
     builtin = find_secrets(text, None, **switches) if hits and rules else hits
     if builtin:
-        out.append(_finding("secret-at-rest", path, "secret-shaped strings on disk ("
-                            + _kind_counts(h["kind"] for h in builtin) + "; "
-                            + _lines_text(h["line"] for h in builtin) + ")",
-                            _with_path(_DOCTOR_CODES["secret-at-rest"][2], path)))
-    if rules and hits:
-        seen = {(h["start"], h["end"], h["kind"]) for h in builtin}
-        extra = [h for h in hits if (h["start"], h["end"], h["kind"]) not in seen]
-        if extra:
-            out.append(_finding("policy-pattern-at-rest", path, "POLICY.patterns rules match ("
-                                + _kind_counts(h["kind"] for h in extra) + "; "
-                                + _lines_text(h["line"] for h in extra) + ")",
-                                _with_path(_DOCTOR_CODES["policy-pattern-at-rest"][2], path)))
+        out.append(_finding("secret-at-rest", path,
+                            _hits_text("secret-shaped strings on disk", builtin)))
+    seen = {(h["start"], h["end"], h["kind"]) for h in builtin}
+    extra = [h for h in hits if (h["start"], h["end"], h["kind"]) not in seen] if rules else []
+    if extra:
+        out.append(_finding("policy-pattern-at-rest", path,
+                            _hits_text("POLICY.patterns rules match", extra)))
     everything = scan_instructions(text)
     flags = [f for f in everything if f["kind"] != "hidden-text"]
     if flags:
-        kinds = sorted({f["kind"] for f in flags})
         out.append(_finding("instruction-shaped", path, "instruction-shaped text ("
-                            + ", ".join(kinds) + "; " + _lines_text(f["line"] for f in flags)
-                            + ")"))
+                            + ", ".join(sorted({f["kind"] for f in flags})) + "; "
+                            + _lines_text(f["line"] for f in flags) + ")"))
     # every hidden character is also a hidden-text flag: without one there are none to list
     hidden = _hidden_characters(text) if len(flags) < len(everything) else []
     if hidden:
-        out.append(_finding("hidden-characters", path, "hidden characters ("
-                            + _kind_counts(h["codepoint"] for h in hidden) + "; "
-                            + _lines_text(h["line"] for h in hidden) + ")"))
+        out.append(_finding("hidden-characters", path,
+                            _hits_text("hidden characters", hidden, "codepoint")))
     return out
 
 
 def _episode_file_findings(rec, data, policy, parsed=None):
-    """Every finding one episode file yields by itself: format, then content. `parsed` is
-    the file's _EpisodeText from the read that made rec; without it, data is parsed again."""
+    """Every finding one episode file yields by itself: format, then content. `parsed` is the
+    _EpisodeText from the read that made rec; without it, data is parsed again."""
     path, error = rec["path"], rec.get("fm_error") or ""
     if len(data) > _EPISODE_MAX_BYTES:   # nothing more is read of it: shelve would refuse it
         return [_finding("episode-oversize", path, f"the file is {len(data) / 1048576:.1f} MiB, "
                          "over the 8 MiB a shelve writes")]
     if parsed is None:
-        text = _normalised(data.decode("utf-8", "replace"))
-        body = text
-        if rec.get("has_block") and not rec.get("fm_error"):
+        text = body = _normalised(data.decode("utf-8", "replace"))
+        if rec.get("has_block") and not error:
             try:
                 # only where the block ends is needed; the catalog already parsed the fields
                 located = _fm_locate(text)
@@ -12277,22 +12226,20 @@ def _episode_file_findings(rec, data, policy, parsed=None):
             except FrontmatterError:
                 pass
         parsed = _EpisodeText(text, body, *_split_sections(body))
-    # the body is the text's tail: the frontmatter block (with any H1) is what precedes it
-    body_start = len(parsed.text) - len(parsed.body)
     nul = data.find(b"\x00")
     if nul >= 0 or error.startswith("encoding"):
         # the damage replaces the format findings it causes; the content is still checked
-        return [_finding("episode-binary", path, f"a NUL byte (byte {nul})" if nul >= 0 else
-                         error.split(": ", 1)[1], _with_path(_DOCTOR_CODES["episode-binary"][2],
-                                                             path))] + \
-            _content_findings(rec, parsed, policy)
-    return _format_findings(rec, parsed.text, body_start) + _content_findings(rec, parsed, policy)
+        found = [_finding("episode-binary", path, f"a NUL byte (byte {nul})" if nul >= 0 else
+                          error.split(": ", 1)[1])]
+    else:
+        # the body is the text's tail: the frontmatter block (with any H1) is what precedes it
+        found = _format_findings(rec, parsed.text, len(parsed.text) - len(parsed.body))
+    return found + _content_findings(rec, parsed, policy)
 
 
 def _checked_record(rec):
-    """What doctor keeps of a record once its file's own checks are done: the ids,
-    supersedes and render values its later steps read, without the sections, portability
-    findings and fields other than date (a third of a record, 90 MB at 100,000 episodes)."""
+    """What doctor keeps of a record once its own checks are done: what later steps read
+    (a third of a record, 90 MB at 100,000 episodes)."""
     date = rec["fields"].get("date")
     rec["fields"] = {"date": date} if isinstance(date, str) else {}
     rec["sections"] = rec["portability"] = None
