@@ -12380,7 +12380,6 @@ def _index_entries(text, fmt):
     return entries
 
 
-
 # --- the recall log (doctor's check and stats' realized economy) ---------------------------
 
 def _recall_log_entries(root):
@@ -12640,11 +12639,9 @@ class _DoctorRun:
             elif key == "export_exclude_tags" and not _string_list(value):
                 yield invalid("export_exclude_tags must be a list of strings")
             elif key in ("context_window", "hook_index_chars") and not (
-                    isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                    isinstance(value, int) and _positive_number(value)):
                 yield invalid(f"{key} must be a positive integer")
-            elif key == "derived_stale_hours" and not (
-                    isinstance(value, (int, float)) and not isinstance(value, bool)
-                    and value > 0):
+            elif key == "derived_stale_hours" and not _positive_number(value):
                 yield invalid("derived_stale_hours must be a number above 0")
             elif key == "redaction" and not isinstance(value, dict):
                 yield invalid("redaction must be an object {disable, legacy_compat}")
@@ -13156,7 +13153,7 @@ class _DoctorRun:
                            "docshelf-mcp, but INDEX.md lacks the docshelf footer marker")
         yield from self.index_budget(on_disk)
         limit = self.cfg.get("hook_index_chars")
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        if not (isinstance(limit, int) and _positive_number(limit)):
             limit = _HOOK_INDEX_CHARS
         if len(on_disk) > limit:
             yield _finding("index-injection-cap", "INDEX.md",
@@ -13264,6 +13261,10 @@ def _json_type_name(default):
             str: "a string"}.get(type(default), type(default).__name__)
 
 
+def _positive_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def _string_list(value):
     return isinstance(value, list) and all(isinstance(x, str) for x in value)
 
@@ -13299,8 +13300,6 @@ def _manifest_typing(text):
 
 
 def _parse_git_time(stamp):
-    if not stamp:
-        return None
     import datetime
     text = stamp.strip()
     if text.endswith("Z"):
@@ -13357,15 +13356,12 @@ def _doctor_fingerprint(root, switches):
 
 def _code_pair_hash(main_path, server_path):
     import hashlib
-    digest = hashlib.sha256()
     try:
-        with open(main_path, "rb") as f:
-            digest.update(f.read())
+        digest = hashlib.sha256(_file_bytes(main_path))
     except OSError:
         return None
     try:
-        with open(server_path, "rb") as f:
-            digest.update(f.read())
+        digest.update(_file_bytes(server_path))
     except OSError:
         pass
     return digest.hexdigest()
@@ -13421,12 +13417,10 @@ def _probe_remote(base):
 def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, only=None,
            min_level="info", no_cache=False):
     """Diagnose the shelf, read-only: every finding with its level, class and fix (doctor.md)."""
-    if derived_stale_after_hours is not None:
-        if isinstance(derived_stale_after_hours, bool) or \
-                not isinstance(derived_stale_after_hours, (int, float)) or \
-                not derived_stale_after_hours > 0:
-            raise _usage(f"derived_stale_after_hours must be a number above 0, got "
-                         f"{derived_stale_after_hours!r}", "pass hours > 0, e.g. 24")
+    hours = derived_stale_after_hours
+    if hours is not None and not _positive_number(hours):
+        raise _usage(f"derived_stale_after_hours must be a number above 0, got {hours!r}",
+                     "pass hours > 0, e.g. 24")
     if min_level not in ("info", "warning", "error"):
         raise _usage(f"--min-level {min_level!r} is not info, warning or error")
     only = list(only or [])
@@ -13435,11 +13429,9 @@ def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, 
         raise _usage(f"unknown finding code {unknown[0]!r}",
                      "codes: " + ", ".join(sorted(_DOCTOR_CODES)))
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
-    hours = derived_stale_after_hours
     if hours is None:
         value = _memshelf_config(root).get("derived_stale_hours")
-        hours = value if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-            value > 0 else _DOCTOR_STALE_HOURS
+        hours = value if _positive_number(value) else _DOCTOR_STALE_HOURS
     run = _DoctorRun(root, check_remote, float(hours), not no_cache)
     findings = run.run()
     floor = _DOCTOR_RANK[min_level]
