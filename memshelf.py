@@ -11930,6 +11930,8 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("repair", repair, [
 # Doctor diagnoses a shelf read-only (doctor.md): ten steps in a fixed order, each finding with a
 # level, a class and a one-sentence fix. Per-file results are cached by (size, mtime, hash).
 
+_AMEND = "memshelf shelve --amend --file <path>"
+_REPAIR = "memshelf repair --shelf <shelf>"
 # code -> (level, class, fix). Fixes are one actionable sentence, usually a command.
 _DOCTOR_CODES = {
     # 1. configuration and manifest
@@ -11942,15 +11944,13 @@ _DOCTOR_CODES = {
                        "fix or delete the file; memshelf init rewrites the defaults"),
     "config-unknown-key": ("info", "config",
                            "remove the key from memshelf.json, or ignore this (it is kept)"),
-    "docshelf-config-conflict": ("warning", "config",
-                                 "make shelf.yml and .docshelf.json agree"),
+    "docshelf-config-conflict": ("warning", "config", "make shelf.yml and .docshelf.json agree"),
     "profile-not-memory": ("warning", "config",
                            "set profile: memory in shelf.yml; episode checks run regardless"),
     "reserved-m1": ("info", "config", "none needed: accepted, and nothing behind it is enforced"),
     "derived-mode-conflict": ("warning", "config",
                               "set \"derived\" in memshelf.json to match who renders the shelf"),
-    "merge-driver-missing": ("info", "git",
-                             "run memshelf sync (or memshelf init) to install them"),
+    "merge-driver-missing": ("info", "git", "run memshelf sync (or memshelf init) to install them"),
     # 2. tree structure
     "docs-root-missing": ("error", "structure", "create it with: memshelf init"),
     "category-undeclared": ("error", "structure",
@@ -11988,12 +11988,9 @@ _DOCTOR_CODES = {
                        "add a frontmatter block; memshelf shelve --amend --file <path> writes a "
                        "valid one"),
     "frontmatter-invalid": ("error", "format", "fix the named line of the frontmatter block"),
-    "frontmatter-not-portable": ("error", "format",
-                                 "quote the value, or re-shelve: memshelf shelve --amend --file "
-                                 "<path>"),
+    "frontmatter-not-portable": ("error", "format", "quote the value, or re-shelve: " + _AMEND),
     "frontmatter-missing-field": ("error", "format", "add the field to the frontmatter"),
-    "id-mismatch": ("error", "format",
-                    "make id equal the file name (edit id, or rename the file)"),
+    "id-mismatch": ("error", "format", "make id equal the file name (edit id, or rename the file)"),
     "bad-kind": ("error", "format", "set kind: topic, research or session"),
     "bad-mode": ("error", "format", "set mode: live or import"),
     "bad-tags": ("error", "format", "write tags as a list: tags: [a, b]"),
@@ -12006,39 +12003,30 @@ _DOCTOR_CODES = {
     "no-digest": ("error", "format", "add a ## Digest section"),
     "missing-section": ("error", "format", "add the section heading the kind requires"),
     "supersedes-unknown": ("warning", "format", "correct the id in supersedes"),
-    "episode-large": ("info", "format",
-                      "recall it by section; consider trimming its Raw excerpts"),
+    "episode-large": ("info", "format", "recall it by section; consider trimming its Raw excerpts"),
     "episode-binary": ("error", "format",
-                       "remove the bytes or restore the last good copy from git, then amend "
-                       "it: memshelf shelve --amend --file <path> (views skip it until then)"),
+                       "remove the bytes or restore the last good copy from git, then amend it: "
+                       "memshelf shelve --amend --file <path> (views skip it until then)"),
     "episode-oversize": ("error", "format",
                          "trim it under 8 MiB (move raw material out of the shelf) or split it; "
                          "shelve refuses larger episodes"),
     # 5. episodes: content
-    "digest-empty": ("error", "content",
-                     "write the digest, then amend: memshelf shelve --amend --file <path>"),
-    "digest-too-long": ("error", "content",
-                        "cut the digest, then amend: memshelf shelve --amend --file <path>"),
+    "digest-empty": ("error", "content", "write the digest, then amend: " + _AMEND),
+    "digest-too-long": ("error", "content", "cut the digest, then amend: " + _AMEND),
     "digest-referent-we": ("error", "content",
-                           "name the actor in the digest, then amend: memshelf shelve --amend "
-                           "--file <path>"),
+                           "name the actor in the digest, then amend: " + _AMEND),
     "digest-secret": ("error", "content",
-                      "describe the secret instead of quoting it, then amend: memshelf shelve "
-                      "--amend --file <path>"),
+                      "describe the secret instead of quoting it, then amend: " + _AMEND),
     "digest-body-mismatch": ("warning", "content",
                              "rewrite the digest from the body, or confirm the episode is "
                              "complete"),
-    "secret-at-rest": ("error", "content",
-                       "redact the value and amend the episode: memshelf shelve --amend --file "
-                       "<path>"),
+    "secret-at-rest": ("error", "content", "redact the value and amend the episode: " + _AMEND),
     "policy-pattern-at-rest": ("error", "content",
-                               "redact the match per POLICY.md and amend: memshelf shelve "
-                               "--amend --file <path>"),
+                               "redact the match per POLICY.md and amend: " + _AMEND),
     "instruction-shaped": ("warning", "content",
                            "review it; recall flags it in the envelope as quoted data"),
     "hidden-characters": ("warning", "content",
-                          "remove the characters unless they are intended, then amend the "
-                          "episode"),
+                          "remove the characters unless they are intended, then amend the episode"),
     # 5/6/7. ledger rows and the derived layer
     "no-ledger-row": ("warning", "derived", "memshelf rebuild --commit"),
     "orphan-ledger-row": ("warning", "derived", "regenerate the ledger: memshelf rebuild"),
@@ -12061,12 +12049,12 @@ _DOCTOR_CODES = {
                             "review it, then commit it: memshelf repair --shelf <shelf> (or "
                             "delete it)"),
     # 6. the tree, the git index and HEAD (git shelves): all repaired by one command
-    "git-staged": ("error", "git", "memshelf repair --shelf <shelf>"),
-    "committed-missing": ("error", "git", "memshelf repair --shelf <shelf>"),
-    "episode-untracked": ("error", "git", "memshelf repair --shelf <shelf>"),
-    "derived-uncommitted": ("error", "git", "memshelf repair --shelf <shelf>"),
-    "index-lists-uncommitted": ("error", "git", "memshelf repair --shelf <shelf>"),
-    "git-lock-stale": ("error", "git", "memshelf repair --shelf <shelf>"),
+    "git-staged": ("error", "git", _REPAIR),
+    "committed-missing": ("error", "git", _REPAIR),
+    "episode-untracked": ("error", "git", _REPAIR),
+    "derived-uncommitted": ("error", "git", _REPAIR),
+    "index-lists-uncommitted": ("error", "git", _REPAIR),
+    "git-lock-stale": ("error", "git", _REPAIR),
     # 8. INDEX
     "stale-index": ("warning", "derived", "memshelf rebuild --commit"),
     "index-hand-edited": ("error", "derived",
@@ -12092,7 +12080,6 @@ _DOCTOR_CODES = {
                             "reinstall or refresh the extension; memshelf freshness lists every "
                             "copy"),
 }
-_DOCTOR_LEVELS = ("error", "warning", "info", "unknown")
 _DOCTOR_RANK = {"info": 0, "warning": 1, "error": 2, "unknown": 0}
 _DOCTOR_STALE_HOURS = 24.0
 _DOCTOR_CACHE_SCHEMA = "2"   # bump when a per-file check changes, so cached verdicts are redone
@@ -12132,11 +12119,7 @@ would your yours yourself used using uses true false
 def _finding(code, path, detail, fix=None, level=None):
     lvl, cls, default_fix = _DOCTOR_CODES[code]
     return {"level": level or lvl, "code": code, "path": path, "detail": detail,
-            "fix": fix if fix is not None else default_fix, "class": cls}
-
-
-def _with_path(fix, path):
-    return fix.replace("<path>", path)
+            "fix": default_fix.replace("<path>", path) if fix is None else fix, "class": cls}
 
 
 def _lines_text(lines, limit=8):
@@ -12146,10 +12129,12 @@ def _lines_text(lines, limit=8):
 
 
 def _kind_counts(kinds):
-    counts = {}
-    for k in kinds:
-        counts[k] = counts.get(k, 0) + 1
-    return ", ".join(f"{k}×{n}" for k, n in sorted(counts.items()))
+    return ", ".join(f"{k}×{n}" for k, n in sorted(collections.Counter(kinds).items()))
+
+
+def _hits_text(what, hits, key="kind"):
+    """What was found, counted by kind, and on which lines."""
+    return f"{what} ({_kind_counts(h[key] for h in hits)}; {_lines_text(h['line'] for h in hits)})"
 
 
 # --- per-file checks: format and content (cached) ------------------------------------------
@@ -12170,13 +12155,8 @@ def _content_words(text):
     # only the distinct pieces holding other characters go through the regexes.
     pieces = set(text.encode("utf-8", "surrogatepass").lower().translate(_WORD_OR_WIDE_BYTES)
                  .split())
-    ascii_words, wide = [], []
-    for piece in pieces:
-        if not piece.isascii():
-            wide.append(piece)
-        elif len(piece) >= 4:
-            ascii_words.append(piece)
-    words = set(b" ".join(ascii_words).decode("ascii").split())
+    wide = [p for p in pieces if not p.isascii()]
+    words = set(b" ".join(p for p in pieces if len(p) >= 4 and p.isascii()).decode().split())
     if wide:
         low = b" ".join(wide).decode("utf-8", "surrogatepass").lower()
         if _CJK.search(low):
@@ -12189,8 +12169,7 @@ def _content_words(text):
 
 
 def _digest_may_fail(digest):
-    """Whether validate_digest can report an error besides `secret` (checked separately), so
-    the full validator runs only on digests that may fail."""
+    """Whether validate_digest can report an error besides `secret` (checked separately)."""
     text = digest.strip()
     if not text or len(text) > MAX_DIGEST_CHARS or count_words(text) > MAX_DIGEST_WORDS:
         return True
@@ -12200,9 +12179,8 @@ def _digest_may_fail(digest):
 
 
 def _grounding(digest, body_text, opening=0):
-    """(share, digest words, grounded) or None when the check abstains. With an opening (a
-    number of characters), None also when the body's opening lines alone ground 20% of the
-    digest words: grounded words only add up as the body goes on, so it would pass."""
+    """(share, digest words, grounded) or None when the check abstains, or when the body's
+    first `opening` characters alone ground 20% (more body only adds grounded words)."""
     dwords = _content_words(digest)
     if len(dwords) < 8:
         return None
@@ -12224,8 +12202,7 @@ def _grounded_count(dwords, bwords):
     return sum(1 for w in dwords if w[:5] in prefixes)
 
 
-# Characters of the body read first by doctor: they ground most digests, at a fraction of
-# the cost.
+# Characters of the body read first by doctor: they ground most digests, at a fraction of cost.
 _GROUNDING_OPENING = 300
 
 
@@ -12233,108 +12210,87 @@ def _format_findings(rec, text, body_start):
     out = []
     path = rec["path"]
     fields = rec.get("fields") or {}
+
+    def add(code, detail, fix=None):
+        out.append(_finding(code, path, detail, fix))
+
     if rec.get("fm_error"):
-        out.append(_finding("frontmatter-invalid", path, f"the frontmatter block is rejected: "
-                            f"{rec['fm_error']}"))
+        add("frontmatter-invalid", f"the frontmatter block is rejected: {rec['fm_error']}")
     elif not rec.get("has_block"):
-        out.append(_finding("no-frontmatter", path,
-                            "no frontmatter block (an optional H1, then a --- fenced block)",
-                            _with_path(_DOCTOR_CODES["no-frontmatter"][2], path)))
+        add("no-frontmatter", "no frontmatter block (an optional H1, then a --- fenced block)")
     else:
         problems = rec.get("portability") or []
         if problems:
-            shown = "; ".join(f"line {p.get('line')} ({p.get('key')}): {p.get('problem')}"
-                              for p in problems[:5])
-            out.append(_finding("frontmatter-not-portable", path, shown,
-                                _with_path(_DOCTOR_CODES["frontmatter-not-portable"][2], path)))
+            add("frontmatter-not-portable", "; ".join(f"line {p.get('line')} ({p.get('key')}): "
+                                                      f"{p.get('problem')}" for p in problems[:5]))
         for key in _REQUIRED_FIELDS:
             if fields.get(key) is None:   # absent, empty or null
-                out.append(_finding("frontmatter-missing-field", path,
-                                    f"required field {key!r} is missing",
-                                    f"add {key}: to the frontmatter"))
-        if fields.get("id") is not None and fields["id"] != rec["stem"]:
-            shown = fields["id"] if isinstance(fields["id"], str) else "(not a string)"
-            out.append(_finding("id-mismatch", path,
-                                f"id {shown!r} differs from the file stem {rec['stem']!r}"))
-        if "kind" in fields and fields["kind"] not in KINDS:
-            shown = fields["kind"] if isinstance(fields["kind"], str) else None
-            out.append(_finding("bad-kind", path, f"kind {shown!r} is not topic, research or "
-                                "session" if shown else "kind is empty"))
-        if "mode" in fields and fields["mode"] not in ("live", "import"):
-            out.append(_finding("bad-mode", path, f"mode {fields['mode']!r} is not live or "
-                                "import"))
+                add("frontmatter-missing-field", f"required field {key!r} is missing",
+                    f"add {key}: to the frontmatter")
+        ident, kind, mode = fields.get("id"), fields.get("kind"), fields.get("mode")
+        if ident is not None and ident != rec["stem"]:
+            shown = ident if isinstance(ident, str) else "(not a string)"
+            add("id-mismatch", f"id {shown!r} differs from the file stem {rec['stem']!r}")
+        if "kind" in fields and kind not in KINDS:
+            add("bad-kind", f"kind {kind!r} is not topic, research or session"
+                if kind and isinstance(kind, str) else "kind is empty")
+        if "mode" in fields and mode not in ("live", "import"):
+            add("bad-mode", f"mode {mode!r} is not live or import")
         if "tags" in fields and not isinstance(fields["tags"], list):
-            out.append(_finding("bad-tags", path, "tags is not a list"))
+            add("bad-tags", "tags is not a list")
         if "approx_tokens" in fields:
             value = fields["approx_tokens"]
             number = _int_or_none(value) if isinstance(value, str) else None
-            block = text[:body_start]
             if number is None:
-                out.append(_finding("bad-approx-tokens", path,
-                                    f"approx_tokens {value!r} is not an integer"))
+                add("bad-approx-tokens", f"approx_tokens {value!r} is not an integer")
             elif number < 0:
-                out.append(_finding("bad-approx-tokens", path,
-                                    f"approx_tokens {number} is negative"))
-            elif _QUOTED_APPROX.search(block):
-                out.append(_finding("bad-approx-tokens", path,
-                                    "approx_tokens is quoted, so a YAML loader reads a string"))
+                add("bad-approx-tokens", f"approx_tokens {number} is negative")
+            elif _QUOTED_APPROX.search(text[:body_start]):
+                add("bad-approx-tokens", "approx_tokens is quoted, so a YAML loader reads a string")
         src = fields.get("approx_tokens_source", "estimate")
         if src not in ("estimate", "measured", "unmeasured"):
-            out.append(_finding("bad-approx-tokens-source", path,
-                                f"approx_tokens_source {src!r} is not estimate, measured or "
-                                "unmeasured"))
+            add("bad-approx-tokens-source",
+                f"approx_tokens_source {src!r} is not estimate, measured or unmeasured")
         for key in ("date", "retain_until"):
             if key in fields and not _is_iso_date(fields[key]):
-                out.append(_finding("bad-date", path,
-                                    f"{key} {fields[key]!r} is not an ISO date"))
+                add("bad-date", f"{key} {fields[key]!r} is not an ISO date")
         if "span" in fields:
             span = fields["span"]
             m = _SPAN.match(span) if isinstance(span, str) else None
             if not m or not all(_is_iso_date(d) for d in m.groups() if d):
-                out.append(_finding("bad-date", path, f"span {span!r} is not YYYY-MM-DD or "
-                                    "YYYY-MM-DD..YYYY-MM-DD of real dates"))
-    headings = [h for h, _ in rec.get("sections") or []]
-    folded = {h.casefold() for h in headings}
+                add("bad-date", f"span {span!r} is not YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD of "
+                    "real dates")
+    folded = {h.casefold() for h, _ in rec.get("sections") or []}
     if "digest" not in folded:
-        out.append(_finding("no-digest", path, "no ## Digest heading"))
+        add("no-digest", "no ## Digest heading")
     kind = rec.get("kind") if rec.get("has_block") and not rec.get("fm_error") else None
-    if kind in _REQUIRED_SECTIONS:
-        for name in _REQUIRED_SECTIONS[kind]:
-            if name.casefold() not in folded:
-                out.append(_finding("missing-section", path,
-                                    f"a {kind} needs a ## {name} section",
-                                    f"add a ## {name} section"))
-        if kind == "research" and not (folded - {"digest"}):
-            out.append(_finding("missing-section", path,
-                                "a research episode needs a body section besides ## Digest",
-                                "add a section such as ## Findings"))
+    for name in _REQUIRED_SECTIONS.get(kind, ()):
+        if name.casefold() not in folded:
+            add("missing-section", f"a {kind} needs a ## {name} section",
+                f"add a ## {name} section")
+    if kind == "research" and not (folded - {"digest"}):
+        add("missing-section", "a research episode needs a body section besides ## Digest",
+            "add a section such as ## Findings")
     if rec.get("size", 0) > _EPISODE_WARN_BYTES:
-        out.append(_finding("episode-large", path,
-                            f"the file is {rec['size'] // 1024} KiB (over 256 KiB)"))
+        add("episode-large", f"the file is {rec['size'] // 1024} KiB (over 256 KiB)")
     return out
 
 
 def _content_findings(rec, parsed, policy):
     out = []
-    text = parsed.text
-    path = rec["path"]
+    text, path = parsed.text, rec["path"]
     rules, switches = policy
-    has_digest = any(h.casefold() == "digest" for h, _ in rec.get("sections") or [])
     digest = rec.get("digest") or ""
     hits = find_secrets(text, rules or None, **switches)
-    if has_digest:
+    if any(h.casefold() == "digest" for h, _ in rec.get("sections") or []):
         if _digest_may_fail(digest):
-            for err in validate_digest(digest)["errors"]:
-                if err["code"] != "secret":
-                    code = "digest-" + err["code"]
-                    out.append(_finding(code, path, err["message"],
-                                        _with_path(_DOCTOR_CODES[code][2], path)))
+            out += [_finding("digest-" + err["code"], path, err["message"])
+                    for err in validate_digest(digest)["errors"] if err["code"] != "secret"]
         # a digest is whole lines of the file: no secret in the file means none in the digest
         digest_hits = find_secrets(digest, rules or None, **switches) if hits else []
         if digest_hits:
             out.append(_finding("digest-secret", path, "secret-shaped text in the digest ("
-                                + _kind_counts(h["kind"] for h in digest_hits) + ")",
-                                _with_path(_DOCTOR_CODES["digest-secret"][2], path)))
+                                + _kind_counts(h["kind"] for h in digest_hits) + ")"))
         # The body's words are the same in any order of its sections; the short ones (mostly
         # prose) first let the body's opening ground most digests by itself.
         rest = "\n".join(sorted((t for h, t in parsed.sections if h.casefold() != "digest"),
@@ -12347,45 +12303,37 @@ def _content_findings(rec, parsed, policy):
                                 f"with the body ({grounded} of {total})"))
     builtin = find_secrets(text, None, **switches) if hits and rules else hits
     if builtin:
-        out.append(_finding("secret-at-rest", path, "secret-shaped strings on disk ("
-                            + _kind_counts(h["kind"] for h in builtin) + "; "
-                            + _lines_text(h["line"] for h in builtin) + ")",
-                            _with_path(_DOCTOR_CODES["secret-at-rest"][2], path)))
-    if rules and hits:
-        seen = {(h["start"], h["end"], h["kind"]) for h in builtin}
-        extra = [h for h in hits if (h["start"], h["end"], h["kind"]) not in seen]
-        if extra:
-            out.append(_finding("policy-pattern-at-rest", path, "POLICY.patterns rules match ("
-                                + _kind_counts(h["kind"] for h in extra) + "; "
-                                + _lines_text(h["line"] for h in extra) + ")",
-                                _with_path(_DOCTOR_CODES["policy-pattern-at-rest"][2], path)))
+        out.append(_finding("secret-at-rest", path,
+                            _hits_text("secret-shaped strings on disk", builtin)))
+    seen = {(h["start"], h["end"], h["kind"]) for h in builtin}
+    extra = [h for h in hits if (h["start"], h["end"], h["kind"]) not in seen] if rules else []
+    if extra:
+        out.append(_finding("policy-pattern-at-rest", path,
+                            _hits_text("POLICY.patterns rules match", extra)))
     everything = scan_instructions(text)
     flags = [f for f in everything if f["kind"] != "hidden-text"]
     if flags:
-        kinds = sorted({f["kind"] for f in flags})
         out.append(_finding("instruction-shaped", path, "instruction-shaped text ("
-                            + ", ".join(kinds) + "; " + _lines_text(f["line"] for f in flags)
-                            + ")"))
+                            + ", ".join(sorted({f["kind"] for f in flags})) + "; "
+                            + _lines_text(f["line"] for f in flags) + ")"))
     # every hidden character is also a hidden-text flag: without one there are none to list
     hidden = _hidden_characters(text) if len(flags) < len(everything) else []
     if hidden:
-        out.append(_finding("hidden-characters", path, "hidden characters ("
-                            + _kind_counts(h["codepoint"] for h in hidden) + "; "
-                            + _lines_text(h["line"] for h in hidden) + ")"))
+        out.append(_finding("hidden-characters", path,
+                            _hits_text("hidden characters", hidden, "codepoint")))
     return out
 
 
 def _episode_file_findings(rec, data, policy, parsed=None):
-    """Every finding one episode file yields by itself: format, then content. `parsed` is
-    the file's _EpisodeText from the read that made rec; without it, data is parsed again."""
+    """Every finding one episode file yields by itself: format, then content. `parsed` is the
+    _EpisodeText from the read that made rec; without it, data is parsed again."""
     path, error = rec["path"], rec.get("fm_error") or ""
     if len(data) > _EPISODE_MAX_BYTES:   # nothing more is read of it: shelve would refuse it
         return [_finding("episode-oversize", path, f"the file is {len(data) / 1048576:.1f} MiB, "
                          "over the 8 MiB a shelve writes")]
     if parsed is None:
-        text = _normalised(data.decode("utf-8", "replace"))
-        body = text
-        if rec.get("has_block") and not rec.get("fm_error"):
+        text = body = _normalised(data.decode("utf-8", "replace"))
+        if rec.get("has_block") and not error:
             try:
                 # only where the block ends is needed; the catalog already parsed the fields
                 located = _fm_locate(text)
@@ -12394,22 +12342,20 @@ def _episode_file_findings(rec, data, policy, parsed=None):
             except FrontmatterError:
                 pass
         parsed = _EpisodeText(text, body, *_split_sections(body))
-    # the body is the text's tail: the frontmatter block (with any H1) is what precedes it
-    body_start = len(parsed.text) - len(parsed.body)
     nul = data.find(b"\x00")
     if nul >= 0 or error.startswith("encoding"):
         # the damage replaces the format findings it causes; the content is still checked
-        return [_finding("episode-binary", path, f"a NUL byte (byte {nul})" if nul >= 0 else
-                         error.split(": ", 1)[1], _with_path(_DOCTOR_CODES["episode-binary"][2],
-                                                             path))] + \
-            _content_findings(rec, parsed, policy)
-    return _format_findings(rec, parsed.text, body_start) + _content_findings(rec, parsed, policy)
+        found = [_finding("episode-binary", path, f"a NUL byte (byte {nul})" if nul >= 0 else
+                          error.split(": ", 1)[1])]
+    else:
+        # the body is the text's tail: the frontmatter block (with any H1) is what precedes it
+        found = _format_findings(rec, parsed.text, len(parsed.text) - len(parsed.body))
+    return found + _content_findings(rec, parsed, policy)
 
 
 def _checked_record(rec):
-    """What doctor keeps of a record once its file's own checks are done: the ids,
-    supersedes and render values its later steps read, without the sections, portability
-    findings and fields other than date (a third of a record, 90 MB at 100,000 episodes)."""
+    """What doctor keeps of a record once its own checks are done: what later steps read
+    (a third of a record, 90 MB at 100,000 episodes)."""
     date = rec["fields"].get("date")
     rec["fields"] = {"date": date} if isinstance(date, str) else {}
     rec["sections"] = rec["portability"] = None
@@ -12442,30 +12388,25 @@ class _DoctorFileCache:
 
     def lookup_all(self, records, read):
         """({path: cached findings}, [records to check]); read(rec) -> bytes is called only
-        when a file's stamp changed but its content may not have. Cached rows are read in path
-        order beside the records, one at a time."""
+        when a file's stamp changed but its content may not have."""
         known, todo = {}, []
         rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, hash, findings "
                                     "FROM doctor_files ORDER BY path")
         for rec, row in _beside(rows, sorted(records, key=lambda r: r["path"]),
                                 lambda r: r["path"], self.gone):
-            findings = None
-            if row is not None:
-                path, size, mtime_ns, ino, seen, digest, cached = row
-                if _unchanged((rec["size"], rec["mtime_ns"], rec.get("ino")),
-                              (size, mtime_ns, ino), seen):
-                    findings = _decode_findings(cached)
-                else:
-                    seen = time.time_ns()
-                    data = read(rec)
-                    if size == len(data) and digest == _content_hash(data):
-                        self.fresh.append((path, rec["size"], rec["mtime_ns"], rec.get("ino"),
-                                           seen, digest, cached))
-                        findings = _decode_findings(cached)
-            if findings is None:
+            if row is None:
                 todo.append(rec)
-            else:
-                known[rec["path"]] = findings
+                continue
+            path, size, mtime_ns, ino, seen, digest, cached = row
+            stamp = (rec["size"], rec["mtime_ns"], rec.get("ino"))
+            if not _unchanged(stamp, (size, mtime_ns, ino), seen):
+                seen = time.time_ns()
+                data = read(rec)
+                if size != len(data) or digest != _content_hash(data):
+                    todo.append(rec)
+                    continue
+                self.fresh.append((path, *stamp, seen, digest, cached))
+            known[rec["path"]] = _decode_findings(cached)
         return known, todo
 
     def store(self, rec, digest, findings, seen=None):
@@ -12475,30 +12416,22 @@ class _DoctorFileCache:
             self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], rec.get("ino"), seen,
                                digest, json.dumps(findings, ensure_ascii=False)))
             if len(self.fresh) >= 1000:   # written in batches: memory stays flat on big shelves
-                self._flush()
+                self._write("INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            self.fresh)
 
-    def _flush(self):
+    def _write(self, sql, rows):
         try:
             with self.db:
-                self.db.executemany("INSERT OR REPLACE INTO doctor_files VALUES "
-                                    "(?, ?, ?, ?, ?, ?, ?)",
-                                    self.fresh)
+                self.db.executemany(sql, rows)
         except Exception:
             pass
         self.fresh = []
 
     def finish(self):
-        if self.db is None:
-            return
-        if self.fresh:
-            self._flush()
-        if self.gone:
-            try:
-                with self.db:
-                    self.db.executemany("DELETE FROM doctor_files WHERE path = ?",
-                                        [(p,) for p in self.gone])
-            except Exception:
-                pass
+        if self.db is not None:
+            self._write("INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        self.fresh)
+            self._write("DELETE FROM doctor_files WHERE path = ?", [(p,) for p in self.gone])
 
     def close(self):
         self.db = _close_db(self.db)
@@ -12534,24 +12467,21 @@ def _index_entries(text, fmt):
     entries = []
     in_section = False
     for line in text.split("\n"):
-        if line.startswith("## "):
-            in_section = True
+        if line.startswith(("## ", "# ")) or line == "---":
+            in_section = line.startswith("## ")
             continue
-        if line.startswith("# ") or line == "---":
-            in_section = False
-            continue
-        if not in_section or not (line.startswith("- ") or line.startswith("### ")):
+        if not in_section or not line.startswith(("- ", "### ")):
             continue
         terms = {"key": 0, "title": 0, "description": 0, "link": 0}
         if fmt == "docshelf":
             m = _DOCSHELF_PLAIN_ENTRY.match(line)
+            link = None if m else _DOCSHELF_LINK_ENTRY.match(line)
             if m:
                 terms.update(title=len(m.group(1)), description=len(m.group(2) or ""),
                              link=len(m.group(3)))
-            elif _DOCSHELF_LINK_ENTRY.match(line):
-                m = _DOCSHELF_LINK_ENTRY.match(line)
-                terms.update(title=len(m.group(1)), link=len(m.group(2)),
-                             description=len(m.group(3) or ""))
+            elif link:
+                terms.update(title=len(link.group(1)), link=len(link.group(2)),
+                             description=len(link.group(3) or ""))
             elif line.startswith("### "):
                 terms["title"] = len(line) - 4
             else:
@@ -12651,7 +12581,6 @@ class _DoctorRun:
         self.uncounted = []              # episodes without a ledger row (step 5)
 
     def run(self):
-        steps = []
         catalog = _Store(self.root, use_cache=self.use_cache)
         rules, self.policy_problems = _shelf_policy(self.root)
         policy = self.policy = (rules, _redaction_switches(self.root))
@@ -12663,250 +12592,215 @@ class _DoctorRun:
 
         try:
             progress = _Progress("reading episodes")
-            self.records = catalog.records(progress=progress, also=check,
-                                           trim=_checked_record)
+            self.records = catalog.records(progress=progress, also=check, trim=_checked_record)
             self.prechecked = catalog.extras
             progress.done()
         finally:
             catalog.close()
-        steps.append(self.configuration())
-        steps.append(self.tree())
-        steps.append(self.policy_file())
-        steps.append(self.ledger())
-        steps += self.episodes([r for r in self.records if not r["archived"]],
-                               [r for r in self.records if r["archived"]])
-        steps.append(self.freshness())
-        steps.append(self.orphan_rows())
+
+        def step(found):
+            return sorted(found, key=lambda f: (f["path"], f["code"]))
+
+        findings = step(self.configuration())
+        findings += step(self.tree())
+        findings += step(self.policy_file())
+        findings += step(self.ledger())
+        for found in self.episodes([r for r in self.records if not r["archived"]],
+                                   [r for r in self.records if r["archived"]]):
+            findings += step(found)
+        findings += step(self.freshness())
+        findings += step(self.orphan_rows())
         self.ledger_ids = None   # read by the steps above only; INDEX needs the memory
-        steps.append(self.index())
+        findings += step(self.index())
         if self.check_remote:
-            steps.append(self.remotes())
-        steps.append(self.served_code())
-        findings = []
-        for step in steps:
-            findings += sorted(step, key=lambda f: (f["path"], f["code"]))
-        return findings
+            findings += step(self.remotes())
+        return findings + step(self.served_code())
 
     # 1. configuration and manifest ------------------------------------------------------
 
     def configuration(self):
-        out = []
         root = self.root
         manifest = None
         path = os.path.join(root, "shelf.yml")
         if not os.path.isfile(path):
-            out.append(_finding("manifest-missing", "shelf.yml", "no shelf.yml manifest"))
+            yield _finding("manifest-missing", "shelf.yml", "no shelf.yml manifest")
         else:
             try:
                 text = _read_text(path)
                 manifest = parse_manifest(text)
             except FrontmatterError as exc:
-                out.append(_finding("manifest-invalid", "shelf.yml",
-                                    f"shelf.yml does not parse: {exc}"))
+                yield _finding("manifest-invalid", "shelf.yml", f"shelf.yml does not parse: {exc}")
             except ShelfError as exc:
-                out.append(_finding("manifest-invalid", "shelf.yml", exc.message))
+                yield _finding("manifest-invalid", "shelf.yml", exc.message)
             if manifest is not None:
-                out += self.manifest_rules(manifest, text)
-        self.manifest = manifest if isinstance(manifest, dict) else {}
+                yield from self.manifest_rules(manifest, text)
+        m = self.manifest = manifest if isinstance(manifest, dict) else {}
         docshelf, problem = _load_json_object(os.path.join(root, ".docshelf.json"))
         if problem:
-            out.append(_finding("config-invalid", ".docshelf.json", f".docshelf.json is {problem}"))
+            yield _finding("config-invalid", ".docshelf.json", f".docshelf.json is {problem}")
         else:
             for key, default in _DOCSHELF_KEYS:
                 if key in docshelf and not _json_type_ok(docshelf[key], default):
-                    out.append(_finding("config-invalid", ".docshelf.json",
-                                        f"key {key!r} should be {_json_type_name(default)}"))
-            out += self.docshelf_conflicts(docshelf)
+                    yield _finding("config-invalid", ".docshelf.json",
+                                   f"key {key!r} should be {_json_type_name(default)}")
+            yield from self.docshelf_conflicts(docshelf)
         memcfg, problem = _load_json_object(os.path.join(root, "memshelf.json"))
         if problem:
-            out.append(_finding("config-invalid", "memshelf.json", f"memshelf.json is {problem}"))
+            yield _finding("config-invalid", "memshelf.json", f"memshelf.json is {problem}")
         else:
-            out += self.memshelf_json_rules(memcfg)
-        m = self.manifest
+            yield from self.memshelf_json_rules(memcfg)
         if manifest is not None and m.get("profile") != "memory":
             shown = m.get("profile") if m.get("profile") is not None else "document (default)"
-            out.append(_finding("profile-not-memory", "shelf.yml",
-                                f"profile is {shown}, not memory"))
+            yield _finding("profile-not-memory", "shelf.yml", f"profile is {shown}, not memory")
         if m.get("mode") == "multi":
-            out.append(_finding("reserved-m1", "shelf.yml", "mode: multi is reserved for a "
-                                "later shelf-spec milestone"))
+            yield _finding("reserved-m1", "shelf.yml",
+                           "mode: multi is reserved for a later shelf-spec milestone")
         elif "agents" in m or "provenance" in m:
-            out.append(_finding("reserved-m1", "shelf.yml", "agents/provenance blocks are "
-                                "reserved for a later shelf-spec milestone"))
+            yield _finding("reserved-m1", "shelf.yml",
+                           "agents/provenance blocks are reserved for a later shelf-spec milestone")
         explicit = memcfg.get("derived") if isinstance(memcfg, dict) else None
-        if explicit in ("auto", "bot"):
-            workflow = _renderer_workflow(root)
-            if explicit == "bot" and not workflow:
-                out.append(_finding("derived-mode-conflict", "memshelf.json",
-                                    "derived: bot, but no renderer workflow mentions memshelf "
-                                    "and rebuild"))
-            elif explicit == "auto" and workflow:
-                rel = os.path.relpath(workflow, root).replace(os.sep, "/")
-                out.append(_finding("derived-mode-conflict", "memshelf.json",
-                                    f"derived: auto, but {rel} renders the shelf"))
-        out += self.merge_drivers()
-        return out
+        workflow = _renderer_workflow(root) if explicit in ("auto", "bot") else None
+        if explicit == "bot" and not workflow:
+            yield _finding("derived-mode-conflict", "memshelf.json",
+                           "derived: bot, but no renderer workflow mentions memshelf and rebuild")
+        elif explicit == "auto" and workflow:
+            rel = os.path.relpath(workflow, root).replace(os.sep, "/")
+            yield _finding("derived-mode-conflict", "memshelf.json",
+                           f"derived: auto, but {rel} renders the shelf")
+        yield from self.merge_drivers()
 
     def manifest_rules(self, m, text):
-        out = []
-
-        def bad(detail):
-            out.append(_finding("manifest-invalid", "shelf.yml", detail))
-
+        bad = functools.partial(_finding, "manifest-invalid", "shelf.yml")
         for key in m:
             if key not in _MANIFEST_KEYS:
-                bad(f"unknown top-level key {key!r}")
+                yield bad(f"unknown top-level key {key!r}")
         version = m.get("spec_version")
         if "spec_version" not in m:
-            bad("spec_version is missing")
+            yield bad("spec_version is missing")
         elif not isinstance(version, str) or not re.fullmatch(r"[0-9]+\.[0-9]+(\.[0-9]+)?",
                                                                version):
-            bad(f"spec_version {version!r} is not a version string such as \"0.1\"")
+            yield bad(f"spec_version {version!r} is not a version string such as \"0.1\"")
         if "mode" not in m:
-            bad("mode is missing")
+            yield bad("mode is missing")
         elif m["mode"] not in ("single", "multi"):
-            bad(f"mode {m['mode']!r} is not single or multi")
+            yield bad(f"mode {m['mode']!r} is not single or multi")
         for key in ("name", "profile", "docs_root"):
             if key in m and (not isinstance(m[key], str) or not m[key]):
-                bad(f"{key} must be a non-empty string")
-        if isinstance(m.get("docs_root"), str) and m["docs_root"]:
-            problem = _manifest_path_problem(m["docs_root"])
+                yield bad(f"{key} must be a non-empty string")
+        docs_root = m.get("docs_root")
+        if isinstance(docs_root, str) and docs_root:
+            problem = _manifest_path_problem(docs_root)
             if problem:
-                bad(f"docs_root {problem}")
-            elif m["docs_root"].rstrip("/") != "docs":
-                out.append(_finding("manifest-unsupported", "shelf.yml",
-                                    f"docs_root is {m['docs_root']!r}; memshelf supports docs "
-                                    "only"))
+                yield bad(f"docs_root {problem}")
+            elif docs_root.rstrip("/") != "docs":
+                yield _finding("manifest-unsupported", "shelf.yml",
+                               f"docs_root is {docs_root!r}; memshelf supports docs only")
         for key in ("categories", "extra_dirs"):
-            if key not in m:
-                continue
-            items = m[key]
+            items = m.get(key, [])
             if not isinstance(items, list):
-                bad(f"{key} must be a list")
+                yield bad(f"{key} must be a list")
                 continue
             if len(set(items)) != len(items):
-                bad(f"{key} lists an entry twice")
+                yield bad(f"{key} lists an entry twice")
             for item in items:
                 problem = _manifest_path_problem(item) if item else "is empty"
                 if not problem and key == "categories" and "/" in item:
                     problem = "contains '/'"
                 if problem:
-                    bad(f"{key} entry {item!r} {problem}")
+                    yield bad(f"{key} entry {item!r} {problem}")
         for block, subkeys in _MANIFEST_BLOCKS.items():
-            if block not in m:
-                continue
-            value = m[block]
+            value = m.get(block, {})
             if not isinstance(value, dict):
-                bad(f"{block} must be a mapping of {', '.join(subkeys)}")
+                yield bad(f"{block} must be a mapping of {', '.join(subkeys)}")
                 continue
             for sub, v in value.items():
                 if sub not in subkeys:
-                    bad(f"unknown key {block}.{sub}")
+                    yield bad(f"unknown key {block}.{sub}")
                 elif sub == "generated_by":
                     if v not in ("docshelf-mcp", "external", "manual"):
-                        bad(f"index.generated_by {v!r} is not docshelf-mcp, external or manual")
+                        yield bad(f"index.generated_by {v!r} is not docshelf-mcp, external or "
+                                  "manual")
                 elif sub == "required":
                     if v not in ("true", "false"):
-                        bad("provenance.required must be true or false")
+                        yield bad("provenance.required must be true or false")
                 elif not isinstance(v, str) or not v:
-                    bad(f"{block}.{sub} must be a non-empty path")
-                else:
-                    problem = _manifest_path_problem(v)
-                    if problem:
-                        bad(f"{block}.{sub} {problem}")
-        out += _manifest_typing(text)
-        return out
+                    yield bad(f"{block}.{sub} must be a non-empty path")
+                elif _manifest_path_problem(v):
+                    yield bad(f"{block}.{sub} {_manifest_path_problem(v)}")
+        yield from _manifest_typing(text)
 
     def docshelf_conflicts(self, docshelf):
-        out = []
         m = self.manifest
         name = docshelf.get("name")
         if isinstance(m.get("name"), str) and isinstance(name, str) and m["name"] != name:
-            out.append(_finding("docshelf-config-conflict", ".docshelf.json",
-                                f"shelf.yml name {m['name']!r} differs from .docshelf.json name "
-                                f"{name!r}"))
+            yield _finding("docshelf-config-conflict", ".docshelf.json",
+                           f"shelf.yml name {m['name']!r} differs from .docshelf.json name "
+                           f"{name!r}")
         declared = m.get("categories") if isinstance(m.get("categories"), list) else []
         order = docshelf.get("category_order")
-        if declared and isinstance(order, list):
-            extra = [c for c in order if isinstance(c, str) and c not in declared]
-            if extra:
-                out.append(_finding("docshelf-config-conflict", ".docshelf.json",
-                                    "category_order names " + ", ".join(extra) +
-                                    ", which shelf.yml categories does not declare"))
-        return out
+        extra = [c for c in order if isinstance(c, str) and c not in declared] \
+            if declared and isinstance(order, list) else []
+        if extra:
+            yield _finding("docshelf-config-conflict", ".docshelf.json", "category_order names "
+                           + ", ".join(extra) + ", which shelf.yml categories does not declare")
 
     def memshelf_json_rules(self, cfg):
-        out = []
-
-        def invalid(detail):
-            out.append(_finding("config-invalid", "memshelf.json", detail))
-
+        invalid = functools.partial(_finding, "config-invalid", "memshelf.json")
         for key, value in cfg.items():
             if key not in _MEMSHELF_JSON_KEYS:
-                out.append(_finding("config-unknown-key", "memshelf.json",
-                                    f"unknown key {key!r}"))
+                yield _finding("config-unknown-key", "memshelf.json", f"unknown key {key!r}")
             elif key == "derived" and value not in ("auto", "bot"):
-                invalid(f"derived {value!r} is not \"auto\" or \"bot\"")
+                yield invalid(f"derived {value!r} is not \"auto\" or \"bot\"")
             elif key == "autopush" and not isinstance(value, bool):
-                invalid("autopush must be true or false")
+                yield invalid("autopush must be true or false")
             elif key == "export_exclude_tags" and not _string_list(value):
-                invalid("export_exclude_tags must be a list of strings")
+                yield invalid("export_exclude_tags must be a list of strings")
             elif key in ("context_window", "hook_index_chars") and not (
-                    isinstance(value, int) and not isinstance(value, bool) and value > 0):
-                invalid(f"{key} must be a positive integer")
-            elif key == "derived_stale_hours" and not (
-                    isinstance(value, (int, float)) and not isinstance(value, bool)
-                    and value > 0):
-                invalid("derived_stale_hours must be a number above 0")
+                    isinstance(value, int) and _positive_number(value)):
+                yield invalid(f"{key} must be a positive integer")
+            elif key == "derived_stale_hours" and not _positive_number(value):
+                yield invalid("derived_stale_hours must be a number above 0")
+            elif key == "redaction" and not isinstance(value, dict):
+                yield invalid("redaction must be an object {disable, legacy_compat}")
             elif key == "redaction":
-                if not isinstance(value, dict):
-                    invalid("redaction must be an object {disable, legacy_compat}")
-                    continue
                 for sub, v in value.items():
                     if sub == "disable" and not _string_list(v):
-                        invalid("redaction.disable must be a list of kind names")
+                        yield invalid("redaction.disable must be a list of kind names")
                     elif sub == "legacy_compat" and not isinstance(v, bool):
-                        invalid("redaction.legacy_compat must be true or false")
+                        yield invalid("redaction.legacy_compat must be true or false")
                     elif sub not in ("disable", "legacy_compat"):
-                        out.append(_finding("config-unknown-key", "memshelf.json",
-                                            f"unknown key 'redaction.{sub}'"))
-        return out
+                        yield _finding("config-unknown-key", "memshelf.json",
+                                       f"unknown key 'redaction.{sub}'")
 
     def merge_drivers(self):
         if not self.in_git or self.mode != "auto" or not self.git.remotes():
             return []
-        missing = []
         try:
             attrs = _read_text(os.path.join(self.root, ".gitattributes"))
         except (OSError, ShelfError):
             attrs = ""
-        for driver in ("memshelf-derived", "memshelf-recall-log"):
-            if f"merge={driver}" not in attrs:
-                missing.append(f".gitattributes merge={driver}")
         config = self.git.out("config", "--get-regexp", r"^merge\.memshelf-", check=False,
                               read_only=True)
-        for driver in ("memshelf-derived", "memshelf-recall-log"):
-            if f"merge.{driver}.driver" not in config:
-                missing.append(f"git config merge.{driver}.driver")
+        drivers = ("memshelf-derived", "memshelf-recall-log")
+        missing = [f".gitattributes merge={d}" for d in drivers if f"merge={d}" not in attrs]
+        missing += [f"git config merge.{d}.driver" for d in drivers
+                    if f"merge.{d}.driver" not in config]
         if self.git.is_root():
             hooks = self.git.out("rev-parse", "--git-path", "hooks", check=False,
                                  read_only=True)
             hooks = os.path.join(self.root, hooks) if hooks else ""
-            for name in ("post-merge", "post-rewrite"):
-                if not hooks or not os.path.isfile(os.path.join(hooks, name)):
-                    missing.append(f"the {name} hook")
-        if not missing:
-            return []
-        return [_finding("merge-driver-missing", "", "missing: " + ", ".join(missing))]
+            missing += [f"the {name} hook" for name in ("post-merge", "post-rewrite")
+                        if not hooks or not os.path.isfile(os.path.join(hooks, name))]
+        return [_finding("merge-driver-missing", "", "missing: " + ", ".join(missing))] \
+            if missing else []
 
     # 2. tree structure ------------------------------------------------------------------
 
     def tree(self):
-        out = []
         root = self.root
         docs = os.path.join(root, "docs")
         if not os.path.isdir(docs):
-            out.append(_finding("docs-root-missing", "docs", "no docs/ directory"))
+            yield _finding("docs-root-missing", "docs", "no docs/ directory")
         else:
             declared = self.manifest.get("categories")
             declared = [c for c in declared if isinstance(c, str)] \
@@ -12914,66 +12808,57 @@ class _DoctorRun:
             for entry in sorted(os.scandir(docs), key=lambda e: e.name):
                 rel = f"docs/{entry.name}"
                 if entry.is_symlink():
-                    out.append(_finding("symlink-ignored", rel, "a symlinked category"))
+                    yield _finding("symlink-ignored", rel, "a symlinked category")
+                elif not entry.is_dir() or entry.name in CATEGORIES:
                     continue
-                if not entry.is_dir() or entry.name in CATEGORIES:
-                    continue
-                if declared and entry.name not in declared:
-                    out.append(_finding("category-undeclared", rel,
-                                        f"docs/{entry.name} is not declared in shelf.yml "
-                                        "categories"))
+                elif declared and entry.name not in declared:
+                    yield _finding("category-undeclared", rel,
+                                   f"docs/{entry.name} is not declared in shelf.yml categories")
                 else:
-                    out.append(_finding("unknown-category", rel,
-                                        f"docs/{entry.name} is not topics, research or "
-                                        "sessions"))
-        counted = {}
-        for r in self.records:
-            counted[(r["archived"], r["category"])] = counted.get((r["archived"], r["category"]),
-                                                                  0) + 1
-        split_dirs = []
+                    yield _finding("unknown-category", rel,
+                                   f"docs/{entry.name} is not topics, research or sessions")
         for rel in ("docs", "archive", "archive/docs") + tuple(f"archive/docs/{c}"
                                                                for c in CATEGORIES):
             if os.path.islink(os.path.join(root, rel)):
-                out.append(_finding("symlink-ignored", rel, "a symlinked folder of the shelf"))
-        for base, archived in (("docs", False), ("archive/docs", True)):
+                yield _finding("symlink-ignored", rel, "a symlinked folder of the shelf")
+        live = {r["category"] for r in self.records if not r["archived"]}
+        split_dirs = []
+        for base in ("docs", "archive/docs"):
             for cat in CATEGORIES:
-                d = os.path.join(root, base, cat)
-                if not os.path.isdir(d) or _linked(root, f"{base}/{cat}"):
-                    continue
                 rel_dir = f"{base}/{cat}"
-                if not archived and not counted.get((False, cat)):
-                    out.append(_finding("empty-category", rel_dir, "no episodes"))
+                d = os.path.join(root, base, cat)
+                if not os.path.isdir(d) or _linked(root, rel_dir):
+                    continue
+                if base == "docs" and cat not in live:
+                    yield _finding("empty-category", rel_dir, "no episodes")
                 names = set()
                 subdirs = []
                 for e in os.scandir(d):
                     names.add(e.name)
                     if e.is_symlink():
                         if e.name.endswith(".md") or os.path.isdir(e.path):
-                            out.append(_finding("symlink-ignored", f"{rel_dir}/{e.name}",
-                                                "a symlinked episode file or directory"))
+                            yield _finding("symlink-ignored", f"{rel_dir}/{e.name}",
+                                           "a symlinked episode file or directory")
                     elif e.is_dir() and e.name != ".meta.json":   # that is derived-not-file
                         subdirs.append(e.name)
                 for sub in sorted(subdirs):
-                    rel = f"{rel_dir}/{sub}"
-                    if f"{sub}.md" not in names:
-                        out.append(_finding("orphaned-split-dir", rel,
-                                            f"no {sub}.md next to the directory"))
+                    if f"{sub}.md" in names:
+                        split_dirs.append(f"{rel_dir}/{sub}")
                     else:
-                        split_dirs.append(rel)
-                out += self.meta_file(rel_dir, names)
-        out += self.split_dirs(split_dirs)
-        out += self.duplicate_titles()
+                        yield _finding("orphaned-split-dir", f"{rel_dir}/{sub}",
+                                       f"no {sub}.md next to the directory")
+                yield from self.meta_file(rel_dir, names)
+        yield from self.split_dirs(split_dirs)
+        yield from self.duplicate_titles()
         for rel in _leftover_temps(root):
-            out.append(_finding("leftover-temp-file", rel,
-                                "a temp file left by an interrupted write"))
+            yield _finding("leftover-temp-file", rel, "a temp file left by an interrupted write")
         for rel in ("INDEX.md", "ledger.tsv", "stats.svg", "archive/INDEX.md") + tuple(
                 f"{b}/{cat}/.meta.json" for b in ("docs", "archive/docs") for cat in CATEGORIES):
             path = os.path.join(root, rel)
             if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)) and \
                     not _linked(root, os.path.dirname(rel)):
-                out.append(_finding("derived-not-file", rel, "a directory, link or other "
-                                    "non-regular file where a generated file belongs"))
-        return out
+                yield _finding("derived-not-file", rel, "a directory, link or other non-regular "
+                               "file where a generated file belongs")
 
     def meta_file(self, rel_dir, names):
         rel = f"{rel_dir}/.meta.json"
@@ -12998,56 +12883,45 @@ class _DoctorRun:
         return out
 
     def split_dirs(self, split_dirs):
-        out = []
-        if not split_dirs:
-            return out
         listed = []
-        if self.in_git:
+        if self.in_git and split_dirs:
             # ls-files prints paths relative to the shelf (git runs with -C root)
             listed = self.git.out("ls-files", "-z", "--", *split_dirs, check=False,
                                   read_only=True).split("\x00")
         for rel in split_dirs:
             if not any(name.startswith(rel + "/") for name in listed):
-                out.append(_finding("local-split-dir", rel,
-                                    "a legacy H2 split directory git does not track"))
+                yield _finding("local-split-dir", rel,
+                               "a legacy H2 split directory git does not track")
             if self.fmt == "docshelf":
                 files = sorted(n for n in os.listdir(os.path.join(self.root, rel))
                                if n.endswith(".md") and n != "SUBINDEX.md")
                 numbers = [int(m.group(1)) for m in
                            (re.match(r"(\d{3,})-.+\.md\Z", n) for n in files) if m]
-                if not files or len(numbers) != len(files) or \
-                        numbers != list(range(1, len(files) + 1)):
-                    out.append(_finding("split-out-of-sync", rel,
-                                        "section files are not numbered 001… contiguously"))
-        return out
+                if not files or numbers != list(range(1, len(files) + 1)):
+                    yield _finding("split-out-of-sync", rel,
+                                   "section files are not numbered 001… contiguously")
 
     def duplicate_titles(self):
-        out = []
-        groups = {}
+        groups = collections.defaultdict(list)
         for r in self.records:
             title = (r.get("display_title") or r.get("id") or r["stem"]).strip().lower()
-            groups.setdefault((r["archived"], r["category"], title), []).append(r["path"])
+            groups[(r["archived"], r["category"], title)].append(r["path"])
         for paths in groups.values():
-            if len(paths) > 1:
-                paths.sort()
-                for p in paths[1:]:
-                    out.append(_finding("duplicate-title", p,
-                                        f"same title as {paths[0]} in its category"))
-        return out
+            paths.sort()
+            for p in paths[1:]:
+                yield _finding("duplicate-title", p, f"same title as {paths[0]} in its category")
 
     # 3. POLICY.patterns -------------------------------------------------------------------
 
     def policy_file(self):
-        out = []
-        policy = self.manifest.get("policy") if isinstance(self.manifest.get("policy"),
-                                                           dict) else {}
-        path = policy.get("path") if isinstance(policy.get("path"), str) else "POLICY.md"
+        policy = self.manifest.get("policy")
+        path = policy.get("path") if isinstance(policy, dict) else None
+        path = path if isinstance(path, str) else "POLICY.md"
         if not os.path.isfile(os.path.join(self.root, path)):
-            out.append(_finding("no-policy", path, f"no {path}"))
+            yield _finding("no-policy", path, f"no {path}")
         for p in self.policy_problems:
-            out.append(_finding("policy-pattern-invalid", "POLICY.patterns",
-                                f"line {p.get('line')}: {p.get('reason')}"))
-        return out
+            yield _finding("policy-pattern-invalid", "POLICY.patterns",
+                           f"line {p.get('line')}: {p.get('reason')}")
 
     # 4. the ledger register -------------------------------------------------------------
 
@@ -13057,41 +12931,34 @@ class _DoctorRun:
             return [] if os.path.lexists(os.path.join(self.root, "ledger.tsv")) else \
                 [_finding("no-ledger", "ledger.tsv", "no ledger.tsv")]
         self.ledger_ids = ids
-        if not problems:
-            return []
         more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
-        return [_finding("ledger-malformed", "ledger.tsv", "; ".join(problems[:10]) + more)]
+        return [_finding("ledger-malformed", "ledger.tsv", "; ".join(problems[:10]) + more)] \
+            if problems else []
 
     # 5. every episode -------------------------------------------------------------------
 
     def episodes(self, live, archived):
         fingerprint = _doctor_fingerprint(self.root, self.policy[1])
         cache = _DoctorFileCache(self.root, fingerprint, self.use_cache)
-        ids = {r.get("id") for r in self.records if r.get("id")} | \
-            {r["stem"] for r in self.records}
+        ids = {r["stem"] for r in self.records} | {r["id"] for r in self.records if r.get("id")}
         row_fix = self.derived_fix("no-ledger-row")
         progress = _Progress("checking episodes", len(self.records))
-        steps = []
-        done = 0
+        steps = [[], []]
         try:
             known = self.cached_verdicts(live + archived, cache, progress)
-            for group in (live, archived):
-                step = []
-                for rec in group:
-                    progress.update(done)
-                    done += 1
-                    step += known[rec["path"]]
-                    missing = [s for s in rec.get("supersedes") or [] if s not in ids]
-                    if missing:
-                        step.append(_finding("supersedes-unknown", rec["path"],
-                                             "supersedes names ids not on the shelf: " +
-                                             ", ".join(missing)))
-                    if self.ledger_ids is not None and rec.get("id") and \
-                            rec["id"] not in self.ledger_ids:
-                        self.uncounted.append(rec)
-                        step.append(_finding("no-ledger-row", rec["path"],
-                                             f"ledger.tsv has no row for {rec['id']}", row_fix))
-                steps.append(step)
+            for done, rec in enumerate(live + archived):
+                progress.update(done)
+                step = steps[0] if done < len(live) else steps[1]
+                step += known[rec["path"]]
+                missing = [s for s in rec.get("supersedes") or [] if s not in ids]
+                if missing:
+                    step.append(_finding("supersedes-unknown", rec["path"], "supersedes names "
+                                         "ids not on the shelf: " + ", ".join(missing)))
+                if self.ledger_ids is not None and rec.get("id") and \
+                        rec["id"] not in self.ledger_ids:
+                    self.uncounted.append(rec)
+                    step.append(_finding("no-ledger-row", rec["path"],
+                                         f"ledger.tsv has no row for {rec['id']}", row_fix))
             cache.finish()
         finally:
             cache.close()
@@ -13104,15 +12971,12 @@ class _DoctorRun:
         pays; the content checks are most of an empty-cache doctor run)."""
         root, policy = self.root, self.policy
         known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec["path"]))
-        later = []
         for rec in todo:
-            done = self.prechecked.get(rec["path"])
-            if done is None:
-                later.append(rec)
-            else:
-                cache.store(rec, done[1], list(done[0]))
-                known[rec["path"]] = done[0]
-        todo = later
+            if rec["path"] in self.prechecked:
+                findings, digest = self.prechecked[rec["path"]]
+                cache.store(rec, digest, list(findings))
+                known[rec["path"]] = findings
+        todo = [rec for rec in todo if rec["path"] not in self.prechecked]
 
         def check(rec):
             seen = time.time_ns()
@@ -13121,33 +12985,30 @@ class _DoctorRun:
 
         for n, (findings, digest, seen) in _parallel_map(check, todo, progress,
                                                          "checking episodes"):
-            rec = todo[n]
-            cache.store(rec, digest, findings, seen)
-            known[rec["path"]] = findings
+            cache.store(todo[n], digest, findings, seen)
+            known[todo[n]["path"]] = findings
         return known
 
     # 6. derived-layer freshness and git state -------------------------------------------
 
     def derived_fix(self, code):
-        if self.mode == "bot":
-            if code == "no-ledger-row":
-                return "expected until the renderer runs; do not render by hand"
-            if code == "derived-stale":
-                return ("check the renderer job (disabled, failing, queued) and rerun it")
-            return "wait for the renderer"
-        return "memshelf rebuild --commit" if self.in_git else "memshelf rebuild"
+        if self.mode != "bot":
+            return "memshelf rebuild --commit" if self.in_git else "memshelf rebuild"
+        if code == "no-ledger-row":
+            return "expected until the renderer runs; do not render by hand"
+        if code == "derived-stale":
+            return "check the renderer job (disabled, failing, queued) and rerun it"
+        return "wait for the renderer"
 
     def freshness(self):
-        out = []
         if self.uncounted:
-            out += self.judge_renderer()
-        _rows, problems = _recall_log_entries(self.root)
+            yield from self.judge_renderer()
+        problems = _recall_log_entries(self.root)[1]
         if problems:
             shown = ", ".join(f"line {n} ({why})" for n, why in problems[:10])
-            out.append(_finding("recall-log-malformed", _RECALL_LOG,
-                                f"{len(problems)} unreadable row(s): {shown}"))
-        out += self.uncommitted()
-        return out
+            yield _finding("recall-log-malformed", _RECALL_LOG,
+                           f"{len(problems)} unreadable row(s): {shown}")
+        yield from self.uncommitted()
 
     def judge_renderer(self):
         """Is the renderer stopped, or has it simply not seen the uncounted episodes yet?
@@ -13159,12 +13020,11 @@ class _DoctorRun:
         upstream = git.out("rev-parse", "--symbolic-full-name", "@{u}", check=False,
                            read_only=True)
         if not upstream.startswith("refs/remotes/"):
-            ids = _id_list(self.uncounted)
             return [_finding("upstream-unknown", "",
-                             f"{len(self.uncounted)} episode(s) have no ledger row ({ids}), but "
-                             "this checkout tracks no upstream branch, so the renderer cannot "
-                             "be judged; falling back to the ledger's age")] + \
-                self.ledger_age_verdict()
+                             f"{len(self.uncounted)} episode(s) have no ledger row "
+                             f"({_id_list(self.uncounted)}), but this checkout tracks no "
+                             "upstream branch, so the renderer cannot be judged; falling back "
+                             "to the ledger's age")] + self.ledger_age_verdict()
         render = self.render_branch(upstream)
         prefix = self.git_prefix()
         full = {r["path"]: prefix + r["path"] for r in self.uncounted}
@@ -13198,9 +13058,8 @@ class _DoctorRun:
         remote = upstream[len("refs/remotes/"):].split("/", 1)[0]
         head = self.git.out("symbolic-ref", "-q", f"refs/remotes/{remote}/HEAD", check=False,
                             read_only=True)
-        candidates = ([head] if head else []) + [f"refs/remotes/{remote}/main",
-                                                 f"refs/remotes/{remote}/master"]
-        for ref in candidates:
+        for ref in ([head] if head else []) + [f"refs/remotes/{remote}/main",
+                                               f"refs/remotes/{remote}/master"]:
             if self.git.ok("rev-parse", "-q", "--verify", ref + "^{commit}", read_only=True):
                 return ref
         return upstream
@@ -13257,14 +13116,12 @@ class _DoctorRun:
                 proven.append((rec, lower))
             else:
                 unknown.append(rec)
-        fix = self.derived_fix("derived-stale")
         if proven:
-            recs = [r for r, _ in proven]
             return [_finding("derived-stale", "ledger.tsv",
-                             f"{len(recs)} episode(s) on {short_render} have no ledger row "
-                             f"({_id_list(recs)}); the renderer has had them for at least "
-                             f"{_hours_text(max(s for _, s in proven))} (threshold "
-                             f"{self.stale_hours:g} h)", fix)]
+                             f"{len(proven)} episode(s) on {short_render} have no ledger row "
+                             f"({_id_list([r for r, _ in proven])}); the renderer has had them "
+                             f"for at least {_hours_text(max(s for _, s in proven))} (threshold "
+                             f"{self.stale_hours:g} h)", self.derived_fix("derived-stale"))]
         if unknown:
             return [_finding("renderer-wait-unknown", "ledger.tsv",
                              f"{len(unknown)} episode(s) on {short_render} have no ledger row "
@@ -13279,21 +13136,19 @@ class _DoctorRun:
         if when is None:
             return []
         hours = (time.time() - when) / 3600
-        if hours < self.stale_hours:
-            # a shallow-boundary commit makes the age a lower bound that proves nothing here
-            if sha and sha in _shallow_commits(self.git):
-                return [_finding("derived-age-unknown", "ledger.tsv",
-                                 f"{len(self.uncounted)} episode(s) have no ledger row "
-                                 f"({_id_list(self.uncounted)}); the ledger's last commit is "
-                                 f"the boundary of a shallow clone, so its age ({hours:.0f} h) "
-                                 "is only a lower bound")]
-            return []
-        # a lower bound that reaches the threshold still proves staleness
-        return [_finding("derived-stale", "ledger.tsv",
-                         f"{len(self.uncounted)} episode(s) have no ledger row "
-                         f"({_id_list(self.uncounted)}) and the ledger was last written "
-                         f"{hours:.0f} h ago ({source}; threshold {self.stale_hours:g} h)",
-                         self.derived_fix("derived-stale"))]
+        rows = f"{len(self.uncounted)} episode(s) have no ledger row ({_id_list(self.uncounted)})"
+        if hours >= self.stale_hours:
+            # a lower bound that reaches the threshold still proves staleness
+            return [_finding("derived-stale", "ledger.tsv",
+                             f"{rows} and the ledger was last written {hours:.0f} h ago "
+                             f"({source}; threshold {self.stale_hours:g} h)",
+                             self.derived_fix("derived-stale"))]
+        # a shallow-boundary commit makes the age a lower bound that proves nothing here
+        if sha and sha in _shallow_commits(self.git):
+            return [_finding("derived-age-unknown", "ledger.tsv",
+                             f"{rows}; the ledger's last commit is the boundary of a shallow "
+                             f"clone, so its age ({hours:.0f} h) is only a lower bound")]
+        return []
 
     def ledger_time(self):
         """(time, source, commit sha or None) of the ledger's last write."""
@@ -13372,8 +13227,7 @@ class _DoctorRun:
     def orphan_rows(self):
         if not self.ledger_ids:
             return []
-        known = {r.get("id") for r in self.records if r.get("id")} | \
-            {r["stem"] for r in self.records}
+        known = {r["stem"] for r in self.records} | {r["id"] for r in self.records if r.get("id")}
         return [_finding("orphan-ledger-row", "ledger.tsv",
                          f"line {line}: {ident!r} has no episode file in docs/ or archive/")
                 for ident, line in sorted(self.ledger_ids.items(), key=lambda t: t[1])
@@ -13382,7 +13236,6 @@ class _DoctorRun:
     # 8. INDEX ---------------------------------------------------------------------------
 
     def index(self):
-        out = []
         root = self.root
         # compared as bytes, decoded after: at 100k entries each text copy is ~20 MB
         raw = _read_bytes(root, "INDEX.md") if os.path.isfile(os.path.join(root, "INDEX.md")) \
@@ -13400,38 +13253,33 @@ class _DoctorRun:
                     if os.path.isfile(os.path.join(root, rel)) else None
                 if current is None:
                     if not os.path.lexists(os.path.join(root, rel)):   # else derived-not-file
-                        out.append(_finding("stale-index", rel, f"{rel} is missing", fix, level))
+                        yield _finding("stale-index", rel, f"{rel} is missing", fix, level)
                 elif current != rendered[rel].encode("utf-8", "surrogatepass"):
                     have = len(_index_entries(current.decode("utf-8", "replace"), self.fmt))
                     want = len(_index_entries(rendered[rel], self.fmt))
-                    out.append(_finding("stale-index", rel,
-                                        f"{rel} differs from a fresh render ({have} entries on "
-                                        f"disk, {want} rendered)", fix, level))
+                    yield _finding("stale-index", rel, f"{rel} differs from a fresh render "
+                                   f"({have} entries on disk, {want} rendered)", fix, level)
                 rendered[rel] = None
             del rendered
         on_disk = raw.decode("utf-8", "replace") if raw is not None else None
         del raw
         if on_disk is None:
-            return out
+            return
         if self.fmt == "docshelf" and "*Auto-generated by [docshelf-mcp]" not in on_disk:
-            out.append(_finding("index-hand-edited", "INDEX.md",
-                                "shelf.yml says generated_by: docshelf-mcp, but INDEX.md lacks "
-                                "the docshelf footer marker"))
-        out += self.index_budget(on_disk)
+            yield _finding("index-hand-edited", "INDEX.md", "shelf.yml says generated_by: "
+                           "docshelf-mcp, but INDEX.md lacks the docshelf footer marker")
+        yield from self.index_budget(on_disk)
         limit = self.cfg.get("hook_index_chars")
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        if not (isinstance(limit, int) and _positive_number(limit)):
             limit = _HOOK_INDEX_CHARS
         if len(on_disk) > limit:
-            out.append(_finding("index-injection-cap", "INDEX.md",
-                                f"INDEX.md has {len(on_disk)} characters; session-start hooks "
-                                f"inject only the newest entries within {limit}"))
-        if self.fmt == "docshelf":
-            cfg = _docshelf_config(root)
-            if cfg.get("remote") and cfg.get("provider") != "none":
-                out.append(_finding("index-links-unsupported", "INDEX.md",
-                                    f"provider {cfg.get('provider')!r} with a remote: memshelf "
-                                    "renders no links"))
-        return out
+            yield _finding("index-injection-cap", "INDEX.md",
+                           f"INDEX.md has {len(on_disk)} characters; session-start hooks "
+                           f"inject only the newest entries within {limit}")
+        cfg = _docshelf_config(root) if self.fmt == "docshelf" else {}
+        if cfg.get("remote") and cfg.get("provider") != "none":
+            yield _finding("index-links-unsupported", "INDEX.md", f"provider "
+                           f"{cfg.get('provider')!r} with a remote: memshelf renders no links")
 
     def index_budget(self, text):
         fmt = "docshelf" if self.fmt == "docshelf" else "compact"
@@ -13449,11 +13297,8 @@ class _DoctorRun:
                   f"({_INDEX_BASE_TOKENS} + {per_entry}×{listed} listed), over by "
                   f"{cost - budget}: ~{(cost - _INDEX_BASE_TOKENS) / listed:.1f} tokens per "
                   f"entry, allowance {per_entry}.")
-        overage = {}
-        for term in allowance:
-            if term == "markup":
-                continue
-            overage[term] = sum(e[term] for e in entries) // 4 - allowance[term] * listed
+        overage = {term: sum(e[term] for e in entries) // 4 - allowance[term] * listed
+                   for term in allowance if term != "markup"}
         term, worst = max(sorted(overage.items()), key=lambda t: t[1])
         fixes = {
             "title": "shorten display_title on the longest titles (the one uncapped field), "
@@ -13476,33 +13321,25 @@ class _DoctorRun:
         if not self.in_git:
             return [_finding("no-remote", "", "not a git shelf: nothing is pushed anywhere")]
         listing = self.git.out("remote", "-v", check=False, read_only=True)
-        urls = []
-        for line in listing.splitlines():
-            parts = line.split()
-            if len(parts) >= 2 and (parts[0], parts[1]) not in urls:
-                urls.append((parts[0], parts[1]))
+        pairs = (line.split()[:2] for line in listing.splitlines())
+        urls = list(dict.fromkeys(tuple(p) for p in pairs if len(p) == 2))
         if not urls:
             return [_finding("no-remote", "", "no git remote")]
         out, verdicts, probed = [], [], {}
         for name, url in urls:
             base = _remote_probe_base(url)
+            if base not in probed:
+                probed[base] = "private" if base == "local" else \
+                    "unverified" if base is None else _probe_remote(base)
+            verdicts.append(probed[base])
             shown = _strip_url_credentials(url)
-            if base == "local":
-                verdict = "private"
-            elif base is None:
-                verdict = "unverified"
-            else:
-                if base not in probed:
-                    probed[base] = _probe_remote(base)
-                verdict = probed[base]
-            verdicts.append(verdict)
-            if verdict == "public":
+            if probed[base] == "public":
                 out.append(_finding("public-remote", "",
                                     f"remote {name} ({shown}) answers an anonymous read: a "
                                     "memory shelf must never push to a public repository",
                                     f"make the repository private, or remove the remote: git "
                                     f"remote remove {name}"))
-            elif verdict == "unverified":
+            elif probed[base] == "unverified":
                 out.append(_finding("remote-unverified", "",
                                     f"remote {name} ({shown}): the probe could not decide"))
         if all(v == "private" for v in verdicts):
@@ -13532,18 +13369,17 @@ class _DoctorRun:
 
 
 def _json_type_ok(value, default):
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if isinstance(default, int):
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(default, list):
-        return _string_list(value)
-    return isinstance(value, type(default))
+    # JSON values have exact types: an int is never a bool here
+    return _string_list(value) if isinstance(default, list) else type(value) is type(default)
 
 
 def _json_type_name(default):
     return {bool: "true or false", int: "an integer", list: "a list of strings",
             str: "a string"}.get(type(default), type(default).__name__)
+
+
+def _positive_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _string_list(value):
@@ -13564,7 +13400,6 @@ def _manifest_path_problem(value):
 
 def _manifest_typing(text):
     """Plain scalars a YAML loader types as non-strings (shelf-spec's schema wants strings)."""
-    out = []
     for number, line in enumerate(text.split("\n"), 1):
         m = _MANIFEST_LINE.match(line)
         if not m:
@@ -13577,15 +13412,11 @@ def _manifest_typing(text):
         kind = _yaml_implicit_type(value)
         if kind:
             what = f"{key.strip()}: {value}" if key else f"- {value}"
-            out.append(_finding("manifest-invalid", "shelf.yml",
-                                f"line {number}: a YAML loader reads {what!r} as a {kind}, not "
-                                "a string; quote it"))
-    return out
+            yield _finding("manifest-invalid", "shelf.yml", f"line {number}: a YAML loader "
+                           f"reads {what!r} as a {kind}, not a string; quote it")
 
 
 def _parse_git_time(stamp):
-    if not stamp:
-        return None
     import datetime
     text = stamp.strip()
     if text.endswith("Z"):
@@ -13635,26 +13466,19 @@ def _present_pairs(git, pairs):
 
 def _doctor_fingerprint(root, switches):
     """What per-file verdicts depend on besides the file: the rules, the switches, the code."""
-    try:
-        with open(os.path.join(root, "POLICY.patterns"), "rb") as f:
-            patterns = f.read()
-    except OSError:
-        patterns = b""
+    patterns = _read_bytes(root, "POLICY.patterns")
     return f"{__version__}/{_self_hash()}|{_DOCTOR_CACHE_SCHEMA}|" \
         f"{json.dumps(switches, sort_keys=True)}|" + _content_hash(patterns)
 
 
 def _code_pair_hash(main_path, server_path):
     import hashlib
-    digest = hashlib.sha256()
     try:
-        with open(main_path, "rb") as f:
-            digest.update(f.read())
+        digest = hashlib.sha256(_file_bytes(main_path))
     except OSError:
         return None
     try:
-        with open(server_path, "rb") as f:
-            digest.update(f.read())
+        digest.update(_file_bytes(server_path))
     except OSError:
         pass
     return digest.hexdigest()
@@ -13704,22 +13528,16 @@ def _probe_remote(base):
         status = exc.code
     except Exception:
         return "unverified"
-    if status == 200:
-        return "public"
-    if status in (401, 403, 404):
-        return "private"
-    return "unverified"
+    return "public" if status == 200 else "private" if status in (401, 403, 404) else "unverified"
 
 
 def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, only=None,
            min_level="info", no_cache=False):
     """Diagnose the shelf, read-only: every finding with its level, class and fix (doctor.md)."""
-    if derived_stale_after_hours is not None:
-        if isinstance(derived_stale_after_hours, bool) or \
-                not isinstance(derived_stale_after_hours, (int, float)) or \
-                not derived_stale_after_hours > 0:
-            raise _usage(f"derived_stale_after_hours must be a number above 0, got "
-                         f"{derived_stale_after_hours!r}", "pass hours > 0, e.g. 24")
+    hours = derived_stale_after_hours
+    if hours is not None and not _positive_number(hours):
+        raise _usage(f"derived_stale_after_hours must be a number above 0, got {hours!r}",
+                     "pass hours > 0, e.g. 24")
     if min_level not in ("info", "warning", "error"):
         raise _usage(f"--min-level {min_level!r} is not info, warning or error")
     only = list(only or [])
@@ -13728,17 +13546,15 @@ def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, 
         raise _usage(f"unknown finding code {unknown[0]!r}",
                      "codes: " + ", ".join(sorted(_DOCTOR_CODES)))
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
-    hours = derived_stale_after_hours
     if hours is None:
         value = _memshelf_config(root).get("derived_stale_hours")
-        hours = value if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-            value > 0 else _DOCTOR_STALE_HOURS
+        hours = value if _positive_number(value) else _DOCTOR_STALE_HOURS
     run = _DoctorRun(root, check_remote, float(hours), not no_cache)
     findings = run.run()
     floor = _DOCTOR_RANK[min_level]
     findings = [f for f in findings if (not only or f["code"] in only) and
                 (f["level"] == "unknown" or _DOCTOR_RANK[f["level"]] >= floor)]
-    counts = {level: sum(1 for f in findings if f["level"] == level) for level in _DOCTOR_LEVELS}
+    counts = collections.Counter(f["level"] for f in findings)
     return {"status": "ok", "healthy": counts["error"] == 0,
             "episodes_checked": len(run.records), "errors": counts["error"],
             "warnings": counts["warning"], "infos": counts["info"],
