@@ -4294,11 +4294,10 @@ def _harmless_hidden(text, at):
 # English imperatives must address the reader: line or sentence start, after punctuation,
 # or after "please" / "you must" / "I want you to"; "we decided to ignore X" stays quiet.
 _LEAD_WORDS = _LazyPattern(
-    r"\b(?:please|pls|now|just|and|so|then|also|simply|kindly|instead|immediately|first"
-    r"|(?:could|can|would|will)\s+you(?:\s+please)?"
-    r"|you\s+(?:must|should|shall|will|need\s+to|have\s+to|are\s+to|are\s+required\s+to"
-    r"|can\s+now|may\s+now)|(?:want|need|order|command|instruct|ask|tell|require)\s+you\s+to)"
-    r"[ \t]+\Z", re.IGNORECASE)
+    r"\b(?:please|pls|now|just|and|so|then|also|simply|kindly|instead|immediately|first|(?:could"
+    r"|can|would|will)\s+you(?:\s+please)?|you\s+(?:must|should|shall|will|need\s+to|have\s+to"
+    r"|are\s+to|are\s+required\s+to|can\s+now|may\s+now)|(?:want|need|order|command|instruct|ask"
+    r"|tell|require)\s+you\s+to)[ \t]+\Z", re.IGNORECASE)
 _LEAD_PUNCT = frozenset(".!?:;,()[]\"'\u201c\u2018\u00ab>*#|~-\u2013\u2014\u2026\u3002\uff01\uff1f")
 
 
@@ -4449,9 +4448,8 @@ def _instruction_rule_table():
                 r"|commands?|constraints?|restrictions?|guardrails?|polic(?:y|ies)|messages?"
                 r"|orders?|programming|training|safeguards?|filters?|conversation|tasks?"
                 r"|information|assignments?|requests?|questions?")
-    en_quals = (r"previous(?:ly)?|prior|above|aforementioned|earlier|preceding|foregoing"
-                r"|former|original|initial|all|any|every|your|system|safety|developer"
-                r"|content|ethical")
+    en_quals = (r"previous(?:ly)?|prior|above|aforementioned|earlier|preceding|foregoing|former"
+                r"|original|initial|all|any|every|your|system|safety|developer|content|ethical")
     source, _ = _phrase_rule(en_verbs, en_nouns, en_quals, gap=4, after=1)
     strong = _LazyPattern(r"\b(?:" + en_quals.replace("|all|any|every", "") + r")\b",
                           re.IGNORECASE)
@@ -4464,18 +4462,17 @@ def _instruction_rule_table():
 
     add("override", _trigger_words(en_verbs), source, check, lead=True, also=_trigger_words(en_nouns))
     add("override", "ignore disregard forget drop",
-        r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard|forget)\s+(?:(?:everything|all"
-        r"|anything|whatever)"
-        r"\s+(?:(?:that\s+)?(?:was\s+)?(?:above|before|prior|previously|earlier|so\s+far)"
-        r"|(?:that\s+)?(?:you\s+(?:were|have\s+been|'?ve\s+been)\s+(?:told|given|taught)"
-        r"|i\s+(?:said|told\s+you)|was\s+said|we\s+(?:talked|discussed|said)))"
-        r"|everything(?=\s*[,.!:;])"
-        r"|(?:the\s+)?(?:above|foregoing|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?))))",
+        r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard"
+        r"|forget)\s+(?:(?:everything|all|anything|whatever)\s+(?:(?:that\s+)?(?:was\s+)?(?:above"
+        r"|before|prior|previously|earlier|so\s+far)|(?:that\s+)?(?:you\s+(?:were|have\s+been"
+        r"|'?ve\s+been)\s+(?:told|given|taught)|i\s+(?:said|told\s+you)|was\s+said|we\s+(?:talked"
+        r"|discussed|said)))|everything(?=\s*[,.!:;])|(?:the\s+)?(?:above|foregoing"
+        r"|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?))))",
         lead=True, also="everything all anything whatever above foregoing preceding")
     # A new task handed over ("new tasks follow", "focus on your new task"), in nine languages.
     for triggers, source in (
-            ("instructions instruction task+new tasks+new further focus concentrate task+your assignment+your "
-             "mission+your job+your goal+your",
+            ("instructions instruction task+new tasks+new further focus concentrate task+your "
+             "assignment+your mission+your job+your goal+your",
              r"(?-i:\b(?:NEW|UPDATED|REVISED|IMPORTANT|URGENT)\s+(?:SYSTEM\s+)?INSTRUCTIONS?\s*:)|\b(?:new"
              r"|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followed)\b"
              r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s+your\s+new\s+(?:task"
@@ -4488,8 +4485,8 @@ def _instruction_rule_table():
              r"|\bnuevas?\s+tareas?\s*(?:a\s+continuación|:)|\btu\s+(?:nueva|verdadera)\s+tarea\b"
              r"|\bnovas?\s+tarefas?\s*(?:a\s+seguir|seguem|:)|\b(?:sua|tua)\s+(?:nova|verdadeira)\s+tarefa\b"),
             ("задача задачи задачу задание задания",
-             r"\bнов(?:ая|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)|\b(?:тво|ваш)\w+\s+(?:нов"
-             r"|настоящ)\w+\s+(?:задач\w*|задани\w*)"),
+             r"\bнов(?:ая|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)|\b(?:тво"
+             r"|ваш)\w+\s+(?:нов|настоящ)\w+\s+(?:задач\w*|задани\w*)"),
             ("任务 任務 タスク 課題 指示 작업 과제 임무",
              r"(?:你|您)的(?:新|真正的)(?:任务|任務)(?:是|：|:)|专注于.{0,4}新(?:任务|任務)|あなたの(?:新しい|本当の)(?:タスク|課題|任務)は[^。\n]{0,40}?ことです"
              r"|新しい(?:タスク|課題|指示)に(?:集中|専念)し(?:て|ろ|なさい)|(?:너의|네)\s*(?:새로운|새|진짜)\s*(?:작업|과제|임무)(?:은|는)|새로운\s*(?:작업|과제"
@@ -4528,8 +4525,7 @@ def _instruction_rule_table():
                 r"|no\s+(?:sigas|sigan|siga|hagas\s+caso\s+a)")
     es_nouns = (r"instrucciones|reglas|indicaciones|órdenes|ordenes|directrices|directivas|normas"
                 r"|restricciones|pautas")
-    es_quals = (r"anteriores|previas|precedentes|arriba|originales|iniciales|sistema|todas|tus"
-                r"|sus")
+    es_quals = (r"anteriores|previas|precedentes|arriba|originales|iniciales|sistema|todas|tus|sus")
     source, check = _phrase_rule(es_verbs, es_nouns, es_quals)
     add("override", _trigger_words(es_verbs), source, check, also=_trigger_words(es_nouns))
     add("override", "ignora olvida ignore olvide",
@@ -4632,9 +4628,9 @@ def _instruction_rule_table():
     add("prompt-leak", _trigger_words(ru_leak_verbs),
         source, check)
     add("prompt-leak", "какой каков какие каковы lautet lauten",
-        r"\bwie\s+(?:lautet|lauten)\s+(?:dein|ihr)e?\w*\s+(?:system-?prompt|systemanweisung|anweisung|prompt)"
-        r"|\b(?:какой|каков|какие|каковы)\s+(?:у\s+(?:тебя|вас)\s+)?(?:тво\w+\s+|ваш\w*\s+)?"
-        r"(?:системн\w+\s+промпт|системн\w+\s+инструкци\w+|промпт|инструкции)")
+        r"\bwie\s+(?:lautet|lauten)\s+(?:dein|ihr)e?\w*\s+(?:system-?prompt|systemanweisung"
+        r"|anweisung|prompt)|\b(?:какой|каков|какие|каковы)\s+(?:у\s+(?:тебя|вас)\s+)?(?:тво\w+\s+"
+        r"|ваш\w*\s+)?(?:системн\w+\s+промпт|системн\w+\s+инструкци\w+|промпт|инструкции)")
     es_leak_verbs = (r"revela|revele|revelá|muestra|muéstrame|muestrame|enséñame|enseñame|imprime"
                      r"|repite|dime|escribe|comparte|divulga|proporciona|dame")
     source, check = _phrase_rule(es_leak_verbs, r"prompt|instrucciones|indicaciones|reglas|directrices",
@@ -4660,8 +4656,7 @@ def _instruction_rule_table():
     add("prompt-leak", _trigger_words(de_leak_verbs), source, check)
     fr_leak_verbs = (r"révèle|révélez|revele|montre(?:-moi)?|montrez(?:-moi)?|affiche|affichez"
                      r"|imprime|imprimez|répète|répétez|repete|dis-moi|dites-moi|donne-moi"
-                     r"|donnez-moi|écris|écrivez"
-                     r"|partage|partagez|divulgue|divulguez|récite")
+                     r"|donnez-moi|écris|écrivez|partage|partagez|divulgue|divulguez|récite")
     source, check = _phrase_rule(fr_leak_verbs, r"prompt|invite|instructions|consignes|règles"
                             r"|directives|configuration|message",
                             r"ton|ta|tes|votre|vos|système|systeme|cachée?s?|initiales?"
@@ -4699,8 +4694,7 @@ def _instruction_rule_table():
         r"(?:\s*(?:消息|提示|訊息|メッセージ|메시지|сообщение|mensaje|mensagem|message))?\]?"
         r"[ \t]*[:\uff1a\]](?P<rest>[^\n]*)", role_line)
     add("role-hijack", "system developer sys",
-        r"<(?:system|developer|sys|system[-_](?:prompt|message|instructions?))"
-        r"(?:[ \t][^<>\n]*)?>")
+        r"<(?:system|developer|sys|system[-_](?:prompt|message|instructions?))(?:[ \t][^<>\n]*)?>")
     add("role-hijack", "role",
         r"[\"']role[\"'][ \t]*:[ \t]*[\"'](?:system|developer)[\"']"
         r"|\brole[ \t]*=[ \t]*[\"'](?:system|developer)[\"']")
@@ -4727,21 +4721,20 @@ def _instruction_rule_table():
     add("fake-tool-call", "tool tools function invoke parameter arguments parameters name+input",
         r"</?(?:[a-z]+:)?(?:tool_calls?|tool_use|function_calls?|function_results|tool_results?"
         r"|tool_response|tool_code)\b[^>\n]*>|<(?:[a-z]+:)?invoke\b|<function=[\w.-]+>"
-        r"|<parameter\s+name="
-        r"|[\"']type[\"']\s*:\s*[\"']tool_use[\"']|[\"']method[\"']\s*:\s*[\"']tools/call[\"']"
-        r"|[\"'](?:tool_calls|function_call)[\"']\s*:\s*[\[{]"
+        r"|<parameter\s+name=|[\"']type[\"']\s*:\s*[\"']tool_use[\"']|[\"']method[\"']\s*:\s*[\"']"
+        r"tools/call[\"']|[\"'](?:tool_calls|function_call)[\"']\s*:\s*[\[{]"
         r"|[\"']name[\"']\s*:\s*[\"'][^\"'\n]{1,64}[\"']\s*,\s*[\"'](?:arguments|parameters"
         r"|input)[\"']\s*:\s*\{")
 
     # --- identity-reset ------------------------------------------------------------------
     add("identity-reset", "you+now you+longer now+you",
         r"\byou(?:\s+are|'re)\s+now\s+(?:(?:a|an|the|my|called|named|known\s+as|in|operating\s+as"
-        r"|acting\s+as|playing)\s+)?(?:[\w-]+\s+){0,3}?" + _PERSONA + r"\b"
-        r"|\b(?:now\s+you\s+are|you(?:\s+are|'re)\s+now)\s+(?-i:[A-Z])[\w.-]+(?:\s+(?-i:[A-Z])[\w-]+)?\s*[,.]"
+        r"|acting\s+as|playing)\s+)?(?:[\w-]+\s+){0,3}?" + _PERSONA + r"\b|\b(?:now\s+you\s+are"
+        r"|you(?:\s+are|'re)\s+now)\s+(?-i:[A-Z])[\w.-]+(?:\s+(?-i:[A-Z])[\w-]+)?\s*[,.]"
         r"|\byou(?:\s+are|'re)\s+now\s+(?:free|jailbroken|unrestricted|unfiltered|uncensored"
-        r"|unchained|liberated|no\s+longer|dan)\b"
-        r"|\byou(?:\s+are|'re)\s+no\s+longer\s+(?:an?\s+)?(?:ai|assistant|bound|restricted|limited"
-        r"|required|claude|chatgpt|gpt|a\s+language\s+model|an?\s+ai|constrained|subject)\b")
+        r"|unchained|liberated|no\s+longer|dan)\b|\byou(?:\s+are|'re)\s+no\s+longer\s+(?:an?\s+)?"
+        r"(?:ai|assistant|bound|restricted|limited|required|claude|chatgpt|gpt|a\s+language\s+model"
+        r"|an?\s+ai|constrained|subject)\b")
     add("identity-reset", "from+now from+point from+moment from+here",
         r"\bfrom\s+(?:now\s+on|this\s+(?:point|moment)\s+(?:on|forward)|here\s+on)\s*,?\s*"
         r"(?:you(?:'re|'ll)?\s+(?:are|will|must|shall|should|act|respond|answer|reply|behave"
@@ -4763,9 +4756,9 @@ def _instruction_rule_table():
         r"|purpose|objective|mission|rules|master|programming)\b"
         r"|\b(?:adopt|assume|take\s+on)\s+(?:a|the|this)\s+new\s+(?:persona|identity|personality)")
     add("identity-reset", "你现在是 你現在是 现在你是 現在你是 从现在 從現在 扮演 假装 假裝 你不再是 你的新",
-        r"你现在是|你現在是|现在你是|現在你是|(?:从|從)(?:现|現)在(?:开|開)?始[，,]?\s*你|(?:从|從)(?:现|現)在起[，,]?\s*你"
-        r"|(?:请|請|现在|現在|你要|你必须|你將|你将)(?:扮演|假装|假裝)|假装你是|假裝你是|你不再是"
-        r"|你的新(?:身份|角色|人格|名字)")
+        r"你现在是|你現在是|现在你是|現在你是|(?:从|從)(?:现|現)在(?:开|開)?始[，,]?\s*你|(?:从"
+        r"|從)(?:现|現)在起[，,]?\s*你|(?:请|請|现在|現在|你要|你必须|你將|你将)(?:扮演|假装|假裝)"
+        r"|假装你是|假裝你是|你不再是|你的新(?:身份|角色|人格|名字)")
     add("identity-reset", "теперь отныне момента притворись притворитесь представь представьте "
                           "веди ведите действуй действуйте новая новой",
         r"\b(?:ты\s+теперь|теперь\s+ты|отныне\s+(?:ты|вы)|с\s+этого\s+момента\s+(?:ты|вы))\b"
@@ -4782,19 +4775,18 @@ def _instruction_rule_table():
     add("identity-reset", "agora finja mais aja comporte nova",
         r"\bagora\s+(?:você|voce|tu)\s+(?:é|e|és)\b|\b(?:você|voce)\s+agora\s+é\b"
         r"|\ba\s+partir\s+de\s+agora\s*,?\s*(?:você|voce|vc|tu|aja|responda|finja|seja)\b"
-        r"|\bfinja\s+(?:ser|que\s+(?:você\s+)?é)\b|\b(?:você|voce)\s+não\s+é\s+mais\b"
-        r"|\b(?:aja|comporte-se)\s+como\s+(?:se\s+fosse\s+)?(?:um|uma|o|a)?\s*"
-        r"(?:[\w-]+\s+){0,2}?" + _PERSONA
+        r"|\bfinja\s+(?:ser|que\s+(?:você\s+)?é)\b|\b(?:você|voce)\s+não\s+é\s+mais\b|\b(?:aja"
+        r"|comporte-se)\s+como\s+(?:se\s+fosse\s+)?(?:um|uma|o|a)?\s*(?:[\w-]+\s+){0,2}?" + _PERSONA
         + r"|\b(?:sua|tua)\s+nova\s+(?:personalidade|identidade|persona|função|funcao)")
     add("identity-reset", "bist jetzt sofort nun tu tue verhalte handle agiere neue sind stell",
         r"\bdu\s+bist\s+(?:jetzt|nun|ab\s+sofort|ab\s+jetzt|nicht\s+mehr)\b(?!\s+dran)|\bstell\s+dir\s+vor\s*,?\s*"
         r"(?:dass\s+)?du\s+(?:bist|wärst)\s+(?:eine?\s+)?(?:[\w-]+\s+){0,2}?" + _PERSONA
-        + r"|\b(?:antworte|sprich)\s+(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\b|\b(?:jetzt|nun)\s+bist"
-        r"\s+du\s+(?:ein(?:e|en)?\s|(?-i:[A-ZÄÖÜ]))"
-        r"|\b(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\s*,?\s*(?:bist\s+du|du|antwortest\s+du"
-        r"|wirst\s+du|sind\s+sie|verhältst\s+du)\b|\btue?\s+so\s*,?\s*als\s+(?:wärst|wärest"
-        r"|seist|bist)\s+du\b|\b(?:verhalte\s+dich|handle|agiere)\s+(?:wie|als)\s+(?:ein|eine)?\s*"
-        r"(?:[\w-]+\s+){0,2}?" + _PERSONA
+        + r"|\b(?:antworte|sprich)\s+(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\b|\b(?:jetzt"
+        r"|nun)\s+bist\s+du\s+(?:ein(?:e|en)?\s|(?-i:[A-ZÄÖÜ]))|\b(?:ab\s+jetzt|von\s+nun\s+an"
+        r"|ab\s+sofort)\s*,?\s*(?:bist\s+du|du|antwortest\s+du|wirst\s+du|sind\s+sie"
+        r"|verhältst\s+du)\b|\btue?\s+so\s*,?\s*als\s+(?:wärst|wärest|seist|bist)\s+du\b"
+        r"|\b(?:verhalte\s+dich|handle|agiere)\s+(?:wie|als)\s+(?:ein"
+        r"|eine)?\s*(?:[\w-]+\s+){0,2}?" + _PERSONA
         + r"|\b(?:deine|ihre)\s+neue\s+(?:rolle|persönlichkeit|identität|persona)"
         r"|\bsie\s+sind\s+(?:jetzt|nun)\s+(?:ein|eine)\s+(?:[\w-]+\s+){0,2}?" + _PERSONA)
     add("identity-reset", "maintenant désormais desormais semblant agis agissez comporte comportez "
@@ -4831,15 +4823,15 @@ def _instruction_rule_table():
              r"|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play|(?:simulate|emulate)\s+an?\s+"
              r"(?:\w+\s+){0,2}?(?:ai|chatbot|bot|assistant|persona)\b)|\bimmerse\s+yourself\s+(?:in"
              r"|into)\s+(?:the\s+)?role"),
-            ("character+stay character+remain character+keep character+staying character+break character+breaks "
-             "character+breaking role+stay role+remain role+keep role+staying",
+            ("character+stay character+remain character+keep character+staying character+break "
+             "character+breaks character+breaking role+stay role+remain role+keep role+staying",
              r"\b(?:stay|remain|keep|staying)\s+in\s+(?:character|role)\b|\bbreak(?:s|ing)?\s+character\b"),
             ("developer+mode entwicklermodus développeur desarrollador desenvolvedor разработчика",
              r"\b(?:chatgpt|gpt|ai|ki|ia|ии|llm|bot|assistant)\s+(?:\w+\s+){0,2}?(?:with|in|mit|im|avec|en|con|com|no|в"
              r"|с)\s+(?:\w+\s+)?(?:developer\s+mode|entwicklermodus|mode\s+développeur|modo\s+desarrollador"
              r"|modo\s+desenvolvedor|режим\w*\s+разработчика)|\bdeveloper\s+mode\s+(?:output|response)"),
-            ("dan anything jailbreak jailbroken insert+prompt output+normal 🔓 🔒 uncensored unfiltered amoral "
-             "unrestricted unethical evil",
+            ("dan anything jailbreak jailbroken insert+prompt output+normal 🔓 🔒 uncensored "
+             "unfiltered amoral unrestricted unethical evil",
              r"\bdo\s+anything\s+now\b|(?-i:\bDAN\b)|\[\W{0,3}jailbreak\W{0,3}\]|\bjailbr(?:oken|eak)\s+(?:mode|version"
              r"|ai|chatbot|bot|model|gpt|response|persona|prompt)s?\b|\b(?:you\s+(?:are|have\s+been)\s+(?:now\s+)?"
              r"|successfully\s+)jailbroken|\[\s*insert\s+prompt\s+here\s*\]|\(\W{0,3}(?:normal"
@@ -4890,8 +4882,8 @@ def _instruction_rule_table():
              r"\b(?:never|(?:do|must|will|shall|should|can|may)\s*(?:not|n't)|won'?t|cannot"
              r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:an?\s+|the\s+)?(?:connections?|packets?"
              r"|traffic|payments?))|\bnever\s+(?:ever\s+)?(?:refuses|declines)\b"),
-            ("apologise apologize apologising apologizing sorry remind warn say+never tell+never disclaimer "
-             "disclaimers caveat caveats moralizing moralising",
+            ("apologise apologize apologising apologizing sorry remind warn say+never tell+never "
+             "disclaimer disclaimers caveat caveats moralizing moralising",
              r"\b(?:never|(?:do|must|will|shall|should)\s*(?:not|n't)|stop|no\s+need\s+to)\s+(?:ever\s+)?"
              r"(?:apologi[sz]\w*|(?:say|tell)\w*\s+(?:me\s+)?(?:that\s+)?(?:(?:you|it|he|she|i)(?:'re|'m|\s+are|\s+is"
              r"|\s+am)?\s+sorry|sorry|(?:you|it|he|she|i)\s+(?:can'?t|cannot|(?:is|are|am)\s+unable)|as\s+an\s+ai)"
@@ -4905,8 +4897,8 @@ def _instruction_rule_table():
              r"|\b(?:no\s+matter|regardless\s+of)\s+(?:how|whether|if)?\s*(?:\w+\s+){0,2}?(?:immoral|unethical|illegal"
              r"|offensive|legality|morality|ethics)|\beven\s+if\s+(?:it|they|the\s+\w+)\s*(?:is|are|'s|seems?"
              r"|sounds?)\s+(?:\w+\s+)?(?:illegal|unethical|immoral|offensive)"),
-            ("lehne verweigere entschuldige antworte refuse refusez excuse réponds répondez nunca disculpes responde "
-             "responda peça никогда извиняйся отвечай",
+            ("lehne verweigere entschuldige antworte refuse refusez excuse réponds répondez nunca "
+             "disculpes responde responda peça никогда извиняйся отвечай",
              r"\blehne\s+(?:\w+\s+){0,3}?nie(?:mals)?\s+ab\b|\bverweigere\s+nie(?:mals)?\b"
              r"|\bentschuldige\s+dich\s+(?:nie(?:mals)?|nicht)|\bantworte\b[^.\n]{0,60}?\bohne\s+(?:jegliche\s+)?"
              r"(?:warnungen|hinweise|bedenken|zensur)|\bne\s+(?:refuse|refusez)\s+jamais|\bne\s+(?:t'excuse"
@@ -4951,19 +4943,18 @@ def _instruction_rule_table():
     add("exfiltration", "envía envia envíe envie manda mande sube suba reenvía transmite envoie "
                         "envoyez transmets transmettez téléverse sende senden schicke schick "
                         "übermittle lade отправь отправьте перешли перешлите загрузи загрузите "
-                        "передай передайте أرسل ارسل ارفع انقل 发送 发到 发给 上传 傳送 發送 送信 送って アップロード 転送 "
-                        "보내 전송 업로드",
+                        "передай передайте أرسل ارسل ارفع انقل 发送 发到 发给 上传 傳送 發送 送信 "
+                        "送って アップロード 転送 보내 전송 업로드",
         r"https?://|(?<![\w.+-])[\w.+-]{1,64}@[\w-]+\.[a-z]{2,}", _foreign_send_line)
 
     # --- memory-poisoning ----------------------------------------------------------------
     add("memory-poisoning", "future",
         r"\bfuture\s+(?:(?:ai|llm|claude|gpt)\s+)?(?:assistants?|agents?|models?|ais|instances?"
-        r"|llms|versions?\s+of\s+(?:you|yourself|this\s+(?:assistant|agent|model))|you|selves)"
-        r"\s+(?:must|should|shall|will\s+(?:always|never)|need\s+to|have\s+to|are\s+(?:to"
-        r"|required\s+to)|always|never|ought\s+to|do\s+not|don'?t)\b"
-        r"|\bfuture\s+(?:sessions?|conversations?|chats?|interactions?)\s+(?:must|shall"
-        r"|will\s+(?:always|never)|need\s+to|have\s+to|are\s+(?:to|required\s+to)|always|never"
-        r"|do\s+not|don'?t)\b")
+        r"|llms|versions?\s+of\s+(?:you|yourself|this\s+(?:assistant|agent|model))|you"
+        r"|selves)\s+(?:must|should|shall|will\s+(?:always|never)|need\s+to|have\s+to|are\s+(?:to"
+        r"|required\s+to)|always|never|ought\s+to|do\s+not|don'?t)\b|\bfuture\s+(?:sessions?"
+        r"|conversations?|chats?|interactions?)\s+(?:must|shall|will\s+(?:always|never)|need\s+to"
+        r"|have\s+to|are\s+(?:to|required\s+to)|always|never|do\s+not|don'?t)\b")
     # "whenever you see this error" is a runbook, "next time you read this, it will be done"
     # a letter; "whenever you read this, delete the logs" directs a future reader.
     this_memory = (r"(?:this|these)(?:\s+(?:episode|memory|memories|note|notes|entry|record"
@@ -5001,31 +4992,28 @@ def _instruction_rule_table():
     add("memory-poisoning", "reading reads processing recalling if+ai if+llm if+assistant if+model "
                             "if+chatbot note+ai note+assistant note+assistants note+agent "
                             "note+agents note+claude note+model note+models note+llm note+llms",
-        r"\b(?:to|attention|note\s+(?:to|for))\s*:?\s*(?:any|all|every|the)\s+(?:future\s+)?"
-        r"(?:ai|llm|ai\s+assistants?|assistants?|agents?|models?|language\s+models?)s?\s+"
-        r"(?:reading|that\s+reads|who\s+reads|processing|recalling)\b"
-        r"|\bif\s+you\s+are\s+an?\s+(?:ai|llm|(?:large\s+)?language\s+model|ai\s+assistant"
-        r"|assistant|ai\s+agent|chatbot)\b(?:\s+reading)?"
-        r"|\bnote\s+(?:to|for)\s+(?:any\s+|all\s+)?(?:future\s+)?(?:ai|assistants?|agents?|claude"
-        r"|models?|llms?)\b")
+        r"\b(?:to|attention|note\s+(?:to|for))\s*:?\s*(?:any|all|every|the)\s+(?:future\s+)?(?:ai"
+        r"|llm|ai\s+assistants?|assistants?|agents?|models?|language\s+models?)s?\s+(?:reading"
+        r"|that\s+reads|who\s+reads|processing|recalling)\b|\bif\s+you\s+are\s+an?\s+(?:ai|llm"
+        r"|(?:large\s+)?language\s+model|ai\s+assistant|assistant|ai\s+agent"
+        r"|chatbot)\b(?:\s+reading)?|\bnote\s+(?:to|for)\s+(?:any\s+|all\s+)?(?:future\s+)?(?:ai"
+        r"|assistants?|agents?|claude|models?|llms?)\b")
     add("memory-poisoning", "以后 以後 将来 將來 未来 未來 今后 今後 下次 每当 每當 每次 记住 記住",
-        r"(?:以后|以後|将来|將來|未来|未來|今后|今後)的?(?:所有)?(?:会话|會話|助手|代理|智能体|AI|模型"
-        r"|对话|對話)[^\u3002\n]{0,4}?(?:必须|必須|都要|应该|應該|一律|务必|務必|都必须|永远|永遠|总是"
-        r"|總是)"
-        r"|(?:下次|每当|每當|每次)你?(?:读到|讀到|看到|回忆|回憶|检索|檢索|加载|載入|加載|调取|召回)"
-        r"(?:这|這)"
-        r"|(?:永远|永遠)记住|(?:永远|永遠)記住|记住(?:这条|這條|这个|這個)(?:指令|规则|規則)"
-        r"|在(?:以后|以後|将来|將來|未来|未來|今后|今後)的?所有(?:会话|會話|对话|對話|回答)中")
+        r"(?:以后|以後|将来|將來|未来|未來|今后|今後)的?(?:所有)?(?:会话|會話|助手|代理|智能体|AI"
+        r"|模型|对话|對話)[^\u3002\n]{0,4}?(?:必须|必須|都要|应该|應該|一律|务必|務必|都必须|永远"
+        r"|永遠|总是|總是)|(?:下次|每当|每當|每次)你?(?:读到|讀到|看到|回忆|回憶|检索|檢索|加载"
+        r"|載入|加載|调取|召回)(?:这|這)|(?:永远|永遠)记住|(?:永远|永遠)記住|记住(?:这条|這條|这个"
+        r"|這個)(?:指令|规则|規則)|在(?:以后|以後|将来|將來|未来|未來|今后|今後)的?所有(?:会话|會話"
+        r"|对话|對話|回答)中")
     add("memory-poisoning", "будущие следующий каждый запомни запомните всех",
-        r"\bбудущие\s+(?:сессии|ассистенты|агенты|модели|разговоры|диалоги|версии)\s+"
-        r"(?:должны|обязаны|всегда|никогда)"
-        r"|\b(?:в\s+)?следующий\s+раз\s*,?\s*когда\s+(?:ты|вы)\s+(?:прочитаешь|прочитаете"
-        r"|увидишь|увидите|вспомнишь|вспомните|загрузишь|загрузите)"
-        r"|\bкаждый\s+раз\s*,?\s*когда\s+(?:ты|вы)\s+(?:вспоминаешь|вспоминаете|читаешь"
-        r"|читаете|видишь|видите|загружаешь|загружаете|извлекаешь)\s+(?:это|эту|этот)"
-        r"|\bзапомни(?:те)?\s+(?:это\s+)?навсегда|\bзапомни(?:те)?\s+(?:это|эту)\s+"
-        r"(?:инструкцию|правило)|\bво\s+всех\s+(?:будущих|последующих)\s+(?:сессиях"
-        r"|разговорах|ответах|диалогах)")
+        r"\bбудущие\s+(?:сессии|ассистенты|агенты|модели|разговоры|диалоги|версии)\s+(?:должны"
+        r"|обязаны|всегда|никогда)|\b(?:в\s+)?следующий\s+раз\s*,?\s*когда\s+(?:ты"
+        r"|вы)\s+(?:прочитаешь|прочитаете|увидишь|увидите|вспомнишь|вспомните|загрузишь|загрузите)"
+        r"|\bкаждый\s+раз\s*,?\s*когда\s+(?:ты|вы)\s+(?:вспоминаешь|вспоминаете|читаешь|читаете"
+        r"|видишь|видите|загружаешь|загружаете|извлекаешь)\s+(?:это|эту|этот)"
+        r"|\bзапомни(?:те)?\s+(?:это\s+)?навсегда|\bзапомни(?:те)?\s+(?:это|эту)\s+(?:инструкцию"
+        r"|правило)|\bво\s+всех\s+(?:будущих|последующих)\s+(?:сессиях|разговорах|ответах"
+        r"|диалогах)")
     add("memory-poisoning", "futuras futuros próximas próximos proximas proximos próxima vez "
                             "siempre todas recuerda",
         r"\b(?:las|los)\s+(?:futur[oa]s|próxim[oa]s|proxim[oa]s)\s+(?:sesiones|asistentes|agentes"
@@ -5036,23 +5024,20 @@ def _instruction_rule_table():
         r"|respuestas)|\brecuerda\s+(?:esto\s+)?para\s+siempre")
     add("memory-poisoning", "zukünftige künftige nächsten nächste mal immer allen",
         r"\b(?:zukünftige|künftige)\s+(?:sitzungen|assistenten|agenten|modelle|gespräche"
-        r"|versionen)\s+(?:müssen|sollen|sollten|dürfen\s+nie)"
-        r"|\b(?:beim\s+nächsten\s+mal|wenn\s+du\s+(?:dies|das)\s+(?:das\s+)?nächste\s+mal)\s*,?\s*"
-        r"(?:wenn\s+du\s+)?(?:dies|das|liest|abrufst|siehst)"
-        r"|\bjedes\s+mal\s*,?\s*wenn\s+du\s+(?:dies|das|diese\s+\w+)\s+(?:liest|abrufst|siehst"
-        r"|lädst)|\bmerke?\s+dir\s+(?:dies|das)\s+für\s+immer"
-        r"|\bin\s+allen\s+(?:zukünftigen|künftigen|weiteren)\s+(?:sitzungen|gesprächen"
-        r"|antworten)")
+        r"|versionen)\s+(?:müssen|sollen|sollten|dürfen\s+nie)|\b(?:beim\s+nächsten\s+mal"
+        r"|wenn\s+du\s+(?:dies|das)\s+(?:das\s+)?nächste\s+mal)\s*,?\s*(?:wenn\s+du\s+)?(?:dies|das"
+        r"|liest|abrufst|siehst)|\bjedes\s+mal\s*,?\s*wenn\s+du\s+(?:dies|das"
+        r"|diese\s+\w+)\s+(?:liest|abrufst|siehst|lädst)|\bmerke?\s+dir\s+(?:dies"
+        r"|das)\s+für\s+immer|\bin\s+allen\s+(?:zukünftigen|künftigen|weiteren)\s+(?:sitzungen"
+        r"|gesprächen|antworten)")
     add("memory-poisoning", "futures prochaines futurs prochains prochaine fois toujours toutes",
         r"\b(?:les\s+)?(?:futures|prochaines)\s+(?:sessions|conversations)\s+(?:doivent|devront)"
         r"|\bles\s+(?:futurs|prochains)\s+(?:assistants|agents|modèles)\s+(?:doivent|devront)"
         r"|\b(?:la\s+)?prochaine\s+fois\s+que\s+(?:tu|vous)\s+(?:lis|lisez|liras|lirez|verras"
-        r"|verrez|vois|voyez|rappelleras)"
-        r"|\bchaque\s+fois\s+que\s+(?:tu|vous)\s+(?:lis|lisez|rappelles|rappelez|vois|voyez"
-        r"|charges|chargez)\s+(?:ceci|ce|cet|cette)"
-        r"|\bsouviens-toi\s+(?:de\s+(?:ceci|cela)\s+)?pour\s+toujours"
-        r"|\bdans\s+toutes\s+les\s+(?:futures|prochaines)\s+(?:sessions|conversations"
-        r"|réponses)")
+        r"|verrez|vois|voyez|rappelleras)|\bchaque\s+fois\s+que\s+(?:tu|vous)\s+(?:lis|lisez"
+        r"|rappelles|rappelez|vois|voyez|charges|chargez)\s+(?:ceci|ce|cet|cette)"
+        r"|\bsouviens-toi\s+(?:de\s+(?:ceci|cela)\s+)?pour\s+toujours|\bdans\s+toutes\s+les\s+"
+        r"(?:futures|prochaines)\s+(?:sessions|conversations|réponses)")
     add("memory-poisoning", "futuras futuros próximas próximos proximas proximos próxima sempre "
                             "todas lembre",
         r"\b(?:as|os)\s+(?:futur[oa]s|próxim[oa]s|proxim[oa]s)\s+(?:sessões|sessoes|assistentes"
@@ -5068,19 +5053,15 @@ def _instruction_rule_table():
         r"|(?:これ|この\w{0,6})を(?:思い出す|読む|読み込む|呼び出す|見る)たびに"
         r"|この(?:指示|ルール|命令)を(?:常に|永久に|ずっと)?覚えて|今後(?:常に|必ず)")
     add("memory-poisoning", "향후 앞으로 미래의 다음에 때마다 기억해 기억",
-        r"(?:향후|앞으로의?|미래의)\s*(?:모든\s*)?(?:세션|대화|어시스턴트|에이전트|모델)"
-        r"(?:은|는|에서는|에서)?\s*(?:반드시|항상|절대|꼭)"
-        r"|다음에\s*(?:이것을|이걸|이\s*\w+을)\s*(?:읽|볼|보면|떠올|불러)"
-        r"|(?:이것을|이걸|이\s*\w+을)\s*(?:읽을|떠올릴|불러올|볼)\s*때마다"
+        r"(?:향후|앞으로의?|미래의)\s*(?:모든\s*)?(?:세션|대화|어시스턴트|에이전트|모델)(?:은|는"
+        r"|에서는|에서)?\s*(?:반드시|항상|절대|꼭)|다음에\s*(?:이것을|이걸|이\s*\w+을)\s*(?:읽|볼"
+        r"|보면|떠올|불러)|(?:이것을|이걸|이\s*\w+을)\s*(?:읽을|떠올릴|불러올|볼)\s*때마다"
         r"|영원히\s*기억해|(?:이\s*)?(?:지시|규칙)를\s*(?:항상|영원히)\s*기억")
     add("memory-poisoning", "المستقبلية القادمة كلما تذكر المستقبليون",
-        r"(?:الجلسات|المحادثات|المساعدين|الوكلاء|النماذج)\s+(?:المستقبلية|القادمة)\s+"
-        r"(?:يجب|عليها|ينبغي)"
-        r"|في\s+المرة\s+القادمة\s+(?:التي|عندما)\s+(?:تقرأ|ترى|تسترجع|تتذكر)"
-        r"|كلما\s+(?:تذكرت|قرأت|استرجعت|رأيت)\s+هذا"
-        r"|تذكر\s+هذا\s+(?:دائما|دائماً|للأبد|إلى\s+الأبد)"
-        r"|في\s+(?:جميع|كل)\s+(?:الجلسات|المحادثات)\s+(?:المستقبلية|القادمة)"
-        r"|المساعدون\s+المستقبليون")
+        r"(?:الجلسات|المحادثات|المساعدين|الوكلاء|النماذج)\s+(?:المستقبلية|القادمة)\s+(?:يجب|عليها"
+        r"|ينبغي)|في\s+المرة\s+القادمة\s+(?:التي|عندما)\s+(?:تقرأ|ترى|تسترجع|تتذكر)|كلما\s+(?:تذكرت"
+        r"|قرأت|استرجعت|رأيت)\s+هذا|تذكر\s+هذا\s+(?:دائما|دائماً|للأبد|إلى\s+الأبد)|في\s+(?:جميع"
+        r"|كل)\s+(?:الجلسات|المحادثات)\s+(?:المستقبلية|القادمة)|المساعدون\s+المستقبليون")
 
     # --- context-escape ------------------------------------------------------------------
     add("context-escape", "recalled episode memory context document documents untrusted user "
@@ -5093,10 +5074,9 @@ def _instruction_rule_table():
         r"|content|data|memory|text|document)"
         r"|\bbegin(?:ning\s+of)?\s+(?:the\s+)?(?:new\s+)?system\s+prompt\b")
     add("context-escape", "end+of begin start+of",
-        r"\bEND\s+OF\s+(?:THE\s+)?(?:CONTEXT|EPISODE|MEMORY|DOCUMENT|INPUT|DATA|USER\s+INPUT"
-        r"|PROMPT|CONVERSATION|TRANSCRIPT)\b"
-        r"|\b(?:BEGIN|START\s+OF)\s+(?:NEW\s+)?(?:SYSTEM|DEVELOPER|ADMIN)(?:\s+(?:PROMPT|MESSAGE"
-        r"|INSTRUCTIONS?|MODE))?\b", flags=0)
+        r"\bEND\s+OF\s+(?:THE\s+)?(?:CONTEXT|EPISODE|MEMORY|DOCUMENT|INPUT|DATA|USER\s+INPUT|PROMPT"
+        r"|CONVERSATION|TRANSCRIPT)\b|\b(?:BEGIN|START\s+OF)\s+(?:NEW\s+)?(?:SYSTEM|DEVELOPER"
+        r"|ADMIN)(?:\s+(?:PROMPT|MESSAGE|INSTRUCTIONS?|MODE))?\b", flags=0)
     return rows
 
 
@@ -5261,10 +5241,9 @@ class _TriggerScan:
 _LINK_URL_PARTS = _LazyPattern(r"https?://([^/?#\s]+)([^?#\s]*)(?:\?([^#\s]*))?")
 _URL_PLACEHOLDER = _LazyPattern(
     r"\{\{?[ \t]*[A-Za-z_][\w. -]{0,40}?[ \t]*\}|%7[bB](?:%7[bB])?[A-Za-z_][\w.-]{0,40}?%7[dD]"
-    r"|\$\{[A-Za-z_]|\$[A-Z_]{2,}|%3[cC][A-Za-z_]|\[[A-Za-z_ ]{3,}\]"
-    r"|(?:^|[=/_-])(?:INSERT|YOUR|REPLACE)[A-Z_]*"
-    r"|=(?:[A-Z_]*_)?(?:DATA|SECRETS?|TOKEN|API_?KEY|KEY|PASSWORD|CONVERSATION|CHAT|HISTORY"
-    r"|SUMMARY|MEMORY|CONTEXT|PROMPT|INPUT|MESSAGES?|INFO|PAYLOAD|CONTENT|ENV|CREDENTIALS"
+    r"|\$\{[A-Za-z_]|\$[A-Z_]{2,}|%3[cC][A-Za-z_]|\[[A-Za-z_ ]{3,}\]|(?:^|[=/_-])(?:INSERT|YOUR"
+    r"|REPLACE)[A-Z_]*|=(?:[A-Z_]*_)?(?:DATA|SECRETS?|TOKEN|API_?KEY|KEY|PASSWORD|CONVERSATION|CHAT"
+    r"|HISTORY|SUMMARY|MEMORY|CONTEXT|PROMPT|INPUT|MESSAGES?|INFO|PAYLOAD|CONTENT|ENV|CREDENTIALS"
     r"|EMAIL)(?:_[A-Z_]*)?(?:&|$)")
 _PAYLOAD_KEYS = frozenset((
     "data", "payload", "secret", "secrets", "conversation", "convo", "chat", "history",
@@ -5353,17 +5332,17 @@ def _foreign_send_line(match):
             re.compile(
                 r"\b(?:envía|envia|envíe|envie|manda|mande|sube|suba|reenvía|transmite|envoie"
                 r"|envoyez|transmets|transmettez|téléverse|sende|senden\s+sie|schicke|schick"
-                r"|übermittle|lade|отправь(?:те)?|перешли(?:те)?|загрузи(?:те)?|передай(?:те)?"
-                r"|أرسل|ارسل|ارفع|انقل)\b|发送|发到|发给|上传|傳送|發送|送信|送って|アップロード|転送"
+                r"|übermittle|lade|отправь(?:те)?|перешли(?:те)?|загрузи(?:те)?|передай(?:те)?|أرسل"
+                r"|ارسل|ارفع|انقل)\b|发送|发到|发给|上传|傳送|發送|送信|送って|アップロード|転送"
                 r"|보내|전송|업로드", re.IGNORECASE),
             re.compile(
                 r"\b(?:claves?|contraseñas?|secretos?|conversación|historial|chaves?|senhas?"
                 r"|segredos?|conversa|clés?|cles?|jetons?|mots?\s+de\s+passe|conversation"
                 r"|historique|schlüssel\w*|passw\w*|geheimnis\w*|zugangsdaten|unterhaltung"
-                r"|konversation|verlauf|ключ\w*|токен\w*|парол\w*|секрет\w*|переписк\w*"
-                r"|диалог\w*|tokens?|المفاتيح|مفتاح|الرموز|المحادثة|الأسرار|كلمات\s+المرور"
-                r"|كلمة\s+المرور)\b|密钥|密鑰|令牌|密码|密碼|对话|對話|聊天记录|聊天記錄|凭据|凭证|秘密"
-                r"|APIキー|トークン|パスワード|会話|履歴|비밀번호|토큰|대화|키|비밀", re.IGNORECASE),
+                r"|konversation|verlauf|ключ\w*|токен\w*|парол\w*|секрет\w*|переписк\w*|диалог\w*"
+                r"|tokens?|المفاتيح|مفتاح|الرموز|المحادثة|الأسرار|كلمات\s+المرور|كلمة\s+المرور)\b"
+                r"|密钥|密鑰|令牌|密码|密碼|对话|對話|聊天记录|聊天記錄|凭据|凭证|秘密|APIキー"
+                r"|トークン|パスワード|会話|履歴|비밀번호|토큰|대화|키|비밀", re.IGNORECASE),
             re.compile(r"[!-~]*"))
     text, offset = match.string, match.start()
     end = text.find("\n", offset)
@@ -5759,8 +5738,7 @@ def _deobfuscated_line(line, depth=0):
 _NEEDS_NORMALISING_WIDE = _LazyPattern(
     b"\xe2\x80[\x8b-\x8f\xaa-\xae]|\xe2\x81[\xa0-\xa4\xa6-\xa9\xb0-\xbf]|\xe2\x82[\x80-\x9f]"
     b"|\xe2[\x91-\x93]|\xef\xbb\xbf|\xef\xac[\x80-\x86]|\xf0\x9d|\xf3\xa0|\xe1[\xb4\xb5]"
-    b"|\xef\xbc[\x90-\x99\x9c\x9e\xa1-\xbb\xbd]|\xef\xbd[\x81-\x9a\x9c]"
-    b"|\xc2\xad|\xe1\xa0\x8e")
+    b"|\xef\xbc[\x90-\x99\x9c\x9e\xa1-\xbb\xbd]|\xef\xbd[\x81-\x9a\x9c]|\xc2\xad|\xe1\xa0\x8e")
 _MIXED_SCRIPT_BYTES = _LazyPattern(b"[\xce-\xd3](?:(?<=[a-z][\xce-\xd3])|[\x80-\xbf][a-z])")
 _BASE64_BYTES = _LazyPattern(b"[a-z0-9+/_-]{40,}")
 _SINGLE_LETTERS = frozenset(bytes([b]) for b in range(97, 123))
