@@ -4357,24 +4357,17 @@ _FAKE_FRONTMATTER_LINE = _LazyPattern(r"^[ \t]*(?:[\w.-]+[ \t]*:|-[ \t]|#)|^[ \t
 
 
 def _phrase_rule(verbs, nouns, quals, gap=4, after=2):
-    """A spaced-language phrase: verb, up to `gap` words, noun, a few trailing words.
-
-    The qualifier (previous, your, system, ...) is checked on the whole match, because
-    languages place it before or after the noun."""
+    """(triggers, source, check): verb, up to `gap` words, noun; the qualifier either side."""
     source = (r"\b(?:" + verbs + r")\s+(?:[^\s.!?;:\u3002]+\s+){0," + str(gap)
               + r"}?(?:" + nouns + r")[^\s.!?;:]*(?:[ \t]+[^\s.!?;:,]+){0," + str(after) + "}")
     qualifier = _LazyPattern(r"(?:^|(?<=\W))(?:" + quals + r")(?=\W|$)", re.IGNORECASE)
-    return source, (lambda m, _q=qualifier: _q.search(m.group(0)) is not None)
+    return _trigger_words(verbs), source, lambda m, _q=qualifier: _q.search(m.group(0)) is not None
 
 
 def _trigger_words(alternation):
-    r"""The trigger words of a simple alternation such as r"ignore|забудь(?:те)?|don'?t\s+obey".
-
-    Understands literals, \s, (?:a|b) groups, [ab] classes, + and * (ignored) and ? after a
-    character or a group: the subset the verb lists use. Each spelled-out form is a trigger."""
+    r"""The trigger words an alternation spells: literals, \s, (?:a|b), [ab], ?; + and * ignored."""
     def parse(i):
-        # Returns the branches of one alternation level; an item is a list of options and
-        # an option is a branch list of the level below or a plain string.
+        # One alternation level: branches of items; an item lists options (strings or levels).
         branches, seq = [], []
         while i < len(alternation) and alternation[i] != ")":
             ch = alternation[i]
@@ -4407,9 +4400,7 @@ def _trigger_words(alternation):
         for seq in branches:
             partial = [""]
             for options in seq:
-                spelled = []
-                for option in options:
-                    spelled.extend(spell(option) if isinstance(option, list) else [option])
+                spelled = [s for o in options for s in (spell(o) if isinstance(o, list) else [o])]
                 partial = [p + o for p in partial for o in spelled][:256]
             forms.extend(partial)
         return forms
@@ -4423,10 +4414,8 @@ def _trigger_words(alternation):
 
 
 def _instruction_rule_table():
-    """(kind, triggers, pattern, check, flags, also) rows.
-
-    Triggers are space-separated: a word must occur as a whole token of the text, a piece of
-    CJK, Hangul, Arabic or punctuation as a substring; "a+b" needs both."""
+    """(kind, triggers, pattern, check, flags, also) rows. A trigger word must be a whole token
+    of the text (CJK, Hangul, Arabic or punctuation: a substring); "a+b" needs both."""
     rows = []
 
     def add(kind, triggers, source, check=None, flags=re.IGNORECASE, lead=False, also=""):
@@ -4450,9 +4439,8 @@ def _instruction_rule_table():
                 r"|information|assignments?|requests?|questions?")
     en_quals = (r"previous(?:ly)?|prior|above|aforementioned|earlier|preceding|foregoing|former"
                 r"|original|initial|all|any|every|your|system|safety|developer|content|ethical")
-    source, _ = _phrase_rule(en_verbs, en_nouns, en_quals, gap=4, after=1)
-    strong = _LazyPattern(r"\b(?:" + en_quals.replace("|all|any|every", "") + r")\b",
-                          re.IGNORECASE)
+    triggers, source, _ = _phrase_rule(en_verbs, en_nouns, en_quals, gap=4, after=1)
+    strong = _LazyPattern(r"\b(?:" + en_quals.replace("|all|any|every", "") + r")\b", re.IGNORECASE)
     all_noun = _LazyPattern(r"\b(?:all|any|every)\s+(?:(?:of\s+)?the\s+)?(?:" + en_nouns + r")\b",
                           re.IGNORECASE)
 
@@ -4460,7 +4448,7 @@ def _instruction_rule_table():
         # "ignore all lint rules" is a build note; "ignore all rules" or "all previous" is not.
         return strong.search(m.group(0)) is not None or all_noun.search(m.group(0)) is not None
 
-    add("override", _trigger_words(en_verbs), source, check, lead=True, also=_trigger_words(en_nouns))
+    add("override", triggers, source, check, lead=True, also=_trigger_words(en_nouns))
     add("override", "ignore disregard forget drop",
         r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard"
         r"|forget)\s+(?:(?:everything|all|anything|whatever)\s+(?:(?:that\s+)?(?:was\s+)?(?:above"
@@ -4515,8 +4503,7 @@ def _instruction_rule_table():
     ru_quals = (r"предыдущ\w*|прежн\w*|прошл\w*|вышеуказанн\w*|вышеприведенн\w*|вышеприведённ\w*"
                 r"|вышеизложенн\w*|ранее|стары\w*|тво\w*|ваш\w*|сво\w*|исходн\w*|изначальн\w*"
                 r"|системн\w*|все|всё|любые")
-    source, check = _phrase_rule(ru_verbs, ru_nouns, ru_quals)
-    add("override", _trigger_words(ru_verbs), source, check)
+    add("override", *_phrase_rule(ru_verbs, ru_nouns, ru_quals))
     add("override", "игнорируй игнорируйте проигнорируй проигнорируйте забудь забудьте",
         r"\b(?:игнорируй(?:те)?|проигнорируй(?:те)?|забудь(?:те)?)\s+(?:вс[её]|всё\s+то)"
         r"(?:\s*,?\s*(?:что|чему)|\s+(?:выше|вышесказанное|предыдущее|сказанное))")
@@ -4526,8 +4513,7 @@ def _instruction_rule_table():
     es_nouns = (r"instrucciones|reglas|indicaciones|órdenes|ordenes|directrices|directivas|normas"
                 r"|restricciones|pautas")
     es_quals = (r"anteriores|previas|precedentes|arriba|originales|iniciales|sistema|todas|tus|sus")
-    source, check = _phrase_rule(es_verbs, es_nouns, es_quals)
-    add("override", _trigger_words(es_verbs), source, check, also=_trigger_words(es_nouns))
+    add("override", *_phrase_rule(es_verbs, es_nouns, es_quals), also=_trigger_words(es_nouns))
     add("override", "ignora olvida ignore olvide",
         r"\b(?:ignora|olvida|ignore|olvide)\s+todo\s+lo\s+(?:anterior|dicho|que\s+se\s+te)",
         also="todo")
@@ -4536,8 +4522,7 @@ def _instruction_rule_table():
     pt_nouns = (r"instruções|instrucoes|regras|orientações|orientacoes|ordens|diretrizes|diretivas"
                 r"|restrições|restricoes|comandos")
     pt_quals = r"anteriores|prévias|previas|acima|originais|iniciais|sistema|todas|suas|tuas|seus"
-    source, check = _phrase_rule(pt_verbs, pt_nouns, pt_quals)
-    add("override", _trigger_words(pt_verbs), source, check, also=_trigger_words(pt_nouns))
+    add("override", *_phrase_rule(pt_verbs, pt_nouns, pt_quals), also=_trigger_words(pt_nouns))
     add("override", "ignore esqueça esqueca",
         r"\b(?:ignore|esqueça|esqueca)\s+tudo\s+(?:o\s+que|que|acima|anterior)", also="tudo")
     de_verbs = (r"ignoriere|ignorier|ignoriert|ignorieren\s+sie|vergiss|vergesst|vergessen\s+sie"
@@ -4549,8 +4534,7 @@ def _instruction_rule_table():
     de_quals = (r"vorherig\w*|vorhergehend\w*|bisherig\w*|vorig\w*|obig\w*|früher\w*"
                 r"|vorangegangen\w*|ursprünglich\w*|alt\w*|alle|sämtliche|jegliche|dein\w*|ihre"
                 r"|system\w*")
-    source, check = _phrase_rule(de_verbs, de_nouns, de_quals)
-    add("override", _trigger_words(de_verbs), source, check,
+    add("override", *_phrase_rule(de_verbs, de_nouns, de_quals),
         also="anweisungen anweisung instruktionen regeln befehle vorgaben richtlinien "
              "anordnungen einschränkungen systemanweisungen systemprompt prompts prompt "
              "aufgaben aufgabe aufträge auftrag informationen")
@@ -4563,8 +4547,7 @@ def _instruction_rule_table():
     fr_nouns = r"instructions|consignes|règles|regles|directives|ordres|indications|contraintes"
     fr_quals = (r"précédentes|precedentes|antérieures|anterieures|ci-dessus|initiales|originales"
                 r"|toutes|tes|vos|système|systeme")
-    source, check = _phrase_rule(fr_verbs, fr_nouns, fr_quals)
-    add("override", _trigger_words(fr_verbs), source, check, also=_trigger_words(fr_nouns))
+    add("override", *_phrase_rule(fr_verbs, fr_nouns, fr_quals), also=_trigger_words(fr_nouns))
     add("override", "oublie oubliez ignore ignorez",
         r"\b(?:oublie|oubliez|ignore|ignorez)\s+tout\s+(?:ce\s+qui\s+(?:précède|precede|a\s+été)"
         r"|ce\s+que|ce\s+qu)", also="tout")
@@ -4580,8 +4563,7 @@ def _instruction_rule_table():
                 r"|لا\s+تلتزم\s+ب")
     ar_nouns = r"\w*(?:تعليمات|أوامر|اوامر|قواعد|إرشادات|ارشادات|توجيهات|سياق)\w*"
     ar_quals = r"\w*(?:سابق|أعلاه|اعلاه|أصلي|اصلي|قديم)\w*|كل|جميع|كافة|\w*(?:اتك|رك|دك)"
-    source, check = _phrase_rule(ar_verbs, ar_nouns, ar_quals)
-    add("override", _trigger_words(ar_verbs), source, check)
+    add("override", *_phrase_rule(ar_verbs, ar_nouns, ar_quals))
     add("override", "تجاهل انس انسى إنس",
         r"(?:تجاهل|انس|انسى|إنس)\s+(?:كل|جميع)\s+ما\s+(?:سبق|قيل|ورد)")
 
@@ -4624,44 +4606,38 @@ def _instruction_rule_table():
     ru_leak_nouns = (r"промпт\w*|подсказк\w*|инструкци\w*|указани\w*|настройк\w*|конфигураци\w*"
                      r"|сообщени\w*|правил\w*")
     ru_leak_quals = r"сво\w*|тво\w*|ваш\w*|системн\w*|скрыт\w*|исходн\w*|начальн\w*|изначальн\w*"
-    source, check = _phrase_rule(ru_leak_verbs, ru_leak_nouns, ru_leak_quals, gap=3)
-    add("prompt-leak", _trigger_words(ru_leak_verbs),
-        source, check)
+    add("prompt-leak", *_phrase_rule(ru_leak_verbs, ru_leak_nouns, ru_leak_quals, gap=3))
     add("prompt-leak", "какой каков какие каковы lautet lauten",
         r"\bwie\s+(?:lautet|lauten)\s+(?:dein|ihr)e?\w*\s+(?:system-?prompt|systemanweisung"
         r"|anweisung|prompt)|\b(?:какой|каков|какие|каковы)\s+(?:у\s+(?:тебя|вас)\s+)?(?:тво\w+\s+"
         r"|ваш\w*\s+)?(?:системн\w+\s+промпт|системн\w+\s+инструкци\w+|промпт|инструкции)")
     es_leak_verbs = (r"revela|revele|revelá|muestra|muéstrame|muestrame|enséñame|enseñame|imprime"
                      r"|repite|dime|escribe|comparte|divulga|proporciona|dame")
-    source, check = _phrase_rule(es_leak_verbs, r"prompt|instrucciones|indicaciones|reglas|directrices",
-                            r"tu|tus|sistema|ocult\w+|iniciales|originales|secret\w+|intern\w+",
-                            gap=3)
-    add("prompt-leak", _trigger_words(es_leak_verbs), source, check)
-    source, check = _phrase_rule(es_leak_verbs, r"configuración|configuracion|mensaje",
-                            r"sistema|ocult\w+|iniciales|originales|secret\w+|intern\w+", gap=3)
-    add("prompt-leak", _trigger_words(es_leak_verbs),
-        source, check)
+    add("prompt-leak", *_phrase_rule(
+        es_leak_verbs, r"prompt|instrucciones|indicaciones|reglas|directrices",
+        r"tu|tus|sistema|ocult\w+|iniciales|originales|secret\w+|intern\w+", gap=3))
+    add("prompt-leak", *_phrase_rule(
+        es_leak_verbs, r"configuración|configuracion|mensaje",
+        r"sistema|ocult\w+|iniciales|originales|secret\w+|intern\w+", gap=3))
     pt_leak_verbs = (r"revele|revela|mostre|mostra|me\s+mostre|imprima|imprime|repita|repete"
                      r"|diga|me\s+diga|compartilhe|divulgue|forneça|exiba|exibe")
-    source, check = _phrase_rule(pt_leak_verbs, r"prompt|instruções|instrucoes|regras|diretrizes",
-                            r"seu|sua|seus|suas|teu|tua|sistema|ocult\w+|iniciais|originais"
-                            r"|secret\w+|intern\w+", gap=3)
-    add("prompt-leak", _trigger_words(pt_leak_verbs), source, check)
+    add("prompt-leak", *_phrase_rule(
+        pt_leak_verbs, r"prompt|instruções|instrucoes|regras|diretrizes",
+        r"seu|sua|seus|suas|teu|tua|sistema|ocult\w+|iniciais|originais|secret\w+|intern\w+",
+        gap=3))
     de_leak_verbs = (r"zeige|zeig|gib|nenne|verrate|wiederhole|drucke|offenbare|enthülle|schreibe"
                      r"|teile|liste|sag|sage|zeigen\s+sie|nennen\s+sie|geben\s+sie")
-    source, check = _phrase_rule(de_leak_verbs, r"system-?prompt\w*|systemanweisung\w*|anweisung\w*"
-                            r"|instruktion\w*|systemnachricht\w*|prompt\w*|regeln|konfiguration",
-                            r"dein\w*|ihr\w*|system\w*|versteckt\w*|ursprünglich\w*|geheim\w*"
-                            r"|intern\w*|initial\w*", gap=4)
-    add("prompt-leak", _trigger_words(de_leak_verbs), source, check)
+    add("prompt-leak", *_phrase_rule(
+        de_leak_verbs, r"system-?prompt\w*|systemanweisung\w*|anweisung\w*|instruktion\w*"
+        r"|systemnachricht\w*|prompt\w*|regeln|konfiguration",
+        r"dein\w*|ihr\w*|system\w*|versteckt\w*|ursprünglich\w*|geheim\w*|intern\w*|initial\w*"))
     fr_leak_verbs = (r"révèle|révélez|revele|montre(?:-moi)?|montrez(?:-moi)?|affiche|affichez"
                      r"|imprime|imprimez|répète|répétez|repete|dis-moi|dites-moi|donne-moi"
                      r"|donnez-moi|écris|écrivez|partage|partagez|divulgue|divulguez|récite")
-    source, check = _phrase_rule(fr_leak_verbs, r"prompt|invite|instructions|consignes|règles"
-                            r"|directives|configuration|message",
-                            r"ton|ta|tes|votre|vos|système|systeme|cachée?s?|initiales?"
-                            r"|d'origine|secrète?s?|interne?s?", gap=3)
-    add("prompt-leak", _trigger_words(fr_leak_verbs), source, check)
+    add("prompt-leak", *_phrase_rule(
+        fr_leak_verbs, r"prompt|invite|instructions|consignes|règles|directives|configuration"
+        r"|message", r"ton|ta|tes|votre|vos|système|systeme|cachée?s?|initiales?|d'origine"
+        r"|secrète?s?|interne?s?", gap=3))
     add("prompt-leak", "プロンプト 指示 設定 メッセージ",
         r"(?:システム\s?プロンプト|初期(?:の)?指示|隠された指示|隠し指示|元の指示|最初の指示"
         r"|あなたの(?:指示|設定|プロンプト|ルール)|システムメッセージ|システム指示)"
