@@ -5069,11 +5069,8 @@ _ARABIC_LEADS = (b"\xd8", b"\xd9", b"\xda", b"\xdb")
 
 
 def _trigger_part(word):
-    """(kind, byte forms, key) for one trigger word.
-
-    kind: "token" (a whole word of a spaced script), "wide" (a CJK, kana or Hangul
-    substring, looked for as the word itself: its key), "arabic" (a substring: Arabic glues
-    prefixes to words) or "piece" (any other substring, such as markup)."""
+    """(kind, byte forms, key): "token" (a whole word of a spaced script), "wide" (a CJK, kana or
+    Hangul substring, key the word), "arabic" (Arabic glues prefixes on) or "piece" (markup)."""
     encoded = word.encode()
     if "\u3040" <= word[0] <= "\u30ff" or "\u3130" <= word[0] <= "\u318f" \
             or "\u3400" <= word[0] <= "\u9fff" or "\uac00" <= word[0] <= "\ud7af":
@@ -5087,11 +5084,9 @@ def _trigger_part(word):
 
 
 def _instruction_rules():
-    """(token index, wide-piece index, other pieces, rules, Arabic pieces), compiled once.
+    """(token index, wide-piece index by first character, other pieces, rules, Arabic pieces).
 
-    A token opens the (rule, further parts) rows listed under it; a wide piece is tried
-    only when its first character occurs, an Arabic one only in Arabic text; other pieces
-    are substring tests."""
+    Each index lists (rule, further parts) rows; compiled once."""
     global _INSTRUCTION_RULES
     if _INSTRUCTION_RULES is None:
         rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
@@ -5168,11 +5163,8 @@ class _TriggerScan:
 
     def opens(self, gate):
         """Whether the text holds one entry of a rule's gate (its `also` words); None opens."""
-        if gate is None:
-            return True
-        words, entries = gate
-        return not self.tokens.isdisjoint(words) or any(all(self.has(part) for part in entry)
-                                                         for entry in entries)
+        return gate is None or not self.tokens.isdisjoint(gate[0]) or any(
+            all(self.has(part) for part in entry) for entry in gate[1])
 
     def spans(self, forms):
         """Offset ranges of the text around each occurrence of the forms; None when lower-casing
@@ -5202,13 +5194,12 @@ class _TriggerScan:
                     position = lowered.find(word, position + len(word))
                 self.form_spans[form] = cached
             spans.extend(cached)
-        spans.sort()
         merged = []
-        for start, end in spans:
+        for start, end in sorted(spans):
             if merged and start <= merged[-1][1] + 1:
-                merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+                merged[-1][1] = max(end, merged[-1][1])
             else:
-                merged.append((start, end))
+                merged.append([start, end])
         return merged
 
 
@@ -5242,25 +5233,13 @@ def _base64_payload_text(value):
                                    validate=True).decode("utf-8")
     except (binascii.Error, ValueError):
         return None
-    return decoded if _reads_as_text(decoded) else None
-
-
-def _base64_payload(value):
-    return _base64_payload_text(value) is not None
-
-
-def _reads_as_text(decoded):
     if len(decoded) < 8:
-        return False
+        return None
     readable = sum(1 for ch in decoded if ch.isprintable() or ch in "\n\t\r")
     letters = sum(1 for ch in decoded if ch.isalpha())
-    return readable >= 0.95 * len(decoded) and letters >= 0.5 * len(decoded.replace(" ", ""))
-
-
-def _url_value_reads_as_words(value):
-    """A URL-encoded value that reads as words: three or more letter runs joined by + or %20."""
-    words = re.split(r"\+|%20|%2[0Bb]", value)
-    return sum(1 for w in words if re.search(r"[A-Za-z]{2,}", w)) >= 3
+    if readable >= 0.95 * len(decoded) and letters >= 0.5 * len(decoded.replace(" ", "")):
+        return decoded
+    return None
 
 
 def _link_carries_payload(match):
@@ -5274,20 +5253,20 @@ def _link_carries_payload(match):
         return False
     if _URL_PLACEHOLDER.search(path) or _URL_PLACEHOLDER.search(query):
         return True
-    for segment in path.split("/"):
-        if len(segment) >= 24 and re.fullmatch(r"[A-Za-z0-9+_=-]+", segment) \
-                and _base64_payload(segment):
-            return True
+    if any(len(segment) >= 24 and re.fullmatch(r"[A-Za-z0-9+_=-]+", segment)
+           and _base64_payload_text(segment) for segment in path.split("/")):
+        return True
     for pair in query.split("&"):
         key, _, value = pair.partition("=")
         if len(value) >= 16 and re.fullmatch(r"[A-Za-z0-9+/_=%-]+", value) \
-                and _base64_payload(value.replace("%3D", "=").replace("%2F", "/")):
+                and _base64_payload_text(value.replace("%3D", "=").replace("%2F", "/")):
             return True
+        # A shown image sends its query: words (letter runs joined by + or %20) or a payload key.
         if not is_image:
             continue
-        if _url_value_reads_as_words(value):
-            return True
-        if key.lower() in _PAYLOAD_KEYS and len(value) >= 8:
+        words = re.split(r"\+|%20|%2[0Bb]", value)
+        if sum(1 for w in words if re.search(r"[A-Za-z]{2,}", w)) >= 3 or (
+                key.lower() in _PAYLOAD_KEYS and len(value) >= 8):
             return True
     return False
 
@@ -5297,40 +5276,35 @@ def _mentions_url(match):
                      match.group(0)) is not None
 
 
-_FOREIGN_SEND = None
+_FOREIGN_SEND_VERB = _LazyPattern(
+    r"\b(?:envía|envia|envíe|envie|manda|mande|sube|suba|reenvía|transmite|envoie"
+    r"|envoyez|transmets|transmettez|téléverse|sende|senden\s+sie|schicke|schick"
+    r"|übermittle|lade|отправь(?:те)?|перешли(?:те)?|загрузи(?:те)?|передай(?:те)?|أرسل"
+    r"|ارسل|ارفع|انقل)\b|发送|发到|发给|上传|傳送|發送|送信|送って|アップロード|転送"
+    r"|보내|전송|업로드", re.IGNORECASE)
+_FOREIGN_SEND_NOUN = _LazyPattern(
+    r"\b(?:claves?|contraseñas?|secretos?|conversación|historial|chaves?|senhas?"
+    r"|segredos?|conversa|clés?|cles?|jetons?|mots?\s+de\s+passe|conversation"
+    r"|historique|schlüssel\w*|passw\w*|geheimnis\w*|zugangsdaten|unterhaltung"
+    r"|konversation|verlauf|ключ\w*|токен\w*|парол\w*|секрет\w*|переписк\w*|диалог\w*"
+    r"|tokens?|المفاتيح|مفتاح|الرموز|المحادثة|الأسرار|كلمات\s+المرور|كلمة\s+المرور)\b"
+    r"|密钥|密鑰|令牌|密码|密碼|对话|對話|聊天记录|聊天記錄|凭据|凭证|秘密|APIキー"
+    r"|トークン|パスワード|会話|履歴|비밀번호|토큰|대화|키|비밀", re.IGNORECASE)
+_URL_END = _LazyPattern(r"[!-~]*")
 
 
 def _foreign_send_line(match):
     """Non-English requests to send secrets or the conversation to a URL or address."""
-    global _FOREIGN_SEND
-    if _FOREIGN_SEND is None:
-        _FOREIGN_SEND = (
-            re.compile(
-                r"\b(?:envía|envia|envíe|envie|manda|mande|sube|suba|reenvía|transmite|envoie"
-                r"|envoyez|transmets|transmettez|téléverse|sende|senden\s+sie|schicke|schick"
-                r"|übermittle|lade|отправь(?:те)?|перешли(?:те)?|загрузи(?:те)?|передай(?:те)?|أرسل"
-                r"|ارسل|ارفع|انقل)\b|发送|发到|发给|上传|傳送|發送|送信|送って|アップロード|転送"
-                r"|보내|전송|업로드", re.IGNORECASE),
-            re.compile(
-                r"\b(?:claves?|contraseñas?|secretos?|conversación|historial|chaves?|senhas?"
-                r"|segredos?|conversa|clés?|cles?|jetons?|mots?\s+de\s+passe|conversation"
-                r"|historique|schlüssel\w*|passw\w*|geheimnis\w*|zugangsdaten|unterhaltung"
-                r"|konversation|verlauf|ключ\w*|токен\w*|парол\w*|секрет\w*|переписк\w*|диалог\w*"
-                r"|tokens?|المفاتيح|مفتاح|الرموز|المحادثة|الأسرار|كلمات\s+المرور|كلمة\s+المرور)\b"
-                r"|密钥|密鑰|令牌|密码|密碼|对话|對話|聊天记录|聊天記錄|凭据|凭证|秘密|APIキー"
-                r"|トークン|パスワード|会話|履歴|비밀번호|토큰|대화|키|비밀", re.IGNORECASE),
-            re.compile(r"[!-~]*"))
     text, offset = match.string, match.start()
     end = text.find("\n", offset)
     line = text[text.rfind("\n", 0, offset) + 1:len(text) if end < 0 else end]
-    verbs, nouns, url_end = _FOREIGN_SEND
-    if verbs.search(line) is None or nouns.search(line) is None:
+    if _FOREIGN_SEND_VERB.search(line) is None or _FOREIGN_SEND_NOUN.search(line) is None:
         return False
     # In CJK prose a link beside "send" and "key" is mostly documentation: the address must
     # be where the data goes (发送到 URL, URL に送信, URL로 보내).
     return not re.search(r"[\u3040-\u9fff\uac00-\ud7af]", line) or text[max(0, offset - 2):offset] \
         .strip()[-1:] in ("到", "至", "给", "給") or re.match(
-        r"\s*(?:に|へ|まで|로|으로|에게|에|까지)", text[url_end.match(text, offset).end():]) is not None
+        r"\s*(?:に|へ|まで|로|으로|에게|에|까지)", text[_URL_END.match(text, offset).end():]) is not None
 
 
 # --- the scan ----------------------------------------------------------------------------
