@@ -5314,26 +5314,21 @@ _CODE_FENCE_LINE = _LazyPattern(r"^[ \t]*(?:>[ \t]*)*(`{3,}|~{3,})([^\n]*)$", re
 _PARAGRAPH_BREAK = _LazyPattern(r"\n[ \t]*\n")
 
 
-def _spaces_for(segment):
-    # Every character but a line break becomes a space; split/join beats a regex callback.
-    return "\n".join([" " * len(line) for line in segment.split("\n")])
+def _lines_holding(text, marker):
+    """(start, end) of each line that holds marker, found with str.find."""
+    position = text.find(marker)
+    while position >= 0:
+        end = text.find("\n", position)
+        end = len(text) if end < 0 else end
+        yield text.rfind("\n", 0, position) + 1, end
+        position = text.find(marker, end)
 
 
 def _code_fence_lines(text):
-    """Matches of _CODE_FENCE_LINE for the lines holding ``` or ~~~, found with str.find."""
-    found = []
-    for marker in ("```", "~~~"):
-        position = text.find(marker)
-        while position >= 0:
-            start = text.rfind("\n", 0, position) + 1
-            m = _CODE_FENCE_LINE.match(text, start)
-            end = text.find("\n", position)
-            end = len(text) if end < 0 else end
-            if m is not None and m.group(1)[0] == marker[0]:
-                found.append(m)
-            position = text.find(marker, end)
-    found.sort(key=lambda m: m.start())
-    return found
+    """Matches of _CODE_FENCE_LINE for the lines holding ``` or ~~~."""
+    found = [m for marker in ("```", "~~~") for start, _ in _lines_holding(text, marker)
+             if (m := _CODE_FENCE_LINE.match(text, start)) and m.group(1)[0] == marker[0]]
+    return sorted(found, key=lambda m: m.start())
 
 
 def _markdown_code_regions(text):
@@ -5354,14 +5349,6 @@ def _markdown_code_regions(text):
     # Code spans (CommonMark): a backtick run closed by the next run of the same length in
     # the same paragraph; an unclosed run is literal text.
     import bisect
-    runs = []
-    position = text.find("`")
-    while position >= 0:
-        end = position + 1
-        while end < len(text) and text[end] == "`":
-            end += 1
-        runs.append((position, end))
-        position = text.find("`", end)
     fenced = regions[:]
     starts = [r[0] for r in fenced]
 
@@ -5369,7 +5356,7 @@ def _markdown_code_regions(text):
         k = bisect.bisect_right(starts, offset) - 1
         return k >= 0 and offset < fenced[k][1]
 
-    runs = [r for r in runs if not in_fence(r[0])]
+    runs = [m.span() for m in re.finditer("`+", text) if not in_fence(m.start())]
     by_length = {}
     for index, (start, end) in enumerate(runs):
         by_length.setdefault(end - start, []).append(index)
@@ -5395,14 +5382,13 @@ def _text_outside_code(text):
     Same length and line breaks as the text, so offsets and line numbers carry over."""
     if "`" not in text and "~~~" not in text:
         return text
-    pieces = []
-    last = 0
+    pieces, last = [], 0
     for start, end in _markdown_code_regions(text):
-        if start < last:
-            continue
-        pieces.append(text[last:start])
-        pieces.append(_spaces_for(text[start:end]))
-        last = end
+        if start >= last:
+            # Every character but a line break becomes a space; split/join beats a regex callback.
+            blank = "\n".join([" " * len(line) for line in text[start:end].split("\n")])
+            pieces += [text[last:start], blank]
+            last = end
     pieces.append(text[last:])
     return "".join(pieces)
 
@@ -5427,11 +5413,9 @@ def _finding_excerpt(line, column):
     stripped = line.lstrip()
     column = max(0, column - (len(line) - len(stripped)))
     stripped = stripped.rstrip()
-    start = 0
-    if len(stripped) > 80 or len(_escape_hidden(stripped)) > 80:
-        start = max(0, column - 20)
-    pieces = []
-    size = 0
+    long = len(stripped) > 80 or len(_escape_hidden(stripped)) > 80
+    start = max(0, column - 20) if long else 0
+    pieces, size = [], 0
     for ch in stripped[start:start + 80]:
         piece = _escape_hidden(ch)
         if size + len(piece) > 80:
@@ -5462,23 +5446,10 @@ def _instruction_rule_hits(text, skip=(), scan=None):
                     yield kind, m.start()
 
 
-def _lines_of_three_dashes(text):
-    """Offsets (start, end) of the lines that hold only ---, found with str.find."""
-    found = []
-    position = text.find("---")
-    while position >= 0:
-        start = text.rfind("\n", 0, position) + 1
-        end = text.find("\n", position)
-        end = len(text) if end < 0 else end
-        if text[start:end].strip(" \t\ufeff") == "---":
-            found.append((start, end))
-        position = text.find("---", end)
-    return found
-
-
 def _fake_frontmatter(text, prose):
     """Offsets of role/instruction keys inside a --- block that is not the file's front matter."""
-    rules = _lines_of_three_dashes(prose)
+    rules = [(start, end) for start, end in _lines_holding(prose, "---")
+             if prose[start:end].strip(" \t\ufeff") == "---"]
     if len(rules) < 2:
         return []
     index = 0
@@ -5552,20 +5523,10 @@ def _hidden_markup(text, low, offset_in_code):
 
 # --- normalisation (the second pass) -------------------------------------------------------
 
-_FOLD_LATIN = {
-    # Cyrillic
-    "а": "a", "в": "b", "е": "e", "ё": "e", "к": "k", "м": "m", "н": "h", "о": "o", "р": "p",
-    "с": "c", "т": "t", "у": "y", "х": "x", "і": "i", "ї": "i", "ј": "j", "ѕ": "s", "ԁ": "d",
-    "ԛ": "q", "ԝ": "w", "һ": "h", "ɡ": "g",
-    "А": "A", "В": "B", "Е": "E", "Ё": "E", "К": "K", "М": "M", "Н": "H", "О": "O", "Р": "P",
-    "С": "C", "Т": "T", "У": "Y", "Х": "X", "І": "I", "Ї": "I", "Ј": "J", "Ѕ": "S", "Ԁ": "D",
-    "Ԛ": "Q", "Ԝ": "W", "Һ": "H",
-    # Greek
-    "α": "a", "β": "b", "ε": "e", "η": "n", "ι": "i", "κ": "k", "ν": "v", "ο": "o", "ρ": "p",
-    "τ": "t", "υ": "u", "χ": "x", "γ": "y", "ω": "w",
-    "Α": "A", "Β": "B", "Ε": "E", "Ζ": "Z", "Η": "H", "Ι": "I", "Κ": "K", "Μ": "M", "Ν": "N",
-    "Ο": "O", "Ρ": "P", "Τ": "T", "Υ": "Y", "Χ": "X",
-}
+# Cyrillic and Greek letters that look like Latin ones, and the letters they imitate.
+_FOLD_LATIN = dict(zip(
+    "авеёкмнорстухіїјѕԁԛԝһɡ" "АВЕЁКМНОРСТУХІЇЈЅԀԚԜҺ" "αβεηικνορτυχγω" "ΑΒΕΖΗΙΚΜΝΟΡΤΥΧ",
+    "abeekmhopctyxiijsdqwhg" "ABEEKMHOPCTYXIIJSDQWH" "abenikvoptuxyw" "ABEZHIKMNOPTYX"))
 _FOLD_CLASS = _LazyPattern("[" + "".join(_FOLD_LATIN) + "]")
 _MIXED_SCRIPT = _LazyPattern("[A-Za-z][\u0370-\u04ff]|[\u0370-\u04ff][A-Za-z]")
 _HOMOGLYPH_WORD = _LazyPattern(r"[^\W\d_]+")
