@@ -5562,11 +5562,8 @@ def _segment_words(run):
     if n < 8 or n > 300:
         return run
     # best[i] = (cost, pieces) for low[:i]; a piece is (start, end, known).
-    best = [None] * (n + 1)
-    best[0] = (0, ())
+    best = [(0, ())] + [None] * n
     for i in range(n):
-        if best[i] is None:
-            continue
         cost, pieces = best[i]
         steps = [(i + 1, cost + 3, False)]
         steps += [(j, cost + 1, True) for j in range(i + 1, min(n, i + 14) + 1)
@@ -5574,8 +5571,7 @@ def _segment_words(run):
         for j, new_cost, known in steps:
             if best[j] is None or new_cost < best[j][0]:
                 best[j] = (new_cost, pieces + ((i, j, known),))
-    words = []
-    known_chars = 0
+    words, known_chars = [], 0
     for start, end, known in best[n][1]:
         if known:
             words.append(run[start:end])
@@ -5591,9 +5587,8 @@ def _segment_words(run):
 
 def _fold_token(m):
     token = m.group(0)
-    if not _FOLD_CLASS.search(token):
-        return token
-    if _HAS_LATIN.search(token) or all(ch in _FOLD_LATIN for ch in token):
+    if _FOLD_CLASS.search(token) and (_HAS_LATIN.search(token)
+                                      or all(ch in _FOLD_LATIN for ch in token)):
         return "".join(_FOLD_LATIN.get(ch, ch) for ch in token)
     return token
 
@@ -5609,15 +5604,6 @@ def _leet_token(m):
         return token
     # "11" reads as "ll" ("a11", "r3ca11"); a lone 1 as "i" ("1gn0r3", "th1s").
     return token.replace("11", "ll").translate(_LEET)
-
-
-def _decode_base64_runs(line):
-    decoded = []
-    for m in _BASE64_RUN.finditer(line):
-        text = _base64_payload_text(m.group(0))
-        if text is not None:
-            decoded.append(_deobfuscated_line(re.sub(r"\s*\n\s*", ". ", text), depth=1))
-    return decoded
 
 
 def _deobfuscated_line(line, depth=0):
@@ -5636,7 +5622,8 @@ def _deobfuscated_line(line, depth=0):
     if _LEET_NEAR_LETTER.search(s):
         s = _LEET_TOKEN.sub(_leet_token, s)
     if depth == 0 and len(line) >= 40 and _BASE64_RUN.search(line):
-        extra = _decode_base64_runs(line)
+        decoded = [_base64_payload_text(m.group(0)) for m in _BASE64_RUN.finditer(line)]
+        extra = [_deobfuscated_line(re.sub(r"\s*\n\s*", ". ", t), depth=1) for t in decoded if t]
         if extra:
             s = s + " . " + " . ".join(extra)
     return s
@@ -5683,35 +5670,29 @@ def _holds_hidden(text):
 
 
 def scan_instructions(text):
-    """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4).
-
-    Sorted by line, then kind; one finding per kind and section. Fenced and inline code are
-    exempt except for hidden-text. A hit seen only in the normalised copy is obfuscated."""
+    """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4), by
+    line then kind, one per kind and section; code is exempt except for hidden-text."""
     if not text:
         return []
-    if "\r" in text:
-        text = text.replace("\r\n", "\n")
+    import bisect
+    text = text.replace("\r\n", "\n")
     prose = _text_outside_code(text)
     scan = _TriggerScan(prose)
-    found = {}
-    starts = []
-    import bisect
+    found, starts = {}, []
 
     def line_of(offset):
         if not starts:
-            starts.append(0)
-            starts.extend(m.end() for m in _EOL.finditer(text))
+            # Line starts, and one past the end so that line i ends at starts[i + 1] - 1.
+            starts.extend([0] + [m.end() for m in _EOL.finditer(text)] + [len(text) + 1])
         return bisect.bisect_right(starts, offset) - 1
 
     def add(kind, offset, obfuscated, line=None):
         index = line_of(offset) if line is None else line
-        if (index, kind) in found:
-            return
-        end = starts[index + 1] - 1 if index + 1 < len(starts) else len(text)
-        column = 0 if line is not None else offset - starts[index]
-        found[(index, kind)] = {"kind": kind, "line": index + 1,
-                                "excerpt": _finding_excerpt(text[starts[index]:end], column),
-                                "obfuscated": obfuscated}
+        if (index, kind) not in found:
+            column = 0 if line is not None else offset - starts[index]
+            excerpt = _finding_excerpt(text[starts[index]:starts[index + 1] - 1], column)
+            found[(index, kind)] = {"kind": kind, "line": index + 1, "excerpt": excerpt,
+                                    "obfuscated": obfuscated}
 
     for kind, offset in _instruction_rule_hits(prose, ("hidden-text",), scan):
         add(kind, offset, False)
@@ -5756,8 +5737,7 @@ def scan_instructions(text):
         line_of(0)
         normal = {}
         for index in sorted(lines):
-            end = starts[index + 1] - 1 if index + 1 < len(starts) else len(text)
-            original = prose[starts[index]:end]
+            original = prose[starts[index]:starts[index + 1] - 1]
             changed = _deobfuscated_line(original)
             if changed != original:
                 normal[index] = changed
@@ -5787,26 +5767,16 @@ def is_instruction_shaped(text):
 
 
 def _hidden_characters(text):
-    """Zero-width, bidi-control and tag characters: [{line, codepoint: "U+XXXX"}].
-
-    One entry per distinct character per line, in order of appearance; a byte order mark at
-    the very start is not hidden. doctor reports these as hidden-characters."""
-    out = []
-    seen = set()
-    if not _holds_hidden(text):
-        return out
-    line = 1
-    position = 0
-    for m in _HIDDEN_CHAR_RE.finditer(text):
-        if _harmless_hidden(text, m.start()):
-            continue
-        line += text.count("\n", position, m.start())
-        position = m.start()
-        key = (line, ord(m.group(0)))
-        if key not in seen:
-            seen.add(key)
-            out.append({"line": line, "codepoint": "U+%04X" % ord(m.group(0))})
-    return out
+    """Zero-width, bidi-control and tag characters: [{line, codepoint: "U+XXXX"}], one per
+    distinct character and line, for doctor's hidden-characters."""
+    found, line, position = {}, 1, 0
+    for m in _HIDDEN_CHAR_RE.finditer(text) if _holds_hidden(text) else ():
+        if not _harmless_hidden(text, m.start()):
+            line += text.count("\n", position, m.start())
+            position = m.start()
+            code = ord(m.group(0))
+            found.setdefault((line, code), {"line": line, "codepoint": "U+%04X" % code})
+    return list(found.values())
 
 
 def _instruction_kinds(findings):
