@@ -4352,7 +4352,7 @@ _ROLE_REACHED = _LazyPattern(
 _FAKE_FRONTMATTER_KEY = _LazyPattern(
     r"^[ \t]*(?:role|system|system[_-]?prompt|system[_-]?message|developer|instructions?"
     r"|prompt|persona|directives?|override|jailbreak|assistant[_-]?(?:rules|instructions))"
-    r"[ \t]*:", re.IGNORECASE)
+    r"[ \t]*:", re.IGNORECASE | re.MULTILINE)
 _FAKE_FRONTMATTER_LINE = _LazyPattern(r"^[ \t]*(?:[\w.-]+[ \t]*:|-[ \t]|#)|^[ \t]*$")
 
 
@@ -5466,12 +5466,9 @@ def _fake_frontmatter(text, prose):
         opening, closing = rules[index], rules[index + 1]
         lines = prose[opening[1] + 1:closing[0]].split("\n")[:-1]
         if len(lines) <= 24 and all(_FAKE_FRONTMATTER_LINE.match(line) for line in lines):
-            offset = opening[1] + 1
-            for line in lines:
-                if _FAKE_FRONTMATTER_KEY.match(line):
-                    hits.append(offset)
-                    break
-                offset += len(line) + 1
+            key = _FAKE_FRONTMATTER_KEY.search(prose, opening[1] + 1, closing[0])
+            if key:
+                hits.append(key.start())
             index += 2
         else:
             index += 1
@@ -5493,16 +5490,9 @@ def _hidden_markup(text, low, offset_in_code):
     element is markup being documented, so there it counts only when it carries another
     family's phrases, as a comment must everywhere."""
     hits = []
-    if b"<!--" in low:
-        position = text.find("<!--")
-        while position >= 0:
-            end = text.find("-->", position + 4)
-            body = text[position + 4:end if end >= 0 else len(text)]
-            if any(True for _ in _instruction_rule_hits(body[:20_000], ("hidden-text",))):
-                hits.append(position)
-            if end < 0:
-                break
-            position = text.find("<!--", end + 3)
+    for m in re.finditer(r"<!--(.*?)(?:-->|\Z)", text, re.DOTALL) if b"<!--" in low else ():
+        if any(True for _ in _instruction_rule_hits(m.group(1)[:20_000], ("hidden-text",))):
+            hits.append(m.start())
     if not any(w in low for w in (b"hidden", b"display", b"font-size", b"opacity", b"width",
                                   b"height")):
         return hits
