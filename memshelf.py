@@ -4307,9 +4307,7 @@ def _addresses_reader(match):
     before = text[max(0, start - 64):start]
     before = before[max(before.rfind("\n"), before.rfind("\r")) + 1:]
     bare = before.rstrip(" \t")
-    if not bare or bare[-1] in _LEAD_PUNCT:
-        return True
-    return _LEAD_WORDS.search(before) is not None
+    return not bare or bare[-1] in _LEAD_PUNCT or _LEAD_WORDS.search(before) is not None
 
 
 # Nouns naming an AI persona; "act as a proxy" is networking prose, "act as an AI" is not.
@@ -5084,9 +5082,7 @@ def _trigger_part(word):
 
 
 def _instruction_rules():
-    """(token index, wide-piece index by first character, other pieces, rules, Arabic pieces).
-
-    Each index lists (rule, further parts) rows; compiled once."""
+    """(token index, wide-piece index by first character, other pieces, rules, Arabic pieces)."""
     global _INSTRUCTION_RULES
     if _INSTRUCTION_RULES is None:
         rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
@@ -5377,9 +5373,7 @@ def _markdown_code_regions(text):
 
 
 def _text_outside_code(text):
-    """The text with fenced code blocks and inline code spans blanked to spaces.
-
-    Same length and line breaks as the text, so offsets and line numbers carry over."""
+    """The text with code blocks and spans blanked to spaces, offsets and line breaks kept."""
     if "`" not in text and "~~~" not in text:
         return text
     pieces, last = [], 0
@@ -5428,8 +5422,7 @@ def _finding_excerpt(line, column):
 def _instruction_rule_hits(text, skip=(), scan=None):
     """Yield (kind, offset) for every rule match in text.
 
-    A rule runs only when one of its trigger words occurs, and on longer texts only over the
-    lines around those words: big alternations cost time per character, tokens do not."""
+    A rule runs only when a trigger word occurs, and on longer texts only around it."""
     scan = scan or _TriggerScan(text)
     rules = _instruction_rules()[3]
     whole = [(0, len(text))]
@@ -5484,11 +5477,8 @@ _HIDDEN_ELEMENT = _LazyPattern(
 
 
 def _hidden_markup(text, low, offset_in_code):
-    """Offsets of HTML comments with injection phrases and of hidden elements that hold text.
-
-    low is the lower-cased UTF-8 of text, for cheap presence tests. Inside code a hidden
-    element is markup being documented, so there it counts only when it carries another
-    family's phrases, as a comment must everywhere."""
+    """Offsets of HTML comments with injection phrases and of hidden elements that hold text
+    (in code, only with injection phrases: there it is documented markup); low: lower UTF-8."""
     hits = []
     for m in re.finditer(r"<!--(.*?)(?:-->|\Z)", text, re.DOTALL) if b"<!--" in low else ():
         if any(True for _ in _instruction_rule_hits(m.group(1)[:20_000], ("hidden-text",))):
@@ -5499,9 +5489,7 @@ def _hidden_markup(text, low, offset_in_code):
     for m in _HIDDEN_ELEMENT.finditer(text):
         close = re.compile("</" + re.escape(m.group(1)), re.IGNORECASE).search(
             text, m.end(), m.end() + 10_000)
-        if close is None:
-            continue
-        inner = text[m.end():close.start()]
+        inner = text[m.end():close.start()] if close else ""
         if not re.sub(r"<[^>]*>", " ", inner).strip():
             continue
         if offset_in_code(m.start()) and not any(
@@ -5544,14 +5532,13 @@ store save my it output display message free for every these those end begin
 
 
 def _segment_words(run):
-    """Split a glued run ("ignoreallprevious") into known words, or return it unchanged.
-
-    Unknown letters are allowed at a high cost so a stray word does not block the rest."""
+    """Split a glued run ("ignoreallprevious") into known words, or return it unchanged."""
     low = run.lower()
     n = len(low)
     if n < 8 or n > 300:
         return run
-    # best[i] = (cost, pieces) for low[:i]; a piece is (start, end, known).
+    # best[i] = (cost, pieces) for low[:i]; a piece is (start, end, known). An unknown letter
+    # costs 3, so a stray word does not block the rest.
     best = [(0, ())] + [None] * n
     for i in range(n):
         cost, pieces = best[i]
