@@ -5352,7 +5352,15 @@ def _markdown_code_regions(text):
         k = bisect.bisect_right(starts, offset) - 1
         return k >= 0 and offset < fenced[k][1]
 
-    runs = [m.span() for m in re.finditer("`+", text) if not in_fence(m.start())]
+    runs = []
+    position = text.find("`")
+    while position >= 0:
+        end = position + 1
+        while end < len(text) and text[end] == "`":
+            end += 1
+        if not in_fence(position):
+            runs.append((position, end))
+        position = text.find("`", end)
     by_length = {}
     for index, (start, end) in enumerate(runs):
         by_length.setdefault(end - start, []).append(index)
