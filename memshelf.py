@@ -4510,7 +4510,7 @@ def _instruction_rule_table():
                 r"|no\s+(?:sigas|sigan|siga|hagas\s+caso\s+a)")
     es_nouns = (r"instrucciones|reglas|indicaciones|órdenes|ordenes|directrices|directivas|normas"
                 r"|restricciones|pautas")
-    es_quals = (r"anteriores|previas|precedentes|arriba|originales|iniciales|sistema|todas|tus|sus")
+    es_quals = r"anteriores|previas|precedentes|arriba|originales|iniciales|sistema|todas|tus|sus"
     add("override", *_phrase_rule(es_verbs, es_nouns, es_quals), also=_trigger_words(es_nouns))
     add("override", "ignora olvida ignore olvide",
         r"\b(?:ignora|olvida|ignore|olvide)\s+todo\s+lo\s+(?:anterior|dicho|que\s+se\s+te)",
@@ -4620,9 +4620,8 @@ def _instruction_rule_table():
     pt_leak_verbs = (r"revele|revela|mostre|mostra|me\s+mostre|imprima|imprime|repita|repete"
                      r"|diga|me\s+diga|compartilhe|divulgue|forneça|exiba|exibe")
     add("prompt-leak", *_phrase_rule(
-        pt_leak_verbs, r"prompt|instruções|instrucoes|regras|diretrizes",
-        r"seu|sua|seus|suas|teu|tua|sistema|ocult\w+|iniciais|originais|secret\w+|intern\w+",
-        gap=3))
+        pt_leak_verbs, r"prompt|instruções|instrucoes|regras|diretrizes", r"seu|sua|seus|suas|teu"
+        r"|tua|sistema|ocult\w+|iniciais|originais|secret\w+|intern\w+", gap=3))
     de_leak_verbs = (r"zeige|zeig|gib|nenne|verrate|wiederhole|drucke|offenbare|enthülle|schreibe"
                      r"|teile|liste|sag|sage|zeigen\s+sie|nennen\s+sie|geben\s+sie")
     add("prompt-leak", *_phrase_rule(
