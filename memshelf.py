@@ -4313,11 +4313,10 @@ def _harmless_hidden(text, at):
 # English imperatives must address the reader: line or sentence start, after punctuation,
 # or after "please" / "you must" / "I want you to"; "we decided to ignore X" stays quiet.
 _LEAD_WORDS = _LazyPattern(
-    r"\b(?:please|pls|now|just|and|so|then|also|simply|kindly|instead|immediately|first"
-    r"|(?:could|can|would|will)\s+you(?:\s+please)?"
-    r"|you\s+(?:must|should|shall|will|need\s+to|have\s+to|are\s+to|are\s+required\s+to"
-    r"|can\s+now|may\s+now)|(?:want|need|order|command|instruct|ask|tell|require)\s+you\s+to)"
-    r"[ \t]+\Z", re.IGNORECASE)
+    r"\b(?:please|pls|now|just|and|so|then|also|simply|kindly|instead|immediately|first|(?:could"
+    r"|can|would|will)\s+you(?:\s+please)?|you\s+(?:must|should|shall|will|need\s+to|have\s+to"
+    r"|are\s+to|are\s+required\s+to|can\s+now|may\s+now)|(?:want|need|order|command|instruct|ask"
+    r"|tell|require)\s+you\s+to)[ \t]+\Z", re.IGNORECASE)
 _LEAD_PUNCT = frozenset(".!?:;,()[]\"'\u201c\u2018\u00ab>*#|~-\u2013\u2014\u2026\u3002\uff01\uff1f")
 
 
@@ -4327,9 +4326,7 @@ def _addresses_reader(match):
     before = text[max(0, start - 64):start]
     before = before[max(before.rfind("\n"), before.rfind("\r")) + 1:]
     bare = before.rstrip(" \t")
-    if not bare or bare[-1] in _LEAD_PUNCT:
-        return True
-    return _LEAD_WORDS.search(before) is not None
+    return not bare or bare[-1] in _LEAD_PUNCT or _LEAD_WORDS.search(before) is not None
 
 
 # Nouns naming an AI persona; "act as a proxy" is networking prose, "act as an AI" is not.
@@ -4372,29 +4369,22 @@ _ROLE_REACHED = _LazyPattern(
 _FAKE_FRONTMATTER_KEY = _LazyPattern(
     r"^[ \t]*(?:role|system|system[_-]?prompt|system[_-]?message|developer|instructions?"
     r"|prompt|persona|directives?|override|jailbreak|assistant[_-]?(?:rules|instructions))"
-    r"[ \t]*:", re.IGNORECASE)
+    r"[ \t]*:", re.IGNORECASE | re.MULTILINE)
 _FAKE_FRONTMATTER_LINE = _LazyPattern(r"^[ \t]*(?:[\w.-]+[ \t]*:|-[ \t]|#)|^[ \t]*$")
 
 
 def _phrase_rule(verbs, nouns, quals, gap=4, after=2):
-    """A spaced-language phrase: verb, up to `gap` words, noun, a few trailing words.
-
-    The qualifier (previous, your, system, ...) is checked on the whole match, because
-    languages place it before or after the noun."""
+    """(triggers, source, check): verb, up to `gap` words, noun; the qualifier either side."""
     source = (r"\b(?:" + verbs + r")\s+(?:[^\s.!?;:\u3002]+\s+){0," + str(gap)
               + r"}?(?:" + nouns + r")[^\s.!?;:]*(?:[ \t]+[^\s.!?;:,]+){0," + str(after) + "}")
     qualifier = _LazyPattern(r"(?:^|(?<=\W))(?:" + quals + r")(?=\W|$)", re.IGNORECASE)
-    return source, (lambda m, _q=qualifier: _q.search(m.group(0)) is not None)
+    return _trigger_words(verbs), source, lambda m, _q=qualifier: _q.search(m.group(0)) is not None
 
 
 def _trigger_words(alternation):
-    r"""The trigger words of a simple alternation such as r"ignore|забудь(?:те)?|don'?t\s+obey".
-
-    Understands literals, \s, (?:a|b) groups, [ab] classes, + and * (ignored) and ? after a
-    character or a group: the subset the verb lists use. Each spelled-out form is a trigger."""
+    r"""The trigger words an alternation spells: literals, \s, (?:a|b), [ab], ?; + and * ignored."""
     def parse(i):
-        # Returns the branches of one alternation level; an item is a list of options and
-        # an option is a branch list of the level below or a plain string.
+        # One alternation level: branches of items; an item lists options (strings or levels).
         branches, seq = [], []
         while i < len(alternation) and alternation[i] != ")":
             ch = alternation[i]
@@ -4427,9 +4417,7 @@ def _trigger_words(alternation):
         for seq in branches:
             partial = [""]
             for options in seq:
-                spelled = []
-                for option in options:
-                    spelled.extend(spell(option) if isinstance(option, list) else [option])
+                spelled = [s for o in options for s in (spell(o) if isinstance(o, list) else [o])]
                 partial = [p + o for p in partial for o in spelled][:256]
             forms.extend(partial)
         return forms
@@ -4443,10 +4431,8 @@ def _trigger_words(alternation):
 
 
 def _instruction_rule_table():
-    """(kind, triggers, pattern, check, flags, also) rows.
-
-    Triggers are space-separated: a word must occur as a whole token of the text, a piece of
-    CJK, Hangul, Arabic or punctuation as a substring; "a+b" needs both."""
+    """(kind, triggers, pattern, check, flags, also) rows. A trigger word must be a whole token
+    of the text (CJK, Hangul, Arabic or punctuation: a substring); "a+b" needs both."""
     rows = []
 
     def add(kind, triggers, source, check=None, flags=re.IGNORECASE, lead=False, also=""):
@@ -4468,12 +4454,10 @@ def _instruction_rule_table():
                 r"|commands?|constraints?|restrictions?|guardrails?|polic(?:y|ies)|messages?"
                 r"|orders?|programming|training|safeguards?|filters?|conversation|tasks?"
                 r"|information|assignments?|requests?|questions?")
-    en_quals = (r"previous(?:ly)?|prior|above|aforementioned|earlier|preceding|foregoing"
-                r"|former|original|initial|all|any|every|your|system|safety|developer"
-                r"|content|ethical")
-    source, _ = _phrase_rule(en_verbs, en_nouns, en_quals, gap=4, after=1)
-    strong = _LazyPattern(r"\b(?:" + en_quals.replace("|all|any|every", "") + r")\b",
-                          re.IGNORECASE)
+    en_quals = (r"previous(?:ly)?|prior|above|aforementioned|earlier|preceding|foregoing|former"
+                r"|original|initial|all|any|every|your|system|safety|developer|content|ethical")
+    triggers, source, _ = _phrase_rule(en_verbs, en_nouns, en_quals, gap=4, after=1)
+    strong = _LazyPattern(r"\b(?:" + en_quals.replace("|all|any|every", "") + r")\b", re.IGNORECASE)
     all_noun = _LazyPattern(r"\b(?:all|any|every)\s+(?:(?:of\s+)?the\s+)?(?:" + en_nouns + r")\b",
                           re.IGNORECASE)
 
@@ -4481,20 +4465,19 @@ def _instruction_rule_table():
         # "ignore all lint rules" is a build note; "ignore all rules" or "all previous" is not.
         return strong.search(m.group(0)) is not None or all_noun.search(m.group(0)) is not None
 
-    add("override", _trigger_words(en_verbs), source, check, lead=True, also=_trigger_words(en_nouns))
+    add("override", triggers, source, check, lead=True, also=_trigger_words(en_nouns))
     add("override", "ignore disregard forget drop",
-        r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard|forget)\s+(?:(?:everything|all"
-        r"|anything|whatever)"
-        r"\s+(?:(?:that\s+)?(?:was\s+)?(?:above|before|prior|previously|earlier|so\s+far)"
-        r"|(?:that\s+)?(?:you\s+(?:were|have\s+been|'?ve\s+been)\s+(?:told|given|taught)"
-        r"|i\s+(?:said|told\s+you)|was\s+said|we\s+(?:talked|discussed|said)))"
-        r"|everything(?=\s*[,.!:;])"
-        r"|(?:the\s+)?(?:above|foregoing|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?))))",
+        r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard"
+        r"|forget)\s+(?:(?:everything|all|anything|whatever)\s+(?:(?:that\s+)?(?:was\s+)?(?:above"
+        r"|before|prior|previously|earlier|so\s+far)|(?:that\s+)?(?:you\s+(?:were|have\s+been"
+        r"|'?ve\s+been)\s+(?:told|given|taught)|i\s+(?:said|told\s+you)|was\s+said|we\s+(?:talked"
+        r"|discussed|said)))|everything(?=\s*[,.!:;])|(?:the\s+)?(?:above|foregoing"
+        r"|preceding)(?=\s*(?:$|[.,;:!]|and\b|instructions?))))",
         lead=True, also="everything all anything whatever above foregoing preceding")
     # A new task handed over ("new tasks follow", "focus on your new task"), in nine languages.
     for triggers, source in (
-            ("instructions instruction task+new tasks+new further focus concentrate task+your assignment+your "
-             "mission+your job+your goal+your",
+            ("instructions instruction task+new tasks+new further focus concentrate task+your "
+             "assignment+your mission+your job+your goal+your",
              r"(?-i:\b(?:NEW|UPDATED|REVISED|IMPORTANT|URGENT)\s+(?:SYSTEM\s+)?INSTRUCTIONS?\s*:)|\b(?:new"
              r"|further)\s+(?:tasks?|instructions|assignments?)\s+(?:follows?|are\s+followed)\b"
              r"|\bnew\s+tasks?\s+(?:below|begins?)\b|\b(?:focus|concentrate)\s+(?:only\s+)?on\s+your\s+new\s+(?:task"
@@ -4507,8 +4490,8 @@ def _instruction_rule_table():
              r"|\bnuevas?\s+tareas?\s*(?:a\s+continuación|:)|\btu\s+(?:nueva|verdadera)\s+tarea\b"
              r"|\bnovas?\s+tarefas?\s*(?:a\s+seguir|seguem|:)|\b(?:sua|tua)\s+(?:nova|verdadeira)\s+tarefa\b"),
             ("задача задачи задачу задание задания",
-             r"\bнов(?:ая|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)|\b(?:тво|ваш)\w+\s+(?:нов"
-             r"|настоящ)\w+\s+(?:задач\w*|задани\w*)"),
+             r"\bнов(?:ая|ые|ое)\s+(?:задач[аи]|задани[ея])\s*(?::|—|следу)|\b(?:тво"
+             r"|ваш)\w+\s+(?:нов|настоящ)\w+\s+(?:задач\w*|задани\w*)"),
             ("任务 任務 タスク 課題 指示 작업 과제 임무",
              r"(?:你|您)的(?:新|真正的)(?:任务|任務)(?:是|：|:)|专注于.{0,4}新(?:任务|任務)|あなたの(?:新しい|本当の)(?:タスク|課題|任務)は[^。\n]{0,40}?ことです"
              r"|新しい(?:タスク|課題|指示)に(?:集中|専念)し(?:て|ろ|なさい)|(?:너의|네)\s*(?:새로운|새|진짜)\s*(?:작업|과제|임무)(?:은|는)|새로운\s*(?:작업|과제"
@@ -4537,8 +4520,7 @@ def _instruction_rule_table():
     ru_quals = (r"предыдущ\w*|прежн\w*|прошл\w*|вышеуказанн\w*|вышеприведенн\w*|вышеприведённ\w*"
                 r"|вышеизложенн\w*|ранее|стары\w*|тво\w*|ваш\w*|сво\w*|исходн\w*|изначальн\w*"
                 r"|системн\w*|все|всё|любые")
-    source, check = _phrase_rule(ru_verbs, ru_nouns, ru_quals)
-    add("override", _trigger_words(ru_verbs), source, check)
+    add("override", *_phrase_rule(ru_verbs, ru_nouns, ru_quals))
     add("override", "игнорируй игнорируйте проигнорируй проигнорируйте забудь забудьте",
         r"\b(?:игнорируй(?:те)?|проигнорируй(?:те)?|забудь(?:те)?)\s+(?:вс[её]|всё\s+то)"
         r"(?:\s*,?\s*(?:что|чему)|\s+(?:выше|вышесказанное|предыдущее|сказанное))")
@@ -4547,10 +4529,8 @@ def _instruction_rule_table():
                 r"|no\s+(?:sigas|sigan|siga|hagas\s+caso\s+a)")
     es_nouns = (r"instrucciones|reglas|indicaciones|órdenes|ordenes|directrices|directivas|normas"
                 r"|restricciones|pautas")
-    es_quals = (r"anteriores|previas|precedentes|arriba|originales|iniciales|sistema|todas|tus"
-                r"|sus")
-    source, check = _phrase_rule(es_verbs, es_nouns, es_quals)
-    add("override", _trigger_words(es_verbs), source, check, also=_trigger_words(es_nouns))
+    es_quals = r"anteriores|previas|precedentes|arriba|originales|iniciales|sistema|todas|tus|sus"
+    add("override", *_phrase_rule(es_verbs, es_nouns, es_quals), also=_trigger_words(es_nouns))
     add("override", "ignora olvida ignore olvide",
         r"\b(?:ignora|olvida|ignore|olvide)\s+todo\s+lo\s+(?:anterior|dicho|que\s+se\s+te)",
         also="todo")
@@ -4559,8 +4539,7 @@ def _instruction_rule_table():
     pt_nouns = (r"instruções|instrucoes|regras|orientações|orientacoes|ordens|diretrizes|diretivas"
                 r"|restrições|restricoes|comandos")
     pt_quals = r"anteriores|prévias|previas|acima|originais|iniciais|sistema|todas|suas|tuas|seus"
-    source, check = _phrase_rule(pt_verbs, pt_nouns, pt_quals)
-    add("override", _trigger_words(pt_verbs), source, check, also=_trigger_words(pt_nouns))
+    add("override", *_phrase_rule(pt_verbs, pt_nouns, pt_quals), also=_trigger_words(pt_nouns))
     add("override", "ignore esqueça esqueca",
         r"\b(?:ignore|esqueça|esqueca)\s+tudo\s+(?:o\s+que|que|acima|anterior)", also="tudo")
     de_verbs = (r"ignoriere|ignorier|ignoriert|ignorieren\s+sie|vergiss|vergesst|vergessen\s+sie"
@@ -4572,8 +4551,7 @@ def _instruction_rule_table():
     de_quals = (r"vorherig\w*|vorhergehend\w*|bisherig\w*|vorig\w*|obig\w*|früher\w*"
                 r"|vorangegangen\w*|ursprünglich\w*|alt\w*|alle|sämtliche|jegliche|dein\w*|ihre"
                 r"|system\w*")
-    source, check = _phrase_rule(de_verbs, de_nouns, de_quals)
-    add("override", _trigger_words(de_verbs), source, check,
+    add("override", *_phrase_rule(de_verbs, de_nouns, de_quals),
         also="anweisungen anweisung instruktionen regeln befehle vorgaben richtlinien "
              "anordnungen einschränkungen systemanweisungen systemprompt prompts prompt "
              "aufgaben aufgabe aufträge auftrag informationen")
@@ -4586,8 +4564,7 @@ def _instruction_rule_table():
     fr_nouns = r"instructions|consignes|règles|regles|directives|ordres|indications|contraintes"
     fr_quals = (r"précédentes|precedentes|antérieures|anterieures|ci-dessus|initiales|originales"
                 r"|toutes|tes|vos|système|systeme")
-    source, check = _phrase_rule(fr_verbs, fr_nouns, fr_quals)
-    add("override", _trigger_words(fr_verbs), source, check, also=_trigger_words(fr_nouns))
+    add("override", *_phrase_rule(fr_verbs, fr_nouns, fr_quals), also=_trigger_words(fr_nouns))
     add("override", "oublie oubliez ignore ignorez",
         r"\b(?:oublie|oubliez|ignore|ignorez)\s+tout\s+(?:ce\s+qui\s+(?:précède|precede|a\s+été)"
         r"|ce\s+que|ce\s+qu)", also="tout")
@@ -4603,8 +4580,7 @@ def _instruction_rule_table():
                 r"|لا\s+تلتزم\s+ب")
     ar_nouns = r"\w*(?:تعليمات|أوامر|اوامر|قواعد|إرشادات|ارشادات|توجيهات|سياق)\w*"
     ar_quals = r"\w*(?:سابق|أعلاه|اعلاه|أصلي|اصلي|قديم)\w*|كل|جميع|كافة|\w*(?:اتك|رك|دك)"
-    source, check = _phrase_rule(ar_verbs, ar_nouns, ar_quals)
-    add("override", _trigger_words(ar_verbs), source, check)
+    add("override", *_phrase_rule(ar_verbs, ar_nouns, ar_quals))
     add("override", "تجاهل انس انسى إنس",
         r"(?:تجاهل|انس|انسى|إنس)\s+(?:كل|جميع)\s+ما\s+(?:سبق|قيل|ورد)")
 
@@ -4647,45 +4623,37 @@ def _instruction_rule_table():
     ru_leak_nouns = (r"промпт\w*|подсказк\w*|инструкци\w*|указани\w*|настройк\w*|конфигураци\w*"
                      r"|сообщени\w*|правил\w*")
     ru_leak_quals = r"сво\w*|тво\w*|ваш\w*|системн\w*|скрыт\w*|исходн\w*|начальн\w*|изначальн\w*"
-    source, check = _phrase_rule(ru_leak_verbs, ru_leak_nouns, ru_leak_quals, gap=3)
-    add("prompt-leak", _trigger_words(ru_leak_verbs),
-        source, check)
+    add("prompt-leak", *_phrase_rule(ru_leak_verbs, ru_leak_nouns, ru_leak_quals, gap=3))
     add("prompt-leak", "какой каков какие каковы lautet lauten",
-        r"\bwie\s+(?:lautet|lauten)\s+(?:dein|ihr)e?\w*\s+(?:system-?prompt|systemanweisung|anweisung|prompt)"
-        r"|\b(?:какой|каков|какие|каковы)\s+(?:у\s+(?:тебя|вас)\s+)?(?:тво\w+\s+|ваш\w*\s+)?"
-        r"(?:системн\w+\s+промпт|системн\w+\s+инструкци\w+|промпт|инструкции)")
+        r"\bwie\s+(?:lautet|lauten)\s+(?:dein|ihr)e?\w*\s+(?:system-?prompt|systemanweisung"
+        r"|anweisung|prompt)|\b(?:какой|каков|какие|каковы)\s+(?:у\s+(?:тебя|вас)\s+)?(?:тво\w+\s+"
+        r"|ваш\w*\s+)?(?:системн\w+\s+промпт|системн\w+\s+инструкци\w+|промпт|инструкции)")
     es_leak_verbs = (r"revela|revele|revelá|muestra|muéstrame|muestrame|enséñame|enseñame|imprime"
                      r"|repite|dime|escribe|comparte|divulga|proporciona|dame")
-    source, check = _phrase_rule(es_leak_verbs, r"prompt|instrucciones|indicaciones|reglas|directrices",
-                            r"tu|tus|sistema|ocult\w+|iniciales|originales|secret\w+|intern\w+",
-                            gap=3)
-    add("prompt-leak", _trigger_words(es_leak_verbs), source, check)
-    source, check = _phrase_rule(es_leak_verbs, r"configuración|configuracion|mensaje",
-                            r"sistema|ocult\w+|iniciales|originales|secret\w+|intern\w+", gap=3)
-    add("prompt-leak", _trigger_words(es_leak_verbs),
-        source, check)
+    add("prompt-leak", *_phrase_rule(
+        es_leak_verbs, r"prompt|instrucciones|indicaciones|reglas|directrices",
+        r"tu|tus|sistema|ocult\w+|iniciales|originales|secret\w+|intern\w+", gap=3))
+    add("prompt-leak", *_phrase_rule(
+        es_leak_verbs, r"configuración|configuracion|mensaje",
+        r"sistema|ocult\w+|iniciales|originales|secret\w+|intern\w+", gap=3))
     pt_leak_verbs = (r"revele|revela|mostre|mostra|me\s+mostre|imprima|imprime|repita|repete"
                      r"|diga|me\s+diga|compartilhe|divulgue|forneça|exiba|exibe")
-    source, check = _phrase_rule(pt_leak_verbs, r"prompt|instruções|instrucoes|regras|diretrizes",
-                            r"seu|sua|seus|suas|teu|tua|sistema|ocult\w+|iniciais|originais"
-                            r"|secret\w+|intern\w+", gap=3)
-    add("prompt-leak", _trigger_words(pt_leak_verbs), source, check)
+    add("prompt-leak", *_phrase_rule(
+        pt_leak_verbs, r"prompt|instruções|instrucoes|regras|diretrizes", r"seu|sua|seus|suas|teu"
+        r"|tua|sistema|ocult\w+|iniciais|originais|secret\w+|intern\w+", gap=3))
     de_leak_verbs = (r"zeige|zeig|gib|nenne|verrate|wiederhole|drucke|offenbare|enthülle|schreibe"
                      r"|teile|liste|sag|sage|zeigen\s+sie|nennen\s+sie|geben\s+sie")
-    source, check = _phrase_rule(de_leak_verbs, r"system-?prompt\w*|systemanweisung\w*|anweisung\w*"
-                            r"|instruktion\w*|systemnachricht\w*|prompt\w*|regeln|konfiguration",
-                            r"dein\w*|ihr\w*|system\w*|versteckt\w*|ursprünglich\w*|geheim\w*"
-                            r"|intern\w*|initial\w*", gap=4)
-    add("prompt-leak", _trigger_words(de_leak_verbs), source, check)
+    add("prompt-leak", *_phrase_rule(
+        de_leak_verbs, r"system-?prompt\w*|systemanweisung\w*|anweisung\w*|instruktion\w*"
+        r"|systemnachricht\w*|prompt\w*|regeln|konfiguration",
+        r"dein\w*|ihr\w*|system\w*|versteckt\w*|ursprünglich\w*|geheim\w*|intern\w*|initial\w*"))
     fr_leak_verbs = (r"révèle|révélez|revele|montre(?:-moi)?|montrez(?:-moi)?|affiche|affichez"
                      r"|imprime|imprimez|répète|répétez|repete|dis-moi|dites-moi|donne-moi"
-                     r"|donnez-moi|écris|écrivez"
-                     r"|partage|partagez|divulgue|divulguez|récite")
-    source, check = _phrase_rule(fr_leak_verbs, r"prompt|invite|instructions|consignes|règles"
-                            r"|directives|configuration|message",
-                            r"ton|ta|tes|votre|vos|système|systeme|cachée?s?|initiales?"
-                            r"|d'origine|secrète?s?|interne?s?", gap=3)
-    add("prompt-leak", _trigger_words(fr_leak_verbs), source, check)
+                     r"|donnez-moi|écris|écrivez|partage|partagez|divulgue|divulguez|récite")
+    add("prompt-leak", *_phrase_rule(
+        fr_leak_verbs, r"prompt|invite|instructions|consignes|règles|directives|configuration"
+        r"|message", r"ton|ta|tes|votre|vos|système|systeme|cachée?s?|initiales?|d'origine"
+        r"|secrète?s?|interne?s?", gap=3))
     add("prompt-leak", "プロンプト 指示 設定 メッセージ",
         r"(?:システム\s?プロンプト|初期(?:の)?指示|隠された指示|隠し指示|元の指示|最初の指示"
         r"|あなたの(?:指示|設定|プロンプト|ルール)|システムメッセージ|システム指示)"
@@ -4718,8 +4686,7 @@ def _instruction_rule_table():
         r"(?:\s*(?:消息|提示|訊息|メッセージ|메시지|сообщение|mensaje|mensagem|message))?\]?"
         r"[ \t]*[:\uff1a\]](?P<rest>[^\n]*)", role_line)
     add("role-hijack", "system developer sys",
-        r"<(?:system|developer|sys|system[-_](?:prompt|message|instructions?))"
-        r"(?:[ \t][^<>\n]*)?>")
+        r"<(?:system|developer|sys|system[-_](?:prompt|message|instructions?))(?:[ \t][^<>\n]*)?>")
     add("role-hijack", "role",
         r"[\"']role[\"'][ \t]*:[ \t]*[\"'](?:system|developer)[\"']"
         r"|\brole[ \t]*=[ \t]*[\"'](?:system|developer)[\"']")
@@ -4746,21 +4713,20 @@ def _instruction_rule_table():
     add("fake-tool-call", "tool tools function invoke parameter arguments parameters name+input",
         r"</?(?:[a-z]+:)?(?:tool_calls?|tool_use|function_calls?|function_results|tool_results?"
         r"|tool_response|tool_code)\b[^>\n]*>|<(?:[a-z]+:)?invoke\b|<function=[\w.-]+>"
-        r"|<parameter\s+name="
-        r"|[\"']type[\"']\s*:\s*[\"']tool_use[\"']|[\"']method[\"']\s*:\s*[\"']tools/call[\"']"
-        r"|[\"'](?:tool_calls|function_call)[\"']\s*:\s*[\[{]"
+        r"|<parameter\s+name=|[\"']type[\"']\s*:\s*[\"']tool_use[\"']|[\"']method[\"']\s*:\s*[\"']"
+        r"tools/call[\"']|[\"'](?:tool_calls|function_call)[\"']\s*:\s*[\[{]"
         r"|[\"']name[\"']\s*:\s*[\"'][^\"'\n]{1,64}[\"']\s*,\s*[\"'](?:arguments|parameters"
         r"|input)[\"']\s*:\s*\{")
 
     # --- identity-reset ------------------------------------------------------------------
     add("identity-reset", "you+now you+longer now+you",
         r"\byou(?:\s+are|'re)\s+now\s+(?:(?:a|an|the|my|called|named|known\s+as|in|operating\s+as"
-        r"|acting\s+as|playing)\s+)?(?:[\w-]+\s+){0,3}?" + _PERSONA + r"\b"
-        r"|\b(?:now\s+you\s+are|you(?:\s+are|'re)\s+now)\s+(?-i:[A-Z])[\w.-]+(?:\s+(?-i:[A-Z])[\w-]+)?\s*[,.]"
+        r"|acting\s+as|playing)\s+)?(?:[\w-]+\s+){0,3}?" + _PERSONA + r"\b|\b(?:now\s+you\s+are"
+        r"|you(?:\s+are|'re)\s+now)\s+(?-i:[A-Z])[\w.-]+(?:\s+(?-i:[A-Z])[\w-]+)?\s*[,.]"
         r"|\byou(?:\s+are|'re)\s+now\s+(?:free|jailbroken|unrestricted|unfiltered|uncensored"
-        r"|unchained|liberated|no\s+longer|dan)\b"
-        r"|\byou(?:\s+are|'re)\s+no\s+longer\s+(?:an?\s+)?(?:ai|assistant|bound|restricted|limited"
-        r"|required|claude|chatgpt|gpt|a\s+language\s+model|an?\s+ai|constrained|subject)\b")
+        r"|unchained|liberated|no\s+longer|dan)\b|\byou(?:\s+are|'re)\s+no\s+longer\s+(?:an?\s+)?"
+        r"(?:ai|assistant|bound|restricted|limited|required|claude|chatgpt|gpt|a\s+language\s+model"
+        r"|an?\s+ai|constrained|subject)\b")
     add("identity-reset", "from+now from+point from+moment from+here",
         r"\bfrom\s+(?:now\s+on|this\s+(?:point|moment)\s+(?:on|forward)|here\s+on)\s*,?\s*"
         r"(?:you(?:'re|'ll)?\s+(?:are|will|must|shall|should|act|respond|answer|reply|behave"
@@ -4782,9 +4748,9 @@ def _instruction_rule_table():
         r"|purpose|objective|mission|rules|master|programming)\b"
         r"|\b(?:adopt|assume|take\s+on)\s+(?:a|the|this)\s+new\s+(?:persona|identity|personality)")
     add("identity-reset", "你现在是 你現在是 现在你是 現在你是 从现在 從現在 扮演 假装 假裝 你不再是 你的新",
-        r"你现在是|你現在是|现在你是|現在你是|(?:从|從)(?:现|現)在(?:开|開)?始[，,]?\s*你|(?:从|從)(?:现|現)在起[，,]?\s*你"
-        r"|(?:请|請|现在|現在|你要|你必须|你將|你将)(?:扮演|假装|假裝)|假装你是|假裝你是|你不再是"
-        r"|你的新(?:身份|角色|人格|名字)")
+        r"你现在是|你現在是|现在你是|現在你是|(?:从|從)(?:现|現)在(?:开|開)?始[，,]?\s*你|(?:从"
+        r"|從)(?:现|現)在起[，,]?\s*你|(?:请|請|现在|現在|你要|你必须|你將|你将)(?:扮演|假装|假裝)"
+        r"|假装你是|假裝你是|你不再是|你的新(?:身份|角色|人格|名字)")
     add("identity-reset", "теперь отныне момента притворись притворитесь представь представьте "
                           "веди ведите действуй действуйте новая новой",
         r"\b(?:ты\s+теперь|теперь\s+ты|отныне\s+(?:ты|вы)|с\s+этого\s+момента\s+(?:ты|вы))\b"
@@ -4801,19 +4767,18 @@ def _instruction_rule_table():
     add("identity-reset", "agora finja mais aja comporte nova",
         r"\bagora\s+(?:você|voce|tu)\s+(?:é|e|és)\b|\b(?:você|voce)\s+agora\s+é\b"
         r"|\ba\s+partir\s+de\s+agora\s*,?\s*(?:você|voce|vc|tu|aja|responda|finja|seja)\b"
-        r"|\bfinja\s+(?:ser|que\s+(?:você\s+)?é)\b|\b(?:você|voce)\s+não\s+é\s+mais\b"
-        r"|\b(?:aja|comporte-se)\s+como\s+(?:se\s+fosse\s+)?(?:um|uma|o|a)?\s*"
-        r"(?:[\w-]+\s+){0,2}?" + _PERSONA
+        r"|\bfinja\s+(?:ser|que\s+(?:você\s+)?é)\b|\b(?:você|voce)\s+não\s+é\s+mais\b|\b(?:aja"
+        r"|comporte-se)\s+como\s+(?:se\s+fosse\s+)?(?:um|uma|o|a)?\s*(?:[\w-]+\s+){0,2}?" + _PERSONA
         + r"|\b(?:sua|tua)\s+nova\s+(?:personalidade|identidade|persona|função|funcao)")
     add("identity-reset", "bist jetzt sofort nun tu tue verhalte handle agiere neue sind stell",
         r"\bdu\s+bist\s+(?:jetzt|nun|ab\s+sofort|ab\s+jetzt|nicht\s+mehr)\b(?!\s+dran)|\bstell\s+dir\s+vor\s*,?\s*"
         r"(?:dass\s+)?du\s+(?:bist|wärst)\s+(?:eine?\s+)?(?:[\w-]+\s+){0,2}?" + _PERSONA
-        + r"|\b(?:antworte|sprich)\s+(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\b|\b(?:jetzt|nun)\s+bist"
-        r"\s+du\s+(?:ein(?:e|en)?\s|(?-i:[A-ZÄÖÜ]))"
-        r"|\b(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\s*,?\s*(?:bist\s+du|du|antwortest\s+du"
-        r"|wirst\s+du|sind\s+sie|verhältst\s+du)\b|\btue?\s+so\s*,?\s*als\s+(?:wärst|wärest"
-        r"|seist|bist)\s+du\b|\b(?:verhalte\s+dich|handle|agiere)\s+(?:wie|als)\s+(?:ein|eine)?\s*"
-        r"(?:[\w-]+\s+){0,2}?" + _PERSONA
+        + r"|\b(?:antworte|sprich)\s+(?:ab\s+jetzt|von\s+nun\s+an|ab\s+sofort)\b|\b(?:jetzt"
+        r"|nun)\s+bist\s+du\s+(?:ein(?:e|en)?\s|(?-i:[A-ZÄÖÜ]))|\b(?:ab\s+jetzt|von\s+nun\s+an"
+        r"|ab\s+sofort)\s*,?\s*(?:bist\s+du|du|antwortest\s+du|wirst\s+du|sind\s+sie"
+        r"|verhältst\s+du)\b|\btue?\s+so\s*,?\s*als\s+(?:wärst|wärest|seist|bist)\s+du\b"
+        r"|\b(?:verhalte\s+dich|handle|agiere)\s+(?:wie|als)\s+(?:ein"
+        r"|eine)?\s*(?:[\w-]+\s+){0,2}?" + _PERSONA
         + r"|\b(?:deine|ihre)\s+neue\s+(?:rolle|persönlichkeit|identität|persona)"
         r"|\bsie\s+sind\s+(?:jetzt|nun)\s+(?:ein|eine)\s+(?:[\w-]+\s+){0,2}?" + _PERSONA)
     add("identity-reset", "maintenant désormais desormais semblant agis agissez comporte comportez "
@@ -4850,15 +4815,15 @@ def _instruction_rule_table():
              r"|\byou\s+will\s+(?:now\s+)?(?:pretend|imitate|impersonate|role-?\s?play|(?:simulate|emulate)\s+an?\s+"
              r"(?:\w+\s+){0,2}?(?:ai|chatbot|bot|assistant|persona)\b)|\bimmerse\s+yourself\s+(?:in"
              r"|into)\s+(?:the\s+)?role"),
-            ("character+stay character+remain character+keep character+staying character+break character+breaks "
-             "character+breaking role+stay role+remain role+keep role+staying",
+            ("character+stay character+remain character+keep character+staying character+break "
+             "character+breaks character+breaking role+stay role+remain role+keep role+staying",
              r"\b(?:stay|remain|keep|staying)\s+in\s+(?:character|role)\b|\bbreak(?:s|ing)?\s+character\b"),
             ("developer+mode entwicklermodus développeur desarrollador desenvolvedor разработчика",
              r"\b(?:chatgpt|gpt|ai|ki|ia|ии|llm|bot|assistant)\s+(?:\w+\s+){0,2}?(?:with|in|mit|im|avec|en|con|com|no|в"
              r"|с)\s+(?:\w+\s+)?(?:developer\s+mode|entwicklermodus|mode\s+développeur|modo\s+desarrollador"
              r"|modo\s+desenvolvedor|режим\w*\s+разработчика)|\bdeveloper\s+mode\s+(?:output|response)"),
-            ("dan anything jailbreak jailbroken insert+prompt output+normal 🔓 🔒 uncensored unfiltered amoral "
-             "unrestricted unethical evil",
+            ("dan anything jailbreak jailbroken insert+prompt output+normal 🔓 🔒 uncensored "
+             "unfiltered amoral unrestricted unethical evil",
              r"\bdo\s+anything\s+now\b|(?-i:\bDAN\b)|\[\W{0,3}jailbreak\W{0,3}\]|\bjailbr(?:oken|eak)\s+(?:mode|version"
              r"|ai|chatbot|bot|model|gpt|response|persona|prompt)s?\b|\b(?:you\s+(?:are|have\s+been)\s+(?:now\s+)?"
              r"|successfully\s+)jailbroken|\[\s*insert\s+prompt\s+here\s*\]|\(\W{0,3}(?:normal"
@@ -4909,8 +4874,8 @@ def _instruction_rule_table():
              r"\b(?:never|(?:do|must|will|shall|should|can|may)\s*(?:not|n't)|won'?t|cannot"
              r"|not\s+allowed\s+to)\s+(?:ever\s+)?(?:refuse|decline)\b(?!\s+(?:an?\s+|the\s+)?(?:connections?|packets?"
              r"|traffic|payments?))|\bnever\s+(?:ever\s+)?(?:refuses|declines)\b"),
-            ("apologise apologize apologising apologizing sorry remind warn say+never tell+never disclaimer "
-             "disclaimers caveat caveats moralizing moralising",
+            ("apologise apologize apologising apologizing sorry remind warn say+never tell+never "
+             "disclaimer disclaimers caveat caveats moralizing moralising",
              r"\b(?:never|(?:do|must|will|shall|should)\s*(?:not|n't)|stop|no\s+need\s+to)\s+(?:ever\s+)?"
              r"(?:apologi[sz]\w*|(?:say|tell)\w*\s+(?:me\s+)?(?:that\s+)?(?:(?:you|it|he|she|i)(?:'re|'m|\s+are|\s+is"
              r"|\s+am)?\s+sorry|sorry|(?:you|it|he|she|i)\s+(?:can'?t|cannot|(?:is|are|am)\s+unable)|as\s+an\s+ai)"
@@ -4924,8 +4889,8 @@ def _instruction_rule_table():
              r"|\b(?:no\s+matter|regardless\s+of)\s+(?:how|whether|if)?\s*(?:\w+\s+){0,2}?(?:immoral|unethical|illegal"
              r"|offensive|legality|morality|ethics)|\beven\s+if\s+(?:it|they|the\s+\w+)\s*(?:is|are|'s|seems?"
              r"|sounds?)\s+(?:\w+\s+)?(?:illegal|unethical|immoral|offensive)"),
-            ("lehne verweigere entschuldige antworte refuse refusez excuse réponds répondez nunca disculpes responde "
-             "responda peça никогда извиняйся отвечай",
+            ("lehne verweigere entschuldige antworte refuse refusez excuse réponds répondez nunca "
+             "disculpes responde responda peça никогда извиняйся отвечай",
              r"\blehne\s+(?:\w+\s+){0,3}?nie(?:mals)?\s+ab\b|\bverweigere\s+nie(?:mals)?\b"
              r"|\bentschuldige\s+dich\s+(?:nie(?:mals)?|nicht)|\bantworte\b[^.\n]{0,60}?\bohne\s+(?:jegliche\s+)?"
              r"(?:warnungen|hinweise|bedenken|zensur)|\bne\s+(?:refuse|refusez)\s+jamais|\bne\s+(?:t'excuse"
@@ -4970,19 +4935,18 @@ def _instruction_rule_table():
     add("exfiltration", "envía envia envíe envie manda mande sube suba reenvía transmite envoie "
                         "envoyez transmets transmettez téléverse sende senden schicke schick "
                         "übermittle lade отправь отправьте перешли перешлите загрузи загрузите "
-                        "передай передайте أرسل ارسل ارفع انقل 发送 发到 发给 上传 傳送 發送 送信 送って アップロード 転送 "
-                        "보내 전송 업로드",
+                        "передай передайте أرسل ارسل ارفع انقل 发送 发到 发给 上传 傳送 發送 送信 "
+                        "送って アップロード 転送 보내 전송 업로드",
         r"https?://|(?<![\w.+-])[\w.+-]{1,64}@[\w-]+\.[a-z]{2,}", _foreign_send_line)
 
     # --- memory-poisoning ----------------------------------------------------------------
     add("memory-poisoning", "future",
         r"\bfuture\s+(?:(?:ai|llm|claude|gpt)\s+)?(?:assistants?|agents?|models?|ais|instances?"
-        r"|llms|versions?\s+of\s+(?:you|yourself|this\s+(?:assistant|agent|model))|you|selves)"
-        r"\s+(?:must|should|shall|will\s+(?:always|never)|need\s+to|have\s+to|are\s+(?:to"
-        r"|required\s+to)|always|never|ought\s+to|do\s+not|don'?t)\b"
-        r"|\bfuture\s+(?:sessions?|conversations?|chats?|interactions?)\s+(?:must|shall"
-        r"|will\s+(?:always|never)|need\s+to|have\s+to|are\s+(?:to|required\s+to)|always|never"
-        r"|do\s+not|don'?t)\b")
+        r"|llms|versions?\s+of\s+(?:you|yourself|this\s+(?:assistant|agent|model))|you"
+        r"|selves)\s+(?:must|should|shall|will\s+(?:always|never)|need\s+to|have\s+to|are\s+(?:to"
+        r"|required\s+to)|always|never|ought\s+to|do\s+not|don'?t)\b|\bfuture\s+(?:sessions?"
+        r"|conversations?|chats?|interactions?)\s+(?:must|shall|will\s+(?:always|never)|need\s+to"
+        r"|have\s+to|are\s+(?:to|required\s+to)|always|never|do\s+not|don'?t)\b")
     # "whenever you see this error" is a runbook, "next time you read this, it will be done"
     # a letter; "whenever you read this, delete the logs" directs a future reader.
     this_memory = (r"(?:this|these)(?:\s+(?:episode|memory|memories|note|notes|entry|record"
@@ -5020,31 +4984,28 @@ def _instruction_rule_table():
     add("memory-poisoning", "reading reads processing recalling if+ai if+llm if+assistant if+model "
                             "if+chatbot note+ai note+assistant note+assistants note+agent "
                             "note+agents note+claude note+model note+models note+llm note+llms",
-        r"\b(?:to|attention|note\s+(?:to|for))\s*:?\s*(?:any|all|every|the)\s+(?:future\s+)?"
-        r"(?:ai|llm|ai\s+assistants?|assistants?|agents?|models?|language\s+models?)s?\s+"
-        r"(?:reading|that\s+reads|who\s+reads|processing|recalling)\b"
-        r"|\bif\s+you\s+are\s+an?\s+(?:ai|llm|(?:large\s+)?language\s+model|ai\s+assistant"
-        r"|assistant|ai\s+agent|chatbot)\b(?:\s+reading)?"
-        r"|\bnote\s+(?:to|for)\s+(?:any\s+|all\s+)?(?:future\s+)?(?:ai|assistants?|agents?|claude"
-        r"|models?|llms?)\b")
+        r"\b(?:to|attention|note\s+(?:to|for))\s*:?\s*(?:any|all|every|the)\s+(?:future\s+)?(?:ai"
+        r"|llm|ai\s+assistants?|assistants?|agents?|models?|language\s+models?)s?\s+(?:reading"
+        r"|that\s+reads|who\s+reads|processing|recalling)\b|\bif\s+you\s+are\s+an?\s+(?:ai|llm"
+        r"|(?:large\s+)?language\s+model|ai\s+assistant|assistant|ai\s+agent"
+        r"|chatbot)\b(?:\s+reading)?|\bnote\s+(?:to|for)\s+(?:any\s+|all\s+)?(?:future\s+)?(?:ai"
+        r"|assistants?|agents?|claude|models?|llms?)\b")
     add("memory-poisoning", "以后 以後 将来 將來 未来 未來 今后 今後 下次 每当 每當 每次 记住 記住",
-        r"(?:以后|以後|将来|將來|未来|未來|今后|今後)的?(?:所有)?(?:会话|會話|助手|代理|智能体|AI|模型"
-        r"|对话|對話)[^\u3002\n]{0,4}?(?:必须|必須|都要|应该|應該|一律|务必|務必|都必须|永远|永遠|总是"
-        r"|總是)"
-        r"|(?:下次|每当|每當|每次)你?(?:读到|讀到|看到|回忆|回憶|检索|檢索|加载|載入|加載|调取|召回)"
-        r"(?:这|這)"
-        r"|(?:永远|永遠)记住|(?:永远|永遠)記住|记住(?:这条|這條|这个|這個)(?:指令|规则|規則)"
-        r"|在(?:以后|以後|将来|將來|未来|未來|今后|今後)的?所有(?:会话|會話|对话|對話|回答)中")
+        r"(?:以后|以後|将来|將來|未来|未來|今后|今後)的?(?:所有)?(?:会话|會話|助手|代理|智能体|AI"
+        r"|模型|对话|對話)[^\u3002\n]{0,4}?(?:必须|必須|都要|应该|應該|一律|务必|務必|都必须|永远"
+        r"|永遠|总是|總是)|(?:下次|每当|每當|每次)你?(?:读到|讀到|看到|回忆|回憶|检索|檢索|加载"
+        r"|載入|加載|调取|召回)(?:这|這)|(?:永远|永遠)记住|(?:永远|永遠)記住|记住(?:这条|這條|这个"
+        r"|這個)(?:指令|规则|規則)|在(?:以后|以後|将来|將來|未来|未來|今后|今後)的?所有(?:会话|會話"
+        r"|对话|對話|回答)中")
     add("memory-poisoning", "будущие следующий каждый запомни запомните всех",
-        r"\bбудущие\s+(?:сессии|ассистенты|агенты|модели|разговоры|диалоги|версии)\s+"
-        r"(?:должны|обязаны|всегда|никогда)"
-        r"|\b(?:в\s+)?следующий\s+раз\s*,?\s*когда\s+(?:ты|вы)\s+(?:прочитаешь|прочитаете"
-        r"|увидишь|увидите|вспомнишь|вспомните|загрузишь|загрузите)"
-        r"|\bкаждый\s+раз\s*,?\s*когда\s+(?:ты|вы)\s+(?:вспоминаешь|вспоминаете|читаешь"
-        r"|читаете|видишь|видите|загружаешь|загружаете|извлекаешь)\s+(?:это|эту|этот)"
-        r"|\bзапомни(?:те)?\s+(?:это\s+)?навсегда|\bзапомни(?:те)?\s+(?:это|эту)\s+"
-        r"(?:инструкцию|правило)|\bво\s+всех\s+(?:будущих|последующих)\s+(?:сессиях"
-        r"|разговорах|ответах|диалогах)")
+        r"\bбудущие\s+(?:сессии|ассистенты|агенты|модели|разговоры|диалоги|версии)\s+(?:должны"
+        r"|обязаны|всегда|никогда)|\b(?:в\s+)?следующий\s+раз\s*,?\s*когда\s+(?:ты"
+        r"|вы)\s+(?:прочитаешь|прочитаете|увидишь|увидите|вспомнишь|вспомните|загрузишь|загрузите)"
+        r"|\bкаждый\s+раз\s*,?\s*когда\s+(?:ты|вы)\s+(?:вспоминаешь|вспоминаете|читаешь|читаете"
+        r"|видишь|видите|загружаешь|загружаете|извлекаешь)\s+(?:это|эту|этот)"
+        r"|\bзапомни(?:те)?\s+(?:это\s+)?навсегда|\bзапомни(?:те)?\s+(?:это|эту)\s+(?:инструкцию"
+        r"|правило)|\bво\s+всех\s+(?:будущих|последующих)\s+(?:сессиях|разговорах|ответах"
+        r"|диалогах)")
     add("memory-poisoning", "futuras futuros próximas próximos proximas proximos próxima vez "
                             "siempre todas recuerda",
         r"\b(?:las|los)\s+(?:futur[oa]s|próxim[oa]s|proxim[oa]s)\s+(?:sesiones|asistentes|agentes"
@@ -5055,23 +5016,20 @@ def _instruction_rule_table():
         r"|respuestas)|\brecuerda\s+(?:esto\s+)?para\s+siempre")
     add("memory-poisoning", "zukünftige künftige nächsten nächste mal immer allen",
         r"\b(?:zukünftige|künftige)\s+(?:sitzungen|assistenten|agenten|modelle|gespräche"
-        r"|versionen)\s+(?:müssen|sollen|sollten|dürfen\s+nie)"
-        r"|\b(?:beim\s+nächsten\s+mal|wenn\s+du\s+(?:dies|das)\s+(?:das\s+)?nächste\s+mal)\s*,?\s*"
-        r"(?:wenn\s+du\s+)?(?:dies|das|liest|abrufst|siehst)"
-        r"|\bjedes\s+mal\s*,?\s*wenn\s+du\s+(?:dies|das|diese\s+\w+)\s+(?:liest|abrufst|siehst"
-        r"|lädst)|\bmerke?\s+dir\s+(?:dies|das)\s+für\s+immer"
-        r"|\bin\s+allen\s+(?:zukünftigen|künftigen|weiteren)\s+(?:sitzungen|gesprächen"
-        r"|antworten)")
+        r"|versionen)\s+(?:müssen|sollen|sollten|dürfen\s+nie)|\b(?:beim\s+nächsten\s+mal"
+        r"|wenn\s+du\s+(?:dies|das)\s+(?:das\s+)?nächste\s+mal)\s*,?\s*(?:wenn\s+du\s+)?(?:dies|das"
+        r"|liest|abrufst|siehst)|\bjedes\s+mal\s*,?\s*wenn\s+du\s+(?:dies|das"
+        r"|diese\s+\w+)\s+(?:liest|abrufst|siehst|lädst)|\bmerke?\s+dir\s+(?:dies"
+        r"|das)\s+für\s+immer|\bin\s+allen\s+(?:zukünftigen|künftigen|weiteren)\s+(?:sitzungen"
+        r"|gesprächen|antworten)")
     add("memory-poisoning", "futures prochaines futurs prochains prochaine fois toujours toutes",
         r"\b(?:les\s+)?(?:futures|prochaines)\s+(?:sessions|conversations)\s+(?:doivent|devront)"
         r"|\bles\s+(?:futurs|prochains)\s+(?:assistants|agents|modèles)\s+(?:doivent|devront)"
         r"|\b(?:la\s+)?prochaine\s+fois\s+que\s+(?:tu|vous)\s+(?:lis|lisez|liras|lirez|verras"
-        r"|verrez|vois|voyez|rappelleras)"
-        r"|\bchaque\s+fois\s+que\s+(?:tu|vous)\s+(?:lis|lisez|rappelles|rappelez|vois|voyez"
-        r"|charges|chargez)\s+(?:ceci|ce|cet|cette)"
-        r"|\bsouviens-toi\s+(?:de\s+(?:ceci|cela)\s+)?pour\s+toujours"
-        r"|\bdans\s+toutes\s+les\s+(?:futures|prochaines)\s+(?:sessions|conversations"
-        r"|réponses)")
+        r"|verrez|vois|voyez|rappelleras)|\bchaque\s+fois\s+que\s+(?:tu|vous)\s+(?:lis|lisez"
+        r"|rappelles|rappelez|vois|voyez|charges|chargez)\s+(?:ceci|ce|cet|cette)"
+        r"|\bsouviens-toi\s+(?:de\s+(?:ceci|cela)\s+)?pour\s+toujours|\bdans\s+toutes\s+les\s+"
+        r"(?:futures|prochaines)\s+(?:sessions|conversations|réponses)")
     add("memory-poisoning", "futuras futuros próximas próximos proximas proximos próxima sempre "
                             "todas lembre",
         r"\b(?:as|os)\s+(?:futur[oa]s|próxim[oa]s|proxim[oa]s)\s+(?:sessões|sessoes|assistentes"
@@ -5087,19 +5045,15 @@ def _instruction_rule_table():
         r"|(?:これ|この\w{0,6})を(?:思い出す|読む|読み込む|呼び出す|見る)たびに"
         r"|この(?:指示|ルール|命令)を(?:常に|永久に|ずっと)?覚えて|今後(?:常に|必ず)")
     add("memory-poisoning", "향후 앞으로 미래의 다음에 때마다 기억해 기억",
-        r"(?:향후|앞으로의?|미래의)\s*(?:모든\s*)?(?:세션|대화|어시스턴트|에이전트|모델)"
-        r"(?:은|는|에서는|에서)?\s*(?:반드시|항상|절대|꼭)"
-        r"|다음에\s*(?:이것을|이걸|이\s*\w+을)\s*(?:읽|볼|보면|떠올|불러)"
-        r"|(?:이것을|이걸|이\s*\w+을)\s*(?:읽을|떠올릴|불러올|볼)\s*때마다"
+        r"(?:향후|앞으로의?|미래의)\s*(?:모든\s*)?(?:세션|대화|어시스턴트|에이전트|모델)(?:은|는"
+        r"|에서는|에서)?\s*(?:반드시|항상|절대|꼭)|다음에\s*(?:이것을|이걸|이\s*\w+을)\s*(?:읽|볼"
+        r"|보면|떠올|불러)|(?:이것을|이걸|이\s*\w+을)\s*(?:읽을|떠올릴|불러올|볼)\s*때마다"
         r"|영원히\s*기억해|(?:이\s*)?(?:지시|규칙)를\s*(?:항상|영원히)\s*기억")
     add("memory-poisoning", "المستقبلية القادمة كلما تذكر المستقبليون",
-        r"(?:الجلسات|المحادثات|المساعدين|الوكلاء|النماذج)\s+(?:المستقبلية|القادمة)\s+"
-        r"(?:يجب|عليها|ينبغي)"
-        r"|في\s+المرة\s+القادمة\s+(?:التي|عندما)\s+(?:تقرأ|ترى|تسترجع|تتذكر)"
-        r"|كلما\s+(?:تذكرت|قرأت|استرجعت|رأيت)\s+هذا"
-        r"|تذكر\s+هذا\s+(?:دائما|دائماً|للأبد|إلى\s+الأبد)"
-        r"|في\s+(?:جميع|كل)\s+(?:الجلسات|المحادثات)\s+(?:المستقبلية|القادمة)"
-        r"|المساعدون\s+المستقبليون")
+        r"(?:الجلسات|المحادثات|المساعدين|الوكلاء|النماذج)\s+(?:المستقبلية|القادمة)\s+(?:يجب|عليها"
+        r"|ينبغي)|في\s+المرة\s+القادمة\s+(?:التي|عندما)\s+(?:تقرأ|ترى|تسترجع|تتذكر)|كلما\s+(?:تذكرت"
+        r"|قرأت|استرجعت|رأيت)\s+هذا|تذكر\s+هذا\s+(?:دائما|دائماً|للأبد|إلى\s+الأبد)|في\s+(?:جميع"
+        r"|كل)\s+(?:الجلسات|المحادثات)\s+(?:المستقبلية|القادمة)|المساعدون\s+المستقبليون")
 
     # --- context-escape ------------------------------------------------------------------
     add("context-escape", "recalled episode memory context document documents untrusted user "
@@ -5112,10 +5066,9 @@ def _instruction_rule_table():
         r"|content|data|memory|text|document)"
         r"|\bbegin(?:ning\s+of)?\s+(?:the\s+)?(?:new\s+)?system\s+prompt\b")
     add("context-escape", "end+of begin start+of",
-        r"\bEND\s+OF\s+(?:THE\s+)?(?:CONTEXT|EPISODE|MEMORY|DOCUMENT|INPUT|DATA|USER\s+INPUT"
-        r"|PROMPT|CONVERSATION|TRANSCRIPT)\b"
-        r"|\b(?:BEGIN|START\s+OF)\s+(?:NEW\s+)?(?:SYSTEM|DEVELOPER|ADMIN)(?:\s+(?:PROMPT|MESSAGE"
-        r"|INSTRUCTIONS?|MODE))?\b", flags=0)
+        r"\bEND\s+OF\s+(?:THE\s+)?(?:CONTEXT|EPISODE|MEMORY|DOCUMENT|INPUT|DATA|USER\s+INPUT|PROMPT"
+        r"|CONVERSATION|TRANSCRIPT)\b|\b(?:BEGIN|START\s+OF)\s+(?:NEW\s+)?(?:SYSTEM|DEVELOPER"
+        r"|ADMIN)(?:\s+(?:PROMPT|MESSAGE|INSTRUCTIONS?|MODE))?\b", flags=0)
     return rows
 
 
@@ -5132,11 +5085,8 @@ _ARABIC_LEADS = (b"\xd8", b"\xd9", b"\xda", b"\xdb")
 
 
 def _trigger_part(word):
-    """(kind, byte forms, key) for one trigger word.
-
-    kind: "token" (a whole word of a spaced script), "wide" (a CJK, kana or Hangul
-    substring, looked for as the word itself: its key), "arabic" (a substring: Arabic glues
-    prefixes to words) or "piece" (any other substring, such as markup)."""
+    """(kind, byte forms, key): "token" (a whole word of a spaced script), "wide" (a CJK, kana or
+    Hangul substring, key the word), "arabic" (Arabic glues prefixes on) or "piece" (markup)."""
     encoded = word.encode()
     if "\u3040" <= word[0] <= "\u30ff" or "\u3130" <= word[0] <= "\u318f" \
             or "\u3400" <= word[0] <= "\u9fff" or "\uac00" <= word[0] <= "\ud7af":
@@ -5150,11 +5100,7 @@ def _trigger_part(word):
 
 
 def _instruction_rules():
-    """(token index, wide-piece index, other pieces, rules, Arabic pieces), compiled once.
-
-    A token opens the (rule, further parts) rows listed under it; a wide piece is tried
-    only when its first character occurs, an Arabic one only in Arabic text; other pieces
-    are substring tests."""
+    """(token index, wide-piece index by first character, other pieces, rules, Arabic pieces)."""
     global _INSTRUCTION_RULES
     if _INSTRUCTION_RULES is None:
         rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
@@ -5231,11 +5177,8 @@ class _TriggerScan:
 
     def opens(self, gate):
         """Whether the text holds one entry of a rule's gate (its `also` words); None opens."""
-        if gate is None:
-            return True
-        words, entries = gate
-        return not self.tokens.isdisjoint(words) or any(all(self.has(part) for part in entry)
-                                                         for entry in entries)
+        return gate is None or not self.tokens.isdisjoint(gate[0]) or any(
+            all(self.has(part) for part in entry) for entry in gate[1])
 
     def spans(self, forms):
         """Offset ranges of the text around each occurrence of the forms; None when lower-casing
@@ -5265,13 +5208,12 @@ class _TriggerScan:
                     position = lowered.find(word, position + len(word))
                 self.form_spans[form] = cached
             spans.extend(cached)
-        spans.sort()
         merged = []
-        for start, end in spans:
+        for start, end in sorted(spans):
             if merged and start <= merged[-1][1] + 1:
-                merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+                merged[-1][1] = max(end, merged[-1][1])
             else:
-                merged.append((start, end))
+                merged.append([start, end])
         return merged
 
 
@@ -5280,10 +5222,9 @@ class _TriggerScan:
 _LINK_URL_PARTS = _LazyPattern(r"https?://([^/?#\s]+)([^?#\s]*)(?:\?([^#\s]*))?")
 _URL_PLACEHOLDER = _LazyPattern(
     r"\{\{?[ \t]*[A-Za-z_][\w. -]{0,40}?[ \t]*\}|%7[bB](?:%7[bB])?[A-Za-z_][\w.-]{0,40}?%7[dD]"
-    r"|\$\{[A-Za-z_]|\$[A-Z_]{2,}|%3[cC][A-Za-z_]|\[[A-Za-z_ ]{3,}\]"
-    r"|(?:^|[=/_-])(?:INSERT|YOUR|REPLACE)[A-Z_]*"
-    r"|=(?:[A-Z_]*_)?(?:DATA|SECRETS?|TOKEN|API_?KEY|KEY|PASSWORD|CONVERSATION|CHAT|HISTORY"
-    r"|SUMMARY|MEMORY|CONTEXT|PROMPT|INPUT|MESSAGES?|INFO|PAYLOAD|CONTENT|ENV|CREDENTIALS"
+    r"|\$\{[A-Za-z_]|\$[A-Z_]{2,}|%3[cC][A-Za-z_]|\[[A-Za-z_ ]{3,}\]|(?:^|[=/_-])(?:INSERT|YOUR"
+    r"|REPLACE)[A-Z_]*|=(?:[A-Z_]*_)?(?:DATA|SECRETS?|TOKEN|API_?KEY|KEY|PASSWORD|CONVERSATION|CHAT"
+    r"|HISTORY|SUMMARY|MEMORY|CONTEXT|PROMPT|INPUT|MESSAGES?|INFO|PAYLOAD|CONTENT|ENV|CREDENTIALS"
     r"|EMAIL)(?:_[A-Z_]*)?(?:&|$)")
 _PAYLOAD_KEYS = frozenset((
     "data", "payload", "secret", "secrets", "conversation", "convo", "chat", "history",
@@ -5306,25 +5247,13 @@ def _base64_payload_text(value):
                                    validate=True).decode("utf-8")
     except (binascii.Error, ValueError):
         return None
-    return decoded if _reads_as_text(decoded) else None
-
-
-def _base64_payload(value):
-    return _base64_payload_text(value) is not None
-
-
-def _reads_as_text(decoded):
     if len(decoded) < 8:
-        return False
+        return None
     readable = sum(1 for ch in decoded if ch.isprintable() or ch in "\n\t\r")
     letters = sum(1 for ch in decoded if ch.isalpha())
-    return readable >= 0.95 * len(decoded) and letters >= 0.5 * len(decoded.replace(" ", ""))
-
-
-def _url_value_reads_as_words(value):
-    """A URL-encoded value that reads as words: three or more letter runs joined by + or %20."""
-    words = re.split(r"\+|%20|%2[0Bb]", value)
-    return sum(1 for w in words if re.search(r"[A-Za-z]{2,}", w)) >= 3
+    if readable >= 0.95 * len(decoded) and letters >= 0.5 * len(decoded.replace(" ", "")):
+        return decoded
+    return None
 
 
 def _link_carries_payload(match):
@@ -5338,20 +5267,20 @@ def _link_carries_payload(match):
         return False
     if _URL_PLACEHOLDER.search(path) or _URL_PLACEHOLDER.search(query):
         return True
-    for segment in path.split("/"):
-        if len(segment) >= 24 and re.fullmatch(r"[A-Za-z0-9+_=-]+", segment) \
-                and _base64_payload(segment):
-            return True
+    if any(len(segment) >= 24 and re.fullmatch(r"[A-Za-z0-9+_=-]+", segment)
+           and _base64_payload_text(segment) for segment in path.split("/")):
+        return True
     for pair in query.split("&"):
         key, _, value = pair.partition("=")
         if len(value) >= 16 and re.fullmatch(r"[A-Za-z0-9+/_=%-]+", value) \
-                and _base64_payload(value.replace("%3D", "=").replace("%2F", "/")):
+                and _base64_payload_text(value.replace("%3D", "=").replace("%2F", "/")):
             return True
+        # A shown image sends its query: words (letter runs joined by + or %20) or a payload key.
         if not is_image:
             continue
-        if _url_value_reads_as_words(value):
-            return True
-        if key.lower() in _PAYLOAD_KEYS and len(value) >= 8:
+        words = re.split(r"\+|%20|%2[0Bb]", value)
+        if sum(1 for w in words if re.search(r"[A-Za-z]{2,}", w)) >= 3 or (
+                key.lower() in _PAYLOAD_KEYS and len(value) >= 8):
             return True
     return False
 
@@ -5361,40 +5290,35 @@ def _mentions_url(match):
                      match.group(0)) is not None
 
 
-_FOREIGN_SEND = None
+_FOREIGN_SEND_VERB = _LazyPattern(
+    r"\b(?:envía|envia|envíe|envie|manda|mande|sube|suba|reenvía|transmite|envoie"
+    r"|envoyez|transmets|transmettez|téléverse|sende|senden\s+sie|schicke|schick"
+    r"|übermittle|lade|отправь(?:те)?|перешли(?:те)?|загрузи(?:те)?|передай(?:те)?|أرسل"
+    r"|ارسل|ارفع|انقل)\b|发送|发到|发给|上传|傳送|發送|送信|送って|アップロード|転送"
+    r"|보내|전송|업로드", re.IGNORECASE)
+_FOREIGN_SEND_NOUN = _LazyPattern(
+    r"\b(?:claves?|contraseñas?|secretos?|conversación|historial|chaves?|senhas?"
+    r"|segredos?|conversa|clés?|cles?|jetons?|mots?\s+de\s+passe|conversation"
+    r"|historique|schlüssel\w*|passw\w*|geheimnis\w*|zugangsdaten|unterhaltung"
+    r"|konversation|verlauf|ключ\w*|токен\w*|парол\w*|секрет\w*|переписк\w*|диалог\w*"
+    r"|tokens?|المفاتيح|مفتاح|الرموز|المحادثة|الأسرار|كلمات\s+المرور|كلمة\s+المرور)\b"
+    r"|密钥|密鑰|令牌|密码|密碼|对话|對話|聊天记录|聊天記錄|凭据|凭证|秘密|APIキー"
+    r"|トークン|パスワード|会話|履歴|비밀번호|토큰|대화|키|비밀", re.IGNORECASE)
+_URL_END = _LazyPattern(r"[!-~]*")
 
 
 def _foreign_send_line(match):
     """Non-English requests to send secrets or the conversation to a URL or address."""
-    global _FOREIGN_SEND
-    if _FOREIGN_SEND is None:
-        _FOREIGN_SEND = (
-            re.compile(
-                r"\b(?:envía|envia|envíe|envie|manda|mande|sube|suba|reenvía|transmite|envoie"
-                r"|envoyez|transmets|transmettez|téléverse|sende|senden\s+sie|schicke|schick"
-                r"|übermittle|lade|отправь(?:те)?|перешли(?:те)?|загрузи(?:те)?|передай(?:те)?"
-                r"|أرسل|ارسل|ارفع|انقل)\b|发送|发到|发给|上传|傳送|發送|送信|送って|アップロード|転送"
-                r"|보내|전송|업로드", re.IGNORECASE),
-            re.compile(
-                r"\b(?:claves?|contraseñas?|secretos?|conversación|historial|chaves?|senhas?"
-                r"|segredos?|conversa|clés?|cles?|jetons?|mots?\s+de\s+passe|conversation"
-                r"|historique|schlüssel\w*|passw\w*|geheimnis\w*|zugangsdaten|unterhaltung"
-                r"|konversation|verlauf|ключ\w*|токен\w*|парол\w*|секрет\w*|переписк\w*"
-                r"|диалог\w*|tokens?|المفاتيح|مفتاح|الرموز|المحادثة|الأسرار|كلمات\s+المرور"
-                r"|كلمة\s+المرور)\b|密钥|密鑰|令牌|密码|密碼|对话|對話|聊天记录|聊天記錄|凭据|凭证|秘密"
-                r"|APIキー|トークン|パスワード|会話|履歴|비밀번호|토큰|대화|키|비밀", re.IGNORECASE),
-            re.compile(r"[!-~]*"))
     text, offset = match.string, match.start()
     end = text.find("\n", offset)
     line = text[text.rfind("\n", 0, offset) + 1:len(text) if end < 0 else end]
-    verbs, nouns, url_end = _FOREIGN_SEND
-    if verbs.search(line) is None or nouns.search(line) is None:
+    if _FOREIGN_SEND_VERB.search(line) is None or _FOREIGN_SEND_NOUN.search(line) is None:
         return False
     # In CJK prose a link beside "send" and "key" is mostly documentation: the address must
     # be where the data goes (发送到 URL, URL に送信, URL로 보내).
     return not re.search(r"[\u3040-\u9fff\uac00-\ud7af]", line) or text[max(0, offset - 2):offset] \
         .strip()[-1:] in ("到", "至", "给", "給") or re.match(
-        r"\s*(?:に|へ|まで|로|으로|에게|에|까지)", text[url_end.match(text, offset).end():]) is not None
+        r"\s*(?:に|へ|まで|로|으로|에게|에|까지)", text[_URL_END.match(text, offset).end():]) is not None
 
 
 # --- the scan ----------------------------------------------------------------------------
@@ -5404,26 +5328,21 @@ _CODE_FENCE_LINE = _LazyPattern(r"^[ \t]*(?:>[ \t]*)*(`{3,}|~{3,})([^\n]*)$", re
 _PARAGRAPH_BREAK = _LazyPattern(r"\n[ \t]*\n")
 
 
-def _spaces_for(segment):
-    # Every character but a line break becomes a space; split/join beats a regex callback.
-    return "\n".join([" " * len(line) for line in segment.split("\n")])
+def _lines_holding(text, marker):
+    """(start, end) of each line that holds marker, found with str.find."""
+    position = text.find(marker)
+    while position >= 0:
+        end = text.find("\n", position)
+        end = len(text) if end < 0 else end
+        yield text.rfind("\n", 0, position) + 1, end
+        position = text.find(marker, end)
 
 
 def _code_fence_lines(text):
-    """Matches of _CODE_FENCE_LINE for the lines holding ``` or ~~~, found with str.find."""
-    found = []
-    for marker in ("```", "~~~"):
-        position = text.find(marker)
-        while position >= 0:
-            start = text.rfind("\n", 0, position) + 1
-            m = _CODE_FENCE_LINE.match(text, start)
-            end = text.find("\n", position)
-            end = len(text) if end < 0 else end
-            if m is not None and m.group(1)[0] == marker[0]:
-                found.append(m)
-            position = text.find(marker, end)
-    found.sort(key=lambda m: m.start())
-    return found
+    """Matches of _CODE_FENCE_LINE for the lines holding ``` or ~~~."""
+    found = [m for marker in ("```", "~~~") for start, _ in _lines_holding(text, marker)
+             if (m := _CODE_FENCE_LINE.match(text, start)) and m.group(1)[0] == marker[0]]
+    return sorted(found, key=lambda m: m.start())
 
 
 def _markdown_code_regions(text):
@@ -5444,14 +5363,6 @@ def _markdown_code_regions(text):
     # Code spans (CommonMark): a backtick run closed by the next run of the same length in
     # the same paragraph; an unclosed run is literal text.
     import bisect
-    runs = []
-    position = text.find("`")
-    while position >= 0:
-        end = position + 1
-        while end < len(text) and text[end] == "`":
-            end += 1
-        runs.append((position, end))
-        position = text.find("`", end)
     fenced = regions[:]
     starts = [r[0] for r in fenced]
 
@@ -5459,7 +5370,15 @@ def _markdown_code_regions(text):
         k = bisect.bisect_right(starts, offset) - 1
         return k >= 0 and offset < fenced[k][1]
 
-    runs = [r for r in runs if not in_fence(r[0])]
+    runs = []
+    position = text.find("`")
+    while position >= 0:
+        end = position + 1
+        while end < len(text) and text[end] == "`":
+            end += 1
+        if not in_fence(position):
+            runs.append((position, end))
+        position = text.find("`", end)
     by_length = {}
     for index, (start, end) in enumerate(runs):
         by_length.setdefault(end - start, []).append(index)
@@ -5480,19 +5399,16 @@ def _markdown_code_regions(text):
 
 
 def _text_outside_code(text):
-    """The text with fenced code blocks and inline code spans blanked to spaces.
-
-    Same length and line breaks as the text, so offsets and line numbers carry over."""
+    """The text with code blocks and spans blanked to spaces, offsets and line breaks kept."""
     if "`" not in text and "~~~" not in text:
         return text
-    pieces = []
-    last = 0
+    pieces, last = [], 0
     for start, end in _markdown_code_regions(text):
-        if start < last:
-            continue
-        pieces.append(text[last:start])
-        pieces.append(_spaces_for(text[start:end]))
-        last = end
+        if start >= last:
+            # Every character but a line break becomes a space; split/join beats a regex callback.
+            blank = "\n".join([" " * len(line) for line in text[start:end].split("\n")])
+            pieces += [text[last:start], blank]
+            last = end
     pieces.append(text[last:])
     return "".join(pieces)
 
@@ -5517,11 +5433,9 @@ def _finding_excerpt(line, column):
     stripped = line.lstrip()
     column = max(0, column - (len(line) - len(stripped)))
     stripped = stripped.rstrip()
-    start = 0
-    if len(stripped) > 80 or len(_escape_hidden(stripped)) > 80:
-        start = max(0, column - 20)
-    pieces = []
-    size = 0
+    long = len(stripped) > 80 or len(_escape_hidden(stripped)) > 80
+    start = max(0, column - 20) if long else 0
+    pieces, size = [], 0
     for ch in stripped[start:start + 80]:
         piece = _escape_hidden(ch)
         if size + len(piece) > 80:
@@ -5534,8 +5448,7 @@ def _finding_excerpt(line, column):
 def _instruction_rule_hits(text, skip=(), scan=None):
     """Yield (kind, offset) for every rule match in text.
 
-    A rule runs only when one of its trigger words occurs, and on longer texts only over the
-    lines around those words: big alternations cost time per character, tokens do not."""
+    A rule runs only when a trigger word occurs, and on longer texts only around it."""
     scan = scan or _TriggerScan(text)
     rules = _instruction_rules()[3]
     whole = [(0, len(text))]
@@ -5552,23 +5465,10 @@ def _instruction_rule_hits(text, skip=(), scan=None):
                     yield kind, m.start()
 
 
-def _lines_of_three_dashes(text):
-    """Offsets (start, end) of the lines that hold only ---, found with str.find."""
-    found = []
-    position = text.find("---")
-    while position >= 0:
-        start = text.rfind("\n", 0, position) + 1
-        end = text.find("\n", position)
-        end = len(text) if end < 0 else end
-        if text[start:end].strip(" \t\ufeff") == "---":
-            found.append((start, end))
-        position = text.find("---", end)
-    return found
-
-
 def _fake_frontmatter(text, prose):
     """Offsets of role/instruction keys inside a --- block that is not the file's front matter."""
-    rules = _lines_of_three_dashes(prose)
+    rules = [(start, end) for start, end in _lines_holding(prose, "---")
+             if prose[start:end].strip(" \t\ufeff") == "---"]
     if len(rules) < 2:
         return []
     index = 0
@@ -5585,12 +5485,9 @@ def _fake_frontmatter(text, prose):
         opening, closing = rules[index], rules[index + 1]
         lines = prose[opening[1] + 1:closing[0]].split("\n")[:-1]
         if len(lines) <= 24 and all(_FAKE_FRONTMATTER_LINE.match(line) for line in lines):
-            offset = opening[1] + 1
-            for line in lines:
-                if _FAKE_FRONTMATTER_KEY.match(line):
-                    hits.append(offset)
-                    break
-                offset += len(line) + 1
+            key = _FAKE_FRONTMATTER_KEY.search(prose, opening[1] + 1, closing[0])
+            if key:
+                hits.append(key.start())
             index += 2
         else:
             index += 1
@@ -5606,31 +5503,19 @@ _HIDDEN_ELEMENT = _LazyPattern(
 
 
 def _hidden_markup(text, low, offset_in_code):
-    """Offsets of HTML comments with injection phrases and of hidden elements that hold text.
-
-    low is the lower-cased UTF-8 of text, for cheap presence tests. Inside code a hidden
-    element is markup being documented, so there it counts only when it carries another
-    family's phrases, as a comment must everywhere."""
+    """Offsets of HTML comments with injection phrases and of hidden elements that hold text
+    (in code, only with injection phrases: there it is documented markup); low: lower UTF-8."""
     hits = []
-    if b"<!--" in low:
-        position = text.find("<!--")
-        while position >= 0:
-            end = text.find("-->", position + 4)
-            body = text[position + 4:end if end >= 0 else len(text)]
-            if any(True for _ in _instruction_rule_hits(body[:20_000], ("hidden-text",))):
-                hits.append(position)
-            if end < 0:
-                break
-            position = text.find("<!--", end + 3)
+    for m in re.finditer(r"<!--(.*?)(?:-->|\Z)", text, re.DOTALL) if b"<!--" in low else ():
+        if any(True for _ in _instruction_rule_hits(m.group(1)[:20_000], ("hidden-text",))):
+            hits.append(m.start())
     if not any(w in low for w in (b"hidden", b"display", b"font-size", b"opacity", b"width",
                                   b"height")):
         return hits
     for m in _HIDDEN_ELEMENT.finditer(text):
         close = re.compile("</" + re.escape(m.group(1)), re.IGNORECASE).search(
             text, m.end(), m.end() + 10_000)
-        if close is None:
-            continue
-        inner = text[m.end():close.start()]
+        inner = text[m.end():close.start()] if close else ""
         if not re.sub(r"<[^>]*>", " ", inner).strip():
             continue
         if offset_in_code(m.start()) and not any(
@@ -5642,20 +5527,10 @@ def _hidden_markup(text, low, offset_in_code):
 
 # --- normalisation (the second pass) -------------------------------------------------------
 
-_FOLD_LATIN = {
-    # Cyrillic
-    "а": "a", "в": "b", "е": "e", "ё": "e", "к": "k", "м": "m", "н": "h", "о": "o", "р": "p",
-    "с": "c", "т": "t", "у": "y", "х": "x", "і": "i", "ї": "i", "ј": "j", "ѕ": "s", "ԁ": "d",
-    "ԛ": "q", "ԝ": "w", "һ": "h", "ɡ": "g",
-    "А": "A", "В": "B", "Е": "E", "Ё": "E", "К": "K", "М": "M", "Н": "H", "О": "O", "Р": "P",
-    "С": "C", "Т": "T", "У": "Y", "Х": "X", "І": "I", "Ї": "I", "Ј": "J", "Ѕ": "S", "Ԁ": "D",
-    "Ԛ": "Q", "Ԝ": "W", "Һ": "H",
-    # Greek
-    "α": "a", "β": "b", "ε": "e", "η": "n", "ι": "i", "κ": "k", "ν": "v", "ο": "o", "ρ": "p",
-    "τ": "t", "υ": "u", "χ": "x", "γ": "y", "ω": "w",
-    "Α": "A", "Β": "B", "Ε": "E", "Ζ": "Z", "Η": "H", "Ι": "I", "Κ": "K", "Μ": "M", "Ν": "N",
-    "Ο": "O", "Ρ": "P", "Τ": "T", "Υ": "Y", "Χ": "X",
-}
+# Cyrillic and Greek letters that look like Latin ones, and the letters they imitate.
+_FOLD_LATIN = dict(zip(
+    "авеёкмнорстухіїјѕԁԛԝһɡ" "АВЕЁКМНОРСТУХІЇЈЅԀԚԜҺ" "αβεηικνορτυχγω" "ΑΒΕΖΗΙΚΜΝΟΡΤΥΧ",
+    "abeekmhopctyxiijsdqwhg" "ABEEKMHOPCTYXIIJSDQWH" "abenikvoptuxyw" "ABEZHIKMNOPTYX"))
 _FOLD_CLASS = _LazyPattern("[" + "".join(_FOLD_LATIN) + "]")
 _MIXED_SCRIPT = _LazyPattern("[A-Za-z][\u0370-\u04ff]|[\u0370-\u04ff][A-Za-z]")
 _HOMOGLYPH_WORD = _LazyPattern(r"[^\W\d_]+")
@@ -5683,19 +5558,15 @@ store save my it output display message free for every these those end begin
 
 
 def _segment_words(run):
-    """Split a glued run ("ignoreallprevious") into known words, or return it unchanged.
-
-    Unknown letters are allowed at a high cost so a stray word does not block the rest."""
+    """Split a glued run ("ignoreallprevious") into known words, or return it unchanged."""
     low = run.lower()
     n = len(low)
     if n < 8 or n > 300:
         return run
-    # best[i] = (cost, pieces) for low[:i]; a piece is (start, end, known).
-    best = [None] * (n + 1)
-    best[0] = (0, ())
+    # best[i] = (cost, pieces) for low[:i]; a piece is (start, end, known). An unknown letter
+    # costs 3, so a stray word does not block the rest.
+    best = [(0, ())] + [None] * n
     for i in range(n):
-        if best[i] is None:
-            continue
         cost, pieces = best[i]
         steps = [(i + 1, cost + 3, False)]
         steps += [(j, cost + 1, True) for j in range(i + 1, min(n, i + 14) + 1)
@@ -5703,8 +5574,7 @@ def _segment_words(run):
         for j, new_cost, known in steps:
             if best[j] is None or new_cost < best[j][0]:
                 best[j] = (new_cost, pieces + ((i, j, known),))
-    words = []
-    known_chars = 0
+    words, known_chars = [], 0
     for start, end, known in best[n][1]:
         if known:
             words.append(run[start:end])
@@ -5720,9 +5590,8 @@ def _segment_words(run):
 
 def _fold_token(m):
     token = m.group(0)
-    if not _FOLD_CLASS.search(token):
-        return token
-    if _HAS_LATIN.search(token) or all(ch in _FOLD_LATIN for ch in token):
+    if _FOLD_CLASS.search(token) and (_HAS_LATIN.search(token)
+                                      or all(ch in _FOLD_LATIN for ch in token)):
         return "".join(_FOLD_LATIN.get(ch, ch) for ch in token)
     return token
 
@@ -5738,15 +5607,6 @@ def _leet_token(m):
         return token
     # "11" reads as "ll" ("a11", "r3ca11"); a lone 1 as "i" ("1gn0r3", "th1s").
     return token.replace("11", "ll").translate(_LEET)
-
-
-def _decode_base64_runs(line):
-    decoded = []
-    for m in _BASE64_RUN.finditer(line):
-        text = _base64_payload_text(m.group(0))
-        if text is not None:
-            decoded.append(_deobfuscated_line(re.sub(r"\s*\n\s*", ". ", text), depth=1))
-    return decoded
 
 
 def _deobfuscated_line(line, depth=0):
@@ -5765,7 +5625,8 @@ def _deobfuscated_line(line, depth=0):
     if _LEET_NEAR_LETTER.search(s):
         s = _LEET_TOKEN.sub(_leet_token, s)
     if depth == 0 and len(line) >= 40 and _BASE64_RUN.search(line):
-        extra = _decode_base64_runs(line)
+        decoded = [_base64_payload_text(m.group(0)) for m in _BASE64_RUN.finditer(line)]
+        extra = [_deobfuscated_line(re.sub(r"\s*\n\s*", ". ", t), depth=1) for t in decoded if t]
         if extra:
             s = s + " . " + " . ".join(extra)
     return s
@@ -5778,8 +5639,7 @@ def _deobfuscated_line(line, depth=0):
 _NEEDS_NORMALISING_WIDE = _LazyPattern(
     b"\xe2\x80[\x8b-\x8f\xaa-\xae]|\xe2\x81[\xa0-\xa4\xa6-\xa9\xb0-\xbf]|\xe2\x82[\x80-\x9f]"
     b"|\xe2[\x91-\x93]|\xef\xbb\xbf|\xef\xac[\x80-\x86]|\xf0\x9d|\xf3\xa0|\xe1[\xb4\xb5]"
-    b"|\xef\xbc[\x90-\x99\x9c\x9e\xa1-\xbb\xbd]|\xef\xbd[\x81-\x9a\x9c]"
-    b"|\xc2\xad|\xe1\xa0\x8e")
+    b"|\xef\xbc[\x90-\x99\x9c\x9e\xa1-\xbb\xbd]|\xef\xbd[\x81-\x9a\x9c]|\xc2\xad|\xe1\xa0\x8e")
 _MIXED_SCRIPT_BYTES = _LazyPattern(b"[\xce-\xd3](?:(?<=[a-z][\xce-\xd3])|[\x80-\xbf][a-z])")
 _BASE64_BYTES = _LazyPattern(b"[a-z0-9+/_-]{40,}")
 _SINGLE_LETTERS = frozenset(bytes([b]) for b in range(97, 123))
@@ -5813,35 +5673,29 @@ def _holds_hidden(text):
 
 
 def scan_instructions(text):
-    """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4).
-
-    Sorted by line, then kind; one finding per kind and section. Fenced and inline code are
-    exempt except for hidden-text. A hit seen only in the normalised copy is obfuscated."""
+    """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4), by
+    line then kind, one per kind and section; code is exempt except for hidden-text."""
     if not text:
         return []
-    if "\r" in text:
-        text = text.replace("\r\n", "\n")
+    import bisect
+    text = text.replace("\r\n", "\n")
     prose = _text_outside_code(text)
     scan = _TriggerScan(prose)
-    found = {}
-    starts = []
-    import bisect
+    found, starts = {}, []
 
     def line_of(offset):
         if not starts:
-            starts.append(0)
-            starts.extend(m.end() for m in _EOL.finditer(text))
+            # Line starts, and one past the end so that line i ends at starts[i + 1] - 1.
+            starts.extend([0] + [m.end() for m in _EOL.finditer(text)] + [len(text) + 1])
         return bisect.bisect_right(starts, offset) - 1
 
     def add(kind, offset, obfuscated, line=None):
         index = line_of(offset) if line is None else line
-        if (index, kind) in found:
-            return
-        end = starts[index + 1] - 1 if index + 1 < len(starts) else len(text)
-        column = 0 if line is not None else offset - starts[index]
-        found[(index, kind)] = {"kind": kind, "line": index + 1,
-                                "excerpt": _finding_excerpt(text[starts[index]:end], column),
-                                "obfuscated": obfuscated}
+        if (index, kind) not in found:
+            column = 0 if line is not None else offset - starts[index]
+            excerpt = _finding_excerpt(text[starts[index]:starts[index + 1] - 1], column)
+            found[(index, kind)] = {"kind": kind, "line": index + 1, "excerpt": excerpt,
+                                    "obfuscated": obfuscated}
 
     for kind, offset in _instruction_rule_hits(prose, ("hidden-text",), scan):
         add(kind, offset, False)
@@ -5886,8 +5740,7 @@ def scan_instructions(text):
         line_of(0)
         normal = {}
         for index in sorted(lines):
-            end = starts[index + 1] - 1 if index + 1 < len(starts) else len(text)
-            original = prose[starts[index]:end]
+            original = prose[starts[index]:starts[index + 1] - 1]
             changed = _deobfuscated_line(original)
             if changed != original:
                 normal[index] = changed
@@ -5917,26 +5770,16 @@ def is_instruction_shaped(text):
 
 
 def _hidden_characters(text):
-    """Zero-width, bidi-control and tag characters: [{line, codepoint: "U+XXXX"}].
-
-    One entry per distinct character per line, in order of appearance; a byte order mark at
-    the very start is not hidden. doctor reports these as hidden-characters."""
-    out = []
-    seen = set()
-    if not _holds_hidden(text):
-        return out
-    line = 1
-    position = 0
-    for m in _HIDDEN_CHAR_RE.finditer(text):
-        if _harmless_hidden(text, m.start()):
-            continue
-        line += text.count("\n", position, m.start())
-        position = m.start()
-        key = (line, ord(m.group(0)))
-        if key not in seen:
-            seen.add(key)
-            out.append({"line": line, "codepoint": "U+%04X" % ord(m.group(0))})
-    return out
+    """Zero-width, bidi-control and tag characters: [{line, codepoint: "U+XXXX"}], one per
+    distinct character and line, for doctor's hidden-characters."""
+    found, line, position = {}, 1, 0
+    for m in _HIDDEN_CHAR_RE.finditer(text) if _holds_hidden(text) else ():
+        if not _harmless_hidden(text, m.start()):
+            line += text.count("\n", position, m.start())
+            position = m.start()
+            code = ord(m.group(0))
+            found.setdefault((line, code), {"line": line, "codepoint": "U+%04X" % code})
+    return list(found.values())
 
 
 def _instruction_kinds(findings):
