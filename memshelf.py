@@ -2518,24 +2518,19 @@ import bisect
 # assignments, POLICY.patterns rules); a later tier never overlaps an earlier one or an
 # existing mask, and all spans are replaced in one pass.
 
-REDACTION_KINDS = (
-    "aws-access-key", "aws-secret-key", "gcp-api-key", "gcp-oauth-secret",
-    "azure-client-secret", "azure-storage-key", "azure-sas", "azure-key", "digitalocean-token",
-    "alibaba-access-key", "heroku-api-key", "databricks-token", "aws-api-key",
-    "github-token", "gitlab-token", "bitbucket-token", "atlassian-token",
-    "npm-token", "pypi-token", "docker-token", "artifactory-token",
-    "sonar-token", "vault-token", "terraform-token", "doppler-token", "pulumi-token",
-    "postman-key", "grafana-token", "sentry-token", "newrelic-key", "dynatrace-token",
-    "linear-key", "notion-token", "sourcegraph-token", "onepassword-key", "flyio-token",
-    "saas-token", "facebook-token",
-    "slack-token", "slack-webhook", "discord-token", "discord-webhook", "telegram-token",
-    "twilio-key", "sendgrid-key", "mailgun-key", "mailchimp-key",
-    "stripe-key", "square-token", "shopify-token", "braintree-token",
-    "openai-key", "anthropic-key", "huggingface-token", "ai-api-key",
-    "jwt", "private-key", "age-key",
-    "bearer", "basic-auth", "api-key-header", "session-cookie",
-    "connection-string", "cli-password", "k8s-secret", "env-secret",
-)
+REDACTION_KINDS = tuple("""
+    aws-access-key aws-secret-key gcp-api-key gcp-oauth-secret azure-client-secret
+    azure-storage-key azure-sas azure-key digitalocean-token alibaba-access-key heroku-api-key
+    databricks-token aws-api-key github-token gitlab-token bitbucket-token atlassian-token
+    npm-token pypi-token docker-token artifactory-token sonar-token vault-token terraform-token
+    doppler-token pulumi-token postman-key grafana-token sentry-token newrelic-key
+    dynatrace-token linear-key notion-token sourcegraph-token onepassword-key flyio-token
+    saas-token facebook-token slack-token slack-webhook discord-token discord-webhook
+    telegram-token twilio-key sendgrid-key mailgun-key mailchimp-key stripe-key square-token
+    shopify-token braintree-token openai-key anthropic-key huggingface-token ai-api-key jwt
+    private-key age-key bearer basic-auth api-key-header session-cookie connection-string
+    cli-password k8s-secret env-secret
+""".split())
 
 POLICY_PATTERNS_TEMPLATE = """\
 # POLICY.patterns: redaction rules of this shelf, applied by memshelf on top of its
@@ -2749,10 +2744,8 @@ _PLACEHOLDER_WORDS = (
     "example", "placeholder", "changeme", "change_me", "change-me", "your_", "your-",
     "yourkey", "your key", "dummy", "redacted", "xxxx", "notreal", "fake",
 )
-_TRIVIAL_VALUES = frozenset((
-    "password", "pass", "secret", "token", "none", "null", "nil", "true", "false", "yes",
-    "no", "on", "off", "undefined",
-))
+_TRIVIAL_VALUES = frozenset("password pass secret token none null nil true false yes no "
+                            "on off undefined".split())
 _MASK_CHARS = frozenset("*xX•.-_#0…")
 # Words of examples and docs: `password=secret123`, `-u test:test`, `token=foobar1`.
 _DICTIONARY_RE = _re_lazy(r"(?:my|the|some)?(?:pass(?:word|wd)?|secret|token|test(?:ing)?|demo|"
@@ -2774,13 +2767,10 @@ _REFERENCE_HINTS = ("key", "token", "secret", "pass", "pwd", "cred", "auth")
 _KEYCH = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 
 # Key words of the assignment rule (§ 3.3); found first, the key is then grown around them.
-_KEY_LEADS = (("pass", ""), ("pwd", ""), ("secret", ""), ("token", ""), ("credential", ""),
-              ("api", ""), ("access", ""), ("private", r"[-_.]?key"), ("key", ""), ("auth", ""),
-              ("sid", ""), ("creds", ""),
-              ("session", r"[-_.]?key"), ("signing", r"[-_.]?key"),
-              ("encryption", r"[-_.]?key"), ("master", r"[-_.]?key"))
 _KEY_GATES = ("pass", "pwd", "secret", "token", "credential", "key", "api", "access", "auth",
               "sid", "creds")
+_KEY_LEADS = tuple((word, "") for word in _KEY_GATES) + tuple(
+    (word, r"[-_.]?key") for word in ("private", "session", "signing", "encryption", "master"))
 # Rule (a), the generic credential rule: a key with one of these segments (algolia_key,
 # DATADOG_API, twilio_auth, sumo_access_id) holds a secret only when its value is high-entropy.
 _WEAK_KEYS = frozenset(("key", "keys", "api", "auth", "sid", "creds", "access"))
@@ -2790,29 +2780,23 @@ _WEAK_NOT = frozenset(("public", "pub", "publishable", "cache", "sha", "hash", "
 # Word-shaped values (user_profile_cache_v2, userProfileCacheV2, com.acme.app) are names.
 _WORD_SPLIT_RE = _re_lazy(r"[_./-]+|(?<=[a-z0-9])(?=[A-Z])")
 _WORD_PART_RE = _re_lazy(r"(?:[A-Za-z][a-z]*[0-9]{0,3}|[0-9]{1,4}|[A-Z]{2,5})\Z")
-_KEY_WORDS = ("password", "passwd", "passphrase", "secret", "token", "credential", "pwd")
-_KEY_PLURALS = ("passwords", "credentials", "secrets")
-_KEY_COMPOUNDS = ("apikey", "accesskey", "privatekey", "sessionkey", "signingkey",
-                  "encryptionkey", "masterkey")
-_KEY_PAIR_HEADS = frozenset(("api", "access", "private", "session", "signing", "encryption",
-                             "master"))
+_KEY_ENDINGS = ("password", "passwd", "passphrase", "secret", "token", "credential", "pwd",
+                "passwords", "credentials", "secrets", "apikey", "accesskey", "privatekey",
+                "sessionkey", "signingkey", "encryptionkey", "masterkey")
+_KEY_PAIR_HEADS = frozenset("api access private session signing encryption master".split())
 # A key word followed by one of these names something about the secret, not the secret.
-_KEY_META = frozenset((
-    "url", "urls", "uri", "endpoint", "host", "type", "name", "names", "file", "path", "dir",
-    "length", "len", "ttl", "expiry", "expires", "expiration", "lifetime", "timeout", "count",
-    "limit", "size", "header", "prefix", "field", "id", "ids", "env", "var", "hash", "policy",
-    "rotation", "version", "format", "mode", "provider", "manager", "store", "source", "ref",
-    "arn", "label", "min", "max", "enabled", "required", "hint", "pattern", "regex", "reset",
-    "strength", "rules", "age", "interval", "location", "method", "param", "algorithm", "alg",
-    "scope", "scopes", "audience", "issuer", "kind", "schema", "prompt", "message", "msg",
-    "text", "title", "description", "help", "placeholder", "budget", "usage", "refs",
-))
+_KEY_META = frozenset("""
+    url urls uri endpoint host type name names file path dir length len ttl expiry expires
+    expiration lifetime timeout count limit size header prefix field id ids env var hash policy
+    rotation version format mode provider manager store source ref arn label min max enabled
+    required hint pattern regex reset strength rules age interval location method param algorithm
+    alg scope scopes audience issuer kind schema prompt message msg text title description help
+    placeholder budget usage refs
+""".split())
 _SHELL_PWD_KEYS = frozenset(("pwd", "oldpwd"))
-_CONFIG_FENCES = frozenset((
-    "yaml", "yml", "toml", "ini", "cfg", "conf", "config", "env", "dotenv", "properties",
-    "props", "json", "jsonc", "json5", "hcl", "tf", "tfvars", "k8s", "kubernetes", "helm",
-    "compose", "docker-compose", "neon",
-))
+_CONFIG_FENCES = frozenset("yaml yml toml ini cfg conf config env dotenv properties props "
+                           "json jsonc json5 hcl tf tfvars k8s kubernetes helm compose "
+                           "docker-compose neon".split())
 _TOKENISH_RE = _re_lazy(r"(?=[^\n]*[A-Za-z])(?=[^\n]*[0-9])[A-Za-z0-9+/=_.~-]{14,}\Z")
 
 
@@ -2928,14 +2912,9 @@ class _Shapes:
         ]
 
 
-_shapes_cache = []
-_key_cache = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _shapes():
-    if not _shapes_cache:
-        _shapes_cache.append(_Shapes())
-    return _shapes_cache[0]
+    return _Shapes()
 
 
 # --- the text being scanned ---------------------------------------------------------------
@@ -3608,40 +3587,31 @@ def _k8s_spans(sc):
 
 # --- tier 5: assignments (§ 3.3) ----------------------------------------------------------
 
+@functools.lru_cache(maxsize=4096)
 def _key_info(key):
-    """None, or (is_password_key, is_aws_secret) for a key that names a secret."""
-    cached = _key_cache.get(key)
-    if cached is not None or key in _key_cache:
-        return cached
+    """None, or (is_password_key, is_aws_secret, weak segments) for a key that names a secret."""
     shapes = _shapes()
     spaced = shapes.camel2.sub(r"\1 \2", shapes.camel1.sub(r"\1 \2", key))
     segs = [s for s in shapes.key_split.split(spaced.lower()) if s]
     hit = -1
     for i, seg in enumerate(segs):
-        if seg == "pass" or seg.endswith(_KEY_WORDS) or seg.endswith(_KEY_PLURALS) or \
-                seg.endswith(_KEY_COMPOUNDS):
-            hit = i
-        elif seg in ("key", "keys") and i and segs[i - 1] in _KEY_PAIR_HEADS:
+        if seg == "pass" or seg.endswith(_KEY_ENDINGS) or \
+                (seg in ("key", "keys") and i and segs[i - 1] in _KEY_PAIR_HEADS):
             hit = i
     weak = hit < 0 and not _WEAK_NOT.intersection(segs)
     if weak:
         hit = max((i for i, seg in enumerate(segs) if seg in _WEAK_KEYS), default=-1)
         if segs[hit:hit + 2] == ["access", "id"]:
             hit += 1   # Sumo Logic, Alibaba: the access id is half of the credential
-    info = None
-    if hit >= 0 and not any(seg in _KEY_META for seg in segs[hit + 1:]) and \
-            key.lower() not in _SHELL_PWD_KEYS:
-        password = any(seg in ("pass", "pin") or seg.endswith(("password", "passwd", "pwd",
-                                                                "passphrase"))
-                       for seg in segs)
-        joined = "".join(segs)
-        aws = ("aws" in segs or joined.startswith("aws")) and "secret" in joined or \
-            "secretaccesskey" in joined
-        info = (password and not weak, aws, len(segs) if weak else 0)
-    if len(_key_cache) > 4096:
-        _key_cache.clear()
-    _key_cache[key] = info
-    return info
+    if hit < 0 or any(seg in _KEY_META for seg in segs[hit + 1:]) or \
+            key.lower() in _SHELL_PWD_KEYS:
+        return None
+    password = any(seg in ("pass", "pin") or seg.endswith(("password", "passwd", "pwd",
+                                                            "passphrase")) for seg in segs)
+    joined = "".join(segs)
+    aws = ("aws" in segs or joined.startswith("aws")) and "secret" in joined or \
+        "secretaccesskey" in joined
+    return (password and not weak, aws, len(segs) if weak else 0)
 
 
 def _assignment_spans(sc, taken):
