@@ -2926,29 +2926,20 @@ class _Scan:
         self.text = text
         self.disable = disable
         self.memo = {}
-        self._lower = None
-        self._words = None
-        self._breaks = None
-        self._fences = None
 
-    @property
+    @functools.cached_property
     def words(self):
         """The distinct runs of a-z, _ and - in the lower-cased text, joined by spaces: a needle
-        made of those characters only is in the lower-cased text exactly when it is in here, and
-        this string is a fraction of the text's length."""
-        if self._words is None:
-            pieces = self.lower.encode("utf-8", "surrogatepass").translate(_LETTER_BYTES).split()
-            self._words = b" ".join(set(pieces)).decode("ascii")
-        return self._words
+        of those characters is in the lower-cased text exactly when it is in this short string."""
+        pieces = self.lower.encode("utf-8", "surrogatepass").translate(_LETTER_BYTES).split()
+        return b" ".join(set(pieces)).decode("ascii")
 
-    @property
+    @functools.cached_property
     def lower(self):
-        if self._lower is None:
-            low = self.text.lower()
-            if len(low) != len(self.text):   # keep positions aligned (e.g. "İ" lowers to two)
-                low = "".join(ch if len(ch.lower()) != 1 else ch.lower() for ch in self.text)
-            self._lower = low
-        return self._lower
+        low = self.text.lower()
+        if len(low) != len(self.text):   # keep positions aligned (e.g. "İ" lowers to two)
+            low = "".join(ch if len(ch.lower()) != 1 else ch.lower() for ch in self.text)
+        return low
 
     def positions(self, word):
         """Every start of `word` (lower case) in the lower-cased text."""
@@ -2958,40 +2949,37 @@ class _Scan:
             yield at
             at = low.find(word, at + 1)
 
-    def _line_breaks(self):
-        if self._breaks is None:
-            self._breaks = [m.start() for m in re.finditer("\n", self.text)]
-        return self._breaks
+    @functools.cached_property
+    def _breaks(self):
+        return [m.start() for m in re.finditer("\n", self.text)]
 
     def line_of(self, pos):
-        return bisect.bisect_left(self._line_breaks(), pos) + 1
+        return bisect.bisect_left(self._breaks, pos) + 1
 
     def line_bounds(self, pos):
-        breaks = self._line_breaks()
+        breaks = self._breaks
         i = bisect.bisect_left(breaks, pos)
         return (breaks[i - 1] + 1 if i else 0), (breaks[i] if i < len(breaks) else len(self.text))
 
+    @functools.cached_property
+    def _fences(self):
+        """(starts, [(start, end, info)]) of the fenced blocks; an unclosed one runs to the end."""
+        fences, opened = [], None
+        for m in _shapes().fence.finditer(self.text):
+            marker, info = m.group(1), m.group(2).lower()
+            if opened is None:
+                opened = (m.end(), marker, info)
+            elif marker[0] == opened[1][0] and len(marker) >= len(opened[1]) and not info:
+                fences.append((opened[0], m.start(), opened[2]))
+                opened = None
+        if opened is not None:
+            fences.append((opened[0], len(self.text), opened[2]))
+        return [f[0] for f in fences], fences
+
     def in_config_fence(self, pos):
-        if self._fences is None:
-            starts, ends, infos = [], [], []
-            opened = None
-            for m in _shapes().fence.finditer(self.text):
-                marker, info = m.group(1), m.group(2).lower()
-                if opened is None:
-                    opened = (m.end(), marker, info)
-                elif marker[0] == opened[1][0] and len(marker) >= len(opened[1]) and not info:
-                    starts.append(opened[0])
-                    ends.append(m.start())
-                    infos.append(opened[2])
-                    opened = None
-            if opened is not None:
-                starts.append(opened[0])
-                ends.append(len(self.text))
-                infos.append(opened[2])
-            self._fences = (starts, ends, infos)
-        starts, ends, infos = self._fences
+        starts, fences = self._fences
         i = bisect.bisect_right(starts, pos) - 1
-        return i >= 0 and pos < ends[i] and infos[i] in _CONFIG_FENCES
+        return i >= 0 and pos < fences[i][1] and fences[i][2] in _CONFIG_FENCES
 
 
 class _Taken:
