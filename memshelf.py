@@ -2925,7 +2925,6 @@ class _Scan:
     def __init__(self, text, disable):
         self.text = text
         self.disable = disable
-        self.memo = {}
 
     @functools.cached_property
     def words(self):
@@ -3007,31 +3006,21 @@ def _is_placeholder(value):
     """True for empty values, masks, references, placeholders and code (§ 3.4)."""
     if not value or _MASK_PREFIX in value:
         return True
-    low = value.lower()
-    if low in _TRIVIAL_VALUES or all(ch in _MASK_CHARS for ch in value) or \
-            len(set(low)) == 1 or _DICTIONARY_RE.match(low) or \
-            (_TEMPLATE_SLOT_RE.search(value) and
-             sum(map(str.isalnum, _TEMPLATE_SLOT_RE.sub("", value))) < 8) or \
-            (len(low) >= 4 and low in _RUNS) or (re.search(r"[-_.]", value) and
-                                                 _is_repeated_body(value, "")):
-        return True
-    if any(word in low for word in _PLACEHOLDER_WORDS):
-        return True
-    first, last = value[0], value[-1]
-    if first == "$" or (first == "<" and last == ">") or (first == "[" and last == "]"):
-        return True
-    if (value.startswith("{{") and value.endswith("}}")) or \
-            (first == "%" and last == "%" and len(value) > 2):
-        return True
-    if not any(ch.isalnum() for ch in value):
-        return True
-    if _PREFIX_FILLER_RE.match(value):
-        return True   # sk-..., ghp_xxxx: a prefix followed by one repeated filler character
-    if _CODE_CALL_RE.match(value):
-        return True
-    if _CODE_PATH_RE.match(value) and not any(ch.isdigit() for ch in value):
-        return True   # settings.SECRET_KEY, process.env.TOKEN; ya29.a0Af… keeps its digits
-    return False
+    low, first, last = value.lower(), value[0], value[-1]
+    return bool(
+        low in _TRIVIAL_VALUES or all(ch in _MASK_CHARS for ch in value) or len(set(low)) == 1
+        or _DICTIONARY_RE.match(low) or (len(low) >= 4 and low in _RUNS)
+        or (_TEMPLATE_SLOT_RE.search(value)
+            and sum(map(str.isalnum, _TEMPLATE_SLOT_RE.sub("", value))) < 8)
+        or (re.search(r"[-_.]", value) and _is_repeated_body(value, ""))
+        or any(word in low for word in _PLACEHOLDER_WORDS)
+        or first == "$" or (first == "<" and last == ">") or (first == "[" and last == "]")
+        or (value.startswith("{{") and value.endswith("}}"))
+        or (first == "%" and last == "%" and len(value) > 2) or not any(map(str.isalnum, value))
+        or _PREFIX_FILLER_RE.match(value)   # sk-..., ghp_xxxx: a prefix, then one filler repeated
+        or _CODE_CALL_RE.match(value)
+        # settings.SECRET_KEY, process.env.TOKEN; ya29.a0Af… keeps its digits
+        or (_CODE_PATH_RE.match(value) and not any(map(str.isdigit, value))))
 
 
 def _is_repeated_body(value, anchor):
@@ -3046,12 +3035,11 @@ def _is_repeated_body(value, anchor):
 # --- tier 1: prefixed tokens --------------------------------------------------------------
 
 def _token_spans(sc):
-    text, out = sc.text, []
-    shapes = _shapes()
+    text, out, shapes = sc.text, [], _shapes()
     # Every prefixed token is a run of at least 16 token characters; looking for anchors in
     # those runs only keeps the many anchor searches off ordinary prose, and an anchor that
     # opens a word is looked up in the set of the runs' words instead.
-    runs = _long_runs(text)
+    runs = " ".join([w for w in text.split() if len(w) >= 16])
     if not runs:
         return out
     words = set(runs.encode("utf-8", "surrogatepass").translate(_ALNUM_BYTES).split())
@@ -3073,9 +3061,8 @@ def _token_spans(sc):
                     if m:
                         value = m.group(0)
                         check = _checksum_ok(value)
-                        if check or not (_is_placeholder_token(value) or
-                                         (check is False and
-                                          not _high_entropy(value[len(anchor):])) or
+                        bad = check is False and not _high_entropy(value[len(anchor):])
+                        if check or not (bad or _is_placeholder_token(value) or
                                          _is_repeated_body(value, anchor)):
                             out.append((m.start(), m.end(), kind))
                         break
@@ -3102,19 +3089,13 @@ def _checksum_ok(value):
             return bool(base64.urlsafe_b64decode(value[5:] + "=" * (-len(value[5:]) % 4)))
         except ValueError:   # binascii.Error is one
             return False
-    head = 11 if value.startswith("github_pat_") else 4
     if not value.startswith(("gh", "npm_")) or len(value) not in (40, 93):
         return None
-    crc, digits = zlib.crc32(value[head:-6].encode()), ""
+    crc, digits = zlib.crc32(value[11 if value.startswith("github_pat_") else 4:-6].encode()), ""
     while crc:
         crc, r = divmod(crc, 62)
         digits = _BASE62[r] + digits
     return digits.rjust(6, "0") == value[-6:]
-
-
-def _long_runs(text):
-    """The whitespace-free runs of 16 or more characters, joined by spaces."""
-    return " ".join([w for w in text.split() if len(w) >= 16])
 
 
 def _is_placeholder_token(value):
@@ -3137,24 +3118,16 @@ def _private_key_spans(sc):
         label = m.group(1)
         if "PRIVATE KEY" not in label:
             continue
-        line_start = sc.line_bounds(m.start())[0]
-        prefix = text[max(line_start, m.start() - 17):m.start()]
-        if m.start() - line_start > 16 or prefix.strip(" \t>#/*;\"'") != "":
+        prefix = text[sc.line_bounds(m.start())[0]:m.start()]   # a quote prefix: `> `, `# `
+        if len(prefix) > 16 or prefix.strip(" \t>#/*;\"'"):
             prefix = ""
         limit = begins[i + 1].start() if i + 1 < len(begins) else len(text)
-        end_at = -1
         j = bisect.bisect_left(end_starts, m.end())
-        while j < len(ends) and ends[j][0] < limit:
-            if ends[j][1] == label:
-                end_at = ends[j][0]
-                break
-            j += 1
-        if end_at >= 0:
-            span = _pem_body(text, m.end(), end_at, prefix)
-        else:
-            span = _pem_unterminated(text, m.end(), prefix)
+        end_at = next((s for s, end_label in ends[j:] if s >= limit or end_label == label), limit)
+        span = _pem_body(text, m.end(), end_at, prefix) if end_at < limit else \
+            _pem_unterminated(text, m.end(), prefix)
         if span:
-            out.append((span[0], span[1], "private-key"))
+            out.append((*span, "private-key"))
     return out
 
 
@@ -3218,13 +3191,12 @@ def _pem_unterminated(text, start, prefix):
     """An unterminated block masks through its last base64-looking line."""
     shapes = _shapes()
     body_start = _skip_breaks(text, start, len(text), prefix)
-    pos, last, seen_data = body_start, None, False
+    pos, last, seen_data = body_start, body_start, False
     for _ in range(5000):
         if pos >= len(text):
             break
         brk = _next_break(text, pos, pos + 8192)   # key lines are short
-        unit_end = brk[0] if brk else min(len(text), pos + 8192)
-        unit = text[pos:unit_end]
+        unit = text[pos:brk[0] if brk else pos + 8192]
         piece = unit.strip(" \t\r>#*;\"',")
         tail = pos + len(unit.rstrip(" \t\r\"',"))
         if piece and shapes.pem_line.match(piece):
@@ -3236,52 +3208,48 @@ def _pem_unterminated(text, start, prefix):
         if not brk:
             break
         pos = brk[1]
-    if last is None or last <= body_start:
-        return None
-    return body_start, last
+    return (body_start, last) if last > body_start else None
 
 
 # --- tier 3: URL and connection credentials -----------------------------------------------
 
+def _kept(matches, kind, reject, group=0):
+    """The (start, end, kind) of `group` in each match whose text `reject` lets through."""
+    return [(m.start(group), m.end(group), kind) for m in matches if not reject(m.group(group))]
+
+
 def _url_spans(sc):
     text, shapes, out, dis, words = sc.text, _shapes(), [], sc.disable, sc.words
+    memo = {}   # per line: the answers shared by every match on it
     # Each literal below holds a lower-case word that must then be in sc.words, a cheaper look.
     if "slack" in words and "hooks.slack.com" in text and "slack-webhook" not in dis:
-        for m in shapes.slack_webhook.finditer(text):
-            if not _is_placeholder_token(m.group(0)):
-                out.append((m.start(), m.end(), "slack-webhook"))
+        out += _kept(shapes.slack_webhook.finditer(text), "slack-webhook", _is_placeholder_token)
     if "webhooks" in words and "/api/webhooks/" in text and "discord-webhook" not in dis:
-        for m in shapes.discord_webhook.finditer(text):
-            if not _is_placeholder(m.group(1)) and not _is_repeated_body(m.group(1), ""):
-                out.append((m.start(1), m.end(1), "discord-webhook"))
+        out += _kept(shapes.discord_webhook.finditer(text), "discord-webhook",
+                     lambda v: _is_placeholder(v) or _is_repeated_body(v, ""), 1)
     if "sig" in words and "sig=" in text and "azure-sas" not in dis:
         for m in shapes.azure_sas.finditer(text):
             ls, le = sc.line_bounds(m.start())
-            in_url = sc.memo.get(("sas", ls))
-            if in_url is None:
-                line = text[ls:le]
-                in_url = sc.memo[("sas", ls)] = "://" in line or "sv=" in line
-            if in_url and not _is_placeholder(m.group(1)):
+            if ("sas", ls) not in memo:
+                memo["sas", ls] = "://" in text[ls:le] or "sv=" in text[ls:le]
+            if memo["sas", ls] and not _is_placeholder(m.group(1)):
                 out.append((m.start(1), m.end(1), "azure-sas"))
     low = sc.lower
     if ("accountkey" in words or "sharedaccesskey" in words) and "azure-storage-key" not in dis:
-        for m in _matches_at(sc, ("accountkey", "sharedaccesskey"), shapes.azure_storage):
-            if len(m.group(1)) >= 40 and not _is_placeholder(m.group(1)):
-                out.append((m.start(1), m.end(1), "azure-storage-key"))
+        out += _kept(_matches_at(sc, ("accountkey", "sharedaccesskey"), shapes.azure_storage),
+                     "azure-storage-key", lambda v: len(v) < 40 or _is_placeholder(v), 1)
     if "connection-string" in dis:
         return out
-    at = text.find("://")
-    while at >= 0:
+    for at in sc.positions("://"):
         s = at
         while s > 0 and at - s < 30 and (text[s - 1].isalnum() or text[s - 1] in "+.-"):
             s -= 1
-        if s < at and text[s].isalpha():
-            m = shapes.url_userinfo.match(text, at + 3) or shapes.url_slashed.match(text, at + 3)
-            if m and not m.group(2).partition("/")[0].isdigit():   # host:port/path@x is no login
-                pw, host = m.group(2), m.group(3).lower()
-                if not _is_placeholder(pw) and not _example_host(host):
-                    out.append((m.start(2), m.end(2), "connection-string"))
-        at = text.find("://", at + 3)
+        m = s < at and text[s].isalpha() and (shapes.url_userinfo.match(text, at + 3) or
+                                              shapes.url_slashed.match(text, at + 3))
+        # host:port/path@x is no login
+        if m and not m.group(2).partition("/")[0].isdigit() and \
+                not _is_placeholder(m.group(2)) and not _example_host(m.group(3).lower()):
+            out.append((m.start(2), m.end(2), "connection-string"))
     if "password" in words or "pwd" in words:
         for m in shapes.conn_password.finditer(low):
             if m.start() and (low[m.start() - 1].isalnum() or low[m.start() - 1] in "_.-"):
@@ -3291,15 +3259,12 @@ def _url_spans(sc):
             while j >= ls and text[j] in " \t":
                 j -= 1
             before = text[j] if j >= ls else ""
-            context = sc.memo.get(("conn", ls, before))
-            if context is None:
-                context = sc.memo[("conn", ls, before)] = _connection_context(low[ls:le], before)
-            if not context:
-                continue
-            v = shapes.conn_value.match(text, m.end())
+            if ("conn", ls, before) not in memo:
+                memo["conn", ls, before] = _connection_context(low[ls:le], before)
+            v = memo["conn", ls, before] and shapes.conn_value.match(text, m.end())
             if not v:
                 continue
-            vs, ve = v.start(), v.end()
+            vs, ve = v.span()
             if text[vs] in "{\"'":
                 vs, ve = vs + 1, ve - 1
             if ve > vs and not _is_placeholder(text[vs:ve]):
@@ -3309,22 +3274,18 @@ def _url_spans(sc):
 
 def _connection_context(line, before):
     """Is a `password=` on this (lower-cased) line part of a connection string?"""
-    marker = _shapes().conn_marker.search(line)
-    if not marker:
-        return False
-    if "jdbc:" in line or "odbc:" in line:
-        return True
-    if ";" in line and before in ("", ";", '"', "'") and _shapes().ado_marker.search(line):
-        return True   # ADO.NET / ODBC: Server=…;Database=…;Password=…
-    if before in ("?", "&") and "://" in line:
-        return True   # a URL query: jdbc-style ?user=…&password=…
-    return "dbname=" in line or ("host=" in line and ("port=" in line or "sslmode=" in line))
+    shapes = _shapes()
+    return shapes.conn_marker.search(line) is not None and (
+        "jdbc:" in line or "odbc:" in line
+        # ADO.NET / ODBC: Server=…;Database=…;Password=…
+        or (";" in line and before in ("", ";", '"', "'") and shapes.ado_marker.search(line))
+        or (before in ("?", "&") and "://" in line)   # a URL query: ?user=…&password=…
+        or "dbname=" in line or ("host=" in line and ("port=" in line or "sslmode=" in line)))
 
 
 def _example_host(host):
-    host = host.split(":")[0].rstrip(".")
-    return any(host == d or host.endswith("." + d)
-               for d in ("example.com", "example.org", "example.net"))
+    return ("." + host.split(":")[0].rstrip(".")).endswith((".example.com", ".example.org",
+                                                            ".example.net"))
 
 
 # --- tier 4: headers, CLI flags and config shapes -----------------------------------------
@@ -3842,17 +3803,13 @@ def _not_a_secret(value, info, key):
     if (info[2] and not _high_entropy(value)) or _is_placeholder(value):
         return True
     low = value.lower()
-    if re.fullmatch(r"[0-9]{1,12}(?:\.[0-9]+)?", value) and not info[0]:
-        return True   # MAX_TOKENS=4096, TOKEN_TTL=3600
-    if low == key.lower():
-        return True   # password=password passes a variable on
-    if value[0] in "([{":
-        return True   # a tuple, list or object literal, or an interpolation such as {token}
-    if _HEX_COLOR_RE.match(value):
-        return True
-    if _REFERENCE_WORD_RE.match(value) and any(h in low for h in _REFERENCE_HINTS):
-        return True   # api_key=openai_api_key names another variable
-    return False
+    return bool(
+        (re.fullmatch(r"[0-9]{1,12}(?:\.[0-9]+)?", value) and not info[0])   # MAX_TOKENS=4096
+        or low == key.lower()   # password=password passes a variable on
+        or value[0] in "([{"   # a tuple, list or object literal, or an interpolation: {token}
+        or _HEX_COLOR_RE.match(value)
+        # api_key=openai_api_key names another variable
+        or (_REFERENCE_WORD_RE.match(value) and any(h in low for h in _REFERENCE_HINTS)))
 
 
 # --- tier 6: POLICY.patterns --------------------------------------------------------------
