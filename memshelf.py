@@ -3291,25 +3291,20 @@ def _example_host(host):
 # --- tier 4: headers, CLI flags and config shapes -----------------------------------------
 
 def _header_spans(sc):
-    text, low, shapes, out, dis = sc.text, sc.lower, _shapes(), [], sc.disable
+    text, shapes, out, dis = sc.text, _shapes(), [], sc.disable
     words = sc.words   # a cheaper look for the lower-case words of the literals below
     if "bearer" in words and "bearer" not in dis:
         for m in _matches_at(sc, ("bearer",), shapes.bearer):
-            vs, ve = m.start(1), m.end(1)
-            while ve > vs and text[ve - 1] == ".":
-                ve -= 1
+            vs, ve = m.start(1), m.start(1) + len(m.group(1).rstrip("."))
             if ve - vs >= 16 and not _is_header_placeholder(text[vs:ve]):
                 out.append((vs, ve, "bearer"))
     if "basic" in words and "basic-auth" not in dis:
-        for m in _matches_at(sc, ("basic",), shapes.basic):
-            pair = _decode_user_password(m.group(1))
-            if pair and not _is_placeholder(pair[1]):
-                out.append((m.start(1), m.end(1), "basic-auth"))
+        out += _kept(_matches_at(sc, ("basic",), shapes.basic), "basic-auth", _not_a_login, 1)
     if "authorization" in words and "api-key-header" not in dis:
         for m in _matches_at(sc, ("authorization",), shapes.authorization):
             basic = (m.group(1) or "").lower() == "basic"   # a decodable pair: the Basic rule
             if _high_entropy(m.group(2)) and not _is_header_placeholder(m.group(2)) and \
-                    not (basic and _decode_user_password(m.group(2))):
+                    not (basic and _login_password(m.group(2))):
                 out.append((m.start(2), m.end(2), "basic-auth" if basic else "api-key-header"))
     if "api-key-header" not in dis and any(w in words for w in _HEADER_SUFFIXES):
         out.extend(_api_key_header_spans(sc))
@@ -3323,10 +3318,7 @@ def _header_spans(sc):
             if ve > vs and not _is_placeholder(text[vs:ve]):
                 out.append((vs, ve, "npm-token"))
     if "auth" in words and '"auth"' in text and "docker-token" not in dis:
-        for m in shapes.docker_auth.finditer(text):
-            pair = _decode_user_password(m.group(1))
-            if pair and not _is_placeholder(pair[1]):
-                out.append((m.start(1), m.end(1), "docker-token"))
+        out += _kept(shapes.docker_auth.finditer(text), "docker-token", _not_a_login, 1)
     if "secret" in words and "Secret" in text and "k8s-secret" not in dis:
         out.extend(_k8s_spans(sc))
     return out
@@ -3337,8 +3329,7 @@ _HEADER_SUFFIXES = ("api-key", "auth-token", "access-token", "api-token", "priva
 
 
 def _finditer_from(word, rx, text):
-    """rx.finditer(text) for a regex that opens with the literal word: str.find goes from one
-    occurrence of the word to the next faster than the regex engine does."""
+    """rx.finditer(text) for a regex that opens with the literal word, found faster by str.find."""
     at = text.find(word)
     while at >= 0:
         m = rx.match(text, at)
@@ -3356,9 +3347,7 @@ def _matches_at(sc, words, rx, left="_"):
     starts = sorted({at for word in words for at in sc.positions(word)})
     last_end = 0
     for at in starts:
-        if at < last_end:
-            continue
-        if at and (text[at - 1].isalnum() or text[at - 1] in left):
+        if at < last_end or (at and (text[at - 1].isalnum() or text[at - 1] in left)):
             continue
         m = rx.match(text, at)
         if m:
@@ -3374,30 +3363,27 @@ def _strip_quotes(text, vs, ve):
 
 def _is_header_placeholder(value):
     # An identifier such as YOUR_ACCESS_TOKEN or access_token_here names a value; it is none.
-    if _is_placeholder(value):
-        return True
-    return bool(re.fullmatch(r"[A-Z]+(?:_[A-Z]+)+|[a-z]+(?:_[a-z]+)+", value))
+    return _is_placeholder(value) or \
+        re.fullmatch(r"[A-Z]+(?:_[A-Z]+)+|[a-z]+(?:_[a-z]+)+", value) is not None
 
 
 def _looks_like_token(value):
-    if re.search(r"\s", value) or len(value) < 6:
-        return False
-    return len(value) >= 20 or any(ch.isdigit() for ch in value) or \
-        any(not ch.isalnum() for ch in value)
+    return len(value) >= 6 and not re.search(r"\s", value) and (
+        len(value) >= 20 or any(ch.isdigit() or not ch.isalnum() for ch in value))
 
 
-def _decode_user_password(b64):
-    """(user, password) when the base64 decodes to printable `user:password`."""
+def _login_password(b64):
+    """The password of a base64 printable `user:password`, else ""."""
     import base64
-    import binascii
     try:
         raw = base64.b64decode(b64 + "=" * (-len(b64) % 4), validate=True).decode("utf-8")
-    except (binascii.Error, ValueError):
-        return None
-    if ":" not in raw or not raw.isprintable():
-        return None
-    user, _, password = raw.partition(":")
-    return (user, password) if password else None
+    except ValueError:   # binascii.Error and UnicodeDecodeError are ones
+        return ""
+    return raw.partition(":")[2] if raw.isprintable() else ""
+
+
+def _not_a_login(b64):
+    return _is_placeholder(_login_password(b64))
 
 
 def _api_key_header_spans(sc):
@@ -3406,16 +3392,11 @@ def _api_key_header_spans(sc):
         s = m.start()
         while s > 0 and m.start() - s < 64 and (text[s - 1].isalnum() or text[s - 1] == "-"):
             s -= 1
-        if m.end() < len(text) and (text[m.end()].isalnum() or text[m.end()] in "_-"):
+        if (m.end() < len(text) and (text[m.end()].isalnum() or text[m.end()] in "_-")) or \
+                (s and text[s - 1] in "_."):
             continue
-        if s and text[s - 1] in "_.":
-            continue
-        quote = text[s - 1] if s and text[s - 1] in "\"'" else ""
-        pos = m.end()
-        key_quoted = bool(quote) and text.startswith(quote, pos)
-        if key_quoted:
-            pos += 1
-        v = shapes.header_rest.match(text, pos)
+        key_quoted = s > 0 and text[s - 1] in "\"'" and text.startswith(text[s - 1], m.end())
+        v = shapes.header_rest.match(text, m.end() + key_quoted)
         if not v:
             continue
         vs, ve = v.start(1), v.end(1)
@@ -3425,7 +3406,7 @@ def _api_key_header_spans(sc):
         if quoted:
             vs, ve = vs + 1, ve - 1
         value = text[vs:ve]
-        if _looks_like_token(value) and (len(value) >= 8) and not _is_header_placeholder(value):
+        if len(value) >= 8 and _looks_like_token(value) and not _is_header_placeholder(value):
             out.append((vs, ve, "api-key-header"))
     return out
 
@@ -3433,7 +3414,6 @@ def _api_key_header_spans(sc):
 def _cookie_spans(sc):
     text, shapes, out = sc.text, _shapes(), []
     for m in _matches_at(sc, ("cookie", "set-cookie"), shapes.cookie, left="-"):
-        set_cookie = bool(m.group(1))
         pos = m.end()
         line_end = sc.line_bounds(pos)[1]
         while pos < line_end:
@@ -3444,16 +3424,15 @@ def _cookie_spans(sc):
             if shapes.cookie_name.match(name) and ve > vs and not _is_placeholder(text[vs:ve]):
                 out.append((vs, ve, "session-cookie"))
             pos = p.end()
-            if set_cookie or pos >= line_end or text[pos] != ";":
+            if m.group(1) or pos >= line_end or text[pos] != ";":
                 break
             pos += 1
     return out
 
 
 def _cli_spans(sc):
-    text, low, shapes, out, words = sc.text, sc.lower, _shapes(), [], sc.words
-    gates = ("mysql", "sshpass", "redis-cli", "login")
-    for gate, rx in zip(gates, shapes.cli):
+    text, shapes, out, words = sc.text, _shapes(), [], sc.words
+    for gate, rx in zip(("mysql", "sshpass", "redis-cli", "login"), shapes.cli):
         if gate in words:
             for m in rx.finditer(text):
                 vs, ve = _strip_quotes(text, m.start(1), m.end(1))
@@ -3475,9 +3454,7 @@ def _cli_spans(sc):
             out.append((vs, ve, "cli-password"))
     if ("curl" in words or "wget" in words or "http" in words) and \
             (" -u" in text or "--user" in text):
-        for m in shapes.cli_user.finditer(text):
-            if not _is_header_placeholder(m.group(2)):
-                out.append((m.start(2), m.end(2), "cli-password"))
+        out += _kept(shapes.cli_user.finditer(text), "cli-password", _is_header_placeholder, 2)
     return out
 
 
@@ -3486,49 +3463,39 @@ def _k8s_spans(sc):
     text, shapes, out = sc.text, _shapes(), []
     edges = [(e.start(), e.end()) for e in shapes.k8s_doc_edge.finditer(text)]
     edge_starts = [e[0] for e in edges]
-    documents = []
-    for km in shapes.k8s_kind.finditer(text):
-        i = bisect.bisect_left(edge_starts, km.start())
-        doc = (edges[i - 1][1] if i else 0, edges[i][0] if i < len(edges) else len(text))
-        if not documents or documents[-1] != doc:
-            documents.append(doc)
+    documents = dict.fromkeys(   # the (start, end) of each document holding a kind: Secret
+        (edges[i - 1][1] if i else 0, edges[i][0] if i < len(edges) else len(text))
+        for i in (bisect.bisect_left(edge_starts, km.start())
+                  for km in shapes.k8s_kind.finditer(text)))
     for doc_start, doc_end in documents:
         for dm in shapes.k8s_data.finditer(text, doc_start, doc_end):
             indent = len(dm.group(1).expandtabs())
             pos = dm.end() + 1
             block = None   # (indent, start, end) of a block scalar being collected
             while pos < doc_end:
-                line_end = text.find("\n", pos)
-                line_end = doc_end if line_end < 0 or line_end > doc_end else line_end
-                line = text[pos:line_end]
-                stripped = line.strip()
+                line_end = text.find("\n", pos, doc_end)
+                line_end = doc_end if line_end < 0 else line_end
+                at, pos, line = pos, line_end + 1, text[pos:line_end]
                 lead = len(line) - len(line.lstrip(" \t"))
-                if not stripped:
-                    pos = line_end + 1
+                if not line.strip():
                     continue
                 if block is not None and lead > block[0]:
-                    first = block[1] if block[1] is not None else pos + lead
-                    block = (block[0], first, pos + len(line.rstrip()))
-                    pos = line_end + 1
+                    block = (block[0], at + lead if block[1] is None else block[1],
+                             at + len(line.rstrip()))
                     continue
-                if block is not None:
-                    if block[1] is not None:
-                        out.append((block[1], block[2], "k8s-secret"))
-                    block = None
+                if block is not None and block[1] is not None:
+                    out.append((block[1], block[2], "k8s-secret"))
+                block = None
                 if lead <= indent:
                     break
-                em = shapes.k8s_entry.match(text, pos, line_end)
-                if em:
-                    raw = em.group(3).rstrip()
-                    vs = em.start(3)
-                    if raw in ("|", ">", "|-", ">-", "|+", ">+"):
-                        block = (lead, None, None)
-                    elif raw:
-                        ve = vs + len(raw)
-                        vs, ve = _strip_quotes(text, vs, ve)
-                        if ve > vs and not _is_placeholder(text[vs:ve]):
-                            out.append((vs, ve, "k8s-secret"))
-                pos = line_end + 1
+                em = shapes.k8s_entry.match(text, at, line_end)
+                raw = em.group(3).rstrip() if em else ""
+                if raw in ("|", ">", "|-", ">-", "|+", ">+"):
+                    block = (lead, None, None)
+                elif raw:
+                    vs, ve = _strip_quotes(text, em.start(3), em.start(3) + len(raw))
+                    if ve > vs and not _is_placeholder(text[vs:ve]):
+                        out.append((vs, ve, "k8s-secret"))
             if block is not None and block[1] is not None:
                 out.append((block[1], block[2], "k8s-secret"))
     return out
