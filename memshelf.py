@@ -3537,14 +3537,11 @@ def _assignment_spans(sc, taken):
     words = sc.words   # the key words are a-z only: a cheaper look than the text
     if not any(g in words for g in _KEY_GATES):
         return out
-    n = len(text)
-    resume = 0
-    hits = []
+    n, resume, hits = len(text), 0, []
     for word, rx in shapes.keywords:
         if word in words:
             hits.extend(_finditer_from(word, rx, low))
-    if len(hits) > 1:
-        hits.sort(key=lambda h: h.start())
+    hits.sort(key=lambda h: h.start())
     for m in hits:
         if m.start() < resume:
             continue
@@ -3615,12 +3612,12 @@ _CODE_WORDS = frozenset(("new", "await", "yield", "function", "lambda", "this", 
                          "import", "typeof", "not", "async", "static", "const", "let", "var"))
 _CODE_EXPRESSION_RE = _re_lazy(r"[A-Za-z_][\w.]*[-+*/%|&]")
 _IDENTIFIER_RE = _re_lazy(r"[A-Za-z_]+\Z")
+_STRING_PREFIX_RE = _re_lazy(r"(?:[rbfuRBFU]|[rbfRBF]{2})(?=['\"])")
 
 
 def _is_code_value(value, separator, sc, key_start, op):
-    """`token = Error`, `pass = new PassThrough()`, `f(token=tok)`: code names a value, it
-    holds none. Only with spaces on both sides of the separator, where .env and shell never
-    put them, or as a keyword argument inside an open parenthesis."""
+    """`token = Error`, `pass = new PassThrough()`, `f(token=tok)`: code names a value; only
+    with spaces around the separator (.env and shell put none) or as a keyword argument."""
     if sc.in_config_fence(key_start):
         return False
     if op == "=" and (value[0].isalpha() or value[0] == "_"):
@@ -3632,22 +3629,19 @@ def _is_code_value(value, separator, sc, key_start, op):
             return True   # f(api_key=key, token=tok): an argument passes a variable on
     if not (separator[:1] in " \t" and separator[-1:] in " \t") or _high_entropy(value):
         return False
-    if value in _CODE_WORDS or _CODE_EXPRESSION_RE.match(value):
-        return True
-    return _IDENTIFIER_RE.match(value) is not None
+    return value in _CODE_WORDS or bool(_CODE_EXPRESSION_RE.match(value) or
+                                        _IDENTIFIER_RE.match(value))
 
 
 def _is_description(value):
     """A quoted sentence that names what it is ("Password used to generate key") is a label."""
-    if not any(ch.isspace() for ch in value):
-        return False
     low = value.lower()
-    return any(word in low for word in ("password", "passphrase", "secret", "token", "key"))
+    return any(map(str.isspace, value)) and \
+        any(word in low for word in ("password", "passphrase", "secret", "token", "key"))
 
 
 def _assignment_form_spans(sc):
-    """Assignments in other syntaxes: PHP define(), XML elements, .netrc lines, a Kubernetes
-    env entry (name: KEY / value: …) and `aws configure set KEY VALUE`."""
+    """Assignments in PHP define(), XML, .netrc, Kubernetes env entries, `aws configure set`."""
     text, low, shapes, out, words = sc.text, sc.lower, _shapes(), [], sc.words
     found = []   # (key, value_start, value_end)
     if "define" in words and "define(" in low:
@@ -3690,14 +3684,9 @@ def _read_value(text, vs, in_query):
     """(start, end, quoted) of the literal after a separator, or None."""
     if vs >= len(text):
         return None
+    prefix = _STRING_PREFIX_RE.match(text, vs)   # r'...', b"...", f"...": quoted strings
+    vs = prefix.end() if prefix else vs
     ch = text[vs]
-    if ch in "rbfuRBFU" and text[vs + 1:vs + 2] in ("'", '"'):
-        vs += 1   # r'...', b"...", f"..." are quoted strings with a prefix
-        ch = text[vs]
-    elif ch in "rbfRBF" and text[vs + 1:vs + 2] in ("r", "b", "f", "R", "B", "F") and \
-            text[vs + 2:vs + 3] in ("'", '"'):
-        vs += 2
-        ch = text[vs]
     if ch in "\"'":
         m = _shapes().quoted[ch].match(text, vs)
         return (vs + 1, m.end() - 1, True) if m else None
@@ -3712,11 +3701,8 @@ def _read_value(text, vs, in_query):
     ve = m.end()
     if ch in "<{[(" or text.startswith(("${", "$(", "%"), vs):
         ve = max(ve, _balanced_end(text, vs))   # <your key>, ${{ secrets.X }}, $(cat f)
-    if in_query:
-        cut = min((i for i in (text.find("&", vs, ve), text.find("#", vs, ve)) if i >= 0),
-                  default=-1)
-        if cut >= 0:
-            ve = cut
+    if in_query:   # a URL query's value ends at the next & or #
+        ve = min([ve] + [i for i in (text.find("&", vs, ve), text.find("#", vs, ve)) if i >= 0])
     value = text[vs:ve]
     # Closers the value did not open belong to the code around it: f(token=abc), and
     # a final full stop or colon belongs to the sentence or the statement.
@@ -3735,10 +3721,8 @@ def _read_value(text, vs, in_query):
 
 def _balanced_end(text, start):
     """End of a bracketed run that starts at `start` and closes on the same line, else start."""
-    pairs = {"(": ")", "[": "]", "{": "}", "<": ">"}
-    stack, i = [], start
-    limit = min(len(text), start + 1024)
-    while i < limit:
+    pairs, stack = {"(": ")", "[": "]", "{": "}", "<": ">"}, []
+    for i in range(start, min(len(text), start + 1024)):
         ch = text[i]
         if ch == "\n":
             return start
@@ -3750,7 +3734,6 @@ def _balanced_end(text, start):
                 return i + 1
         elif not stack and (ch.isspace() or i - start > 2):
             return start
-        i += 1
     return start
 
 
