@@ -3766,25 +3766,17 @@ def _not_a_secret(value, info, key):
 
 def _policy_spans(sc, rules):
     text, out = sc.text, []
-    line_rules, whole_rules = [], []
-    for kind, rx in rules:
-        src = rx.pattern if isinstance(rx.pattern, str) else ""
-        if "\n" in src or "\\n" in src or "(?s)" in src or rx.flags & re.DOTALL:
-            whole_rules.append((kind, rx))
-        else:
-            line_rules.append((kind, rx))
-    for kind, rx in whole_rules:
-        for m in rx.finditer(text):
-            if m.end() > m.start():
-                out.append((m.start(), m.end(), kind))
-    if line_rules:
-        pos = 0
-        for line in text.split("\n"):
-            for kind, rx in line_rules:
-                for m in rx.finditer(line):
-                    if m.end() > m.start():
-                        out.append((pos + m.start(), pos + m.end(), kind))
-            pos += len(line) + 1
+    lines = text.split("\n")
+    for whole in (True, False):   # a rule that may span lines is tried on the whole text
+        for kind, rx in rules:
+            src = rx.pattern if isinstance(rx.pattern, str) else ""
+            if whole != bool("\n" in src or "\\n" in src or "(?s)" in src or rx.flags & re.DOTALL):
+                continue
+            pos = 0
+            for line in [text] if whole else lines:
+                out.extend((pos + m.start(), pos + m.end(), kind) for m in rx.finditer(line)
+                           if m.end() > m.start())
+                pos += len(line) + 1
     return out
 
 
@@ -3793,31 +3785,29 @@ def load_policy_patterns(text):
     rules, problems = [], []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split(None, 1)
-        if len(parts) < 2:
-            problems.append({"line": number, "text": raw,
-                             "reason": "expected `<kind> <regex>`: the regex is missing"})
-            continue
-        kind, source = parts[0], parts[1].strip()
-        if not _POLICY_KIND_RE.match(kind):
-            problems.append({"line": number, "text": raw,
-                             "reason": f"kind {kind!r} must start with a letter or digit and "
-                                       "use only letters, digits and _ . : -"})
-            continue
-        try:
-            rx = re.compile(source)
-        except (re.error, OverflowError, RecursionError) as exc:
-            problems.append({"line": number, "text": raw,
-                             "reason": f"the regex does not compile: {exc}"})
-            continue
-        if rx.fullmatch(""):
-            problems.append({"line": number, "text": raw,
-                             "reason": "the regex matches the empty string"})
-            continue
-        rules.append((kind, rx))
+        if line and not line.startswith("#"):
+            rule = _policy_rule(line)
+            if isinstance(rule, str):
+                problems.append({"line": number, "text": raw, "reason": rule})
+            else:
+                rules.append(rule)
     return rules, problems
+
+
+def _policy_rule(line):
+    """(kind, compiled regex) of one rule line, or the reason it is none."""
+    parts = line.split(None, 1)
+    if len(parts) < 2:
+        return "expected `<kind> <regex>`: the regex is missing"
+    kind, source = parts[0], parts[1].strip()
+    if not _POLICY_KIND_RE.match(kind):
+        return (f"kind {kind!r} must start with a letter or digit and use only letters, "
+                "digits and _ . : -")
+    try:
+        rx = re.compile(source)
+    except (re.error, OverflowError, RecursionError) as exc:
+        return f"the regex does not compile: {exc}"
+    return "the regex matches the empty string" if rx.fullmatch("") else (kind, rx)
 
 
 # --- memshelf-mcp 0.4.0 compatibility (§ 3.7) ---------------------------------------------
@@ -3942,13 +3932,7 @@ def _rewrite(text, spans):
 
 def _map_back(pos, moves):
     """Position in rewritten text -> position in the text before the rewrite."""
-    lo, hi = 0, len(moves)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if moves[mid][2] <= pos:
-            lo = mid + 1
-        else:
-            hi = mid
+    lo = bisect.bisect_right([move[2] for move in moves], pos)
     if not lo:
         return pos
     old_s, old_e, new_s, new_e = moves[lo - 1]
@@ -4065,21 +4049,15 @@ def _run(text, rules, disable, legacy_compat, rewrite, found=None, values=None, 
 
 
 def _report(kinds_lines, part):
-    counts = {}
-    hits = []
-    for kind, line in kinds_lines:
-        counts[kind] = counts.get(kind, 0) + 1
-        hits.append({"kind": kind, "part": part, "line": line})
-    return _finish_report(counts, hits)
+    hits = [{"kind": kind, "part": part, "line": line} for kind, line in kinds_lines]
+    return _finish_report(collections.Counter(hit["kind"] for hit in hits), hits)
 
 
 def _finish_report(counts, hits):
     counts = {k: counts[k] for k in sorted(counts)}
     total = sum(counts.values())
-    if total:
-        summary = "redacted %d (%s)" % (total, ", ".join(f"{k}×{n}" for k, n in counts.items()))
-    else:
-        summary = "no secrets found"
+    summary = "redacted %d (%s)" % (total, ", ".join(f"{k}×{n}" for k, n in counts.items())) \
+        if total else "no secrets found"
     return {"total": total, "counts": counts, "summary": summary, "hits": hits}
 
 
@@ -4125,12 +4103,9 @@ def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False, memory=N
 
 def merge_redaction_reports(reports):
     """One report from several per-part reports: counts summed, hits concatenated."""
-    counts, hits = {}, []
-    for report in reports:
-        if not report:
-            continue
-        for kind, n in (report.get("counts") or {}).items():
-            counts[kind] = counts.get(kind, 0) + n
+    counts, hits = collections.Counter(), []
+    for report in filter(None, reports):
+        counts.update(report.get("counts") or {})
         hits.extend(report.get("hits") or [])
     return _finish_report(counts, hits)
 
