@@ -2718,23 +2718,15 @@ _TELEGRAM_LEFT = frozenset("0123456789")   # api.telegram.org/bot<token>/ glues 
 # a prefixed token can open.
 _ALNUM_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 122) else 32
                      for b in range(256))
-
-
 # Anchors whose rule can match fewer than 16 characters: such a match may sit in a short run.
-_SHORT_TOKEN_ANCHORS = frozenset(("xoxa-", "xoxb-", "xoxp-", "xoxo-", "xoxs-", "xoxr-", "xoxe-",
-                                  "sk-"))
-
-
+_SHORT_TOKEN_ANCHORS = frozenset("xoxa- xoxb- xoxp- xoxo- xoxs- xoxr- xoxe- sk-".split())
 # Every byte but a-z, _ and - becomes a space (the words of _Scan.words).
 _LETTER_BYTES = bytes(b if (97 <= b <= 122 or b in (45, 95)) else 32 for b in range(256))
 
 
 def _token_gate(anchor, offsets):
     """The ASCII word (bytes) that opens every match of an anchor like `ghp_` or `dp.pt.` in
-    the long runs, or None when the anchor is looked for as a substring of the runs instead.
-
-    A match lies in one run, starts at the anchor with no letter, digit, _ or - on its left,
-    and the anchor goes on past its leading letters and digits, so those are a whole word."""
+    the long runs (its leading letters and digits), or None to look for the whole anchor."""
     head = re.match(r"[A-Za-z0-9]*", anchor).group(0)
     if offsets != (0,) or not head or head == anchor or anchor in _SHORT_TOKEN_ANCHORS:
         return None
@@ -2837,10 +2829,8 @@ class _Shapes:
                             r"user id|driver|dsn|provider|address|addr|host)\s*=")
         self.conn_value = c(r"\{[^}\n]{0,1024}\}|\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'"
                             r"|[^;&\s\"']{1,1024}")
-        self.bearer = c(r"(?i)bearer[ \t]+([A-Za-z0-9._~+/=-]{16,4096})"
-                        r"(?![A-Za-z0-9._~+/=-])")
-        self.basic = c(r"(?i)basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})"
-                       r"(?![A-Za-z0-9+/=])")
+        self.bearer = c(r"(?i)bearer[ \t]+([A-Za-z0-9._~+/=-]{16,4096})(?![A-Za-z0-9._~+/=-])")
+        self.basic = c(r"(?i)basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})(?![A-Za-z0-9+/=])")
         self.header_name = c(r"(?i)" + "|".join(_HEADER_SUFFIXES))
         self.authorization = c(r"(?i)authorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:(basic|token|"
                                r"api-?key|sso-key|key)[ \t]+)?([A-Za-z0-9._~+/=-]{16,4096})"
@@ -3985,9 +3975,8 @@ def _tainted(text, spans, values):
 
 
 def _taint_memory(root, learn=()):
-    """(salt, {hash: kind}) or None: the masked values beyond one episode, in .memshelf/taint
-    (local, never committed; salted SHA-256 prefixes of high-entropy token values, never a value;
-    docs/redaction.md, threat model). `learn` [(value, kind)] adds to it first."""
+    """(salt, {hash: kind}) or None: .memshelf/taint, salted hashes of masked token values (never
+    a value; docs/redaction.md, threat model). `learn` [(value, kind)] adds to it first."""
     path = os.path.join(root, ".memshelf", "taint")
     try:
         lines = _read_text(path).split("\n")
@@ -4022,9 +4011,8 @@ def _taint_found(text, memory):
 
 
 def _run(text, rules, disable, legacy_compat, rewrite, found=None, values=None, memory=None):
-    """(redacted text or None, [(start, end, kind)] in original coordinates, the scan);
-    `found` is _detect's answer when the caller has it, `values` the taint of other parts,
-    `memory` the shelf's _taint_memory."""
+    """(redacted text or None, [(start, end, kind)] in original coordinates, the scan); `found`
+    is _detect's answer if known, `values` the taint of other parts, `memory` _taint_memory's."""
     sc, spans = found or _detect(text, rules, disable)
     values = dict(values or {}, **_taint_found(text, memory))
     spans = _tainted(text, spans, _taint_values(text, spans, values))
@@ -4079,9 +4067,8 @@ def find_secrets(text, rules=None, *, disable=(), legacy_compat=False, memory=No
 
 def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False, memory=None,
                  learned=None):
-    """Redact the parts of one episode together: [(part, text or None)] -> ([text or None],
-    merged report). A value detected in any part is masked in every part (the taint pass);
-    `learned`, a list, receives the (value, kind) pairs for the shelf's _taint_memory."""
+    """Redact an episode's [(part, text or None)] together, a value found in one masked in all:
+    ([text or None], merged report). `learned` (a list) receives the pairs for _taint_memory."""
     found = [None if t is None else _detect(t, rules, disable) for _p, t in parts]
     values = {}
     for (_part, text), hit in zip(parts, found):
