@@ -2974,9 +2974,9 @@ class _Scan:
 class _Taken:
     """Sorted, non-overlapping intervals already claimed (masks and accepted spans)."""
 
-    def __init__(self):
-        self.starts = []
-        self.ends = []
+    def __init__(self, spans=()):   # spans: sorted and non-overlapping already
+        self.starts = [span[0] for span in spans]
+        self.ends = [span[1] for span in spans]
 
     def free(self, start, end):
         i = bisect.bisect_right(self.starts, start)
@@ -3807,10 +3807,7 @@ def _legacy_spans(text, disable):
     if "=" not in text and "gh" not in text and "AKIA" not in text and "squ_" not in text \
             and "earer" not in text and "EARER" not in text:
         return []
-    taken = _Taken()
-    for m in _MASK_RE.finditer(text):
-        taken.add(m.start(), m.end())
-    out = []
+    taken, out = _Taken([m.span() for m in _MASK_RE.finditer(text)]), []
     for kind, rx, group in _shapes().legacy:
         if kind in disable:
             continue
@@ -3857,10 +3854,7 @@ def _legacy_value_end(text, vs, ve):
 def _select(sc, rules):
     """Accepted spans [(start, end, kind)] over the original text, in text order."""
     text = sc.text
-    taken = _Taken()
-    if _MASK_PREFIX in text:
-        for m in _MASK_RE.finditer(text):
-            taken.add(m.start(), m.end())
+    taken = _Taken([m.span() for m in _MASK_RE.finditer(text)] if _MASK_PREFIX in text else ())
     keys = _private_key_spans(sc)
     tokens = _token_spans(sc)
     if keys:
@@ -3910,9 +3904,8 @@ def _rewrite(text, spans):
         rs, re_ = _replacement(text, start, end)
         if rs < last or (i + 1 < len(spans) and spans[i + 1][0] < re_):
             rs, re_ = start, end
-        pieces.append(text[last:rs])
         mask = _mask(kind)
-        pieces.append(mask)
+        pieces += [text[last:rs], mask]
         moves.append((rs, re_, rs + shift, rs + shift + len(mask)))
         shift += len(mask) - (re_ - rs)
         last = re_
@@ -3952,9 +3945,7 @@ def _tainted(text, spans, values):
     word-shaped end of the value is glued to a word character."""
     if not values:
         return spans
-    taken = _Taken()
-    for start, end, _kind in spans:
-        taken.add(start, end)
+    taken = _Taken(spans)
     if _MASK_PREFIX in text:
         for m in _MASK_RE.finditer(text):
             if taken.free(m.start(), m.end()):
