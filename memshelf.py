@@ -3400,8 +3400,7 @@ def _api_key_header_spans(sc):
 def _cookie_spans(sc):
     text, shapes, out = sc.text, _shapes(), []
     for m in _matches_at(sc, ("cookie", "set-cookie"), shapes.cookie, left="-"):
-        pos = m.end()
-        line_end = sc.line_bounds(pos)[1]
+        pos, line_end = m.end(), sc.line_bounds(m.end())[1]
         while pos < line_end:
             p = shapes.cookie_pair.match(text, pos, line_end)
             if not p:
@@ -3866,9 +3865,7 @@ def _select(sc, rules):
              lambda: _assignment_spans(sc, taken) + _assignment_form_spans(sc),
              lambda: _policy_spans(sc, rules) if rules else [])
     for tier_spans in tiers:
-        tier = tier_spans()
-        tier.sort(key=lambda s: (s[0], s[0] - s[1]))
-        for start, end, kind in tier:
+        for start, end, kind in sorted(tier_spans(), key=lambda s: (s[0], s[0] - s[1])):
             # A run cut short by a mask was longer before that mask was written; leaving it
             # alone keeps a second pass from finding what the first one did not.
             if end > start and taken.free(start, end) and not text.startswith(_MASK_PREFIX, end):
@@ -4012,13 +4009,12 @@ def _run(text, rules, disable, legacy_compat, rewrite, found=None, values=None, 
                 extra = _legacy_spans(out, sc.disable)
                 if not extra:
                     break
-                new_out, new_moves = _rewrite(out, extra)
                 for start, end, kind in extra:
                     for step in reversed(history):
                         start, end = _map_back(start, step), _map_back(end, step)
                     spans.append((start, max(end, start), kind))
-                history.append(new_moves)
-                out = new_out
+                out, moves = _rewrite(out, extra)
+                history.append(moves)
             spans.sort()
     return out, spans, sc
 
@@ -4040,8 +4036,6 @@ def redact(text, rules=None, *, disable=(), legacy_compat=False, part="text", me
     """Mask every credential-shaped string: (redacted_text, report). The report holds kinds,
     parts and line numbers, never a value. Idempotent."""
     out, spans, sc = _run(text, rules, disable, legacy_compat, True, memory=memory)
-    if not spans:
-        return text, _finish_report({}, [])
     return out, _report([(kind, sc.line_of(start)) for start, _end, kind in spans], part)
 
 
