@@ -2726,10 +2726,9 @@ def _token_gate(anchor, offsets):
         return None
     return head.encode()
 
-_PLACEHOLDER_WORDS = (
-    "example", "placeholder", "changeme", "change_me", "change-me", "your_", "your-",
-    "yourkey", "your key", "dummy", "redacted", "xxxx", "notreal", "fake",
-)
+_PLACEHOLDER_WORDS = ("example", "placeholder", "changeme", "change_me", "change-me", "your_",
+                      "your-", "yourkey", "your key", "dummy", "redacted", "xxxx", "notreal",
+                      "fake")
 _TRIVIAL_VALUES = frozenset("password pass secret token none null nil true false yes no "
                             "on off undefined".split())
 _MASK_CHARS = frozenset("*xX•.-_#0…")
@@ -3321,9 +3320,7 @@ def _finditer_from(word, rx, text):
         m = rx.match(text, at)
         if m:
             yield m
-            at = text.find(word, m.end())
-        else:
-            at = text.find(word, at + 1)
+        at = text.find(word, m.end() if m else at + 1)
 
 
 def _matches_at(sc, words, rx, left="_"):
@@ -3725,10 +3722,9 @@ def _balanced_end(text, start):
 def _high_entropy(value):
     """A random-looking token: 14+ token characters with letters and digits, not word-shaped,
     3.0+ bits of Shannon entropy a character (measured: docs/redaction.md)."""
-    if not _TOKENISH_RE.match(value):
-        return False
     n = len(value)
-    if -sum(c / n * math.log2(c / n) for c in map(value.count, set(value))) < 3.0:
+    if not _TOKENISH_RE.match(value) or \
+            -sum(c / n * math.log2(c / n) for c in map(value.count, set(value))) < 3.0:
         return False
     parts = [p for p in _WORD_SPLIT_RE.split(value) if p]
     return len(parts) < 2 or not all(map(_WORD_PART_RE.match, parts))
