@@ -3137,19 +3137,16 @@ def _skip_breaks(text, pos, limit, prefix):
 
 def _pem_body(text, start, end, prefix):
     start = _skip_breaks(text, start, end, prefix)
-    stop = end
-    line_start = text.rfind("\n", start, end) + 1
-    if line_start and text[line_start:end].strip(" \t>#/*;\"'") == "":
-        stop = line_start   # the END line's own indentation or quote prefix
+    line_start = text.rfind("\n", start, end) + 1   # the END line's indentation or quote prefix
+    stop = line_start if line_start and not text[line_start:end].strip(" \t>#/*;\"'") else end
     while stop > start:
         ch = text[stop - 1]
         if ch in " \t\r\n":
             stop -= 1
         elif ch == "n" and text[stop - 2:stop] == "\\n":
-            stop -= 2
-            while stop > start and text[stop - 1] == "\\":
-                stop -= 1
-            if text[stop - 2:stop] == "\\r":
+            for escape in ("\\n", "\\r"):   # \n, then the \r of an escaped \r\n
+                if text[stop - 2:stop] != escape:
+                    break
                 stop -= 2
                 while stop > start and text[stop - 1] == "\\":
                     stop -= 1
