@@ -3847,12 +3847,8 @@ def _select(sc, rules):
     tokens = _token_spans(sc)
     if keys:
         # A token-shaped run inside a key body is base64 noise; the whole body is the secret.
-        key_starts = [k[0] for k in keys]
-
-        def inside_key(pos):
-            i = bisect.bisect_right(key_starts, pos) - 1
-            return i >= 0 and pos < keys[i][1]
-        tokens = [t for t in tokens if not inside_key(t[0])]
+        in_keys = _Taken(keys)
+        tokens = [t for t in tokens if in_keys.free(t[0], t[0] + 1)]
     accepted = []
     tiers = (lambda: tokens, lambda: keys, lambda: _url_spans(sc), lambda: _header_spans(sc),
              lambda: _assignment_spans(sc, taken) + _assignment_form_spans(sc),
