@@ -3792,8 +3792,7 @@ def _policy_rule(line):
 
 def _legacy_spans(text, disable):
     """What 0.4.0's five rules would still flag in already-redacted text."""
-    if "=" not in text and "gh" not in text and "AKIA" not in text and "squ_" not in text \
-            and "earer" not in text and "EARER" not in text:
+    if not any(word in text for word in ("=", "gh", "AKIA", "squ_", "earer", "EARER")):
         return []
     taken, out = _Taken([m.span() for m in _MASK_RE.finditer(text)]), []
     for kind, rx, group in _shapes().legacy:
