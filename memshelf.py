@@ -2537,24 +2537,19 @@ import bisect
 # assignments, POLICY.patterns rules); a later tier never overlaps an earlier one or an
 # existing mask, and all spans are replaced in one pass.
 
-REDACTION_KINDS = (
-    "aws-access-key", "aws-secret-key", "gcp-api-key", "gcp-oauth-secret",
-    "azure-client-secret", "azure-storage-key", "azure-sas", "azure-key", "digitalocean-token",
-    "alibaba-access-key", "heroku-api-key", "databricks-token", "aws-api-key",
-    "github-token", "gitlab-token", "bitbucket-token", "atlassian-token",
-    "npm-token", "pypi-token", "docker-token", "artifactory-token",
-    "sonar-token", "vault-token", "terraform-token", "doppler-token", "pulumi-token",
-    "postman-key", "grafana-token", "sentry-token", "newrelic-key", "dynatrace-token",
-    "linear-key", "notion-token", "sourcegraph-token", "onepassword-key", "flyio-token",
-    "saas-token", "facebook-token",
-    "slack-token", "slack-webhook", "discord-token", "discord-webhook", "telegram-token",
-    "twilio-key", "sendgrid-key", "mailgun-key", "mailchimp-key",
-    "stripe-key", "square-token", "shopify-token", "braintree-token",
-    "openai-key", "anthropic-key", "huggingface-token", "ai-api-key",
-    "jwt", "private-key", "age-key",
-    "bearer", "basic-auth", "api-key-header", "session-cookie",
-    "connection-string", "cli-password", "k8s-secret", "env-secret",
-)
+REDACTION_KINDS = tuple("""
+    aws-access-key aws-secret-key gcp-api-key gcp-oauth-secret azure-client-secret
+    azure-storage-key azure-sas azure-key digitalocean-token alibaba-access-key heroku-api-key
+    databricks-token aws-api-key github-token gitlab-token bitbucket-token atlassian-token
+    npm-token pypi-token docker-token artifactory-token sonar-token vault-token terraform-token
+    doppler-token pulumi-token postman-key grafana-token sentry-token newrelic-key
+    dynatrace-token linear-key notion-token sourcegraph-token onepassword-key flyio-token
+    saas-token facebook-token slack-token slack-webhook discord-token discord-webhook
+    telegram-token twilio-key sendgrid-key mailgun-key mailchimp-key stripe-key square-token
+    shopify-token braintree-token openai-key anthropic-key huggingface-token ai-api-key jwt
+    private-key age-key bearer basic-auth api-key-header session-cookie connection-string
+    cli-password k8s-secret env-secret
+""".split())
 
 POLICY_PATTERNS_TEMPLATE = """\
 # POLICY.patterns: redaction rules of this shelf, applied by memshelf on top of its
@@ -2604,133 +2599,127 @@ def _mask(kind):
 
 # --- built-in shapes ----------------------------------------------------------------------
 
-# Prefixed tokens: (kind, anchors, offsets, regex). The regex is tried at each anchor
+# Prefixed tokens: (kind, anchors, offset or offsets, regex). The regex is tried at each anchor
 # occurrence minus each offset (0 = the anchor is the token's literal prefix), so a text
 # that holds none of the anchors costs a handful of substring searches.
 _TOKEN_TABLE = (
-    ("aws-access-key", ("AKIA", "ASIA", "ABIA", "ACCA", "A3T"), (0,),
+    ("aws-access-key", "AKIA ASIA ABIA ACCA A3T", 0,
      r"(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9_])"),
-    ("gcp-api-key", ("AIza",), (0,), r"AIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])"),
-    ("gcp-oauth-secret", ("GOCSPX-",), (0,), r"GOCSPX-[0-9A-Za-z_-]{28}(?![0-9A-Za-z_-])"),
-    ("azure-key", ("JQQJ9",), (52,),   # Microsoft's annotated keys (Azure OpenAI, Cognitive, …)
+    ("gcp-api-key", "AIza", 0, r"AIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])"),
+    ("gcp-oauth-secret", "GOCSPX-", 0, r"GOCSPX-[0-9A-Za-z_-]{28}(?![0-9A-Za-z_-])"),
+    ("azure-key", "JQQJ9", 52,   # Microsoft's annotated keys (Azure OpenAI, Cognitive, …)
      r"[A-Za-z0-9]{52}JQQJ9[9DH][A-Za-z0-9][A-L][A-Za-z0-9]{16}[A-Za-z][A-Za-z0-9]{7}"
      r"(?:[A-Za-z0-9]{2}==)?(?![\w+/=])"),
-    ("azure-client-secret", ("Q~",), (4,),
+    ("azure-client-secret", "Q~", 4,
      r"[A-Za-z0-9_~.]{3}[0-9]Q~[A-Za-z0-9_~.-]{31,34}(?![A-Za-z0-9_~-]|\.[A-Za-z0-9_~-])"),
-    ("digitalocean-token", ("dop_v1_", "doo_v1_", "dor_v1_"), (0,),
+    ("digitalocean-token", "dop_v1_ doo_v1_ dor_v1_", 0,
      r"do[por]_v1_[a-f0-9]{64}(?![A-Za-z0-9_])"),
-    ("alibaba-access-key", ("LTAI",), (0,), r"LTAI[A-Za-z0-9]{12,20}(?![A-Za-z0-9_])"),
-    ("heroku-api-key", ("HRKU-AA",), (0,), r"HRKU-AA[0-9A-Za-z_-]{58}(?![0-9A-Za-z_-])"),
-    ("databricks-token", ("dapi",), (0,), r"dapi[a-f0-9]{32}(?:-[0-9])?(?![A-Za-z0-9_])"),
-    ("aws-api-key", ("da2-",), (0,), r"da2-[a-z0-9]{26}(?![A-Za-z0-9_])"),   # AppSync
-    ("aws-api-key", ("ABSK", "bedrock-api-key-"), (0,),   # Bedrock, long- and short-lived
+    ("alibaba-access-key", "LTAI", 0, r"LTAI[A-Za-z0-9]{12,20}(?![A-Za-z0-9_])"),
+    ("heroku-api-key", "HRKU-AA", 0, r"HRKU-AA[0-9A-Za-z_-]{58}(?![0-9A-Za-z_-])"),
+    ("databricks-token", "dapi", 0, r"dapi[a-f0-9]{32}(?:-[0-9])?(?![A-Za-z0-9_])"),
+    ("aws-api-key", "da2-", 0, r"da2-[a-z0-9]{26}(?![A-Za-z0-9_])"),   # AppSync
+    ("aws-api-key", "ABSK bedrock-api-key-", 0,   # Bedrock, long- and short-lived
      r"(?:ABSK[A-Za-z0-9+/]{109,269}={0,2}|bedrock-api-key-YmVkcm9jay5hbWF6b25hd3MuY29t"
      r"[A-Za-z0-9+/%=_-]{20,4000})(?![A-Za-z0-9+/=_-])"),
-    ("github-token", ("ghp_", "gho_", "ghu_", "ghs_", "ghr_"), (0,),
+    ("github-token", "ghp_ gho_ ghu_ ghs_ ghr_", 0,
      r"gh[pousr]_[A-Za-z0-9]{36,255}(?![A-Za-z0-9_])"),
-    ("github-token", ("github_pat_",), (0,), r"github_pat_[A-Za-z0-9_]{80,255}(?![A-Za-z0-9_])"),
-    ("gitlab-token",
-     ("glpat-", "glptt-", "gldt-", "glrt-", "glcbt-", "glimt-", "gloas-", "glft-", "glsoat-",
-      "glagent-", "glffct-"),
-     (0,),
+    ("github-token", "github_pat_", 0, r"github_pat_[A-Za-z0-9_]{80,255}(?![A-Za-z0-9_])"),
+    ("gitlab-token", "glpat- glptt- gldt- glrt- glcbt- glimt- gloas- glft- glsoat- glagent- "
+     "glffct-", 0,
      r"gl(?:pat|ptt|dt|rt|cbt|imt|oas|ft|soat|agent|ffct)-[0-9A-Za-z_.-]{19,400}[0-9A-Za-z_-]"
      r"(?![0-9A-Za-z_-]|\.[0-9A-Za-z_-])"),
-    ("gitlab-token", ("GR1348941",), (0,), r"GR1348941[\w-]{20}(?![\w-])"),
-    ("bitbucket-token", ("ATBB",), (0,),
+    ("gitlab-token", "GR1348941", 0, r"GR1348941[\w-]{20}(?![\w-])"),
+    ("bitbucket-token", "ATBB", 0,
      r"ATBB[A-Za-z0-9_=.-]{31,400}[A-Za-z0-9_=-](?![A-Za-z0-9_=-]|\.[A-Za-z0-9_=-])"),
-    ("atlassian-token", ("ATATT3",), (0,), r"ATATT3[A-Za-z0-9_=-]{180,2000}(?![A-Za-z0-9_=-])"),
-    ("npm-token", ("npm_",), (0,), r"npm_[A-Za-z0-9]{36}(?![A-Za-z0-9_])"),
-    ("pypi-token", ("pypi-AgEIcHlwaS5vcmc",), (0,),
+    ("atlassian-token", "ATATT3", 0, r"ATATT3[A-Za-z0-9_=-]{180,2000}(?![A-Za-z0-9_=-])"),
+    ("npm-token", "npm_", 0, r"npm_[A-Za-z0-9]{36}(?![A-Za-z0-9_])"),
+    ("pypi-token", "pypi-AgEIcHlwaS5vcmc", 0,
      r"pypi-AgEIcHlwaS5vcmc[A-Za-z0-9_-]{50,2000}(?![A-Za-z0-9_-])"),
-    ("docker-token", ("dckr_pat_",), (0,), r"dckr_pat_[A-Za-z0-9_-]{27,200}(?![A-Za-z0-9_-])"),
-    ("artifactory-token", ("AKCp",), (0,), r"AKCp[A-Za-z0-9]{69}(?![A-Za-z0-9_])"),
-    ("artifactory-token", ("cmVmd",), (0,), r"cmVmd[A-Za-z0-9]{59}(?![A-Za-z0-9_])"),
-    ("sonar-token", ("squ_", "sqp_", "sqa_"), (0,), r"sq[upa]_[a-f0-9]{40}(?![A-Za-z0-9_])"),
-    ("vault-token", ("hvs.", "hvb."), (0,), r"hv[sb]\.[A-Za-z0-9_-]{24,500}(?![A-Za-z0-9_-])"),
-    ("terraform-token", (".atlasv1.",), (14,),
+    ("docker-token", "dckr_pat_", 0, r"dckr_pat_[A-Za-z0-9_-]{27,200}(?![A-Za-z0-9_-])"),
+    ("artifactory-token", "AKCp", 0, r"AKCp[A-Za-z0-9]{69}(?![A-Za-z0-9_])"),
+    ("artifactory-token", "cmVmd", 0, r"cmVmd[A-Za-z0-9]{59}(?![A-Za-z0-9_])"),
+    ("sonar-token", "squ_ sqp_ sqa_", 0, r"sq[upa]_[a-f0-9]{40}(?![A-Za-z0-9_])"),
+    ("vault-token", "hvs. hvb.", 0, r"hv[sb]\.[A-Za-z0-9_-]{24,500}(?![A-Za-z0-9_-])"),
+    ("terraform-token", ".atlasv1.", 14,
      r"[A-Za-z0-9]{14}\.atlasv1\.[A-Za-z0-9_=-]{60,500}(?![A-Za-z0-9_=-])"),
-    ("doppler-token", ("dp.pt.", "dp.st.", "dp.sa.", "dp.ct.", "dp.scim.", "dp.audit."), (0,),
+    ("doppler-token", "dp.pt. dp.st. dp.sa. dp.ct. dp.scim. dp.audit.", 0,
      r"dp\.(?:pt|st|sa|ct|scim|audit)\.[A-Za-z0-9]{40,44}(?![A-Za-z0-9_])"),
-    ("pulumi-token", ("pul-",), (0,), r"pul-[a-f0-9]{40}(?![A-Za-z0-9_])"),
-    ("postman-key", ("PMAK-",), (0,), r"PMAK-[a-fA-F0-9]{24}-[a-fA-F0-9]{34}(?![A-Za-z0-9_])"),
-    ("grafana-token", ("glc_",), (0,), r"glc_[A-Za-z0-9+/]{32,500}={0,2}(?![A-Za-z0-9+/=_])"),
-    ("grafana-token", ("glsa_",), (0,), r"glsa_[A-Za-z0-9]{32}_[A-Fa-f0-9]{8}(?![A-Za-z0-9_])"),
-    ("grafana-token", ("eyJrIjoi",), (0,), r"eyJrIjoi[A-Za-z0-9]{70,400}={0,3}(?![\w+/=])"),
-    ("sentry-token", ("sntrys_", "sntryu_"), (0,),
+    ("pulumi-token", "pul-", 0, r"pul-[a-f0-9]{40}(?![A-Za-z0-9_])"),
+    ("postman-key", "PMAK-", 0, r"PMAK-[a-fA-F0-9]{24}-[a-fA-F0-9]{34}(?![A-Za-z0-9_])"),
+    ("grafana-token", "glc_", 0, r"glc_[A-Za-z0-9+/]{32,500}={0,2}(?![A-Za-z0-9+/=_])"),
+    ("grafana-token", "glsa_", 0, r"glsa_[A-Za-z0-9]{32}_[A-Fa-f0-9]{8}(?![A-Za-z0-9_])"),
+    ("grafana-token", "eyJrIjoi", 0, r"eyJrIjoi[A-Za-z0-9]{70,400}={0,3}(?![\w+/=])"),
+    ("sentry-token", "sntrys_ sntryu_", 0,
      r"sntry[su]_[A-Za-z0-9_+/=-]{40,1000}(?![A-Za-z0-9_+/=-])"),
-    ("newrelic-key", ("NRAK-",), (0,), r"NRAK-[A-Z0-9]{27}(?![A-Za-z0-9_])"),
-    ("dynatrace-token", ("dt0c01.",), (0,),
-     r"dt0c01\.[A-Za-z0-9]{24}\.[A-Za-z0-9]{64}(?![A-Za-z0-9_])"),
-    ("linear-key", ("lin_api_",), (0,), r"lin_api_[A-Za-z0-9]{40}(?![A-Za-z0-9_])"),
-    ("sourcegraph-token", ("sgp_",), (0,),
+    ("newrelic-key", "NRAK-", 0, r"NRAK-[A-Z0-9]{27}(?![A-Za-z0-9_])"),
+    ("dynatrace-token", "dt0c01.", 0, r"dt0c01\.[A-Za-z0-9]{24}\.[A-Za-z0-9]{64}(?![A-Za-z0-9_])"),
+    ("linear-key", "lin_api_", 0, r"lin_api_[A-Za-z0-9]{40}(?![A-Za-z0-9_])"),
+    ("sourcegraph-token", "sgp_", 0,
      r"sgp_(?:[a-fA-F0-9]{16}_|local_)?[a-fA-F0-9]{40}(?![A-Za-z0-9_])"),
-    ("onepassword-key", ("A3-",), (0,), r"A3-[A-Z0-9]{6}-(?:[A-Z0-9]{11}|[A-Z0-9]{6}-[A-Z0-9]{5})"
+    ("onepassword-key", "A3-", 0, r"A3-[A-Z0-9]{6}-(?:[A-Z0-9]{11}|[A-Z0-9]{6}-[A-Z0-9]{5})"
      r"(?:-[A-Z0-9]{5}){3}(?![A-Za-z0-9_])"),
-    ("onepassword-key", ("ops_eyJ",), (0,), r"ops_eyJ[A-Za-z0-9+/]{250,5000}={0,3}(?![\w+/=])"),
-    ("flyio-token", ("fo1_", "fm1a_", "fm1r_", "fm2_"), (0,),
+    ("onepassword-key", "ops_eyJ", 0, r"ops_eyJ[A-Za-z0-9+/]{250,5000}={0,3}(?![\w+/=])"),
+    ("flyio-token", "fo1_ fm1a_ fm1r_ fm2_", 0,
      r"(?:fo1_[A-Za-z0-9_-]{43}|fm[12][ar]?_[A-Za-z0-9+/]{100,5000}={0,3})(?![A-Za-z0-9+/=_-])"),
     # The long tail of prefixed service tokens, one format each (prefix, alphabet, length).
-    ("saas-token", ("pscale_tkn_", "pscale_pw_", "pscale_oauth_"), (0,),
+    ("saas-token", "pscale_tkn_ pscale_pw_ pscale_oauth_", 0,
      r"pscale_(?:tkn|pw|oauth)_[A-Za-z0-9_=.-]{32,64}(?![A-Za-z0-9_=.-])"),
-    ("saas-token", ("pnu_",), (0,), r"pnu_[A-Za-z0-9]{36}(?![A-Za-z0-9_])"),
-    ("saas-token", ("rdme_",), (0,), r"rdme_[a-z0-9]{70}(?![A-Za-z0-9_])"),
-    ("saas-token", ("rubygems_",), (0,), r"rubygems_[a-f0-9]{48}(?![A-Za-z0-9_])"),
-    ("saas-token", ("shippo_live_", "shippo_test_"), (0,),
+    ("saas-token", "pnu_", 0, r"pnu_[A-Za-z0-9]{36}(?![A-Za-z0-9_])"),
+    ("saas-token", "rdme_", 0, r"rdme_[a-z0-9]{70}(?![A-Za-z0-9_])"),
+    ("saas-token", "rubygems_", 0, r"rubygems_[a-f0-9]{48}(?![A-Za-z0-9_])"),
+    ("saas-token", "shippo_live_ shippo_test_", 0,
      r"shippo_(?:live|test)_[a-fA-F0-9]{40}(?![A-Za-z0-9_])"),
-    ("saas-token", ("xkeysib-",), (0,), r"xkeysib-[a-f0-9]{64}-[A-Za-z0-9]{16}(?![A-Za-z0-9_])"),
-    ("saas-token", ("ico-",), (0,), r"ico-[A-Za-z0-9]{32}(?![A-Za-z0-9_])"),
-    ("saas-token", ("EZAK", "EZTK"), (0,), r"EZ[AT]K[A-Za-z0-9]{54}(?![A-Za-z0-9_])"),
-    ("saas-token", ("fio-u-",), (0,), r"fio-u-[A-Za-z0-9_=-]{64}(?![A-Za-z0-9_=-])"),
-    ("saas-token", ("sha256~",), (0,), r"sha256~[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"),
-    ("saas-token", ("tk-us-",), (0,), r"tk-us-[A-Za-z0-9_-]{48}(?![A-Za-z0-9_-])"),
-    ("saas-token", ("tfp_",), (0,), r"tfp_[A-Za-z0-9_.=-]{59}(?![A-Za-z0-9_.=-])"),
-    ("saas-token", ("duffel_live_", "duffel_test_"), (0,),
+    ("saas-token", "xkeysib-", 0, r"xkeysib-[a-f0-9]{64}-[A-Za-z0-9]{16}(?![A-Za-z0-9_])"),
+    ("saas-token", "ico-", 0, r"ico-[A-Za-z0-9]{32}(?![A-Za-z0-9_])"),
+    ("saas-token", "EZAK EZTK", 0, r"EZ[AT]K[A-Za-z0-9]{54}(?![A-Za-z0-9_])"),
+    ("saas-token", "fio-u-", 0, r"fio-u-[A-Za-z0-9_=-]{64}(?![A-Za-z0-9_=-])"),
+    ("saas-token", "sha256~", 0, r"sha256~[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"),
+    ("saas-token", "tk-us-", 0, r"tk-us-[A-Za-z0-9_-]{48}(?![A-Za-z0-9_-])"),
+    ("saas-token", "tfp_", 0, r"tfp_[A-Za-z0-9_.=-]{59}(?![A-Za-z0-9_.=-])"),
+    ("saas-token", "duffel_live_ duffel_test_", 0,
      r"duffel_(?:live|test)_[A-Za-z0-9_=-]{43}(?![A-Za-z0-9_=-])"),
-    ("saas-token", ("CLOJARS_",), (0,), r"CLOJARS_[A-Za-z0-9]{60}(?![A-Za-z0-9_])"),
-    ("saas-token", ("_mmk",), (36,), r"[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk(?![A-Za-z0-9_])"),
-    ("saas-token", ("v1.0-",), (0,), r"v1\.0-[a-f0-9]{24}-[a-f0-9]{146}(?![A-Za-z0-9_])"),
-    ("saas-token", ("api_org_",), (0,), r"api_org_[A-Za-z]{34}(?![A-Za-z0-9_])"),
-    ("saas-token", ("p8e-", "4b1d", "sm_aat_", "sm_pat_", "sm_sat_"), (0,),   # Adobe, ClickHouse
+    ("saas-token", "CLOJARS_", 0, r"CLOJARS_[A-Za-z0-9]{60}(?![A-Za-z0-9_])"),
+    ("saas-token", "_mmk", 36, r"[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk(?![A-Za-z0-9_])"),
+    ("saas-token", "v1.0-", 0, r"v1\.0-[a-f0-9]{24}-[a-f0-9]{146}(?![A-Za-z0-9_])"),
+    ("saas-token", "api_org_", 0, r"api_org_[A-Za-z]{34}(?![A-Za-z0-9_])"),
+    ("saas-token", "p8e- 4b1d sm_aat_ sm_pat_ sm_sat_", 0,   # Adobe, ClickHouse
      r"(?:p8e-[A-Za-z0-9]{32}|4b1d[A-Za-z0-9]{38}|sm_[aps]at_[A-Za-z0-9]{16})(?![\w])"),
-    ("saas-token", ("pat",), (0,), r"pat[A-Za-z0-9]{14}\.[a-f0-9]{64}(?![\w])"),   # Airtable
-    ("saas-token", ("API-",), (0,), r"API-[A-Z0-9]{26}(?![\w])"),   # Octopus Deploy
-    ("notion-token", ("secret_",), (0,), r"secret_[A-Za-z0-9]{43}(?![A-Za-z0-9_])"),
-    ("notion-token", ("ntn_",), (0,), r"ntn_[0-9]{11}[A-Za-z0-9]{32,35}(?![A-Za-z0-9_])"),
-    ("slack-token", ("xoxa-", "xoxb-", "xoxp-", "xoxo-", "xoxs-", "xoxr-", "xoxe-"), (0,),
+    ("saas-token", "pat", 0, r"pat[A-Za-z0-9]{14}\.[a-f0-9]{64}(?![\w])"),   # Airtable
+    ("saas-token", "API-", 0, r"API-[A-Z0-9]{26}(?![\w])"),   # Octopus Deploy
+    ("notion-token", "secret_", 0, r"secret_[A-Za-z0-9]{43}(?![A-Za-z0-9_])"),
+    ("notion-token", "ntn_", 0, r"ntn_[0-9]{11}[A-Za-z0-9]{32,35}(?![A-Za-z0-9_])"),
+    ("slack-token", "xoxa- xoxb- xoxp- xoxo- xoxs- xoxr- xoxe-", 0,
      r"xox[abposre]-[0-9A-Za-z-]{10,500}(?![0-9A-Za-z_-])"),
-    ("slack-token", ("xapp-",), (0,), r"xapp-[0-9]-[A-Za-z0-9-]{10,500}(?![A-Za-z0-9_-])"),
-    ("telegram-token", (":AA",), (10, 9, 8),
-     r"[0-9]{8,10}:AA[0-9A-Za-z_-]{33}(?![0-9A-Za-z_-])"),
-    ("twilio-key", ("SK",), (0,), r"SK[0-9a-fA-F]{32}(?![A-Za-z0-9_])"),
-    ("sendgrid-key", ("SG.",), (0,),
+    ("slack-token", "xapp-", 0, r"xapp-[0-9]-[A-Za-z0-9-]{10,500}(?![A-Za-z0-9_-])"),
+    ("telegram-token", ":AA", (10, 9, 8), r"[0-9]{8,10}:AA[0-9A-Za-z_-]{33}(?![0-9A-Za-z_-])"),
+    ("twilio-key", "SK", 0, r"SK[0-9a-fA-F]{32}(?![A-Za-z0-9_])"),
+    ("sendgrid-key", "SG.", 0,
      r"SG\.(?:[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}|[A-Za-z0-9=_.-]{66})(?![\w=.-])"),
-    ("mailgun-key", ("key-",), (0,), r"key-[0-9a-f]{32}(?![A-Za-z0-9_])"),
-    ("mailchimp-key", ("-us",), (32,), r"[0-9a-f]{32}-us[0-9]{1,2}(?![A-Za-z0-9_])"),
-    ("stripe-key", ("sk_live_", "sk_test_", "sk_prod_", "rk_live_", "rk_test_", "rk_prod_"), (0,),
+    ("mailgun-key", "key-", 0, r"key-[0-9a-f]{32}(?![A-Za-z0-9_])"),
+    ("mailchimp-key", "-us", 32, r"[0-9a-f]{32}-us[0-9]{1,2}(?![A-Za-z0-9_])"),
+    ("stripe-key", "sk_live_ sk_test_ sk_prod_ rk_live_ rk_test_ rk_prod_", 0,
      r"[sr]k_(?:live|test|prod)_[A-Za-z0-9]{10,99}(?![A-Za-z0-9_])"),
-    ("stripe-key", ("whsec_",), (0,), r"whsec_[A-Za-z0-9+/=]{32,200}(?![A-Za-z0-9_+/=])"),
-    ("square-token", ("sq0atp-", "sq0csp-"), (0,),
-     r"sq0(?:atp|csp)-[0-9A-Za-z_-]{22,60}(?![0-9A-Za-z_-])"),
-    ("square-token", ("EAAA",), (0,), r"EAAA[0-9A-Za-z_-]{22,60}(?![0-9A-Za-z_-])"),
-    ("facebook-token", ("EAAC", "EAAM"), (0,), r"EAA[CM][A-Za-z0-9]{100,1000}(?![A-Za-z0-9_])"),
-    ("shopify-token", ("shpat_", "shpca_", "shppa_", "shpss_"), (0,),
+    ("stripe-key", "whsec_", 0, r"whsec_[A-Za-z0-9+/=]{32,200}(?![A-Za-z0-9_+/=])"),
+    ("square-token", "sq0atp- sq0csp-", 0, r"sq0(?:atp|csp)-[0-9A-Za-z_-]{22,60}(?![0-9A-Za-z_-])"),
+    ("square-token", "EAAA", 0, r"EAAA[0-9A-Za-z_-]{22,60}(?![0-9A-Za-z_-])"),
+    ("facebook-token", "EAAC EAAM", 0, r"EAA[CM][A-Za-z0-9]{100,1000}(?![A-Za-z0-9_])"),
+    ("shopify-token", "shpat_ shpca_ shppa_ shpss_", 0,
      r"shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}(?![A-Za-z0-9_])"),
-    ("braintree-token", ("access_token$production$",), (0,),
+    ("braintree-token", "access_token$production$", 0,
      r"access_token\$production\$[0-9a-z]{16}\$[0-9a-f]{32}(?![A-Za-z0-9_])"),
-    ("anthropic-key", ("sk-ant-",), (0,),
+    ("anthropic-key", "sk-ant-", 0,
      r"sk-ant-[a-z0-9]{2,20}-[A-Za-z0-9_-]{32,500}(?![A-Za-z0-9_-])"),
-    ("openai-key", ("sk-",), (0,),
-     r"sk-(?:(?:proj|svcacct|admin)-[A-Za-z0-9_-]{20,500}"
+    ("openai-key", "sk-", 0, r"sk-(?:(?:proj|svcacct|admin)-[A-Za-z0-9_-]{20,500}"
      r"|[A-Za-z0-9_-]{0,200}T3BlbkFJ[A-Za-z0-9_-]{0,200}|[A-Za-z0-9]{48})(?![A-Za-z0-9_-])"),
-    ("huggingface-token", ("hf_",), (0,), r"hf_[A-Za-z0-9]{34,200}(?![A-Za-z0-9_])"),
-    ("ai-api-key", ("gsk_",), (0,), r"gsk_[A-Za-z0-9]{52}(?![A-Za-z0-9_])"),
-    ("ai-api-key", ("pplx-",), (0,), r"pplx-[A-Za-z0-9]{48}(?![A-Za-z0-9_])"),
-    ("ai-api-key", ("r8_",), (0,), r"r8_[A-Za-z0-9]{37}(?![A-Za-z0-9_])"),
-    ("ai-api-key", ("xai-",), (0,), r"xai-[A-Za-z0-9]{80}(?![A-Za-z0-9_])"),
-    ("jwt", ("eyJ",), (0,),
+    ("huggingface-token", "hf_", 0, r"hf_[A-Za-z0-9]{34,200}(?![A-Za-z0-9_])"),
+    ("ai-api-key", "gsk_", 0, r"gsk_[A-Za-z0-9]{52}(?![A-Za-z0-9_])"),
+    ("ai-api-key", "pplx-", 0, r"pplx-[A-Za-z0-9]{48}(?![A-Za-z0-9_])"),
+    ("ai-api-key", "r8_", 0, r"r8_[A-Za-z0-9]{37}(?![A-Za-z0-9_])"),
+    ("ai-api-key", "xai-", 0, r"xai-[A-Za-z0-9]{80}(?![A-Za-z0-9_])"),
+    ("jwt", "eyJ", 0,
      r"eyJ[A-Za-z0-9_-]{7,4000}\.eyJ[A-Za-z0-9_-]{7,8000}\.(?:[A-Za-z0-9_-]{10,4000})?"
      r"(?![A-Za-z0-9_-])"),
-    ("age-key", ("AGE-SECRET-KEY-1",), (0,),
+    ("age-key", "AGE-SECRET-KEY-1", 0,
      r"AGE-SECRET-KEY-1[QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7L]{58}(?![A-Za-z0-9_])"),
 )
 
@@ -2742,36 +2731,25 @@ _TELEGRAM_LEFT = frozenset("0123456789")   # api.telegram.org/bot<token>/ glues 
 # a prefixed token can open.
 _ALNUM_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 122) else 32
                      for b in range(256))
-
-
 # Anchors whose rule can match fewer than 16 characters: such a match may sit in a short run.
-_SHORT_TOKEN_ANCHORS = frozenset(("xoxa-", "xoxb-", "xoxp-", "xoxo-", "xoxs-", "xoxr-", "xoxe-",
-                                  "sk-"))
-
-
+_SHORT_TOKEN_ANCHORS = frozenset("xoxa- xoxb- xoxp- xoxo- xoxs- xoxr- xoxe- sk-".split())
 # Every byte but a-z, _ and - becomes a space (the words of _Scan.words).
 _LETTER_BYTES = bytes(b if (97 <= b <= 122 or b in (45, 95)) else 32 for b in range(256))
 
 
 def _token_gate(anchor, offsets):
     """The ASCII word (bytes) that opens every match of an anchor like `ghp_` or `dp.pt.` in
-    the long runs, or None when the anchor is looked for as a substring of the runs instead.
-
-    A match lies in one run, starts at the anchor with no letter, digit, _ or - on its left,
-    and the anchor goes on past its leading letters and digits, so those are a whole word."""
+    the long runs (its leading letters and digits), or None to look for the whole anchor."""
     head = re.match(r"[A-Za-z0-9]*", anchor).group(0)
     if offsets != (0,) or not head or head == anchor or anchor in _SHORT_TOKEN_ANCHORS:
         return None
     return head.encode()
 
-_PLACEHOLDER_WORDS = (
-    "example", "placeholder", "changeme", "change_me", "change-me", "your_", "your-",
-    "yourkey", "your key", "dummy", "redacted", "xxxx", "notreal", "fake",
-)
-_TRIVIAL_VALUES = frozenset((
-    "password", "pass", "secret", "token", "none", "null", "nil", "true", "false", "yes",
-    "no", "on", "off", "undefined",
-))
+_PLACEHOLDER_WORDS = ("example", "placeholder", "changeme", "change_me", "change-me", "your_",
+                      "your-", "yourkey", "your key", "dummy", "redacted", "xxxx", "notreal",
+                      "fake")
+_TRIVIAL_VALUES = frozenset("password pass secret token none null nil true false yes no "
+                            "on off undefined".split())
 _MASK_CHARS = frozenset("*xX•.-_#0…")
 # Words of examples and docs: `password=secret123`, `-u test:test`, `token=foobar1`.
 _DICTIONARY_RE = _re_lazy(r"(?:my|the|some)?(?:pass(?:word|wd)?|secret|token|test(?:ing)?|demo|"
@@ -2793,13 +2771,10 @@ _REFERENCE_HINTS = ("key", "token", "secret", "pass", "pwd", "cred", "auth")
 _KEYCH = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 
 # Key words of the assignment rule (§ 3.3); found first, the key is then grown around them.
-_KEY_LEADS = (("pass", ""), ("pwd", ""), ("secret", ""), ("token", ""), ("credential", ""),
-              ("api", ""), ("access", ""), ("private", r"[-_.]?key"), ("key", ""), ("auth", ""),
-              ("sid", ""), ("creds", ""),
-              ("session", r"[-_.]?key"), ("signing", r"[-_.]?key"),
-              ("encryption", r"[-_.]?key"), ("master", r"[-_.]?key"))
 _KEY_GATES = ("pass", "pwd", "secret", "token", "credential", "key", "api", "access", "auth",
               "sid", "creds")
+_KEY_LEADS = tuple((word, "") for word in _KEY_GATES) + tuple(
+    (word, r"[-_.]?key") for word in ("private", "session", "signing", "encryption", "master"))
 # Rule (a), the generic credential rule: a key with one of these segments (algolia_key,
 # DATADOG_API, twilio_auth, sumo_access_id) holds a secret only when its value is high-entropy.
 _WEAK_KEYS = frozenset(("key", "keys", "api", "auth", "sid", "creds", "access"))
@@ -2809,29 +2784,23 @@ _WEAK_NOT = frozenset(("public", "pub", "publishable", "cache", "sha", "hash", "
 # Word-shaped values (user_profile_cache_v2, userProfileCacheV2, com.acme.app) are names.
 _WORD_SPLIT_RE = _re_lazy(r"[_./-]+|(?<=[a-z0-9])(?=[A-Z])")
 _WORD_PART_RE = _re_lazy(r"(?:[A-Za-z][a-z]*[0-9]{0,3}|[0-9]{1,4}|[A-Z]{2,5})\Z")
-_KEY_WORDS = ("password", "passwd", "passphrase", "secret", "token", "credential", "pwd")
-_KEY_PLURALS = ("passwords", "credentials", "secrets")
-_KEY_COMPOUNDS = ("apikey", "accesskey", "privatekey", "sessionkey", "signingkey",
-                  "encryptionkey", "masterkey")
-_KEY_PAIR_HEADS = frozenset(("api", "access", "private", "session", "signing", "encryption",
-                             "master"))
+_KEY_ENDINGS = ("password", "passwd", "passphrase", "secret", "token", "credential", "pwd",
+                "passwords", "credentials", "secrets", "apikey", "accesskey", "privatekey",
+                "sessionkey", "signingkey", "encryptionkey", "masterkey")
+_KEY_PAIR_HEADS = frozenset("api access private session signing encryption master".split())
 # A key word followed by one of these names something about the secret, not the secret.
-_KEY_META = frozenset((
-    "url", "urls", "uri", "endpoint", "host", "type", "name", "names", "file", "path", "dir",
-    "length", "len", "ttl", "expiry", "expires", "expiration", "lifetime", "timeout", "count",
-    "limit", "size", "header", "prefix", "field", "id", "ids", "env", "var", "hash", "policy",
-    "rotation", "version", "format", "mode", "provider", "manager", "store", "source", "ref",
-    "arn", "label", "min", "max", "enabled", "required", "hint", "pattern", "regex", "reset",
-    "strength", "rules", "age", "interval", "location", "method", "param", "algorithm", "alg",
-    "scope", "scopes", "audience", "issuer", "kind", "schema", "prompt", "message", "msg",
-    "text", "title", "description", "help", "placeholder", "budget", "usage", "refs",
-))
+_KEY_META = frozenset("""
+    url urls uri endpoint host type name names file path dir length len ttl expiry expires
+    expiration lifetime timeout count limit size header prefix field id ids env var hash policy
+    rotation version format mode provider manager store source ref arn label min max enabled
+    required hint pattern regex reset strength rules age interval location method param algorithm
+    alg scope scopes audience issuer kind schema prompt message msg text title description help
+    placeholder budget usage refs
+""".split())
 _SHELL_PWD_KEYS = frozenset(("pwd", "oldpwd"))
-_CONFIG_FENCES = frozenset((
-    "yaml", "yml", "toml", "ini", "cfg", "conf", "config", "env", "dotenv", "properties",
-    "props", "json", "jsonc", "json5", "hcl", "tf", "tfvars", "k8s", "kubernetes", "helm",
-    "compose", "docker-compose", "neon",
-))
+_CONFIG_FENCES = frozenset("yaml yml toml ini cfg conf config env dotenv properties props "
+                           "json jsonc json5 hcl tf tfvars k8s kubernetes helm compose "
+                           "docker-compose neon".split())
 _TOKENISH_RE = _re_lazy(r"(?=[^\n]*[A-Za-z])(?=[^\n]*[0-9])[A-Za-z0-9+/=_.~-]{14,}\Z")
 
 
@@ -2840,9 +2809,11 @@ class _Shapes:
 
     def __init__(self):
         c = _re_lazy   # each pattern compiles on its first use; most texts touch few
+        table = [(kind, anchors.split(), offsets if isinstance(offsets, tuple) else (offsets,),
+                  src) for kind, anchors, offsets, src in _TOKEN_TABLE]
         self.tokens = [(kind, tuple((a, _token_gate(a, offsets)) for a in anchors), offsets,
-                        c(src)) for kind, anchors, offsets, src in _TOKEN_TABLE]
-        self.prefixes = tuple(a for _k, anchors, offsets, _s in _TOKEN_TABLE if offsets == (0,)
+                        c(src)) for kind, anchors, offsets, src in table]
+        self.prefixes = tuple(a for _k, anchors, offsets, _s in table if offsets == (0,)
                               for a in anchors)
         self.token_run = c(r"[A-Za-z0-9+/_~.-]{20,}={0,2}")
         self.discord_gate = c(r"\.[A-Za-z0-9_-]{6}\.")
@@ -2872,10 +2843,8 @@ class _Shapes:
                             r"user id|driver|dsn|provider|address|addr|host)\s*=")
         self.conn_value = c(r"\{[^}\n]{0,1024}\}|\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'"
                             r"|[^;&\s\"']{1,1024}")
-        self.bearer = c(r"(?i)bearer[ \t]+([A-Za-z0-9._~+/=-]{16,4096})"
-                        r"(?![A-Za-z0-9._~+/=-])")
-        self.basic = c(r"(?i)basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})"
-                       r"(?![A-Za-z0-9+/=])")
+        self.bearer = c(r"(?i)bearer[ \t]+([A-Za-z0-9._~+/=-]{16,4096})(?![A-Za-z0-9._~+/=-])")
+        self.basic = c(r"(?i)basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})(?![A-Za-z0-9+/=])")
         self.header_name = c(r"(?i)" + "|".join(_HEADER_SUFFIXES))
         self.authorization = c(r"(?i)authorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:(basic|token|"
                                r"api-?key|sso-key|key)[ \t]+)?([A-Za-z0-9._~+/=-]{16,4096})"
@@ -2947,14 +2916,9 @@ class _Shapes:
         ]
 
 
-_shapes_cache = []
-_key_cache = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _shapes():
-    if not _shapes_cache:
-        _shapes_cache.append(_Shapes())
-    return _shapes_cache[0]
+    return _Shapes()
 
 
 # --- the text being scanned ---------------------------------------------------------------
@@ -2965,30 +2929,20 @@ class _Scan:
     def __init__(self, text, disable):
         self.text = text
         self.disable = disable
-        self.memo = {}
-        self._lower = None
-        self._words = None
-        self._breaks = None
-        self._fences = None
 
-    @property
+    @functools.cached_property
     def words(self):
         """The distinct runs of a-z, _ and - in the lower-cased text, joined by spaces: a needle
-        made of those characters only is in the lower-cased text exactly when it is in here, and
-        this string is a fraction of the text's length."""
-        if self._words is None:
-            pieces = self.lower.encode("utf-8", "surrogatepass").translate(_LETTER_BYTES).split()
-            self._words = b" ".join(set(pieces)).decode("ascii")
-        return self._words
+        of those characters is in the lower-cased text exactly when it is in this short string."""
+        pieces = self.lower.encode("utf-8", "surrogatepass").translate(_LETTER_BYTES).split()
+        return b" ".join(set(pieces)).decode("ascii")
 
-    @property
+    @functools.cached_property
     def lower(self):
-        if self._lower is None:
-            low = self.text.lower()
-            if len(low) != len(self.text):   # keep positions aligned (e.g. "İ" lowers to two)
-                low = "".join(ch if len(ch.lower()) != 1 else ch.lower() for ch in self.text)
-            self._lower = low
-        return self._lower
+        low = self.text.lower()
+        if len(low) != len(self.text):   # keep positions aligned (e.g. "İ" lowers to two)
+            low = "".join(ch if len(ch.lower()) != 1 else ch.lower() for ch in self.text)
+        return low
 
     def positions(self, word):
         """Every start of `word` (lower case) in the lower-cased text."""
@@ -2998,48 +2952,45 @@ class _Scan:
             yield at
             at = low.find(word, at + 1)
 
-    def _line_breaks(self):
-        if self._breaks is None:
-            self._breaks = [m.start() for m in re.finditer("\n", self.text)]
-        return self._breaks
+    @functools.cached_property
+    def _breaks(self):
+        return [m.start() for m in re.finditer("\n", self.text)]
 
     def line_of(self, pos):
-        return bisect.bisect_left(self._line_breaks(), pos) + 1
+        return bisect.bisect_left(self._breaks, pos) + 1
 
     def line_bounds(self, pos):
-        breaks = self._line_breaks()
+        breaks = self._breaks
         i = bisect.bisect_left(breaks, pos)
         return (breaks[i - 1] + 1 if i else 0), (breaks[i] if i < len(breaks) else len(self.text))
 
+    @functools.cached_property
+    def _fences(self):
+        """(starts, [(start, end, info)]) of the fenced blocks; an unclosed one runs to the end."""
+        fences, opened = [], None
+        for m in _shapes().fence.finditer(self.text):
+            marker, info = m.group(1), m.group(2).lower()
+            if opened is None:
+                opened = (m.end(), marker, info)
+            elif marker[0] == opened[1][0] and len(marker) >= len(opened[1]) and not info:
+                fences.append((opened[0], m.start(), opened[2]))
+                opened = None
+        if opened is not None:
+            fences.append((opened[0], len(self.text), opened[2]))
+        return [f[0] for f in fences], fences
+
     def in_config_fence(self, pos):
-        if self._fences is None:
-            starts, ends, infos = [], [], []
-            opened = None
-            for m in _shapes().fence.finditer(self.text):
-                marker, info = m.group(1), m.group(2).lower()
-                if opened is None:
-                    opened = (m.end(), marker, info)
-                elif marker[0] == opened[1][0] and len(marker) >= len(opened[1]) and not info:
-                    starts.append(opened[0])
-                    ends.append(m.start())
-                    infos.append(opened[2])
-                    opened = None
-            if opened is not None:
-                starts.append(opened[0])
-                ends.append(len(self.text))
-                infos.append(opened[2])
-            self._fences = (starts, ends, infos)
-        starts, ends, infos = self._fences
+        starts, fences = self._fences
         i = bisect.bisect_right(starts, pos) - 1
-        return i >= 0 and pos < ends[i] and infos[i] in _CONFIG_FENCES
+        return i >= 0 and pos < fences[i][1] and fences[i][2] in _CONFIG_FENCES
 
 
 class _Taken:
     """Sorted, non-overlapping intervals already claimed (masks and accepted spans)."""
 
-    def __init__(self):
-        self.starts = []
-        self.ends = []
+    def __init__(self, spans=()):   # spans: sorted and non-overlapping already
+        self.starts = [span[0] for span in spans]
+        self.ends = [span[1] for span in spans]
 
     def free(self, start, end):
         i = bisect.bisect_right(self.starts, start)
@@ -3059,31 +3010,21 @@ def _is_placeholder(value):
     """True for empty values, masks, references, placeholders and code (§ 3.4)."""
     if not value or _MASK_PREFIX in value:
         return True
-    low = value.lower()
-    if low in _TRIVIAL_VALUES or all(ch in _MASK_CHARS for ch in value) or \
-            len(set(low)) == 1 or _DICTIONARY_RE.match(low) or \
-            (_TEMPLATE_SLOT_RE.search(value) and
-             sum(map(str.isalnum, _TEMPLATE_SLOT_RE.sub("", value))) < 8) or \
-            (len(low) >= 4 and low in _RUNS) or (re.search(r"[-_.]", value) and
-                                                 _is_repeated_body(value, "")):
-        return True
-    if any(word in low for word in _PLACEHOLDER_WORDS):
-        return True
-    first, last = value[0], value[-1]
-    if first == "$" or (first == "<" and last == ">") or (first == "[" and last == "]"):
-        return True
-    if (value.startswith("{{") and value.endswith("}}")) or \
-            (first == "%" and last == "%" and len(value) > 2):
-        return True
-    if not any(ch.isalnum() for ch in value):
-        return True
-    if _PREFIX_FILLER_RE.match(value):
-        return True   # sk-..., ghp_xxxx: a prefix followed by one repeated filler character
-    if _CODE_CALL_RE.match(value):
-        return True
-    if _CODE_PATH_RE.match(value) and not any(ch.isdigit() for ch in value):
-        return True   # settings.SECRET_KEY, process.env.TOKEN; ya29.a0Af… keeps its digits
-    return False
+    low, first, last = value.lower(), value[0], value[-1]
+    return bool(
+        low in _TRIVIAL_VALUES or all(ch in _MASK_CHARS for ch in value) or len(set(low)) == 1
+        or _DICTIONARY_RE.match(low) or (len(low) >= 4 and low in _RUNS)
+        or (_TEMPLATE_SLOT_RE.search(value)
+            and sum(map(str.isalnum, _TEMPLATE_SLOT_RE.sub("", value))) < 8)
+        or (re.search(r"[-_.]", value) and _is_repeated_body(value, ""))
+        or any(word in low for word in _PLACEHOLDER_WORDS)
+        or first == "$" or (first == "<" and last == ">") or (first == "[" and last == "]")
+        or (value.startswith("{{") and value.endswith("}}"))
+        or (first == "%" and last == "%" and len(value) > 2) or not any(map(str.isalnum, value))
+        or _PREFIX_FILLER_RE.match(value)   # sk-..., ghp_xxxx: a prefix, then one filler repeated
+        or _CODE_CALL_RE.match(value)
+        # settings.SECRET_KEY, process.env.TOKEN; ya29.a0Af… keeps its digits
+        or (_CODE_PATH_RE.match(value) and not any(map(str.isdigit, value))))
 
 
 def _is_repeated_body(value, anchor):
@@ -3098,12 +3039,11 @@ def _is_repeated_body(value, anchor):
 # --- tier 1: prefixed tokens --------------------------------------------------------------
 
 def _token_spans(sc):
-    text, out = sc.text, []
-    shapes = _shapes()
+    text, out, shapes = sc.text, [], _shapes()
     # Every prefixed token is a run of at least 16 token characters; looking for anchors in
     # those runs only keeps the many anchor searches off ordinary prose, and an anchor that
     # opens a word is looked up in the set of the runs' words instead.
-    runs = _long_runs(text)
+    runs = " ".join([w for w in text.split() if len(w) >= 16])
     if not runs:
         return out
     words = set(runs.encode("utf-8", "surrogatepass").translate(_ALNUM_BYTES).split())
@@ -3125,9 +3065,8 @@ def _token_spans(sc):
                     if m:
                         value = m.group(0)
                         check = _checksum_ok(value)
-                        if check or not (_is_placeholder_token(value) or
-                                         (check is False and
-                                          not _high_entropy(value[len(anchor):])) or
+                        bad = check is False and not _high_entropy(value[len(anchor):])
+                        if check or not (bad or _is_placeholder_token(value) or
                                          _is_repeated_body(value, anchor)):
                             out.append((m.start(), m.end(), kind))
                         break
@@ -3154,19 +3093,13 @@ def _checksum_ok(value):
             return bool(base64.urlsafe_b64decode(value[5:] + "=" * (-len(value[5:]) % 4)))
         except ValueError:   # binascii.Error is one
             return False
-    head = 11 if value.startswith("github_pat_") else 4
     if not value.startswith(("gh", "npm_")) or len(value) not in (40, 93):
         return None
-    crc, digits = zlib.crc32(value[head:-6].encode()), ""
+    crc, digits = zlib.crc32(value[11 if value.startswith("github_pat_") else 4:-6].encode()), ""
     while crc:
         crc, r = divmod(crc, 62)
         digits = _BASE62[r] + digits
     return digits.rjust(6, "0") == value[-6:]
-
-
-def _long_runs(text):
-    """The whitespace-free runs of 16 or more characters, joined by spaces."""
-    return " ".join([w for w in text.split() if len(w) >= 16])
 
 
 def _is_placeholder_token(value):
@@ -3189,24 +3122,16 @@ def _private_key_spans(sc):
         label = m.group(1)
         if "PRIVATE KEY" not in label:
             continue
-        line_start = sc.line_bounds(m.start())[0]
-        prefix = text[max(line_start, m.start() - 17):m.start()]
-        if m.start() - line_start > 16 or prefix.strip(" \t>#/*;\"'") != "":
+        prefix = text[sc.line_bounds(m.start())[0]:m.start()]   # a quote prefix: `> `, `# `
+        if len(prefix) > 16 or prefix.strip(" \t>#/*;\"'"):
             prefix = ""
         limit = begins[i + 1].start() if i + 1 < len(begins) else len(text)
-        end_at = -1
         j = bisect.bisect_left(end_starts, m.end())
-        while j < len(ends) and ends[j][0] < limit:
-            if ends[j][1] == label:
-                end_at = ends[j][0]
-                break
-            j += 1
-        if end_at >= 0:
-            span = _pem_body(text, m.end(), end_at, prefix)
-        else:
-            span = _pem_unterminated(text, m.end(), prefix)
+        end_at = next((s for s, end_label in ends[j:] if s >= limit or end_label == label), limit)
+        span = _pem_body(text, m.end(), end_at, prefix) if end_at < limit else \
+            _pem_unterminated(text, m.end(), prefix)
         if span:
-            out.append((span[0], span[1], "private-key"))
+            out.append((*span, "private-key"))
     return out
 
 
@@ -3231,19 +3156,16 @@ def _skip_breaks(text, pos, limit, prefix):
 
 def _pem_body(text, start, end, prefix):
     start = _skip_breaks(text, start, end, prefix)
-    stop = end
-    line_start = text.rfind("\n", start, end) + 1
-    if line_start and text[line_start:end].strip(" \t>#/*;\"'") == "":
-        stop = line_start   # the END line's own indentation or quote prefix
+    line_start = text.rfind("\n", start, end) + 1   # the END line's indentation or quote prefix
+    stop = line_start if line_start and not text[line_start:end].strip(" \t>#/*;\"'") else end
     while stop > start:
         ch = text[stop - 1]
         if ch in " \t\r\n":
             stop -= 1
         elif ch == "n" and text[stop - 2:stop] == "\\n":
-            stop -= 2
-            while stop > start and text[stop - 1] == "\\":
-                stop -= 1
-            if text[stop - 2:stop] == "\\r":
+            for escape in ("\\n", "\\r"):   # \n, then the \r of an escaped \r\n
+                if text[stop - 2:stop] != escape:
+                    break
                 stop -= 2
                 while stop > start and text[stop - 1] == "\\":
                     stop -= 1
@@ -3270,13 +3192,12 @@ def _pem_unterminated(text, start, prefix):
     """An unterminated block masks through its last base64-looking line."""
     shapes = _shapes()
     body_start = _skip_breaks(text, start, len(text), prefix)
-    pos, last, seen_data = body_start, None, False
+    pos, last, seen_data = body_start, body_start, False
     for _ in range(5000):
         if pos >= len(text):
             break
         brk = _next_break(text, pos, pos + 8192)   # key lines are short
-        unit_end = brk[0] if brk else min(len(text), pos + 8192)
-        unit = text[pos:unit_end]
+        unit = text[pos:brk[0] if brk else pos + 8192]
         piece = unit.strip(" \t\r>#*;\"',")
         tail = pos + len(unit.rstrip(" \t\r\"',"))
         if piece and shapes.pem_line.match(piece):
@@ -3288,52 +3209,48 @@ def _pem_unterminated(text, start, prefix):
         if not brk:
             break
         pos = brk[1]
-    if last is None or last <= body_start:
-        return None
-    return body_start, last
+    return (body_start, last) if last > body_start else None
 
 
 # --- tier 3: URL and connection credentials -----------------------------------------------
 
+def _kept(matches, kind, reject, group=0):
+    """The (start, end, kind) of `group` in each match whose text `reject` lets through."""
+    return [(m.start(group), m.end(group), kind) for m in matches if not reject(m.group(group))]
+
+
 def _url_spans(sc):
     text, shapes, out, dis, words = sc.text, _shapes(), [], sc.disable, sc.words
+    memo = {}   # per line: the answers shared by every match on it
     # Each literal below holds a lower-case word that must then be in sc.words, a cheaper look.
     if "slack" in words and "hooks.slack.com" in text and "slack-webhook" not in dis:
-        for m in shapes.slack_webhook.finditer(text):
-            if not _is_placeholder_token(m.group(0)):
-                out.append((m.start(), m.end(), "slack-webhook"))
+        out += _kept(shapes.slack_webhook.finditer(text), "slack-webhook", _is_placeholder_token)
     if "webhooks" in words and "/api/webhooks/" in text and "discord-webhook" not in dis:
-        for m in shapes.discord_webhook.finditer(text):
-            if not _is_placeholder(m.group(1)) and not _is_repeated_body(m.group(1), ""):
-                out.append((m.start(1), m.end(1), "discord-webhook"))
+        out += _kept(shapes.discord_webhook.finditer(text), "discord-webhook",
+                     lambda v: _is_placeholder(v) or _is_repeated_body(v, ""), 1)
     if "sig" in words and "sig=" in text and "azure-sas" not in dis:
         for m in shapes.azure_sas.finditer(text):
             ls, le = sc.line_bounds(m.start())
-            in_url = sc.memo.get(("sas", ls))
-            if in_url is None:
-                line = text[ls:le]
-                in_url = sc.memo[("sas", ls)] = "://" in line or "sv=" in line
-            if in_url and not _is_placeholder(m.group(1)):
+            if ("sas", ls) not in memo:
+                memo["sas", ls] = "://" in text[ls:le] or "sv=" in text[ls:le]
+            if memo["sas", ls] and not _is_placeholder(m.group(1)):
                 out.append((m.start(1), m.end(1), "azure-sas"))
     low = sc.lower
     if ("accountkey" in words or "sharedaccesskey" in words) and "azure-storage-key" not in dis:
-        for m in _matches_at(sc, ("accountkey", "sharedaccesskey"), shapes.azure_storage):
-            if len(m.group(1)) >= 40 and not _is_placeholder(m.group(1)):
-                out.append((m.start(1), m.end(1), "azure-storage-key"))
+        out += _kept(_matches_at(sc, ("accountkey", "sharedaccesskey"), shapes.azure_storage),
+                     "azure-storage-key", lambda v: len(v) < 40 or _is_placeholder(v), 1)
     if "connection-string" in dis:
         return out
-    at = text.find("://")
-    while at >= 0:
+    for at in sc.positions("://"):
         s = at
         while s > 0 and at - s < 30 and (text[s - 1].isalnum() or text[s - 1] in "+.-"):
             s -= 1
-        if s < at and text[s].isalpha():
-            m = shapes.url_userinfo.match(text, at + 3) or shapes.url_slashed.match(text, at + 3)
-            if m and not m.group(2).partition("/")[0].isdigit():   # host:port/path@x is no login
-                pw, host = m.group(2), m.group(3).lower()
-                if not _is_placeholder(pw) and not _example_host(host):
-                    out.append((m.start(2), m.end(2), "connection-string"))
-        at = text.find("://", at + 3)
+        m = s < at and text[s].isalpha() and (shapes.url_userinfo.match(text, at + 3) or
+                                              shapes.url_slashed.match(text, at + 3))
+        # host:port/path@x is no login
+        if m and not m.group(2).partition("/")[0].isdigit() and \
+                not _is_placeholder(m.group(2)) and not _example_host(m.group(3).lower()):
+            out.append((m.start(2), m.end(2), "connection-string"))
     if "password" in words or "pwd" in words:
         for m in shapes.conn_password.finditer(low):
             if m.start() and (low[m.start() - 1].isalnum() or low[m.start() - 1] in "_.-"):
@@ -3343,15 +3260,12 @@ def _url_spans(sc):
             while j >= ls and text[j] in " \t":
                 j -= 1
             before = text[j] if j >= ls else ""
-            context = sc.memo.get(("conn", ls, before))
-            if context is None:
-                context = sc.memo[("conn", ls, before)] = _connection_context(low[ls:le], before)
-            if not context:
-                continue
-            v = shapes.conn_value.match(text, m.end())
+            if ("conn", ls, before) not in memo:
+                memo["conn", ls, before] = _connection_context(low[ls:le], before)
+            v = memo["conn", ls, before] and shapes.conn_value.match(text, m.end())
             if not v:
                 continue
-            vs, ve = v.start(), v.end()
+            vs, ve = v.span()
             if text[vs] in "{\"'":
                 vs, ve = vs + 1, ve - 1
             if ve > vs and not _is_placeholder(text[vs:ve]):
@@ -3361,46 +3275,37 @@ def _url_spans(sc):
 
 def _connection_context(line, before):
     """Is a `password=` on this (lower-cased) line part of a connection string?"""
-    marker = _shapes().conn_marker.search(line)
-    if not marker:
-        return False
-    if "jdbc:" in line or "odbc:" in line:
-        return True
-    if ";" in line and before in ("", ";", '"', "'") and _shapes().ado_marker.search(line):
-        return True   # ADO.NET / ODBC: Server=…;Database=…;Password=…
-    if before in ("?", "&") and "://" in line:
-        return True   # a URL query: jdbc-style ?user=…&password=…
-    return "dbname=" in line or ("host=" in line and ("port=" in line or "sslmode=" in line))
+    shapes = _shapes()
+    return shapes.conn_marker.search(line) is not None and (
+        "jdbc:" in line or "odbc:" in line
+        # ADO.NET / ODBC: Server=…;Database=…;Password=…
+        or (";" in line and before in ("", ";", '"', "'") and shapes.ado_marker.search(line))
+        or (before in ("?", "&") and "://" in line)   # a URL query: ?user=…&password=…
+        or "dbname=" in line or ("host=" in line and ("port=" in line or "sslmode=" in line)))
 
 
 def _example_host(host):
-    host = host.split(":")[0].rstrip(".")
-    return any(host == d or host.endswith("." + d)
-               for d in ("example.com", "example.org", "example.net"))
+    return ("." + host.split(":")[0].rstrip(".")).endswith((".example.com", ".example.org",
+                                                            ".example.net"))
 
 
 # --- tier 4: headers, CLI flags and config shapes -----------------------------------------
 
 def _header_spans(sc):
-    text, low, shapes, out, dis = sc.text, sc.lower, _shapes(), [], sc.disable
+    text, shapes, out, dis = sc.text, _shapes(), [], sc.disable
     words = sc.words   # a cheaper look for the lower-case words of the literals below
     if "bearer" in words and "bearer" not in dis:
         for m in _matches_at(sc, ("bearer",), shapes.bearer):
-            vs, ve = m.start(1), m.end(1)
-            while ve > vs and text[ve - 1] == ".":
-                ve -= 1
+            vs, ve = m.start(1), m.start(1) + len(m.group(1).rstrip("."))
             if ve - vs >= 16 and not _is_header_placeholder(text[vs:ve]):
                 out.append((vs, ve, "bearer"))
     if "basic" in words and "basic-auth" not in dis:
-        for m in _matches_at(sc, ("basic",), shapes.basic):
-            pair = _decode_user_password(m.group(1))
-            if pair and not _is_placeholder(pair[1]):
-                out.append((m.start(1), m.end(1), "basic-auth"))
+        out += _kept(_matches_at(sc, ("basic",), shapes.basic), "basic-auth", _not_a_login, 1)
     if "authorization" in words and "api-key-header" not in dis:
         for m in _matches_at(sc, ("authorization",), shapes.authorization):
             basic = (m.group(1) or "").lower() == "basic"   # a decodable pair: the Basic rule
             if _high_entropy(m.group(2)) and not _is_header_placeholder(m.group(2)) and \
-                    not (basic and _decode_user_password(m.group(2))):
+                    not (basic and _login_password(m.group(2))):
                 out.append((m.start(2), m.end(2), "basic-auth" if basic else "api-key-header"))
     if "api-key-header" not in dis and any(w in words for w in _HEADER_SUFFIXES):
         out.extend(_api_key_header_spans(sc))
@@ -3414,10 +3319,7 @@ def _header_spans(sc):
             if ve > vs and not _is_placeholder(text[vs:ve]):
                 out.append((vs, ve, "npm-token"))
     if "auth" in words and '"auth"' in text and "docker-token" not in dis:
-        for m in shapes.docker_auth.finditer(text):
-            pair = _decode_user_password(m.group(1))
-            if pair and not _is_placeholder(pair[1]):
-                out.append((m.start(1), m.end(1), "docker-token"))
+        out += _kept(shapes.docker_auth.finditer(text), "docker-token", _not_a_login, 1)
     if "secret" in words and "Secret" in text and "k8s-secret" not in dis:
         out.extend(_k8s_spans(sc))
     return out
@@ -3428,16 +3330,13 @@ _HEADER_SUFFIXES = ("api-key", "auth-token", "access-token", "api-token", "priva
 
 
 def _finditer_from(word, rx, text):
-    """rx.finditer(text) for a regex that opens with the literal word: str.find goes from one
-    occurrence of the word to the next faster than the regex engine does."""
+    """rx.finditer(text) for a regex that opens with the literal word, found faster by str.find."""
     at = text.find(word)
     while at >= 0:
         m = rx.match(text, at)
         if m:
             yield m
-            at = text.find(word, m.end())
-        else:
-            at = text.find(word, at + 1)
+        at = text.find(word, m.end() if m else at + 1)
 
 
 def _matches_at(sc, words, rx, left="_"):
@@ -3447,9 +3346,7 @@ def _matches_at(sc, words, rx, left="_"):
     starts = sorted({at for word in words for at in sc.positions(word)})
     last_end = 0
     for at in starts:
-        if at < last_end:
-            continue
-        if at and (text[at - 1].isalnum() or text[at - 1] in left):
+        if at < last_end or (at and (text[at - 1].isalnum() or text[at - 1] in left)):
             continue
         m = rx.match(text, at)
         if m:
@@ -3465,30 +3362,27 @@ def _strip_quotes(text, vs, ve):
 
 def _is_header_placeholder(value):
     # An identifier such as YOUR_ACCESS_TOKEN or access_token_here names a value; it is none.
-    if _is_placeholder(value):
-        return True
-    return bool(re.fullmatch(r"[A-Z]+(?:_[A-Z]+)+|[a-z]+(?:_[a-z]+)+", value))
+    return _is_placeholder(value) or \
+        re.fullmatch(r"[A-Z]+(?:_[A-Z]+)+|[a-z]+(?:_[a-z]+)+", value) is not None
 
 
 def _looks_like_token(value):
-    if re.search(r"\s", value) or len(value) < 6:
-        return False
-    return len(value) >= 20 or any(ch.isdigit() for ch in value) or \
-        any(not ch.isalnum() for ch in value)
+    return len(value) >= 6 and not re.search(r"\s", value) and (
+        len(value) >= 20 or any(ch.isdigit() or not ch.isalnum() for ch in value))
 
 
-def _decode_user_password(b64):
-    """(user, password) when the base64 decodes to printable `user:password`."""
+def _login_password(b64):
+    """The password of a base64 printable `user:password`, else ""."""
     import base64
-    import binascii
     try:
         raw = base64.b64decode(b64 + "=" * (-len(b64) % 4), validate=True).decode("utf-8")
-    except (binascii.Error, ValueError):
-        return None
-    if ":" not in raw or not raw.isprintable():
-        return None
-    user, _, password = raw.partition(":")
-    return (user, password) if password else None
+    except ValueError:   # binascii.Error and UnicodeDecodeError are ones
+        return ""
+    return raw.partition(":")[2] if raw.isprintable() else ""
+
+
+def _not_a_login(b64):
+    return _is_placeholder(_login_password(b64))
 
 
 def _api_key_header_spans(sc):
@@ -3497,16 +3391,11 @@ def _api_key_header_spans(sc):
         s = m.start()
         while s > 0 and m.start() - s < 64 and (text[s - 1].isalnum() or text[s - 1] == "-"):
             s -= 1
-        if m.end() < len(text) and (text[m.end()].isalnum() or text[m.end()] in "_-"):
+        if (m.end() < len(text) and (text[m.end()].isalnum() or text[m.end()] in "_-")) or \
+                (s and text[s - 1] in "_."):
             continue
-        if s and text[s - 1] in "_.":
-            continue
-        quote = text[s - 1] if s and text[s - 1] in "\"'" else ""
-        pos = m.end()
-        key_quoted = bool(quote) and text.startswith(quote, pos)
-        if key_quoted:
-            pos += 1
-        v = shapes.header_rest.match(text, pos)
+        key_quoted = s > 0 and text[s - 1] in "\"'" and text.startswith(text[s - 1], m.end())
+        v = shapes.header_rest.match(text, m.end() + key_quoted)
         if not v:
             continue
         vs, ve = v.start(1), v.end(1)
@@ -3516,7 +3405,7 @@ def _api_key_header_spans(sc):
         if quoted:
             vs, ve = vs + 1, ve - 1
         value = text[vs:ve]
-        if _looks_like_token(value) and (len(value) >= 8) and not _is_header_placeholder(value):
+        if len(value) >= 8 and _looks_like_token(value) and not _is_header_placeholder(value):
             out.append((vs, ve, "api-key-header"))
     return out
 
@@ -3524,9 +3413,7 @@ def _api_key_header_spans(sc):
 def _cookie_spans(sc):
     text, shapes, out = sc.text, _shapes(), []
     for m in _matches_at(sc, ("cookie", "set-cookie"), shapes.cookie, left="-"):
-        set_cookie = bool(m.group(1))
-        pos = m.end()
-        line_end = sc.line_bounds(pos)[1]
+        pos, line_end = m.end(), sc.line_bounds(m.end())[1]
         while pos < line_end:
             p = shapes.cookie_pair.match(text, pos, line_end)
             if not p:
@@ -3535,16 +3422,15 @@ def _cookie_spans(sc):
             if shapes.cookie_name.match(name) and ve > vs and not _is_placeholder(text[vs:ve]):
                 out.append((vs, ve, "session-cookie"))
             pos = p.end()
-            if set_cookie or pos >= line_end or text[pos] != ";":
+            if m.group(1) or pos >= line_end or text[pos] != ";":
                 break
             pos += 1
     return out
 
 
 def _cli_spans(sc):
-    text, low, shapes, out, words = sc.text, sc.lower, _shapes(), [], sc.words
-    gates = ("mysql", "sshpass", "redis-cli", "login")
-    for gate, rx in zip(gates, shapes.cli):
+    text, shapes, out, words = sc.text, _shapes(), [], sc.words
+    for gate, rx in zip(("mysql", "sshpass", "redis-cli", "login"), shapes.cli):
         if gate in words:
             for m in rx.finditer(text):
                 vs, ve = _strip_quotes(text, m.start(1), m.end(1))
@@ -3566,9 +3452,7 @@ def _cli_spans(sc):
             out.append((vs, ve, "cli-password"))
     if ("curl" in words or "wget" in words or "http" in words) and \
             (" -u" in text or "--user" in text):
-        for m in shapes.cli_user.finditer(text):
-            if not _is_header_placeholder(m.group(2)):
-                out.append((m.start(2), m.end(2), "cli-password"))
+        out += _kept(shapes.cli_user.finditer(text), "cli-password", _is_header_placeholder, 2)
     return out
 
 
@@ -3577,49 +3461,39 @@ def _k8s_spans(sc):
     text, shapes, out = sc.text, _shapes(), []
     edges = [(e.start(), e.end()) for e in shapes.k8s_doc_edge.finditer(text)]
     edge_starts = [e[0] for e in edges]
-    documents = []
-    for km in shapes.k8s_kind.finditer(text):
-        i = bisect.bisect_left(edge_starts, km.start())
-        doc = (edges[i - 1][1] if i else 0, edges[i][0] if i < len(edges) else len(text))
-        if not documents or documents[-1] != doc:
-            documents.append(doc)
+    documents = dict.fromkeys(   # the (start, end) of each document holding a kind: Secret
+        (edges[i - 1][1] if i else 0, edges[i][0] if i < len(edges) else len(text))
+        for i in (bisect.bisect_left(edge_starts, km.start())
+                  for km in shapes.k8s_kind.finditer(text)))
     for doc_start, doc_end in documents:
         for dm in shapes.k8s_data.finditer(text, doc_start, doc_end):
             indent = len(dm.group(1).expandtabs())
             pos = dm.end() + 1
             block = None   # (indent, start, end) of a block scalar being collected
             while pos < doc_end:
-                line_end = text.find("\n", pos)
-                line_end = doc_end if line_end < 0 or line_end > doc_end else line_end
-                line = text[pos:line_end]
-                stripped = line.strip()
+                line_end = text.find("\n", pos, doc_end)
+                line_end = doc_end if line_end < 0 else line_end
+                at, pos, line = pos, line_end + 1, text[pos:line_end]
                 lead = len(line) - len(line.lstrip(" \t"))
-                if not stripped:
-                    pos = line_end + 1
+                if not line.strip():
                     continue
                 if block is not None and lead > block[0]:
-                    first = block[1] if block[1] is not None else pos + lead
-                    block = (block[0], first, pos + len(line.rstrip()))
-                    pos = line_end + 1
+                    block = (block[0], at + lead if block[1] is None else block[1],
+                             at + len(line.rstrip()))
                     continue
-                if block is not None:
-                    if block[1] is not None:
-                        out.append((block[1], block[2], "k8s-secret"))
-                    block = None
+                if block is not None and block[1] is not None:
+                    out.append((block[1], block[2], "k8s-secret"))
+                block = None
                 if lead <= indent:
                     break
-                em = shapes.k8s_entry.match(text, pos, line_end)
-                if em:
-                    raw = em.group(3).rstrip()
-                    vs = em.start(3)
-                    if raw in ("|", ">", "|-", ">-", "|+", ">+"):
-                        block = (lead, None, None)
-                    elif raw:
-                        ve = vs + len(raw)
-                        vs, ve = _strip_quotes(text, vs, ve)
-                        if ve > vs and not _is_placeholder(text[vs:ve]):
-                            out.append((vs, ve, "k8s-secret"))
-                pos = line_end + 1
+                em = shapes.k8s_entry.match(text, at, line_end)
+                raw = em.group(3).rstrip() if em else ""
+                if raw in ("|", ">", "|-", ">-", "|+", ">+"):
+                    block = (lead, None, None)
+                elif raw:
+                    vs, ve = _strip_quotes(text, em.start(3), em.start(3) + len(raw))
+                    if ve > vs and not _is_placeholder(text[vs:ve]):
+                        out.append((vs, ve, "k8s-secret"))
             if block is not None and block[1] is not None:
                 out.append((block[1], block[2], "k8s-secret"))
     return out
@@ -3627,40 +3501,31 @@ def _k8s_spans(sc):
 
 # --- tier 5: assignments (§ 3.3) ----------------------------------------------------------
 
+@functools.lru_cache(maxsize=4096)
 def _key_info(key):
-    """None, or (is_password_key, is_aws_secret) for a key that names a secret."""
-    cached = _key_cache.get(key)
-    if cached is not None or key in _key_cache:
-        return cached
+    """None, or (is_password_key, is_aws_secret, weak segments) for a key that names a secret."""
     shapes = _shapes()
     spaced = shapes.camel2.sub(r"\1 \2", shapes.camel1.sub(r"\1 \2", key))
     segs = [s for s in shapes.key_split.split(spaced.lower()) if s]
     hit = -1
     for i, seg in enumerate(segs):
-        if seg == "pass" or seg.endswith(_KEY_WORDS) or seg.endswith(_KEY_PLURALS) or \
-                seg.endswith(_KEY_COMPOUNDS):
-            hit = i
-        elif seg in ("key", "keys") and i and segs[i - 1] in _KEY_PAIR_HEADS:
+        if seg == "pass" or seg.endswith(_KEY_ENDINGS) or \
+                (seg in ("key", "keys") and i and segs[i - 1] in _KEY_PAIR_HEADS):
             hit = i
     weak = hit < 0 and not _WEAK_NOT.intersection(segs)
     if weak:
         hit = max((i for i, seg in enumerate(segs) if seg in _WEAK_KEYS), default=-1)
         if segs[hit:hit + 2] == ["access", "id"]:
             hit += 1   # Sumo Logic, Alibaba: the access id is half of the credential
-    info = None
-    if hit >= 0 and not any(seg in _KEY_META for seg in segs[hit + 1:]) and \
-            key.lower() not in _SHELL_PWD_KEYS:
-        password = any(seg in ("pass", "pin") or seg.endswith(("password", "passwd", "pwd",
-                                                                "passphrase"))
-                       for seg in segs)
-        joined = "".join(segs)
-        aws = ("aws" in segs or joined.startswith("aws")) and "secret" in joined or \
-            "secretaccesskey" in joined
-        info = (password and not weak, aws, len(segs) if weak else 0)
-    if len(_key_cache) > 4096:
-        _key_cache.clear()
-    _key_cache[key] = info
-    return info
+    if hit < 0 or any(seg in _KEY_META for seg in segs[hit + 1:]) or \
+            key.lower() in _SHELL_PWD_KEYS:
+        return None
+    password = any(seg in ("pass", "pin") or seg.endswith(("password", "passwd", "pwd",
+                                                            "passphrase")) for seg in segs)
+    joined = "".join(segs)
+    aws = ("aws" in segs or joined.startswith("aws")) and "secret" in joined or \
+        "secretaccesskey" in joined
+    return (password and not weak, aws, len(segs) if weak else 0)
 
 
 def _assignment_spans(sc, taken):
@@ -3670,14 +3535,11 @@ def _assignment_spans(sc, taken):
     words = sc.words   # the key words are a-z only: a cheaper look than the text
     if not any(g in words for g in _KEY_GATES):
         return out
-    n = len(text)
-    resume = 0
-    hits = []
+    n, resume, hits = len(text), 0, []
     for word, rx in shapes.keywords:
         if word in words:
             hits.extend(_finditer_from(word, rx, low))
-    if len(hits) > 1:
-        hits.sort(key=lambda h: h.start())
+    hits.sort(key=lambda h: h.start())
     for m in hits:
         if m.start() < resume:
             continue
@@ -3748,12 +3610,12 @@ _CODE_WORDS = frozenset(("new", "await", "yield", "function", "lambda", "this", 
                          "import", "typeof", "not", "async", "static", "const", "let", "var"))
 _CODE_EXPRESSION_RE = _re_lazy(r"[A-Za-z_][\w.]*[-+*/%|&]")
 _IDENTIFIER_RE = _re_lazy(r"[A-Za-z_]+\Z")
+_STRING_PREFIX_RE = _re_lazy(r"(?:[rbfuRBFU]|[rbfRBF]{2})(?=['\"])")
 
 
 def _is_code_value(value, separator, sc, key_start, op):
-    """`token = Error`, `pass = new PassThrough()`, `f(token=tok)`: code names a value, it
-    holds none. Only with spaces on both sides of the separator, where .env and shell never
-    put them, or as a keyword argument inside an open parenthesis."""
+    """`token = Error`, `pass = new PassThrough()`, `f(token=tok)`: code names a value; only
+    with spaces around the separator (.env and shell put none) or as a keyword argument."""
     if sc.in_config_fence(key_start):
         return False
     if op == "=" and (value[0].isalpha() or value[0] == "_"):
@@ -3765,22 +3627,19 @@ def _is_code_value(value, separator, sc, key_start, op):
             return True   # f(api_key=key, token=tok): an argument passes a variable on
     if not (separator[:1] in " \t" and separator[-1:] in " \t") or _high_entropy(value):
         return False
-    if value in _CODE_WORDS or _CODE_EXPRESSION_RE.match(value):
-        return True
-    return _IDENTIFIER_RE.match(value) is not None
+    return value in _CODE_WORDS or bool(_CODE_EXPRESSION_RE.match(value) or
+                                        _IDENTIFIER_RE.match(value))
 
 
 def _is_description(value):
     """A quoted sentence that names what it is ("Password used to generate key") is a label."""
-    if not any(ch.isspace() for ch in value):
-        return False
     low = value.lower()
-    return any(word in low for word in ("password", "passphrase", "secret", "token", "key"))
+    return any(map(str.isspace, value)) and \
+        any(word in low for word in ("password", "passphrase", "secret", "token", "key"))
 
 
 def _assignment_form_spans(sc):
-    """Assignments in other syntaxes: PHP define(), XML elements, .netrc lines, a Kubernetes
-    env entry (name: KEY / value: …) and `aws configure set KEY VALUE`."""
+    """Assignments in PHP define(), XML, .netrc, Kubernetes env entries, `aws configure set`."""
     text, low, shapes, out, words = sc.text, sc.lower, _shapes(), [], sc.words
     found = []   # (key, value_start, value_end)
     if "define" in words and "define(" in low:
@@ -3823,14 +3682,9 @@ def _read_value(text, vs, in_query):
     """(start, end, quoted) of the literal after a separator, or None."""
     if vs >= len(text):
         return None
+    prefix = _STRING_PREFIX_RE.match(text, vs)   # r'...', b"...", f"...": quoted strings
+    vs = prefix.end() if prefix else vs
     ch = text[vs]
-    if ch in "rbfuRBFU" and text[vs + 1:vs + 2] in ("'", '"'):
-        vs += 1   # r'...', b"...", f"..." are quoted strings with a prefix
-        ch = text[vs]
-    elif ch in "rbfRBF" and text[vs + 1:vs + 2] in ("r", "b", "f", "R", "B", "F") and \
-            text[vs + 2:vs + 3] in ("'", '"'):
-        vs += 2
-        ch = text[vs]
     if ch in "\"'":
         m = _shapes().quoted[ch].match(text, vs)
         return (vs + 1, m.end() - 1, True) if m else None
@@ -3845,11 +3699,8 @@ def _read_value(text, vs, in_query):
     ve = m.end()
     if ch in "<{[(" or text.startswith(("${", "$(", "%"), vs):
         ve = max(ve, _balanced_end(text, vs))   # <your key>, ${{ secrets.X }}, $(cat f)
-    if in_query:
-        cut = min((i for i in (text.find("&", vs, ve), text.find("#", vs, ve)) if i >= 0),
-                  default=-1)
-        if cut >= 0:
-            ve = cut
+    if in_query:   # a URL query's value ends at the next & or #
+        ve = min([ve] + [i for i in (text.find("&", vs, ve), text.find("#", vs, ve)) if i >= 0])
     value = text[vs:ve]
     # Closers the value did not open belong to the code around it: f(token=abc), and
     # a final full stop or colon belongs to the sentence or the statement.
@@ -3868,10 +3719,8 @@ def _read_value(text, vs, in_query):
 
 def _balanced_end(text, start):
     """End of a bracketed run that starts at `start` and closes on the same line, else start."""
-    pairs = {"(": ")", "[": "]", "{": "}", "<": ">"}
-    stack, i = [], start
-    limit = min(len(text), start + 1024)
-    while i < limit:
+    pairs, stack = {"(": ")", "[": "]", "{": "}", "<": ">"}, []
+    for i in range(start, min(len(text), start + 1024)):
         ch = text[i]
         if ch == "\n":
             return start
@@ -3883,17 +3732,15 @@ def _balanced_end(text, start):
                 return i + 1
         elif not stack and (ch.isspace() or i - start > 2):
             return start
-        i += 1
     return start
 
 
 def _high_entropy(value):
     """A random-looking token: 14+ token characters with letters and digits, not word-shaped,
     3.0+ bits of Shannon entropy a character (measured: docs/redaction.md)."""
-    if not _TOKENISH_RE.match(value):
-        return False
     n = len(value)
-    if -sum(c / n * math.log2(c / n) for c in map(value.count, set(value))) < 3.0:
+    if not _TOKENISH_RE.match(value) or \
+            -sum(c / n * math.log2(c / n) for c in map(value.count, set(value))) < 3.0:
         return False
     parts = [p for p in _WORD_SPLIT_RE.split(value) if p]
     return len(parts) < 2 or not all(map(_WORD_PART_RE.match, parts))
@@ -3903,42 +3750,30 @@ def _not_a_secret(value, info, key):
     if (info[2] and not _high_entropy(value)) or _is_placeholder(value):
         return True
     low = value.lower()
-    if re.fullmatch(r"[0-9]{1,12}(?:\.[0-9]+)?", value) and not info[0]:
-        return True   # MAX_TOKENS=4096, TOKEN_TTL=3600
-    if low == key.lower():
-        return True   # password=password passes a variable on
-    if value[0] in "([{":
-        return True   # a tuple, list or object literal, or an interpolation such as {token}
-    if _HEX_COLOR_RE.match(value):
-        return True
-    if _REFERENCE_WORD_RE.match(value) and any(h in low for h in _REFERENCE_HINTS):
-        return True   # api_key=openai_api_key names another variable
-    return False
+    return bool(
+        (re.fullmatch(r"[0-9]{1,12}(?:\.[0-9]+)?", value) and not info[0])   # MAX_TOKENS=4096
+        or low == key.lower()   # password=password passes a variable on
+        or value[0] in "([{"   # a tuple, list or object literal, or an interpolation: {token}
+        or _HEX_COLOR_RE.match(value)
+        # api_key=openai_api_key names another variable
+        or (_REFERENCE_WORD_RE.match(value) and any(h in low for h in _REFERENCE_HINTS)))
 
 
 # --- tier 6: POLICY.patterns --------------------------------------------------------------
 
 def _policy_spans(sc, rules):
     text, out = sc.text, []
-    line_rules, whole_rules = [], []
-    for kind, rx in rules:
-        src = rx.pattern if isinstance(rx.pattern, str) else ""
-        if "\n" in src or "\\n" in src or "(?s)" in src or rx.flags & re.DOTALL:
-            whole_rules.append((kind, rx))
-        else:
-            line_rules.append((kind, rx))
-    for kind, rx in whole_rules:
-        for m in rx.finditer(text):
-            if m.end() > m.start():
-                out.append((m.start(), m.end(), kind))
-    if line_rules:
-        pos = 0
-        for line in text.split("\n"):
-            for kind, rx in line_rules:
-                for m in rx.finditer(line):
-                    if m.end() > m.start():
-                        out.append((pos + m.start(), pos + m.end(), kind))
-            pos += len(line) + 1
+    lines = text.split("\n")
+    for whole in (True, False):   # a rule that may span lines is tried on the whole text
+        for kind, rx in rules:
+            src = rx.pattern if isinstance(rx.pattern, str) else ""
+            if whole != bool("\n" in src or "\\n" in src or "(?s)" in src or rx.flags & re.DOTALL):
+                continue
+            pos = 0
+            for line in [text] if whole else lines:
+                out.extend((pos + m.start(), pos + m.end(), kind) for m in rx.finditer(line)
+                           if m.end() > m.start())
+                pos += len(line) + 1
     return out
 
 
@@ -3947,44 +3782,38 @@ def load_policy_patterns(text):
     rules, problems = [], []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split(None, 1)
-        if len(parts) < 2:
-            problems.append({"line": number, "text": raw,
-                             "reason": "expected `<kind> <regex>`: the regex is missing"})
-            continue
-        kind, source = parts[0], parts[1].strip()
-        if not _POLICY_KIND_RE.match(kind):
-            problems.append({"line": number, "text": raw,
-                             "reason": f"kind {kind!r} must start with a letter or digit and "
-                                       "use only letters, digits and _ . : -"})
-            continue
-        try:
-            rx = re.compile(source)
-        except (re.error, OverflowError, RecursionError) as exc:
-            problems.append({"line": number, "text": raw,
-                             "reason": f"the regex does not compile: {exc}"})
-            continue
-        if rx.fullmatch(""):
-            problems.append({"line": number, "text": raw,
-                             "reason": "the regex matches the empty string"})
-            continue
-        rules.append((kind, rx))
+        if line and not line.startswith("#"):
+            rule = _policy_rule(line)
+            if isinstance(rule, str):
+                problems.append({"line": number, "text": raw, "reason": rule})
+            else:
+                rules.append(rule)
     return rules, problems
+
+
+def _policy_rule(line):
+    """(kind, compiled regex) of one rule line, or the reason it is none."""
+    parts = line.split(None, 1)
+    if len(parts) < 2:
+        return "expected `<kind> <regex>`: the regex is missing"
+    kind, source = parts[0], parts[1].strip()
+    if not _POLICY_KIND_RE.match(kind):
+        return (f"kind {kind!r} must start with a letter or digit and use only letters, "
+                "digits and _ . : -")
+    try:
+        rx = re.compile(source)
+    except (re.error, OverflowError, RecursionError) as exc:
+        return f"the regex does not compile: {exc}"
+    return "the regex matches the empty string" if rx.fullmatch("") else (kind, rx)
 
 
 # --- memshelf-mcp 0.4.0 compatibility (§ 3.7) ---------------------------------------------
 
 def _legacy_spans(text, disable):
     """What 0.4.0's five rules would still flag in already-redacted text."""
-    if "=" not in text and "gh" not in text and "AKIA" not in text and "squ_" not in text \
-            and "earer" not in text and "EARER" not in text:
+    if not any(word in text for word in ("=", "gh", "AKIA", "squ_", "earer", "EARER")):
         return []
-    taken = _Taken()
-    for m in _MASK_RE.finditer(text):
-        taken.add(m.start(), m.end())
-    out = []
+    taken, out = _Taken([m.span() for m in _MASK_RE.finditer(text)]), []
     for kind, rx, group in _shapes().legacy:
         if kind in disable:
             continue
@@ -4031,28 +3860,19 @@ def _legacy_value_end(text, vs, ve):
 def _select(sc, rules):
     """Accepted spans [(start, end, kind)] over the original text, in text order."""
     text = sc.text
-    taken = _Taken()
-    if _MASK_PREFIX in text:
-        for m in _MASK_RE.finditer(text):
-            taken.add(m.start(), m.end())
+    taken = _Taken([m.span() for m in _MASK_RE.finditer(text)] if _MASK_PREFIX in text else ())
     keys = _private_key_spans(sc)
     tokens = _token_spans(sc)
     if keys:
         # A token-shaped run inside a key body is base64 noise; the whole body is the secret.
-        key_starts = [k[0] for k in keys]
-
-        def inside_key(pos):
-            i = bisect.bisect_right(key_starts, pos) - 1
-            return i >= 0 and pos < keys[i][1]
-        tokens = [t for t in tokens if not inside_key(t[0])]
+        in_keys = _Taken(keys)
+        tokens = [t for t in tokens if in_keys.free(t[0], t[0] + 1)]
     accepted = []
     tiers = (lambda: tokens, lambda: keys, lambda: _url_spans(sc), lambda: _header_spans(sc),
              lambda: _assignment_spans(sc, taken) + _assignment_form_spans(sc),
              lambda: _policy_spans(sc, rules) if rules else [])
     for tier_spans in tiers:
-        tier = tier_spans()
-        tier.sort(key=lambda s: (s[0], s[0] - s[1]))
-        for start, end, kind in tier:
+        for start, end, kind in sorted(tier_spans(), key=lambda s: (s[0], s[0] - s[1])):
             # A run cut short by a mask was longer before that mask was written; leaving it
             # alone keeps a second pass from finding what the first one did not.
             if end > start and taken.free(start, end) and not text.startswith(_MASK_PREFIX, end):
@@ -4084,9 +3904,8 @@ def _rewrite(text, spans):
         rs, re_ = _replacement(text, start, end)
         if rs < last or (i + 1 < len(spans) and spans[i + 1][0] < re_):
             rs, re_ = start, end
-        pieces.append(text[last:rs])
         mask = _mask(kind)
-        pieces.append(mask)
+        pieces += [text[last:rs], mask]
         moves.append((rs, re_, rs + shift, rs + shift + len(mask)))
         shift += len(mask) - (re_ - rs)
         last = re_
@@ -4096,13 +3915,7 @@ def _rewrite(text, spans):
 
 def _map_back(pos, moves):
     """Position in rewritten text -> position in the text before the rewrite."""
-    lo, hi = 0, len(moves)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if moves[mid][2] <= pos:
-            lo = mid + 1
-        else:
-            hi = mid
+    lo = bisect.bisect_right([move[2] for move in moves], pos)
     if not lo:
         return pos
     old_s, old_e, new_s, new_e = moves[lo - 1]
@@ -4132,9 +3945,7 @@ def _tainted(text, spans, values):
     word-shaped end of the value is glued to a word character."""
     if not values:
         return spans
-    taken = _Taken()
-    for start, end, _kind in spans:
-        taken.add(start, end)
+    taken = _Taken(spans)
     if _MASK_PREFIX in text:
         for m in _MASK_RE.finditer(text):
             if taken.free(m.start(), m.end()):
@@ -4155,9 +3966,8 @@ def _tainted(text, spans, values):
 
 
 def _taint_memory(root, learn=()):
-    """(salt, {hash: kind}) or None: the masked values beyond one episode, in .memshelf/taint
-    (local, never committed; salted SHA-256 prefixes of high-entropy token values, never a value;
-    docs/redaction.md, threat model). `learn` [(value, kind)] adds to it first."""
+    """(salt, {hash: kind}) or None: .memshelf/taint, salted hashes of masked token values (never
+    a value; docs/redaction.md, threat model). `learn` [(value, kind)] adds to it first."""
     path = os.path.join(root, ".memshelf", "taint")
     try:
         lines = _read_text(path).split("\n")
@@ -4192,9 +4002,8 @@ def _taint_found(text, memory):
 
 
 def _run(text, rules, disable, legacy_compat, rewrite, found=None, values=None, memory=None):
-    """(redacted text or None, [(start, end, kind)] in original coordinates, the scan);
-    `found` is _detect's answer when the caller has it, `values` the taint of other parts,
-    `memory` the shelf's _taint_memory."""
+    """(redacted text or None, [(start, end, kind)] in original coordinates, the scan); `found`
+    is _detect's answer if known, `values` the taint of other parts, `memory` _taint_memory's."""
     sc, spans = found or _detect(text, rules, disable)
     values = dict(values or {}, **_taint_found(text, memory))
     spans = _tainted(text, spans, _taint_values(text, spans, values))
@@ -4207,33 +4016,26 @@ def _run(text, rules, disable, legacy_compat, rewrite, found=None, values=None, 
                 extra = _legacy_spans(out, sc.disable)
                 if not extra:
                     break
-                new_out, new_moves = _rewrite(out, extra)
                 for start, end, kind in extra:
                     for step in reversed(history):
                         start, end = _map_back(start, step), _map_back(end, step)
                     spans.append((start, max(end, start), kind))
-                history.append(new_moves)
-                out = new_out
+                out, moves = _rewrite(out, extra)
+                history.append(moves)
             spans.sort()
     return out, spans, sc
 
 
 def _report(kinds_lines, part):
-    counts = {}
-    hits = []
-    for kind, line in kinds_lines:
-        counts[kind] = counts.get(kind, 0) + 1
-        hits.append({"kind": kind, "part": part, "line": line})
-    return _finish_report(counts, hits)
+    hits = [{"kind": kind, "part": part, "line": line} for kind, line in kinds_lines]
+    return _finish_report(collections.Counter(hit["kind"] for hit in hits), hits)
 
 
 def _finish_report(counts, hits):
     counts = {k: counts[k] for k in sorted(counts)}
     total = sum(counts.values())
-    if total:
-        summary = "redacted %d (%s)" % (total, ", ".join(f"{k}×{n}" for k, n in counts.items()))
-    else:
-        summary = "no secrets found"
+    summary = "redacted %d (%s)" % (total, ", ".join(f"{k}×{n}" for k, n in counts.items())) \
+        if total else "no secrets found"
     return {"total": total, "counts": counts, "summary": summary, "hits": hits}
 
 
@@ -4241,8 +4043,6 @@ def redact(text, rules=None, *, disable=(), legacy_compat=False, part="text", me
     """Mask every credential-shaped string: (redacted_text, report). The report holds kinds,
     parts and line numbers, never a value. Idempotent."""
     out, spans, sc = _run(text, rules, disable, legacy_compat, True, memory=memory)
-    if not spans:
-        return text, _finish_report({}, [])
     return out, _report([(kind, sc.line_of(start)) for start, _end, kind in spans], part)
 
 
@@ -4255,9 +4055,8 @@ def find_secrets(text, rules=None, *, disable=(), legacy_compat=False, memory=No
 
 def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False, memory=None,
                  learned=None):
-    """Redact the parts of one episode together: [(part, text or None)] -> ([text or None],
-    merged report). A value detected in any part is masked in every part (the taint pass);
-    `learned`, a list, receives the (value, kind) pairs for the shelf's _taint_memory."""
+    """Redact an episode's [(part, text or None)] together, a value found in one masked in all:
+    ([text or None], merged report). `learned` (a list) receives the pairs for _taint_memory."""
     found = [None if t is None else _detect(t, rules, disable) for _p, t in parts]
     values = {}
     for (_part, text), hit in zip(parts, found):
@@ -4279,12 +4078,9 @@ def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False, memory=N
 
 def merge_redaction_reports(reports):
     """One report from several per-part reports: counts summed, hits concatenated."""
-    counts, hits = {}, []
-    for report in reports:
-        if not report:
-            continue
-        for kind, n in (report.get("counts") or {}).items():
-            counts[kind] = counts.get(kind, 0) + n
+    counts, hits = collections.Counter(), []
+    for report in filter(None, reports):
+        counts.update(report.get("counts") or {})
         hits.extend(report.get("hits") or [])
     return _finish_report(counts, hits)
 
