@@ -9847,25 +9847,21 @@ def _behind_ahead(git, upstream):
 
 
 class _SetAside:
-    """Moves uncommitted derived files and recall-log rows out of a merge's or rebase's way.
-
-    Derived files are functions of the episodes, so a local edit is dropped (they are rendered
-    again); pending recall-log rows are kept and unioned with whatever the merge brings. An
-    untracked recall log (a clone that only recalled so far) counts as all-pending rows."""
+    """Moves uncommitted derived files (dropped: they are rendered again) and recall-log rows
+    (kept, then unioned with the merge's) out of a merge's or rebase's way."""
 
     def __init__(self, git, root, target):
         self.git, self.root, self.target = git, root, target
-        self.log_text = None
-        self.log_base = None
+        self.log_text = self.log_base = None
 
     def __enter__(self):
         git = self.git
         specs = [f":(glob){s}" for s in _DERIVED_PATHSPECS] + [_RECALL_LOG]
         for x, _, rel in _shelf_status(git, *specs, renames=True, read_only=True):
-            if x in "RC":
+            if x in "RC" or rel != _RECALL_LOG and not _is_derived_path(rel):
                 continue
             path = os.path.join(self.root, rel)
-            if rel == _RECALL_LOG:
+            if rel == _RECALL_LOG:   # an untracked log (only recalls so far) is all pending rows
                 try:
                     self.log_text = _read_text(path)
                 except (OSError, ShelfError):
@@ -9873,8 +9869,6 @@ class _SetAside:
                 base = git.run("show", f"HEAD:./{rel}", check=False, read_only=True)
                 self.log_base = base.stdout.decode("utf-8", "replace") \
                     if base.returncode == 0 else ""
-            elif not _is_derived_path(rel):
-                continue
             if x != "?":
                 git.run("checkout", "-q", "HEAD", "--", rel, check=False)
             elif rel == _RECALL_LOG or git.ok("cat-file", "-e", f"{self.target}:./{rel}",
@@ -9900,10 +9894,8 @@ class _SetAside:
 
 
 def _sync_preflight(root, git):
-    """Fast-forward from the upstream before writing (git-and-sync.md § 7.1).
-
-    None on a shelf without git or remotes; a skipped report when offline or detached;
-    raises dirty-shelf / sync-diverged."""
+    """Fast-forward from the upstream before writing (git-and-sync.md § 7.1): None without git
+    or remotes, a skipped report offline or detached; raises dirty-shelf / sync-diverged."""
     if not git.is_repo():
         return None
     target, reason = _sync_target(git)
@@ -9945,9 +9937,8 @@ def _fast_forward(root, git, upstream):
 
 
 def _after_commit_sync(root, git, result, report, a):
-    """--push / --publish / autopush / --await-render after a committed shelve (§ 7.2-7.4).
-
-    Never raises: the commit is in place; a failure is sync.error and status incomplete."""
+    """--push / --publish / autopush / --await-render after a committed shelve (§ 7.2-7.4);
+    never raises: the commit is in place, a failure is sync.error and status incomplete."""
     publish = bool(a.get("publish"))
     push = bool(a.get("push")) or (not publish and
                                    _memshelf_config(root).get("autopush") is True)
@@ -10029,10 +10020,8 @@ def _push(root, git, result, report, amend=True):
 
 
 def _push_retry(root, git, remote, branch, result, report, first_words, amend):
-    """The one retry after a rejected push: fetch, rebase (derived files -> the upstream side,
-    recall log unioned), re-render in auto mode, push. None on success.
-
-    amend: fold the re-render into the rebased shelve commit (never pushed); else commit it."""
+    """The one retry after a rejected push: fetch, rebase, re-render in auto mode (amend: into
+    the rebased, never pushed shelve commit), push. None on success, else the error."""
     fetched, words = _fetch(git, remote, branch)
     if not fetched:
         return f"push rejected ({first_words}); the retry's fetch failed: {words}"
@@ -10189,20 +10178,20 @@ def scan_verb(paths=None, secrets=False, instructions=False, staged=False, shelf
     """Report secret shapes and instruction-shaped text in files (the pre-commit guard)."""
     both = not secrets and not instructions
     secrets, instructions = secrets or both, instructions or both
-    rules, root = [], None
+    rules, switches, root = [], {}, None
     if shelf_path or staged:
         root, _ = _resolve_shelf(shelf_path or ".", must_exist=bool(shelf_path))
-        rules, _ = _shelf_policy(root) if _is_shelf(root) else ([], [])
+        if _is_shelf(root):
+            rules, switches = _shelf_policy(root)[0], _redaction_switches(root)
     items = []
     if staged:
         git = _Git(root)
         if not git.is_repo():
             raise ShelfError("git-failed", f"{root} is not inside a git repository",
                              "drop --staged")
-        names = git.out("diff", "--cached", "--name-only", "--diff-filter=AM", "-z",
-                        read_only=True)
         prefix = git.prefix()
-        for name in names.split("\x00"):
+        for name in git.out("diff", "--cached", "--name-only", "--diff-filter=AM", "-z",
+                            read_only=True).split("\x00"):
             if name and name.startswith(prefix) and not _is_derived_path(name[len(prefix):]):
                 data = git.run("show", f":{name}", check=False, read_only=True).stdout
                 items.append((name, data.decode("utf-8", "replace")))
@@ -10218,7 +10207,6 @@ def scan_verb(paths=None, secrets=False, instructions=False, staged=False, shelf
             except (OSError, ShelfError) as exc:
                 raise ShelfError("io-error", f"cannot read {p}", str(exc)) from None
     findings = []
-    switches = _redaction_switches(root) if root and _is_shelf(root) else {}
     for name, text in items:
         hits = [("secret", s) for s in find_secrets(text, rules, **switches)] if secrets else []
         if instructions:
@@ -10338,9 +10326,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("merge-driver", merge_driver_verb, [
 # ==========================================================================================
 
 
-# Lifecycle: rollup folds a period into one digest-of-digests and moves the originals into the
-# archive sub-shelf; purge deletes episodes past retain_until; import turns an exported
-# transcript into a cleaned working file outside any shelf (verbs.md § 1.4, 1.5, 2.8).
+# rollup, purge and import: verbs.md § 1.4, 1.5, 2.8.
 
 # --- rollup --------------------------------------------------------------------------------
 
@@ -10709,12 +10695,11 @@ def purge(shelf_path=None, apply=False, today=None, autocommit=True):
         raise _usage(f"today {today!r} is not a real YYYY-MM-DD date", "e.g. 2026-07-22")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     today = today or _today()
+    with _lock_unless(not apply, root):
+        result = _purge_locked(root, today, apply, autocommit)
     if not apply:
-        result = _purge_locked(root, today, False, autocommit)
         _note("dry run — re-run with --apply to delete")
-        return result
-    with _ShelfLock(root):
-        return _purge_locked(root, today, True, autocommit)
+    return result
 
 
 def _purge_locked(root, today, apply, autocommit):
@@ -10723,13 +10708,10 @@ def _purge_locked(root, today, apply, autocommit):
     warnings, expired = [], []
     for r in records:
         value = r.get("retain_until")
-        if value is None:
-            continue
-        if not _is_iso_date(value):
+        if value is not None and not _is_iso_date(value):
             warnings.append(f"{r['path']}: retain_until {value!r} is not a YYYY-MM-DD date; "
                             "kept")
-            continue
-        if value < today:
+        elif value is not None and value < today:
             expired.append(r)
     expired.sort(key=lambda r: r["path"])
     listing = [{"id": r.get("id") or r["stem"], "address": r["path"],
@@ -11396,8 +11378,7 @@ def _resolve_locked(root, commit):
                                                   read_only=True)))
         for d in ("rebase-merge", "rebase-apply"))
     log_path = os.path.join(root, _RECALL_LOG)
-    touched = []
-    derived_pending = []
+    touched, derived_pending = [], []
     for rel, stages in sorted(unmerged.items()):
         if rel == _RECALL_LOG:
             sides = {n: git.run("show", f":{n}:./{rel}", check=False, read_only=True)
@@ -11458,9 +11439,7 @@ def _resolve_locked(root, commit):
     elif result["in_merge"]:
         with _Held():
             git._commit_point(("commit", "--no-edit", "-q"), ())
-        result["commit"] = git.head()
-        result["committed"] = True
-        result["in_merge"] = False
+        result.update(commit=git.head(), committed=True, in_merge=False)
     elif touched:
         result["commit"] = git.commit(touched, "resolve: regenerate derived files + union the "
                                                "recall log")
@@ -11559,16 +11538,9 @@ def _episodes_between(git, before, after):
     p = git.run("diff", "--name-status", "-z", "--no-renames", "--relative", before, after,
                 "--", "docs", "archive", check=False, read_only=True)
     items = p.stdout.decode("utf-8", "replace").split("\x00")
-    added, changed = [], []
-    for status, path in zip(items[0::2], items[1::2]):
-        if not _EPISODE_REL.match(path):
-            continue
-        stem = path.rsplit("/", 1)[-1][:-3]
-        if status.startswith("A"):
-            added.append(stem)
-        elif status.startswith("M"):
-            changed.append(stem)
-    return added, changed
+    stems = [(status[:1], path.rsplit("/", 1)[-1][:-3])
+             for status, path in zip(items[0::2], items[1::2]) if _EPISODE_REL.match(path)]
+    return [s for k, s in stems if k == "A"], [s for k, s in stems if k == "M"]
 
 
 def _text_sync(r):
@@ -11600,7 +11572,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("sync", sync_verb, [
 
 def repair(shelf_path=None):
     """Bring a git shelf back to one consistent commit, asking nothing (docs/architecture.md
-    § Interruptions); an episode that does not parse stays where it is, and is named."""
+    § Interruptions and repair); an episode that does not parse stays put, and is named."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     done, left = [], []
     result = {"status": "ok", "done": done, "left": left, "committed": False, "commit": None}
