@@ -10913,15 +10913,12 @@ def _import_title(text):
 
 
 def _claude_json_conversations(data, path):
+    convs = data
     if isinstance(data, dict):
-        if isinstance(data.get("conversations"), list):
-            convs = data["conversations"]
-        elif "chat_messages" in data:
-            convs = [data]
-        else:
+        listed = isinstance(data.get("conversations"), list)
+        if not listed and "chat_messages" not in data:
             raise _not_a_transcript(path, "a JSON object without conversations or chat_messages")
-    else:
-        convs = data
+        convs = data["conversations"] if listed else [data]
     out = []
     for i, raw in enumerate(convs):
         if not isinstance(raw, dict) or not isinstance(raw.get("chat_messages"), list):
@@ -11484,10 +11481,8 @@ def sync_verb(shelf_path=None, push=False):
                          "install git; a plain shelf has nothing to sync")
     git = _Git(root)
     if not git.is_repo():
-        report = _sync_report(skipped_reason="not a git shelf")
-        report.update(status="ok", episodes_added=[], episodes_changed=[], derived_lag=None,
-                      installed=[])
-        return report
+        return dict(_sync_report(skipped_reason="not a git shelf"), status="ok",
+                    episodes_added=[], episodes_changed=[], derived_lag=None, installed=[])
     with _ShelfLock(root):
         installed = [k for k in _install_merge_drivers(git, only_missing=True)
                      if k.endswith(".driver")]
@@ -11544,21 +11539,11 @@ def _episodes_between(git, before, after):
 
 
 def _text_sync(r):
-    lines = [r["summary"]]
-    if r.get("episodes_added"):
-        lines.append("added: " + ", ".join(r["episodes_added"]))
-    if r.get("episodes_changed"):
-        lines.append("changed: " + ", ".join(r["episodes_changed"]))
-    if r.get("derived_lag"):
-        lines.append("derived files lag the episodes (" + ", ".join(r["derived_lagging"]) +
-                     "): memshelf rebuild --commit")
-    if r.get("installed"):
-        lines.append("installed: " + ", ".join(r["installed"]))
-    if r.get("error"):
-        lines.append(f"error: {r['error']}")
-    if r.get("hint"):
-        lines.append(f"hint: {r['hint']}")
-    return "\n".join(lines)
+    lists = (("added: {}", "episodes_added"), ("changed: {}", "episodes_changed"),
+             ("derived files lag the episodes ({}): memshelf rebuild --commit", "derived_lagging"),
+             ("installed: {}", "installed"))
+    lines = [r["summary"]] + [form.format(", ".join(r[key])) for form, key in lists if r.get(key)]
+    return "\n".join(lines + [f"{key}: {r[key]}" for key in ("error", "hint") if r.get(key)])
 
 
 _EXTRA_VERB_FACTORIES.append(lambda: _Verb("sync", sync_verb, [
