@@ -9115,7 +9115,6 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("semantic", semantic, [
 # ==========================================================================================
 
 
-_GIT_AVAILABLE = []
 _GIT_NETWORK_VERBS = ("fetch", "push", "pull", "ls-remote", "clone")
 # memshelf's own merges, rebases and amends run under the shelf lock; our post-merge and
 # post-rewrite hooks would wait for that lock, so those calls run with hooks switched off.
@@ -9123,11 +9122,10 @@ _NO_HOOKS = "core.hooksPath=" + os.devnull
 _RENDER_POLL_SECONDS = 5
 
 
+@functools.lru_cache(maxsize=None)
 def _git_available():
-    if not _GIT_AVAILABLE:
-        import shutil
-        _GIT_AVAILABLE.append(shutil.which("git") is not None)
-    return _GIT_AVAILABLE[0]
+    import shutil
+    return shutil.which("git") is not None
 
 
 def _git_words(proc, limit=20):
@@ -9135,6 +9133,12 @@ def _git_words(proc, limit=20):
     text = proc.stderr.decode("utf-8", "replace").strip() or \
         proc.stdout.decode("utf-8", "replace").strip()
     return "\n".join(text.splitlines()[:limit])
+
+
+def _git_failed(proc, verb, fix):
+    msg = _git_words(proc)
+    return ShelfError("git-failed", f"git {verb} failed: {msg}", fix,
+                      {"returncode": proc.returncode, "git_message": msg})
 
 
 class _Git:
@@ -9150,18 +9154,15 @@ class _Git:
         if not _git_available():
             raise ShelfError("git-missing", "git is not installed",
                              "install git, or use a plain shelf (init --storage plain)")
-        if timeout is None:
-            timeout = 60 if args and args[0] in _GIT_NETWORK_VERBS else 10
-        env = dict(os.environ, LC_ALL="C", GIT_TERMINAL_PROMPT="0", **(env or {}))
-        if read_only:
-            env["GIT_OPTIONAL_LOCKS"] = "0"
-        cmd = ["git"]
-        for c in config:
-            cmd += ["-c", c]
-        cmd += ["-C", self.root] + list(args)
         # a local git call runs to its end, out of reach of the terminal's ^C: one killed
         # half-way leaves .git/index.lock behind; a network call stays interruptible
         local = not (args and args[0] in _GIT_NETWORK_VERBS)
+        if timeout is None:
+            timeout = 10 if local else 60
+        env = dict(os.environ, LC_ALL="C", GIT_TERMINAL_PROMPT="0", **(env or {}))
+        if read_only:
+            env["GIT_OPTIONAL_LOCKS"] = "0"
+        cmd = ["git", *(x for c in config for x in ("-c", c)), "-C", self.root, *args]
         for attempt in range(4):
             try:
                 with _Held(local):
@@ -9182,10 +9183,8 @@ class _Git:
         if check and proc.returncode != 0:
             if b"index.lock" in proc.stderr:
                 raise _git_lock_error(self)
-            msg = _git_words(proc)
-            raise ShelfError("git-failed", f"git {args[0]} failed: {msg}",
-                             "read git's message above; fix the repository and retry",
-                             {"returncode": proc.returncode, "git_message": msg})
+            raise _git_failed(proc, args[0], "read git's message above; fix the repository and "
+                              "retry")
         return proc
 
     def spawn(self, log, *args):
@@ -9233,12 +9232,8 @@ class _Git:
         return self.out("rev-parse", "-q", "--verify", "HEAD", check=False, read_only=True) or None
 
     def commit(self, paths, message, amend=False, config=()):
-        """Commit exactly these shelf-relative paths; returns the sha, or None if unchanged.
-
-        The commit is built in a private index read from HEAD, so the real index never holds
-        half of one: a refused or interrupted commit leaves nothing staged. git's update of
-        HEAD is the one commit point; then the real index takes these paths from HEAD.
-        amend=True folds them into HEAD and keeps its message."""
+        """Commit exactly these shelf-relative paths (amend: into HEAD); the sha, or None if
+        unchanged. Built in a private index, so an interrupted commit leaves nothing staged."""
         paths = sorted(set(p.rstrip("/") for p in paths if p))
         present, gone = [], []
         for p in paths:
@@ -9311,13 +9306,11 @@ class _Git:
         """A git call that moves HEAD (once an identity is found); from its success on, the verb
         is committed: a signal no longer interrupts it."""
         p = self.run(*args, check=False, config=config, env=env)
-        if p.returncode != 0 and _missing_identity(p):
+        if p.returncode != 0 and any(words in p.stderr for words in _NO_IDENTITY):
             p = self.run(*args, check=False, config=tuple(config) + _FALLBACK_IDENTITY, env=env)
         if p.returncode != 0:
-            raise ShelfError("git-failed", f"git {args[0]} failed: {_git_words(p)}",
-                             "read git's message above (a pre-commit hook may have refused); "
-                             "fix it and retry",
-                             {"returncode": p.returncode, "git_message": _git_words(p)})
+            raise _git_failed(p, args[0], "read git's message above (a pre-commit hook may have "
+                              "refused); fix it and retry")
         if args[0] != "commit-tree":
             _INTERRUPT["committed"] = True
         return p
@@ -9371,22 +9364,28 @@ def _stale_git_locks(git_dir):
 
 
 _FALLBACK_IDENTITY = ("user.name=memshelf", "user.email=memshelf@localhost")
+_NO_IDENTITY = (b"tell me who you are", b"empty ident", b"unable to auto-detect email")
 
 
-def _missing_identity(proc):
-    err = proc.stderr.decode("utf-8", "replace")
-    return "tell me who you are" in err or "empty ident" in err or \
-        "unable to auto-detect email" in err
-
-
-def _shelf_status(git):
-    """(index vs HEAD, tree vs index, shelf-relative path) of every shelf file that differs."""
-    p = git.run("status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames",
-                "--", ".", check=False)
+def _shelf_status(git, *specs, untracked="all", renames=False, read_only=False):
+    """(index vs HEAD, tree vs index, shelf-relative path) of every shelf file that differs
+    under specs (default the shelf); a rename's source is left out."""
+    p = git.run("status", "--porcelain=v1", "-z", f"--untracked-files={untracked}",
+                *(() if renames else ("--no-renames",)), "--", *(specs or (".",)), check=False,
+                read_only=read_only)
+    if p.returncode != 0:
+        return []
     prefix = git.prefix()
-    return [(item[0], item[1], item[3 + len(prefix):])
-            for item in p.stdout.decode("utf-8", "replace").split("\x00")
-            if len(item) > 3 and item[3:].startswith(prefix)] if p.returncode == 0 else []
+    out = []
+    items = iter(p.stdout.decode("utf-8", "replace").split("\x00"))
+    for item in items:
+        if len(item) < 4:
+            continue
+        if item[0] in "RC":
+            next(items, None)   # the rename's source
+        if item[3:].startswith(prefix):
+            out.append((item[0], item[1], item[3 + len(prefix):]))
+    return out
 
 
 def _git_has_pending(git, rel):
@@ -9409,18 +9408,12 @@ _DERIVED_PATHSPECS = ("ledger.tsv", "INDEX.md", "stats.svg", "docs/*/.meta.json"
 def _launcher():
     """How git hooks and drivers call memshelf: the console script, else python + this file."""
     import shutil
-    if shutil.which("memshelf"):
-        return "memshelf"
-    return _this_code()
+    return "memshelf" if shutil.which("memshelf") else _this_code()
 
 
 def _this_code():
-    """The interpreter and file running now, as a shell command.
-
-    The file is imported rather than run as a script so its cached bytecode is used: a hook
-    or driver in script mode recompiles the whole file on every commit (~0.2 s). sys.path
-    gains the file's folder first, exactly as `python3 memshelf.py` would; -S skips the site
-    packages (and their .pth start-up code), which a stdlib-only module never needs."""
+    """The interpreter and file running now, as a shell command that imports the file (its
+    cached bytecode spares ~0.2 s of compiling per commit); -S skips the site packages."""
     path = os.path.abspath(__file__)
     folder, name = os.path.split(path)
     module = name[:-3] if name.endswith(".py") else ""
@@ -9441,37 +9434,27 @@ _HOOKS = {
 
 
 def _hook_script(name, launcher):
-    body = _HOOKS[name]
-    guard = ""
-    if name == "pre-commit":
-        guard = ('if [ "${MEMSHELF_SKIP_GUARD:-}" = "1" ]; then\n'
-                 '  echo "memshelf pre-commit: MEMSHELF_SKIP_GUARD=1, nothing was scanned" >&2\n'
-                 '  exit 0\nfi\n')
-    tail = "exit $rc" if name == "pre-commit" else "exit 0"
+    guard, tail = ('if [ "${MEMSHELF_SKIP_GUARD:-}" = "1" ]; then\n'
+                   '  echo "memshelf pre-commit: MEMSHELF_SKIP_GUARD=1, nothing was scanned" >&2\n'
+                   '  exit 0\nfi\n', "exit $rc") if name == "pre-commit" else ("", "exit 0")
     # git runs a hook at the top of the work tree, which is the shelf (hooks are installed at
     # a repository's root only): "." follows the shelf when its folder is moved or copied
     return ("#!/bin/sh\n# installed by memshelf init; safe to delete\n"
             f"SHELF=.\n{guard}"
-            f"{launcher} {body} </dev/null\nrc=$?\n"
+            f"{launcher} {_HOOKS[name]} </dev/null\nrc=$?\n"
             'if [ $rc -eq 127 ] || [ $rc -eq 126 ] || [ $rc -eq 2 ]; then\n'
             '  echo "memshelf hook: memshelf could not run; skipped" >&2\n  exit 0\nfi\n'
             f"{tail}\n")
-
-
-def _ignored_by_enclosing(git, root):
-    """True when the repository around the shelf ignores the shelf's folder."""
-    top = git.toplevel()
-    rel = os.path.relpath(os.path.realpath(root), top).replace(os.sep, "/")
-    probe = _Git(top).run("check-ignore", "-q", "--", rel + "/", check=False, read_only=True)
-    return probe.returncode == 0
 
 
 def _git_init_shelf(root, storage, remote, hooks, created, updated):
     """init's git steps: repository, remote, attributes, merge drivers, local hooks."""
     git = _Git(root)
     enclosing = None
-    if git.is_repo() and not git.is_root() and _ignored_by_enclosing(git, root):
-        git._top = None   # a shelf inside a repository that ignores it keeps its own history
+    # a shelf inside a repository that ignores the shelf's folder keeps its own history
+    if git.is_repo() and not git.is_root() and \
+            _Git(git.toplevel()).ok("check-ignore", "-q", "--", git.prefix(), read_only=True):
+        git._top = None
     if not git.is_repo():
         git.run("init", "-q")
         git.run("symbolic-ref", "HEAD", "refs/heads/main")
@@ -9591,24 +9574,10 @@ def _catch_up_hint(root, remote, branch):
 
 
 def _dirty_tracked(git):
-    """Shelf-relative paths of tracked files that differ from HEAD (index or work tree)."""
-    p = git.run("status", "--porcelain", "-z", "--untracked-files=no", "--", ".", check=False,
-                read_only=True)
-    if p.returncode != 0:
-        return []
-    prefix = git.prefix()
-    out, skip = [], False
-    for item in p.stdout.decode("utf-8", "replace").split("\x00"):
-        if skip:
-            skip = False
-            continue
-        if len(item) < 4:
-            continue
-        if item[0] in "RC":
-            skip = True   # the next item is the rename's source
-        name = item[3:]
-        out.append(name[len(prefix):] if prefix and name.startswith(prefix) else name)
-    return out
+    """Shelf-relative paths of tracked files that differ from HEAD, derived files and the
+    recall log aside (they never block a pull)."""
+    return [rel for _, _, rel in _shelf_status(git, untracked="no", renames=True, read_only=True)
+            if not _is_derived_path(rel) and rel != _RECALL_LOG]
 
 
 def _fetch(git, remote, branch):
@@ -9621,8 +9590,7 @@ def _fetch(git, remote, branch):
 def _fetch_skip_reason(words, branch):
     if "couldn't find remote ref" in words:
         return f"remote has no {branch} yet"
-    lines = [l for l in words.splitlines() if l.strip()]
-    first = lines[0] if lines else "unknown error"
+    first = next((l for l in words.splitlines() if l.strip()), "unknown error")
     return "fetch failed: " + re.sub(r"^(fatal|error): ", "", first)
 
 
@@ -9635,32 +9603,21 @@ def _behind_ahead(git, upstream):
 
 
 class _SetAside:
-    """Moves uncommitted derived files and recall-log rows out of a merge's or rebase's way.
-
-    Derived files are functions of the episodes, so a local edit is dropped (they are rendered
-    again); pending recall-log rows are kept and unioned with whatever the merge brings. An
-    untracked recall log (a clone that only recalled so far) counts as all-pending rows."""
+    """Moves uncommitted derived files (dropped: they are rendered again) and recall-log rows
+    (kept, then unioned with the merge's) out of a merge's or rebase's way."""
 
     def __init__(self, git, root, target):
         self.git, self.root, self.target = git, root, target
-        self.log_text = None
-        self.log_base = None
+        self.log_text = self.log_base = None
 
     def __enter__(self):
         git = self.git
         specs = [f":(glob){s}" for s in _DERIVED_PATHSPECS] + [_RECALL_LOG]
-        p = git.run("status", "--porcelain", "-z", "--untracked-files=all", "--", *specs,
-                    check=False, read_only=True)
-        prefix = git.prefix()
-        skip = False
-        for item in p.stdout.decode("utf-8", "replace").split("\x00"):
-            if skip or len(item) < 4 or item[0] in "RC":
-                skip = not skip and item[:1] in ("R", "C")   # a rename's source follows
+        for x, _, rel in _shelf_status(git, *specs, renames=True, read_only=True):
+            if x in "RC" or rel != _RECALL_LOG and not _is_derived_path(rel):
                 continue
-            rel = item[3:][len(prefix):] if prefix and item[3:].startswith(prefix) else item[3:]
-            untracked = item.startswith("??")
             path = os.path.join(self.root, rel)
-            if rel == _RECALL_LOG:
+            if rel == _RECALL_LOG:   # an untracked log (only recalls so far) is all pending rows
                 try:
                     self.log_text = _read_text(path)
                 except (OSError, ShelfError):
@@ -9668,9 +9625,7 @@ class _SetAside:
                 base = git.run("show", f"HEAD:./{rel}", check=False, read_only=True)
                 self.log_base = base.stdout.decode("utf-8", "replace") \
                     if base.returncode == 0 else ""
-            elif not _is_derived_path(rel):
-                continue
-            if not untracked:
+            if x != "?":
                 git.run("checkout", "-q", "HEAD", "--", rel, check=False)
             elif rel == _RECALL_LOG or git.ok("cat-file", "-e", f"{self.target}:./{rel}",
                                               read_only=True):
@@ -9695,23 +9650,19 @@ class _SetAside:
 
 
 def _sync_preflight(root, git):
-    """Fast-forward from the upstream before writing (git-and-sync.md § 7.1).
-
-    None on a shelf without git or remotes; a skipped report when offline or detached;
-    raises dirty-shelf / sync-diverged."""
+    """Fast-forward from the upstream before writing (git-and-sync.md § 7.1): None without git
+    or remotes, a skipped report offline or detached; raises dirty-shelf / sync-diverged."""
     if not git.is_repo():
         return None
     target, reason = _sync_target(git)
     if target is None:
         return None if reason == "no remote configured" else _sync_report(skipped_reason=reason)
     remote, branch = target
-    blocking = [p for p in _dirty_tracked(git) if not _is_derived_path(p) and p != _RECALL_LOG]
+    blocking = _dirty_tracked(git)
     if blocking:
         more = f" and {len(blocking) - 5} more" if len(blocking) > 5 else ""
-        raise ShelfError("dirty-shelf", "tracked files are modified: " +
-                         ", ".join(blocking[:5]) + more,
-                         "commit or discard them, or pass --no-sync",
-                         {"paths": blocking[:5]})
+        raise ShelfError("dirty-shelf", "tracked files are modified: " + ", ".join(blocking[:5]) +
+                         more, "commit or discard them, or pass --no-sync", {"paths": blocking[:5]})
     fetched, words = _fetch(git, remote, branch)
     if not fetched:
         return _sync_report(skipped_reason=_fetch_skip_reason(words, branch), remote=remote,
@@ -9742,9 +9693,8 @@ def _fast_forward(root, git, upstream):
 
 
 def _after_commit_sync(root, git, result, report, a):
-    """--push / --publish / autopush / --await-render after a committed shelve (§ 7.2-7.4).
-
-    Never raises: the commit is in place; a failure is sync.error and status incomplete."""
+    """--push / --publish / autopush / --await-render after a committed shelve (§ 7.2-7.4);
+    never raises: the commit is in place, a failure is sync.error and status incomplete."""
     publish = bool(a.get("publish"))
     push = bool(a.get("push")) or (not publish and
                                    _memshelf_config(root).get("autopush") is True)
@@ -9763,8 +9713,7 @@ def _after_commit_sync(root, git, result, report, a):
                       error=f"nothing was pushed: {reason}")
         return _sync_incomplete(root, result, report, None)
     remote, branch = target
-    if report is None:
-        report = _sync_report(remote=remote, branch=branch)
+    report = report or _sync_report()
     report.update(remote=report["remote"] or remote, branch=report["branch"] or branch)
     try:
         if publish:
@@ -9814,27 +9763,21 @@ def _push(root, git, result, report, amend=True):
     local = git.out("symbolic-ref", "--short", "-q", "HEAD", check=False, read_only=True)
     track = [] if git.ok("config", "--get", f"branch.{local}.merge", read_only=True) else ["-u"]
     p = git.run("push", "-q", *track, remote, f"HEAD:refs/heads/{branch}", check=False)
-    if p.returncode == 0:
+    if p.returncode != 0:
+        words = _git_words(p)
+        report["hint"] = _catch_up_hint(root, remote, branch)
+        if not _push_rejected(words):
+            report["error"] = f"push failed: {words}"
+            return
+        report["push_retries"] = 1
+        report["error"] = _push_retry(root, git, remote, branch, result, report, words, amend)
+    if p.returncode == 0 or report["error"] is None:
         report.update(pushed=True, error=None, hint=None)
-        return
-    words = _git_words(p)
-    report["hint"] = _catch_up_hint(root, remote, branch)
-    if not _push_rejected(words):
-        report["error"] = f"push failed: {words}"
-        return
-    report["push_retries"] = 1
-    error = _push_retry(root, git, remote, branch, result, report, words, amend)
-    if error is None:
-        report.update(pushed=True, error=None, hint=None)
-    else:
-        report["error"] = error
 
 
 def _push_retry(root, git, remote, branch, result, report, first_words, amend):
-    """The one retry after a rejected push: fetch, rebase (derived files -> the upstream side,
-    recall log unioned), re-render in auto mode, push. None on success.
-
-    amend: fold the re-render into the rebased shelve commit (never pushed); else commit it."""
+    """The one retry after a rejected push: fetch, rebase, re-render in auto mode (amend: into
+    the rebased, never pushed shelve commit), push. None on success, else the error."""
     fetched, words = _fetch(git, remote, branch)
     if not fetched:
         return f"push rejected ({first_words}); the retry's fetch failed: {words}"
@@ -9875,12 +9818,8 @@ def _temporary_attributes(git):
     """An attributes file naming memshelf's drivers, for a clone that lacks .gitattributes."""
     import tempfile
     prefix = git.prefix()
-    lines = []
-    for line in _GITATTRIBUTES.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        pattern, attr = line.split()
-        lines.append(f"/{prefix}{pattern} {attr}")
+    lines = [f"/{prefix}{' '.join(line.split())}" for line in _GITATTRIBUTES.splitlines()
+             if line.strip() and not line.startswith("#")]
     fd, path = tempfile.mkstemp(prefix="memshelf-attributes-", suffix=".txt")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
@@ -9895,7 +9834,6 @@ def _publish(root, git, result, report):
         result.setdefault("warnings", []).append(
             "publish: this branch carries derived files (derived: auto); PR-guarded shelves "
             "should set \"derived\": \"bot\" in memshelf.json")
-    head = git.head()
     name = f"shelve/{result['id']}"
     p = git.run("push", "-q", remote, f"HEAD:refs/heads/{name}", check=False)
     if p.returncode != 0:
@@ -9903,7 +9841,7 @@ def _publish(root, git, result, report):
         if not _push_rejected(first):
             report["error"] = f"publish failed: {first}"
             return
-        name = f"shelve/{result['id']}-{head[:7]}"
+        name = f"shelve/{result['id']}-{git.head()[:7]}"
         p = git.run("push", "-q", remote, f"HEAD:refs/heads/{name}", check=False)
         if p.returncode != 0:
             report["error"] = (f"publish rejected for shelve/{result['id']} and {name}: "
@@ -9942,16 +9880,13 @@ def _await_render(root, git, report, seconds, published):
     remote, branch = report["remote"], report["branch"]
     upstream = f"refs/remotes/{remote}/{branch}"
     pushed = git.head()
-    prefix = git.prefix()
-    specs = [f":(glob){prefix}{s}" for s in _DERIVED_PATHSPECS]
+    specs = [f":(glob){git.prefix()}{s}" for s in _DERIVED_PATHSPECS]
     start = time.monotonic()
-    last_error = None
     while True:
         fetched, words = _fetch(git, remote, branch)
-        last_error = None if fetched else words
         if fetched and git.ok("merge-base", "--is-ancestor", pushed, upstream, read_only=True):
             count = git.out("rev-list", "--count", f"{pushed}..{upstream}", "--", *specs,
-                            check=False, read_only=True, config=())
+                            check=False, read_only=True)
             if count.isdigit() and int(count) > 0:
                 report["render_waited_s"] = round(time.monotonic() - start, 1)
                 _pull_render(root, git, report, upstream)
@@ -9964,7 +9899,7 @@ def _await_render(root, git, report, seconds, published):
         elapsed = time.monotonic() - start
         if elapsed + _RENDER_POLL_SECONDS > seconds:
             report["render_waited_s"] = round(elapsed, 1)
-            tail = f"; the last fetch failed: {last_error.splitlines()[0]}" if last_error \
+            tail = f"; the last fetch failed: {words.splitlines()[0]}" if not fetched and words \
                 else ""
             report["render_note"] = (f"no render on {remote}/{branch} within {seconds:g} s"
                                      f"{tail}; catch up later with memshelf sync")
@@ -9978,7 +9913,7 @@ def _pull_render(root, git, report, upstream):
         report["render_note"] = ("the render landed, but this clone is not an ancestor of it; "
                                  "nothing was pulled")
         return
-    dirty = [p for p in _dirty_tracked(git) if not _is_derived_path(p) and p != _RECALL_LOG]
+    dirty = _dirty_tracked(git)
     if dirty:
         report["render_note"] = ("the render landed, but tracked files are modified (dirty "
                                  f"tree: {', '.join(dirty[:3])}); nothing was pulled")
@@ -9999,27 +9934,23 @@ def scan_verb(paths=None, secrets=False, instructions=False, staged=False, shelf
     """Report secret shapes and instruction-shaped text in files (the pre-commit guard)."""
     both = not secrets and not instructions
     secrets, instructions = secrets or both, instructions or both
-    rules = []
-    root = None
+    rules, switches, root = [], {}, None
     if shelf_path or staged:
         root, _ = _resolve_shelf(shelf_path or ".", must_exist=bool(shelf_path))
-        rules, _ = _shelf_policy(root) if _is_shelf(root) else ([], [])
+        if _is_shelf(root):
+            rules, switches = _shelf_policy(root)[0], _redaction_switches(root)
     items = []
     if staged:
         git = _Git(root)
         if not git.is_repo():
             raise ShelfError("git-failed", f"{root} is not inside a git repository",
                              "drop --staged")
-        names = git.out("diff", "--cached", "--name-only", "--diff-filter=AM", "-z",
-                        read_only=True)
-        prefix = os.path.relpath(root, git.toplevel()).replace(os.sep, "/")
-        for name in [n for n in names.split("\x00") if n]:
-            rel = name if prefix == "." else (name[len(prefix) + 1:] if
-                                              name.startswith(prefix + "/") else None)
-            if rel is None or _is_derived_path(rel):
-                continue
-            data = git.run("show", f":{name}", check=False, read_only=True).stdout
-            items.append((name, data.decode("utf-8", "replace")))
+        prefix = git.prefix()
+        for name in git.out("diff", "--cached", "--name-only", "--diff-filter=AM", "-z",
+                            read_only=True).split("\x00"):
+            if name and name.startswith(prefix) and not _is_derived_path(name[len(prefix):]):
+                data = git.run("show", f":{name}", check=False, read_only=True).stdout
+                items.append((name, data.decode("utf-8", "replace")))
     else:
         for p in paths or ["-"]:
             if p == "-":
@@ -10032,16 +9963,12 @@ def scan_verb(paths=None, secrets=False, instructions=False, staged=False, shelf
             except (OSError, ShelfError) as exc:
                 raise ShelfError("io-error", f"cannot read {p}", str(exc)) from None
     findings = []
-    switches = _redaction_switches(root) if root and _is_shelf(root) else {}
     for name, text in items:
-        if secrets:
-            for s in find_secrets(text, rules, **switches):
-                findings.append({"path": name, "line": s["line"], "type": "secret",
-                                 "kind": s["kind"]})
+        hits = [("secret", s) for s in find_secrets(text, rules, **switches)] if secrets else []
         if instructions:
-            for f in scan_instructions(text):
-                findings.append({"path": name, "line": f["line"], "type": "instruction-shaped",
-                                 "kind": f["kind"]})
+            hits += [("instruction-shaped", f) for f in scan_instructions(text)]
+        findings += [{"path": name, "line": h["line"], "type": kind, "kind": h["kind"]}
+                     for kind, h in hits]
     lines = [f"{f['path']}:{f['line']}: {f['type']} {f['kind']}" for f in findings]
     if staged and findings:
         lines = [f"memshelf pre-commit: [{f['kind']}] {f['path']}:{f['line']}"
@@ -10056,19 +9983,13 @@ _CONFLICT_START = _re_lazy(r"^<{7}(?: |$)", re.M)
 
 
 def _recall_log_rows(text):
-    rows = []
-    for line in text.replace("\r\n", "\n").split("\n"):
-        if not line.strip() or line.startswith("episode_id\t"):
-            continue
-        rows.append(line)
-    return rows
+    return [line for line in text.replace("\r\n", "\n").split("\n")
+            if line.strip() and not line.startswith("episode_id\t")]
 
 
 def _row_key(row):
-    cells = row.split("\t")
-    while cells and cells[-1] == "":
-        cells.pop()
-    return tuple(cells)
+    """A row's cells without trailing empty ones (rows are never blank)."""
+    return tuple(row.rstrip("\t").split("\t"))
 
 
 def _union_recall_logs(ours, theirs, base=None):
@@ -10090,10 +10011,8 @@ def _union_recall_logs(ours, theirs, base=None):
         k = _row_key(row)
         if k not in spelling or row.count("\t") > spelling[k].count("\t"):
             spelling[k] = row
-    want = {}
-    for k in set(co) | set(ct):
-        want[k] = max(co[k] + ct[k] - cb[k], co[k], ct[k]) if cb is not None else \
-            max(co[k], ct[k])
+    want = {k: max(co[k] + ct[k] - cb[k], co[k], ct[k]) if cb is not None else
+            max(co[k], ct[k]) for k in set(co) | set(ct)}
     # ours in order, then the copies only theirs holds: its last ones (logs grow at the end)
     out = [spelling[_row_key(row)] for row in o]
     seen = Counter()
@@ -10102,12 +10021,8 @@ def _union_recall_logs(ours, theirs, base=None):
         seen[k] += 1
         if seen[k] > ct[k] - (want[k] - co[k]):
             out.append(spelling[k])
-    header = _RECALL_LOG_HEADER
-    for text in (ours, theirs, base or ""):
-        first = text.split("\n", 1)[0].rstrip("\r")
-        if first.startswith("episode_id\t"):
-            header = first + "\n"
-            break
+    firsts = (text.split("\n", 1)[0].rstrip("\r") for text in (ours, theirs, base or ""))
+    header = next((f + "\n" for f in firsts if f.startswith("episode_id\t")), _RECALL_LOG_HEADER)
     return header + "".join(r + "\n" for r in out)
 
 
@@ -10167,9 +10082,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("merge-driver", merge_driver_verb, [
 # ==========================================================================================
 
 
-# Lifecycle: rollup folds a period into one digest-of-digests and moves the originals into the
-# archive sub-shelf; purge deletes episodes past retain_until; import turns an exported
-# transcript into a cleaned working file outside any shelf (verbs.md § 1.4, 1.5, 2.8).
+# rollup, purge and import: verbs.md § 1.4, 1.5, 2.8.
 
 # --- rollup --------------------------------------------------------------------------------
 
@@ -10225,14 +10138,10 @@ def _rollup_unit_terms(rec):
     if isinstance(stored, list):
         return {k.strip().casefold() for k in stored if isinstance(k, str) and k.strip()}
     terms = {t.casefold() for t in rec.get("tags") or [] if t}
-    for word in _KEYWORD_WORD.findall(_KEYWORD_MASK.sub(" ", rec.get("display_title") or "")):
-        w = word.casefold()
-        if len(w) >= 2 and w not in _KEYWORD_STOP:
-            terms.add(w)
-    for word in _KEYWORD_WORD.findall(_KEYWORD_MASK.sub(" ", rec.get("digest") or "")):
-        w = word.casefold()
-        if len(w) >= 4 and w not in _KEYWORD_STOP:
-            terms.add(w)
+    for field, shortest in (("display_title", 2), ("digest", 4)):
+        words = _KEYWORD_WORD.findall(_KEYWORD_MASK.sub(" ", rec.get(field) or ""))
+        terms |= {w for w in map(str.casefold, words) if len(w) >= shortest and
+                  w not in _KEYWORD_STOP}
     return terms
 
 
@@ -10244,9 +10153,7 @@ def _rollup_keywords(records):
         for term in _rollup_unit_terms(rec):
             count[term] = count.get(term, 0) + 1
             newest[term] = max(newest.get(term, ""), d)
-    ranked = sorted(count)
-    ranked.sort(key=lambda t: newest[t], reverse=True)
-    ranked.sort(key=lambda t: count[t], reverse=True)
+    ranked = sorted(sorted(count), key=lambda t: (count[t], newest[t]), reverse=True)
     return ranked[:_ROLLUP_MAX_KEYWORDS]
 
 
@@ -10257,8 +10164,7 @@ def _rollup_with_keywords(digest, keywords, rules):
         base += "."
     for n in range(len(keywords), 0, -1):
         candidate = f"{base} Keywords: {', '.join(keywords[:n])}."
-        report = validate_digest(candidate, patterns=rules)
-        if not report["errors"]:
+        if not validate_digest(candidate, patterns=rules)["errors"]:
             return candidate, n
     return digest, 0
 
@@ -10277,10 +10183,8 @@ def _episode_record_from_text(rel, text, archived=False):
 def _archive_config_text(root):
     """archive/.docshelf.json: the parent's config renamed, with the archive preamble."""
     data, _ = _load_json_object(os.path.join(root, ".docshelf.json"))
-    cfg = dict(data) if isinstance(data, dict) else {k: v for k, v in _DOCSHELF_KEYS}
-    name = _docshelf_config(root)["name"]
-    cfg["name"] = f"{name} — archive"
-    cfg["preamble"] = _ARCHIVE_PREAMBLE
+    cfg = dict(data) if isinstance(data, dict) else dict(_DOCSHELF_KEYS)
+    cfg.update(name=f"{_docshelf_config(root)['name']} — archive", preamble=_ARCHIVE_PREAMBLE)
     return json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -10289,12 +10193,9 @@ def _rollup_invalid(message, fix, **details):
 
 
 def _rollup_find_live(live, key):
-    for match in (lambda r: r["stem"] == key, lambda r: r.get("id") == key,
-                  lambda r: r["stem"].casefold() == key.casefold()):
-        for r in live:
-            if match(r):
-                return r
-    return None
+    matches = (lambda r: r["stem"] == key, lambda r: r.get("id") == key,
+               lambda r: r["stem"].casefold() == key.casefold())
+    return next((r for match in matches for r in live if match(r)), None)
 
 
 def _rollup_select(root, records, slug, until, episode_ids, kinds):
@@ -10325,8 +10226,7 @@ def _rollup_select(root, records, slug, until, episode_ids, kinds):
             what = f" of kind {', '.join(kinds)}" if kinds else ""
             raise _rollup_invalid(f"nothing to fold: no live episode{what} dated on or before "
                                   f"{until}", "choose a later --until, or list --episode ids")
-    stems = {r["stem"] for r in selected} | {r.get("id") for r in selected}
-    if slug in stems:
+    if any(slug in (r["stem"], r.get("id")) for r in selected):
         raise _rollup_invalid(f"the rollup {slug} would fold itself",
                               "choose a new slug, or leave that episode out of the selection")
     existing, _ = _find_episode_path(root, slug)
@@ -10343,7 +10243,7 @@ def rollup(shelf_path=None, slug=None, digest=None, until=None, episode_ids=None
     if slug is None:
         raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words")
     slug = _check_slug(slug)
-    if digest is None or not isinstance(digest, str):
+    if not isinstance(digest, str):
         raise _usage("a digest is required", "pass --digest TEXT: a synthesis of the period")
     episode_ids = list(episode_ids or [])
     kinds = list(kinds or [])
@@ -10375,25 +10275,18 @@ def rollup(shelf_path=None, slug=None, digest=None, until=None, episode_ids=None
     args = {"slug": slug, "digest": digest, "until": until, "episode_ids": episode_ids,
             "kinds": kinds, "display_title": display_title, "sections": section_list,
             "date": date, "dry_run": dry_run, "autocommit": autocommit}
-    if dry_run:
-        return _rollup_locked(root, args)
-    with _ShelfLock(root):
+    with _lock_unless(dry_run, root):
         return _rollup_locked(root, args)
 
 
 def _rollup_locked(root, a):
     slug = a["slug"]
-    warnings = []
-    catalog = _Store(root)
-    try:
+    with _Store(root) as catalog:
         records = catalog.records()
-    finally:
-        catalog.close()
     selected = _rollup_select(root, records, slug, a["until"], a["episode_ids"], a["kinds"])
     # 3. redact and check the caller's digest exactly like shelve
     rules, problems = _shelf_policy(root)
-    for p in problems:
-        warnings.append(f"POLICY.patterns: line {p['line']}: {p['reason']}")
+    warnings = [f"POLICY.patterns: line {p['line']}: {p['reason']}" for p in problems]
     outs, redaction = redact_parts([("digest", a["digest"])] +
                                    [(f"section:{n}", b) for n, b in a["sections"]] +
                                    [("display_title", a["display_title"] or None)], rules,
@@ -10420,15 +10313,13 @@ def _rollup_locked(root, a):
     if used < len(keywords):
         warnings.append(f"the Keywords sentence carries {used} of {len(keywords)} keywords so "
                         "the digest stays within the contract")
-    starts = [s for s, _ in map(_rollup_span_bounds, selected) if s]
-    ends = [e for _, e in map(_rollup_span_bounds, selected) if e]
+    bounds = [b for b in map(_rollup_span_bounds, selected) if b[0]]
     date = a["date"] or _today()
-    if starts:
-        first, last = min(starts), max(ends)
-        span = first if first == last else f"{first}..{last}"
-    else:
-        span = date
+    first, last = (min(b[0] for b in bounds), max(b[1] for b in bounds)) if bounds else \
+        (date, date)
+    span = first if first == last else f"{first}..{last}"
     n = len(selected)
+    episodes = f"{n} episode{'s' if n != 1 else ''}"
     description, _ = _cap_description(_first_sentence(digest))   # the INDEX line, as shelve
     body = _canonical_sections(sections)
     if not any(name == "Decisions" for name, _ in body):
@@ -10463,19 +10354,12 @@ def _rollup_locked(root, a):
               "warnings": warnings, "committed": False, "commit": None}
     if a["dry_run"]:
         moved = {m["from"]: m["to"] for m in moves}
-        after = []
-        for r in records:
-            if r["path"] in moved:
-                r = dict(r, path=moved[r["path"]], archived=True)
-            after.append(r)
-        after.append(_episode_record_from_text(address, text))
-        rendered = _render_derived(root, records=after,
-                                   index_only=True)["files"].get("INDEX.md")
+        after = [dict(r, path=moved[r["path"]], archived=True) if r["path"] in moved else r
+                 for r in records] + [_episode_record_from_text(address, text)]
         result.update(status="dry-run", episode_text=text,
-                      index_tokens_after=tokens(rendered) if rendered is not None
-                      else index_before,
-                      summary=f"dry run: would fold {n} episode{'s' if n != 1 else ''} into "
-                              f"{slug} ({', '.join(result['archived'])}); nothing written")
+                      index_tokens_after=_rendered_index_tokens(root, after, index_before),
+                      summary=f"dry run: would fold {episodes} into {slug} "
+                              f"({', '.join(result['archived'])}); nothing written")
         return result
     # 6. move, write, render, commit; any failure restores every touched path
     _check_cancelled()
@@ -10486,7 +10370,7 @@ def _rollup_locked(root, a):
                 sorted({"archive/docs/" + r["category"] for r in selected})
                 if not os.path.isdir(os.path.join(root, d))]
     progress = _Progress("rolling up", n)
-    paths, written = [], []
+    paths = []
     try:
         if not os.path.exists(os.path.join(root, "archive", ".docshelf.json")):
             journal.write("archive/.docshelf.json", _archive_config_text(root))
@@ -10498,19 +10382,14 @@ def _rollup_locked(root, a):
             journal.move(move["from"], move["to"])
         journal.write(address, text)
         paths += [m["from"] for m in moves] + [m["to"] for m in moves] + [address]
+        written = []
         if mode == "auto":
-            rendered = _render_derived(root)
-            for rel, content in rendered["files"].items():
-                if journal.write_if_changed(rel, content):
-                    written.append(rel)
-            result["derived"] = {"mode": "auto", "written": written}
-        else:
-            result["derived"] = {"mode": "bot", "written": []}
+            written, rendered = _journal_render(root, journal)
+            paths += rendered
+        result["derived"] = {"mode": mode, "written": written}
         if git.is_repo() and a["autocommit"]:
             _check_cancelled()
-            result["commit"] = git.commit(paths + written + (list(rendered["files"]) if
-                                                             mode == "auto" else []),
-                                          f"rollup: {slug} ({n} episode{'s' if n != 1 else ''})")
+            result["commit"] = git.commit(paths, f"rollup: {slug} ({episodes})")
             result["committed"] = result["commit"] is not None
     except BaseException:
         journal.restore()
@@ -10522,15 +10401,24 @@ def _rollup_locked(root, a):
         raise
     finally:
         progress.done()
-    if mode == "auto":
-        result["index_tokens_after"] = _rollup_index_tokens(root)
-    else:
-        fresh = _render_derived(root, index_only=True)["files"].get("INDEX.md")
-        result["index_tokens_after"] = tokens(fresh) if fresh is not None else index_before
-    result["summary"] = (f"rolled up {n} episode{'s' if n != 1 else ''} into {slug} · INDEX "
+    result["index_tokens_after"] = _rollup_index_tokens(root) if mode == "auto" else \
+        _rendered_index_tokens(root, None, index_before)
+    result["summary"] = (f"rolled up {episodes} into {slug} · INDEX "
                          f"~{result['index_tokens_before']} → ~{result['index_tokens_after']} "
                          "tok" + (" · committed" if result["committed"] else ""))
     return result
+
+
+def _journal_render(root, journal):
+    """Every derived file rendered and written through the journal: (paths written or
+    deleted, every rendered path)."""
+    files = _render_derived(root)["files"]
+    return [rel for rel, text in files.items() if journal.write_if_changed(rel, text)], list(files)
+
+
+def _rendered_index_tokens(root, records, fallback):
+    fresh = _render_derived(root, records=records, index_only=True)["files"].get("INDEX.md")
+    return tokens(fresh) if fresh is not None else fallback
 
 
 def _rollup_index_tokens(root):
@@ -10538,6 +10426,12 @@ def _rollup_index_tokens(root):
         return tokens(_read_text(os.path.join(root, "INDEX.md")))
     except (OSError, ShelfError):
         return 0
+
+
+def _lock_unless(dry_run, root):
+    """The shelf lock for a verb that writes; a dry run reads without it."""
+    import contextlib
+    return contextlib.nullcontext() if dry_run else _ShelfLock(root)
 
 
 # --- purge ---------------------------------------------------------------------------------
@@ -10557,41 +10451,31 @@ def purge(shelf_path=None, apply=False, today=None, autocommit=True):
         raise _usage(f"today {today!r} is not a real YYYY-MM-DD date", "e.g. 2026-07-22")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     today = today or _today()
+    with _lock_unless(not apply, root):
+        result = _purge_locked(root, today, apply, autocommit)
     if not apply:
-        result = _purge_locked(root, today, False, autocommit)
         _note("dry run — re-run with --apply to delete")
-        return result
-    with _ShelfLock(root):
-        return _purge_locked(root, today, True, autocommit)
+    return result
 
 
 def _purge_locked(root, today, apply, autocommit):
-    catalog = _Store(root)
-    try:
+    with _Store(root) as catalog:
         records = catalog.records()
-    finally:
-        catalog.close()
     warnings, expired = [], []
     for r in records:
         value = r.get("retain_until")
-        if value is None:
-            continue
-        if not _is_iso_date(value):
+        if value is not None and not _is_iso_date(value):
             warnings.append(f"{r['path']}: retain_until {value!r} is not a YYYY-MM-DD date; "
                             "kept")
-            continue
-        if value < today:
+        elif value is not None and value < today:
             expired.append(r)
     expired.sort(key=lambda r: r["path"])
     listing = [{"id": r.get("id") or r["stem"], "address": r["path"],
                 "retain_until": r["retain_until"], "archived": r["archived"]} for r in expired]
     gone = {r["stem"] for r in expired} | {r.get("id") for r in expired if r.get("id")}
-    expired_paths = {r["path"] for r in expired}
     for r in records:
-        if r["path"] in expired_paths:
-            continue
         lost = [s for s in r.get("supersedes") or [] if s in gone]
-        if lost:
+        if lost and r not in expired:
             warnings.append(f"{r['path']} supersedes {', '.join(lost)}, which "
                             f"{'is' if apply else 'would be'} purged")
     git = _Git(root)
@@ -10614,24 +10498,19 @@ def _purge_locked(root, today, apply, autocommit):
     mode = _derived_mode(root)
     journal = _Journal(root)
     progress = _Progress("purging", n)
-    written = []
+    paths = [r["path"] for r in expired]
     try:
-        for i, r in enumerate(expired):
+        for i, rel in enumerate(paths):
             progress.update(i, "deleting episodes")
-            journal.remove(r["path"])
+            journal.remove(rel)
         if mode == "auto":
-            rendered = _render_derived(root)
-            for rel, content in rendered["files"].items():
-                if journal.write_if_changed(rel, content):
-                    written.append(rel)
-            if "stats.svg" not in rendered["files"] and \
-                    journal.write_if_changed("stats.svg", None):
-                written.append("stats.svg")
+            _, rendered = _journal_render(root, journal)
+            paths += rendered
+            if "stats.svg" not in rendered and journal.write_if_changed("stats.svg", None):
+                paths.append("stats.svg")
         if history and autocommit:
             _check_cancelled()
-            result["commit"] = git.commit([r["path"] for r in expired] + written +
-                                          (list(rendered["files"]) if mode == "auto" else []),
-                                          f"purge: {n} episode(s) past retain_until")
+            result["commit"] = git.commit(paths, f"purge: {n} episode(s) past retain_until")
             result["committed"] = result["commit"] is not None
     except BaseException:
         journal.restore()
@@ -10652,7 +10531,6 @@ _IMPORT_FORMATS = ("auto", "claude-json", "claude-code-jsonl", "chatgpt-json", "
 _IMPORT_SNIPPET_CHARS = 140
 _CUT_GAP_SECONDS = 3600
 _CUT_MIN_MESSAGES = 2
-_SILENT_BLOCKS = ("thinking", "redacted_thinking", "image", "document")
 _TOPIC_CHANGE = _re_lazy(
     r"^\W*(?:(?:ok(?:ay)?|thanks|thank you|great|cool|good)\b[\s,.!-]*)?"
     r"(?:new topic|next topic|different topic|another topic|change of topic|switching gears|"
@@ -10667,8 +10545,7 @@ _MD_ROLES = {"user": "user", "human": "user", "you": "user", "me": "user",
              "gpt": "assistant", "ai": "assistant", "model": "assistant", "bot": "assistant"}
 _MD_SPEAKER = _re_lazy(
     r"^(?:#{1,6}[ \t]+(?:\[\d+\][ \t]+)?(?P<h>[A-Za-z]+)[ \t]*:?[ \t]*$"
-    r"|(?:>[ \t]*)?\*\*(?P<b>[A-Za-z]+)[ \t]*:\*\*[ \t]?(?P<brest>.*)$"
-    r"|(?:>[ \t]*)?\*\*(?P<b2>[A-Za-z]+)\*\*[ \t]*:[ \t]?(?P<b2rest>.*)$"
+    r"|(?:>[ \t]*)?\*\*(?P<b>[A-Za-z]+)(?:[ \t]*:\*\*|\*\*[ \t]*:)[ \t]?(?P<brest>.*)$"
     r"|(?P<p>[A-Za-z]+):[ \t]?(?P<prest>.*)$)")
 _ISO_STAMP = _re_lazy(r"(\d{4})-(\d{2})-(\d{2})[T ](\d{2}):(\d{2}):(\d{2})")
 
@@ -10704,17 +10581,10 @@ def _import_blocks_text(content):
         return "", 0
     parts, stripped = [], 0
     for block in content:
-        if isinstance(block, str):
-            if block.strip():
-                parts.append(block.strip())
-            continue
-        if not isinstance(block, dict):
-            continue
-        kind = str(block.get("type") or "")
-        if kind == "text":
-            text = block.get("text")
-            if isinstance(text, str) and text.strip():
-                parts.append(text.strip())
+        kind = str(block.get("type") or "") if isinstance(block, dict) else ""
+        text = block if isinstance(block, str) else block.get("text") if kind == "text" else None
+        if isinstance(text, str) and text.strip():
+            parts.append(text.strip())
         elif "tool" in kind:
             stripped += 1
         # thinking, images and unknown block types are dropped without a count
@@ -10736,9 +10606,7 @@ def _read_claude_code(path, progress):
     stem = os.path.basename(path).rsplit(".", 1)[0]
     conv = _import_conversation(stem, None)
     valid = bad = 0
-    seen_dialogue = False
-    summary_title = None
-    last_id = None
+    seen_dialogue, summary_title, last_id = False, None, None
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             if number % 500 == 0:
@@ -10749,9 +10617,8 @@ def _read_claude_code(path, progress):
                 continue
             try:
                 event = json.loads(line.decode("utf-8"))
-            except (ValueError, UnicodeDecodeError):
-                bad += 1
-                continue
+            except ValueError:   # UnicodeDecodeError included
+                event = None
             if not isinstance(event, dict):
                 bad += 1
                 continue
@@ -10802,15 +10669,12 @@ def _import_title(text):
 
 
 def _claude_json_conversations(data, path):
+    convs = data
     if isinstance(data, dict):
-        if isinstance(data.get("conversations"), list):
-            convs = data["conversations"]
-        elif "chat_messages" in data:
-            convs = [data]
-        else:
+        listed = isinstance(data.get("conversations"), list)
+        if not listed and "chat_messages" not in data:
             raise _not_a_transcript(path, "a JSON object without conversations or chat_messages")
-    else:
-        convs = data
+        convs = data["conversations"] if listed else [data]
     out = []
     for i, raw in enumerate(convs):
         if not isinstance(raw, dict) or not isinstance(raw.get("chat_messages"), list):
@@ -10837,26 +10701,27 @@ def _claude_json_conversations(data, path):
     return out
 
 
+def _obj(value):
+    """A JSON value where an object is expected: itself, or {} when it is anything else."""
+    return value if isinstance(value, dict) else {}
+
+
 def _chatgpt_branch(mapping, current):
-    """Node ids from the root to current_node: the branch the user last saw."""
-    chain, seen = [], set()
-    node = current if current in mapping else None
-    if node is None:   # no usable current_node: follow the newest child from the root
-        roots = [k for k, v in mapping.items() if isinstance(v, dict) and
-                 v.get("parent") not in mapping]
-        node = roots[0] if roots else None
-        while node is not None and node not in seen:
-            seen.add(node)
-            chain.append(node)
-            kids = [k for k in (mapping[node].get("children") or []) if k in mapping]
-            node = kids[-1] if kids else None
-        return chain
-    while node is not None and node in mapping and node not in seen:
+    """Node ids from the root to current_node: the branch the user last saw (without one, the
+    newest child at each step from the root)."""
+    chain, seen, upward = [], set(), current in mapping
+    if upward:
+        node, step = current, lambda entry: entry.get("parent")
+    else:
+        node = next((k for k, v in mapping.items() if isinstance(v, dict) and
+                     v.get("parent") not in mapping), None)
+        step = lambda entry: next((k for k in reversed(entry.get("children") or [])
+                                   if k in mapping), None)
+    while node in mapping and node not in seen:
         seen.add(node)
         chain.append(node)
-        entry = mapping[node] if isinstance(mapping[node], dict) else {}
-        node = entry.get("parent")
-    return list(reversed(chain))
+        node = step(_obj(mapping[node]))
+    return chain[::-1] if upward else chain
 
 
 def _chatgpt_conversations(data, path):
@@ -10869,16 +10734,12 @@ def _chatgpt_conversations(data, path):
         conv = _import_conversation(raw.get("id") or raw.get("conversation_id") or i, None,
                                  len(json.dumps(raw, ensure_ascii=False)))
         for node in _chatgpt_branch(mapping, raw.get("current_node")):
-            msg = (mapping.get(node) or {}).get("message") if isinstance(mapping.get(node),
-                                                                          dict) else None
-            if not isinstance(msg, dict):
-                continue
-            role = ((msg.get("author") or {}).get("role")) if isinstance(msg.get("author"),
-                                                                        dict) else None
-            content = msg.get("content") if isinstance(msg.get("content"), dict) else {}
+            msg = _obj(_obj(mapping.get(node)).get("message"))
+            role = _obj(msg.get("author")).get("role")
+            content = _obj(msg.get("content"))
             ctype = content.get("content_type")
-            meta = msg.get("metadata") if isinstance(msg.get("metadata"), dict) else {}
-            if meta.get("is_visually_hidden_from_conversation") or role == "system":
+            if _obj(msg.get("metadata")).get("is_visually_hidden_from_conversation") or \
+                    role == "system":
                 continue
             parts = content.get("parts") if isinstance(content.get("parts"), list) else []
             text = "\n\n".join(p.strip() for p in parts if isinstance(p, str) and p.strip())
@@ -10902,25 +10763,22 @@ def _chatgpt_conversations(data, path):
 def _markdown_conversation(text, path):
     """A plain Markdown transcript: speaker lines (User:, **Assistant:**, ## User) start turns."""
     conv = _import_conversation(os.path.basename(path).rsplit(".", 1)[0], None, len(text))
-    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     role, buf, title, fence = None, [], None, None
-    for line in lines:
+    for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
         m = _FENCE_OPEN.match(line)
-        if fence:
-            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and \
+        if fence or m:
+            if not fence:
+                fence = m.group(1)
+            elif m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and \
                     not m.group(2).strip():
                 fence = None
-            buf.append(line)
-            continue
-        if m:
-            fence = m.group(1)
             buf.append(line)
             continue
         sp = _MD_SPEAKER.match(line)
         name = rest = None
         if sp:
-            name = sp.group("h") or sp.group("b") or sp.group("b2") or sp.group("p")
-            rest = sp.group("brest") or sp.group("b2rest") or sp.group("prest") or ""
+            name = sp.group("h") or sp.group("b") or sp.group("p")
+            rest = sp.group("brest") or sp.group("prest") or ""
         if name and name.casefold() in _MD_ROLES:
             if role is not None:
                 _import_add_message(conv, role, "\n".join(buf).strip())
@@ -10961,10 +10819,10 @@ def _read_transcript(path, fmt, progress):
         if exc.start < len(head) - 4:   # a character cut at the 64 KiB edge is fine
             raise _not_a_transcript(path, f"it is not UTF-8 text (byte {exc.start})") from None
         head_text = head[:exc.start].decode("utf-8")
-    head_text = head_text.lstrip("\ufeff")
-    first = head_text.lstrip()[:1]
+    head_text = head_text.lstrip("\ufeff").lstrip()
+    first = head_text[:1]
     if fmt == "auto":
-        first_line = head_text.lstrip().split("\n", 1)[0].strip()
+        first_line = head_text.split("\n", 1)[0].strip()
         if path.lower().endswith(".jsonl"):
             fmt = "claude-code-jsonl"
         elif path.lower().endswith((".md", ".markdown", ".txt")) or first not in ("[", "{"):
@@ -11034,24 +10892,18 @@ def _import_cuts(conv):
     if not msgs:
         return []
     starts = [(0, "start")]
-    for i in range(1, len(msgs)):
-        msg = msgs[i]
+    for i, (prev, msg) in enumerate(zip(msgs, msgs[1:]), 1):
         if msg["role"] != "user" or i - starts[-1][0] < _CUT_MIN_MESSAGES:
             continue
-        prev = msgs[i - 1]
-        reason = None
         if msg["time"] is not None and prev["time"] is not None and \
                 msg["time"] - prev["time"] >= _CUT_GAP_SECONDS:
-            reason = "gap"
+            starts.append((i, "gap"))
         elif _TOPIC_CHANGE.search(msg["text"][:120]):
-            reason = "topic-change"
+            starts.append((i, "topic-change"))
         elif _HEADING_LIKE.match(msg["text"].lstrip()):
-            reason = "heading"
-        if reason:
-            starts.append((i, reason))
+            starts.append((i, "heading"))
     cuts = []
-    for k, (start, reason) in enumerate(starts):
-        end = starts[k + 1][0] if k + 1 < len(starts) else len(msgs)
+    for (start, reason), end in zip(starts, [i for i, _ in starts[1:]] + [len(msgs)]):
         arc = msgs[start:end]
         words = " ".join(arc[0]["text"].split()).split(" ")
         first_words = " ".join(words[:12]) + ("…" if len(words) > 12 else "")
@@ -11065,8 +10917,7 @@ def _import_snippet(text, markers):
     flat = " ".join(text.split())
     if not markers:
         return flat[:_IMPORT_SNIPPET_CHARS] + ("…" if len(flat) > _IMPORT_SNIPPET_CHARS else "")
-    i = flat.casefold().find(markers[0].casefold())
-    i = max(i, 0)
+    i = max(flat.casefold().find(markers[0].casefold()), 0)
     start = max(0, i - _IMPORT_SNIPPET_CHARS // 2 + len(markers[0]) // 2)
     end = min(len(flat), start + _IMPORT_SNIPPET_CHARS)
     start = max(0, end - _IMPORT_SNIPPET_CHARS)
@@ -11089,7 +10940,6 @@ def _redact_transcript(conv, enabled):
 def _import_output_path(out, conv):
     """Where extract writes: (None, name) for a private new temp folder (the default, and an MCP
     bare name); (folder, path) for a CLI path, anywhere outside .git."""
-    base = "a private new temporary folder"
     if out is None:
         slug = _slugify(conv["title"] or "")[:60].strip("-_")
         if _slug_problem(slug):
@@ -11100,14 +10950,13 @@ def _import_output_path(out, conv):
     if not isinstance(out, str) or not out.strip():
         raise _usage("out must be a file name", "pass a name such as auth-refactor.md")
     if _context("mcp"):
-        name = out
-        if "/" in name or "\\" in name or name in (".", "..") or name[0] in ".-" or \
-                len(name) > 128 or name.strip() != name or \
-                any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name) or \
-                name.split(".")[0].lower() in _DEVICE_NAMES:
-            raise _usage(f"out {out!r} must be a bare file name",
-                         f"pass a name such as auth-refactor.md; the file goes to {base}")
-        return None, name
+        if "/" in out or "\\" in out or out in (".", "..") or out[0] in ".-" or \
+                len(out) > 128 or out.strip() != out or \
+                any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in out) or \
+                out.split(".")[0].lower() in _DEVICE_NAMES:
+            raise _usage(f"out {out!r} must be a bare file name", "pass a name such as "
+                         "auth-refactor.md; the file goes to a private new temporary folder")
+        return None, out
     target = os.path.abspath(os.path.expanduser(out))
     parent = os.path.realpath(os.path.dirname(target))
     parts = (parent + os.sep + os.path.basename(target)).split(os.sep)
@@ -11151,8 +11000,7 @@ def import_transcript(method=None, path=None, format="auto", markers=None, limit
 
 
 def _import_matches(conv, markers):
-    text = (conv["title"] or "") + "\n" + _import_text(conv)
-    folded = text.casefold()
+    folded = ((conv["title"] or "") + "\n" + _import_text(conv)).casefold()
     return all(m.casefold() in folded for m in markers)
 
 
@@ -11172,10 +11020,9 @@ def _import_discover(source, fmt, convs, markers, limit, redact_on, name):
     warnings = list(convs[0].get("warnings", [])) if convs else []
     lines = [f"{len(matched)} of {len(convs)} conversation(s) in {name} ({fmt})" +
              (f" match {', '.join(repr(m) for m in markers)}" if markers else "") +
-             (f"; showing {len(listing)}" if len(listing) < len(matched) else "")]
-    for c in listing:
-        lines.append(f"  [{c['index']}] {c['id']}  {c['title']}  ({c['messages']} messages, "
-                     f"~{c['approx_tokens']} tok, {c['stripped_blocks']} tool blocks)")
+             (f"; showing {len(listing)}" if len(listing) < len(matched) else "")] + [
+        f"  [{c['index']}] {c['id']}  {c['title']}  ({c['messages']} messages, "
+        f"~{c['approx_tokens']} tok, {c['stripped_blocks']} tool blocks)" for c in listing]
     return {"status": "ok", "method": "discover", "format": fmt, "path": source,
             "conversations": listing, "total": len(convs), "matched": len(matched),
             "shown": len(listing), "truncated": len(listing) < len(matched),
@@ -11234,22 +11081,20 @@ def _import_extract(source, fmt, convs, markers, select, out, redact_on, name):
     approx = tokens(text)
     source_tokens = chosen["source_chars"] // 4
     noise = round(max(0.0, 1 - approx / source_tokens), 2) if source_tokens else 0.0
-    arcs = len(cuts)
-    nxt = (f"Read {target} one arc at a time (proposed_cuts give message ranges; the file's "
-           f"'## [n]' headings number the messages). Write one episode per arc with mode "
-           "import (memshelf shelve --mode import …, approx_tokens from the arc) plus one "
-           "session episode for the whole conversation; the transcript itself is never "
-           "shelved. Delete the working file when done.")
-    count = len(chosen["messages"])
+    arcs, count = len(cuts), len(chosen["messages"])
     return {"status": "ok", "method": "extract", "format": fmt, "id": chosen["id"],
             "title": chosen["title"], "output_path": target,
-            "messages": len(chosen["messages"]), "stripped_blocks": chosen["stripped"],
+            "messages": count, "stripped_blocks": chosen["stripped"],
             "approx_tokens": approx, "source_tokens": source_tokens, "noise_ratio": noise,
             "redaction": report, "redacted": bool(redact_on), "proposed_cuts": cuts,
             "warnings": list(chosen.get("warnings", [])) +
             ([] if redact_on else ["--no-redact: credentials in the transcript are in the "
                                    "working file as they were"]),
-            "next": nxt,
+            "next": f"Read {target} one arc at a time (proposed_cuts give message ranges; the "
+                    "file's '## [n]' headings number the messages). Write one episode per arc "
+                    "with mode import (memshelf shelve --mode import …, approx_tokens from the "
+                    "arc) plus one session episode for the whole conversation; the transcript "
+                    "itself is never shelved. Delete the working file when done.",
             "summary": f"extracted {count} message{'s' if count != 1 else ''} (~{approx} tok of "
                        f"~{source_tokens} in the source, {chosen['stripped']} tool blocks "
                        f"stripped) to {target}; {arcs} proposed arc{'s' if arcs != 1 else ''}"
@@ -11275,20 +11120,18 @@ def resolve(shelf_path=None, commit=False):
 
 
 def _resolve_locked(root, commit):
-    git = _Git(root) if _git_available() else None
-    in_git = bool(git and git.is_repo())
+    git = _Git(root)
+    in_git = git.is_repo()
     result = {"status": "ok", "resolved": [], "regenerated": [], "unresolved": [], "notes": [],
-              "in_merge": False, "committed": False, "commit": None}
+              "in_merge": in_git and git.ok("rev-parse", "-q", "--verify", "MERGE_HEAD",
+                                            read_only=True), "committed": False, "commit": None}
     unmerged = _unmerged_paths(git) if in_git else {}
-    if in_git:
-        result["in_merge"] = git.ok("rev-parse", "-q", "--verify", "MERGE_HEAD", read_only=True)
     rebasing = in_git and any(
         os.path.isdir(os.path.join(root, git.out("rev-parse", "--git-path", d,
                                                   read_only=True)))
         for d in ("rebase-merge", "rebase-apply"))
     log_path = os.path.join(root, _RECALL_LOG)
-    touched = []
-    derived_pending = []
+    touched, derived_pending = [], []
     for rel, stages in sorted(unmerged.items()):
         if rel == _RECALL_LOG:
             sides = {n: git.run("show", f":{n}:./{rel}", check=False, read_only=True)
@@ -11349,9 +11192,7 @@ def _resolve_locked(root, commit):
     elif result["in_merge"]:
         with _Held():
             git._commit_point(("commit", "--no-edit", "-q"), ())
-        result["commit"] = git.head()
-        result["committed"] = True
-        result["in_merge"] = False
+        result.update(commit=git.head(), committed=True, in_merge=False)
     elif touched:
         result["commit"] = git.commit(touched, "resolve: regenerate derived files + union the "
                                                "recall log")
@@ -11396,10 +11237,8 @@ def sync_verb(shelf_path=None, push=False):
                          "install git; a plain shelf has nothing to sync")
     git = _Git(root)
     if not git.is_repo():
-        report = _sync_report(skipped_reason="not a git shelf")
-        report.update(status="ok", episodes_added=[], episodes_changed=[], derived_lag=None,
-                      installed=[])
-        return report
+        return dict(_sync_report(skipped_reason="not a git shelf"), status="ok",
+                    episodes_added=[], episodes_changed=[], derived_lag=None, installed=[])
     with _ShelfLock(root):
         installed = [k for k in _install_merge_drivers(git, only_missing=True)
                      if k.endswith(".driver")]
@@ -11420,11 +11259,8 @@ def sync_verb(shelf_path=None, push=False):
                     report["error"] = exc.message
         after = git.head()
         added, changed = _episodes_between(git, before, after)
-        catalog = _Store(root)
-        try:
+        with _Store(root) as catalog:
             records = catalog.records()
-        finally:
-            catalog.close()
         lag = None
         if _derived_mode(root) == "auto":
             files = _render_derived(root, records)["files"]
@@ -11453,34 +11289,17 @@ def _episodes_between(git, before, after):
     p = git.run("diff", "--name-status", "-z", "--no-renames", "--relative", before, after,
                 "--", "docs", "archive", check=False, read_only=True)
     items = p.stdout.decode("utf-8", "replace").split("\x00")
-    added, changed = [], []
-    for status, path in zip(items[0::2], items[1::2]):
-        if not _EPISODE_REL.match(path):
-            continue
-        stem = path.rsplit("/", 1)[-1][:-3]
-        if status.startswith("A"):
-            added.append(stem)
-        elif status.startswith("M"):
-            changed.append(stem)
-    return added, changed
+    stems = [(status[:1], path.rsplit("/", 1)[-1][:-3])
+             for status, path in zip(items[0::2], items[1::2]) if _EPISODE_REL.match(path)]
+    return [s for k, s in stems if k == "A"], [s for k, s in stems if k == "M"]
 
 
 def _text_sync(r):
-    lines = [r["summary"]]
-    if r.get("episodes_added"):
-        lines.append("added: " + ", ".join(r["episodes_added"]))
-    if r.get("episodes_changed"):
-        lines.append("changed: " + ", ".join(r["episodes_changed"]))
-    if r.get("derived_lag"):
-        lines.append("derived files lag the episodes (" + ", ".join(r["derived_lagging"]) +
-                     "): memshelf rebuild --commit")
-    if r.get("installed"):
-        lines.append("installed: " + ", ".join(r["installed"]))
-    if r.get("error"):
-        lines.append(f"error: {r['error']}")
-    if r.get("hint"):
-        lines.append(f"hint: {r['hint']}")
-    return "\n".join(lines)
+    lists = (("added: {}", "episodes_added"), ("changed: {}", "episodes_changed"),
+             ("derived files lag the episodes ({}): memshelf rebuild --commit", "derived_lagging"),
+             ("installed: {}", "installed"))
+    lines = [r["summary"]] + [form.format(", ".join(r[key])) for form, key in lists if r.get(key)]
+    return "\n".join(lines + [f"{key}: {r[key]}" for key in ("error", "hint") if r.get(key)])
 
 
 _EXTRA_VERB_FACTORIES.append(lambda: _Verb("sync", sync_verb, [
@@ -11493,11 +11312,8 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("sync", sync_verb, [
 # --- repair: back to one consistent commit (docs/architecture.md § Interruptions) -----------
 
 def repair(shelf_path=None):
-    """Bring a git shelf back to one consistent commit, asking nothing: stale git locks go,
-    committed files missing from the tree come back from HEAD, staged entries of files not on
-    disk are dropped, every valid episode that differs from HEAD is committed, derived files
-    are re-rendered (auto) or put back to HEAD (bot). No episode that was committed or written
-    is lost: one that does not parse stays where it is, and is named."""
+    """Bring a git shelf back to one consistent commit, asking nothing (docs/architecture.md
+    § Interruptions and repair); an episode that does not parse stays put, and is named."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     done, left = [], []
     result = {"status": "ok", "done": done, "left": left, "committed": False, "commit": None}
