@@ -13635,53 +13635,44 @@ def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, 
 # Claimed economy comes from the episodes through the catalog, realized economy from the
 # recall log; ledger.tsv is read only to report how far it lags.
 
-def _stats_window(root, context_window):
-    if context_window is not None:
-        if isinstance(context_window, bool) or not isinstance(context_window, int) or \
-                context_window < 1:
-            raise _usage(f"context_window must be a positive integer, got {context_window!r}",
-                         "pass a token count such as 200000")
-    return _context_window(root, context_window)
+def _not_count(value, minimum=1):
+    """True unless value is a whole number (not a bool) of at least minimum."""
+    return isinstance(value, bool) or not isinstance(value, int) or value < minimum
+
+
+def _index_text(root):
+    """INDEX.md as a session loads it; empty when it is missing or unreadable."""
+    try:
+        return _read_text(os.path.join(root, "INDEX.md"))
+    except (OSError, ShelfError):
+        return ""
 
 
 def _median(values):
     ordered = sorted(values)
-    n = len(ordered)
-    mid = n // 2
-    value = ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    mid = len(ordered) // 2
+    value = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
     return int(value) if value == int(value) else value
-
-
-def _stats_banner(t):
-    text = _banner_core(t)
-    if t.get("capped_episodes"):
-        text += (f" · {t['capped_episodes']} clipped to a "
-                 f"{_human_count(t['context_window'])} window")
-    if t.get("realized_savings"):
-        text += f" · realized saved {_human_count(t['realized_savings'])}"
-    return text
 
 
 def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_episode=False):
     """Token accounting: standing cost, shelved mass, compression, realized savings."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
-    window = _stats_window(root, context_window)
+    if context_window is not None and _not_count(context_window):
+        raise _usage(f"context_window must be a positive integer, got {context_window!r}",
+                     "pass a token count such as 200000")
+    window = _context_window(root, context_window)
     with _Store(root) as catalog:
         records = catalog.render_records()
     eps = [r for r in records if r.get("id")]
-    try:
-        index_text = _read_text(os.path.join(root, "INDEX.md"))
-    except (OSError, ShelfError):
-        index_text = ""
-    fmt = _index_format(root)
+    index_text = _index_text(root)
     index_tokens = tokens(index_text)
-    index_entries = len(_index_entries(index_text, "docshelf" if fmt == "docshelf"
-                                       else "compact"))
+    index_entries = len(_index_entries(index_text, "docshelf" if _index_format(root) ==
+                                       "docshelf" else "compact"))
     digest_tokens = sum(r["digest_tokens"] for r in eps)
     claimed = [r for r in eps if r.get("approx_src") != "unmeasured"]
     unmeasured = [r for r in eps if r.get("approx_src") == "unmeasured"]
     sizes = {r["stem"]: max(r["approx_tokens"] or 0, 0) for r in claimed}
-    work_volume = sum(sizes.values())
     shelved_mass = sum(min(v, window) for v in sizes.values())
     capped = sum(1 for v in sizes.values() if v > window)
     unmeasured_digest = sum(r["digest_tokens"] for r in unmeasured)
@@ -13693,66 +13684,56 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     rows, _problems = _recall_log_entries(root)
     today = datetime.date.fromisoformat(_utc_today())
     recent = 0
-    realized = 0
-    per_id = {}
+    per_id = {}   # stem -> [recalls, fetched tokens, saved tokens]
     for stem, _section, fetched, date in rows:
         saved = max(min(sizes.get(stem, 0), window) - fetched, 0)
-        realized += saved
-        entry = per_id.setdefault(stem, [0, 0, 0])
-        entry[0] += 1
-        entry[1] += fetched
-        entry[2] += saved
-        if date is not None:
-            age = (today - datetime.date.fromisoformat(date)).days
-            if 0 <= age < 30:
-                recent += 1
-    fetched_total = sum(row[2] for row in rows)
-
+        per_id[stem] = [a + b for a, b in zip(per_id.get(stem, (0, 0, 0)), (1, fetched, saved))]
+        if date is not None and 0 <= (today - datetime.date.fromisoformat(date)).days < 30:
+            recent += 1
+    realized = sum(entry[2] for entry in per_id.values())
     ledger_ids = set(_read_ledger(root)[2])
-    lag = sum(1 for r in eps if r["id"] not in ledger_ids)
-
     result = {"status": "ok", "episodes": len(eps),
               "episodes_archived": sum(1 for r in eps if r["archived"]),
               "index_tokens": index_tokens, "index_entries": index_entries,
               "index_tokens_per_entry": round((index_tokens - _INDEX_BASE_TOKENS) /
                                               index_entries, 1) if index_entries else 0.0,
               "digest_tokens": digest_tokens, "standing_cost": standing,
-              "work_volume": work_volume, "shelved_mass": shelved_mass,
+              "work_volume": sum(sizes.values()), "shelved_mass": shelved_mass,
               "capped_episodes": capped, "context_window": window,
               "unmeasured_episodes": len(unmeasured),
               "unmeasured_digest_tokens": unmeasured_digest,
               "compression_ratio": ratio, "recalls": len(rows),
-              "episodes_recalled": len(per_id), "fetched_tokens": fetched_total,
+              "episodes_recalled": len(per_id), "fetched_tokens": sum(row[2] for row in rows),
               "realized_savings": realized,
               "recall_cost_per_question": index_tokens + _median([row[2] for row in rows])
               if rows else None,
-              "recalls_30d": recent, "ledger_lag": lag}
+              "recalls_30d": recent,
+              "ledger_lag": sum(1 for r in eps if r["id"] not in ledger_ids)}
     if not rows:
         result["note"] = ("no recalls logged yet: realized numbers need logged recalls "
                           "(memshelf recall logs each one)")
-    result["banner"] = _stats_banner({"episodes": len(eps), "standing_cost": standing,
-                                      "shelved_mass": shelved_mass, "compression_ratio": ratio,
-                                      "unmeasured": len(unmeasured), "capped_episodes": capped,
-                                      "context_window": window,
-                                      "realized_savings": realized})
+    text = _banner_core(dict(result, unmeasured=len(unmeasured)))
+    if capped:
+        text += f" · {capped} clipped to a {_human_count(window)} window"
+    if realized:
+        text += f" · realized saved {_human_count(realized)}"
+    result["banner"] = text
     if per_episode:
-        breakdown = []
+        result["per_episode"] = []
         for r in sorted(eps, key=lambda r: (r["date"], r["stem"])):
             size = sizes.get(r["stem"])
             recalls, fetched, saved = per_id.get(r["stem"], (0, 0, 0))
-            breakdown.append({"id": r["id"], "address": r["path"], "archived": r["archived"],
-                              "approx_tokens": r["approx_tokens"],
-                              "approx_tokens_source": r.get("approx_src") or "estimate",
-                              "mass": min(size, window) if size is not None else 0,
-                              "capped": size is not None and size > window,
-                              "digest_tokens": r["digest_tokens"], "recalls": recalls,
-                              "fetched_tokens": fetched, "realized_savings": saved})
-        result["per_episode"] = breakdown
+            result["per_episode"].append({
+                "id": r["id"], "address": r["path"], "archived": r["archived"],
+                "approx_tokens": r["approx_tokens"],
+                "approx_tokens_source": r.get("approx_src") or "estimate",
+                "mass": min(size, window) if size is not None else 0,
+                "capped": size is not None and size > window, "digest_tokens": r["digest_tokens"],
+                "recalls": recalls, "fetched_tokens": fetched, "realized_savings": saved})
     if chart:
         svg = _render_chart(_ledger_rows(records)[0])
         if svg is None:
-            raise ShelfError("nothing-to-chart",
-                             "no episode with an id yet: nothing to chart",
+            raise ShelfError("nothing-to-chart", "no episode with an id yet: nothing to chart",
                              "shelve an episode first, then run memshelf stats --chart")
         with _ShelfLock(root):
             _atomic_write(os.path.join(root, "stats.svg"), svg)
@@ -13775,14 +13756,14 @@ _ADVISE_INDEX_SHARE = 0.03       # INDEX above this share of the window makes a 
 
 
 def _advise_int(value, what, where, minimum=0):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if _not_count(value, minimum):
         raise _usage(f"{where}: {what} must be a whole number ≥ {minimum}, got {value!r}",
                      "see: memshelf advise --help")
     return value
 
 
 def _advise_spec(spec):
-    """One CLI --occupant SPEC: LABEL=TOKENS[,live|closed|unknown][,idle=N][,kind=K][,episode=ID]."""
+    """One CLI --occupant SPEC, parsed into an occupant object and validated."""
     where = f"--occupant {spec!r}"
     fix = "write LABEL=TOKENS[,live|closed|unknown][,idle=N][,kind=K][,episode=ID]"
     label, sep, rest = spec.partition("=")
@@ -13804,10 +13785,8 @@ def _advise_spec(spec):
             if not re.fullmatch(r"\d+", value.strip()):
                 raise _usage(f"{where}: idle={value!r} is not a number of turns", fix)
             occ["idle_turns"] = int(value.strip())
-        elif eq and key == "kind":
-            occ["kind"] = value.strip()
-        elif eq and key == "episode":
-            occ["episode_id"] = value.strip()
+        elif eq and key in ("kind", "episode"):
+            occ["kind" if key == "kind" else "episode_id"] = value.strip()
         else:
             raise _usage(f"{where}: unknown attribute {part!r}", fix)
     return _advise_occupant(occ, where)
@@ -13850,10 +13829,8 @@ def _advise_occupant(obj, where):
 
 
 def _advise_occupants(occupants, occupants_json):
-    out = []
-    for n, item in enumerate(occupants or []):
-        out.append(_advise_spec(item) if isinstance(item, str)
-                   else _advise_occupant(item, f"occupant {n + 1}"))
+    out = [_advise_spec(item) if isinstance(item, str) else
+           _advise_occupant(item, f"occupant {n + 1}") for n, item in enumerate(occupants or [])]
     if occupants_json is not None:
         raw = _read_input_file(occupants_json, "--occupants-json")
         try:
@@ -13865,8 +13842,8 @@ def _advise_occupants(occupants, occupants_json):
             data = data["occupants"]
         if not isinstance(data, list):
             raise _usage("--occupants-json must hold a JSON list of occupant objects")
-        for n, item in enumerate(data):
-            out.append(_advise_occupant(item, f"--occupants-json item {n + 1}"))
+        out += [_advise_occupant(item, f"--occupants-json item {n + 1}")
+                for n, item in enumerate(data)]
     return out
 
 
@@ -13876,21 +13853,17 @@ def _advise_index_lines(text, fmt):
     for line in text.split("\n"):
         if line.startswith("## "):
             in_section = True
-            continue
-        if line.startswith("# ") or line == "---":
+        elif line.startswith("# ") or line == "---":
             in_section = False
-            continue
-        if not in_section or not line.startswith("- "):
-            continue
-        key = None
-        if fmt == "docshelf":
-            m = re.search(r"`([^`/]+)\.md`\s*$", line) or re.search(r"/([^/()]+)\.md\)", line)
-            key = m.group(1) if m else None
-        else:
-            m = _ENTRY_LINE.match(line)
-            key = (m.group(1) or m.group(2)) if m else None
-        if key:
-            costs[key] = (len(line) + 1) / 4
+        elif in_section and line.startswith("- "):
+            if fmt == "docshelf":
+                m = re.search(r"`([^`/]+)\.md`\s*$", line) or re.search(r"/([^/()]+)\.md\)", line)
+                key = m.group(1) if m else None
+            else:
+                m = _ENTRY_LINE.match(line)
+                key = (m.group(1) or m.group(2)) if m else None
+            if key:
+                costs[key] = (len(line) + 1) / 4
     return costs
 
 
@@ -13904,16 +13877,14 @@ def _advise_standing_cost(line_costs, eps):
 
 
 def _advise_rollup(root, live, index_tokens, budget, line_costs, over_entry_budget,
-                   listed, entry_tokens, allowance):
-    """A rollup proposal when INDEX rides above 3 % of the window, oldest episodes first."""
-    notes = []
+                   listed, entry_tokens, allowance, proposals, notes):
+    """Propose a rollup when INDEX rides above 3 % of the window, oldest episodes first."""
     target = int(budget * _ADVISE_INDEX_SHARE)
     if index_tokens <= target:
-        return None, notes
-    dated = sorted([r for r in live if _rollup_date(r)], key=lambda r: (_rollup_date(r),
-                                                                       r["stem"]))
+        return
+    dated = sorted([r for r in live if _rollup_date(r)], key=lambda r: (_rollup_date(r), r["stem"]))
     if len(dated) < 2:
-        return None, notes
+        return
     if over_entry_budget:
         notes.append(f"INDEX is also over its per-entry budget (~{entry_tokens} tokens per "
                      f"entry against an allowance of {allowance}): that is doctor's index-bloat, "
@@ -13937,15 +13908,14 @@ def _advise_rollup(root, live, index_tokens, budget, line_costs, over_entry_budg
         notes.append(f"folding every dated episode still leaves INDEX above {target} tokens "
                      f"({_ADVISE_INDEX_SHARE:.0%} of the window); the header and preamble are a "
                      "floor")
-    proposal = {"action": "rollup", "target": f"{len(covered)} episodes through {until}",
-                "tokens": reclaimed,
-                "why": f"INDEX is ~{index_tokens} tokens, {index_tokens / budget:.1%} of the "
-                       f"window (worth folding above {_ADVISE_INDEX_SHARE:.0%}), and it rides in "
-                       "every session; recall, search and stats still reach folded episodes",
-                "command": f"memshelf rollup --shelf {_shell_quote(root)} --slug "
-                           f"{until}-rollup --until {until} --digest "
-                           "'<the period: who decided what; what is still open>'"}
-    return proposal, notes
+    proposals.append({
+        "action": "rollup", "target": f"{len(covered)} episodes through {until}",
+        "tokens": reclaimed,
+        "why": f"INDEX is ~{index_tokens} tokens, {index_tokens / budget:.1%} of the "
+               f"window (worth folding above {_ADVISE_INDEX_SHARE:.0%}), and it rides in "
+               "every session; recall, search and stats still reach folded episodes",
+        "command": f"memshelf rollup --shelf {_shell_quote(root)} --slug {until}-rollup --until "
+                   f"{until} --digest '<the period: who decided what; what is still open>'"})
 
 
 def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_turns=10,
@@ -13962,10 +13932,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     eps = [r for r in records if r.get("id")]
     live = [r for r in eps if not r["archived"]]
     fmt = "docshelf" if _index_format(root) == "docshelf" else "compact"
-    try:
-        index_text = _read_text(os.path.join(root, "INDEX.md"))
-    except (OSError, ShelfError):
-        index_text = ""
+    index_text = _index_text(root)
     index_tokens = tokens(index_text)   # what a session actually loads, stale or not
     line_costs = _advise_index_lines(index_text, fmt)
     if not line_costs and live:   # no usable INDEX on disk: price the lines a render would have
@@ -13980,16 +13947,14 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     cost, cost_source = _advise_standing_cost(line_costs, eps)
     min_tokens = _ADVISE_PROPOSAL_FACTOR * cost
     memory = standing if include_memory_overhead else 0
-    known = {}
+    known, titles = {}, {}
     for r in eps:
         known.setdefault(r["stem"], r)
         known.setdefault(r["id"], r)
-    folded = {k.casefold(): r for k, r in known.items()}
-    titles = {}
-    for r in eps:
         titles.setdefault(r["stem"].casefold(), r["stem"])
         if r.get("display_title"):
             titles.setdefault(" ".join(r["display_title"].split()).casefold(), r["stem"])
+    folded = {k.casefold(): r for k, r in known.items()}
     breakdown = {"static": 0, "memory": memory, "live": 0, "reclaimable": 0}
     proposals, notes = [], []
     unstated = too_small = 0
@@ -14025,7 +13990,6 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
             breakdown["reclaimable"] += size
             reason = "reported closed" if occ["state"] == "closed" else \
                 f"idle for {idle} turns (stale after {stale_after})"
-            net = size - cost
             if size < min_tokens:
                 too_small += 1
                 continue
@@ -14035,7 +13999,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
             slug = f"{_today()}-{slug}" if slug and not _slug_problem(f"2026-01-01-{slug}") \
                 else "<YYYY-MM-DD>-<slug>"
             proposals.append({
-                "action": "shelve", "target": label, "tokens": net,
+                "action": "shelve", "target": label, "tokens": size - cost,
                 "why": f"{reason}; net of the ~{cost} tokens ({cost_source}) its INDEX line and "
                        "digest will cost every later session",
                 "command": f"memshelf shelve --shelf {q} --slug {slug} --kind {kind} "
@@ -14045,12 +14009,9 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
         breakdown["live"] += size
         if occ["state"] == "unknown" and idle is None:
             unstated += 1
-    rollup_proposal, rollup_notes = _advise_rollup(
-        root, live, index_tokens, budget, line_costs, listed and index_tokens > index_budget,
-        listed, entry_tokens, allowance)
-    notes += rollup_notes
-    if rollup_proposal is not None:
-        proposals.append(rollup_proposal)
+    _advise_rollup(root, live, index_tokens, budget, line_costs,
+                   listed and index_tokens > index_budget, listed, entry_tokens, allowance,
+                   proposals, notes)
     if not reported:
         notes.insert(0, "no occupants reported: this covers the shelf side only; pass what is "
                         "in the window (label and approximate tokens each) for the full picture")
@@ -14115,12 +14076,8 @@ def _export_patterns(root):
 
 
 def _is_private(rec, patterns):
-    for tag in rec.get("tags") or []:
-        folded = tag.casefold()
-        for p in patterns:
-            if folded == p or (p.endswith("*") and folded.startswith(p[:-1])):
-                return True
-    return False
+    return any(t == p or (p.endswith("*") and t.startswith(p[:-1]))
+               for t in map(str.casefold, rec.get("tags") or []) for p in patterns)
 
 
 def _view_records(root, archive=True, label="reading episodes"):
@@ -14152,6 +14109,18 @@ def _episode_body(root, rec, skip=False):
         _note(f"skipped an unreadable episode: {getattr(exc, 'message', exc)}")
         return None
     return read["fields"], episode.body
+
+
+def _view_bodies(root, recs, label):
+    """(record, body) for each record with progress; an unreadable body is None."""
+    progress = _Progress(label, len(recs))
+    try:
+        for n, r in enumerate(recs):
+            progress.update(n)
+            found = _episode_body(root, r, skip=True)
+            yield r, found[1] if found else None
+    finally:
+        progress.done()
 
 
 def _body_sections(body):
@@ -14214,9 +14183,7 @@ def _id_pattern(ids):
 
 
 def _stem_of_reference(ref, by_stem, by_id):
-    if ref in by_stem:
-        return ref
-    return by_id.get(ref)
+    return ref if ref in by_stem else by_id.get(ref)
 
 
 # --- tags ---------------------------------------------------------------------------------
@@ -14276,38 +14243,29 @@ def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=Non
               "title": _record_title(r), "archived": bool(r["archived"])} for r in recs]
     pattern = _id_pattern(by_stem)
     edges = {}
-    progress = _Progress("reading mentions", len(recs))
-    try:
-        for n, r in enumerate(recs):
-            progress.update(n)
-            found = _episode_body(root, r, skip=True)
-            for heading, text in _body_sections(found[1]) if found else ():
-                if section is not None and not _section_matches(heading, section):
+    for r, body in _view_bodies(root, recs, "reading mentions"):
+        for heading, text in _body_sections(body) if body is not None else ():
+            if section is not None and not _section_matches(heading, section):
+                continue
+            for target in (m.group(0) for m in pattern.finditer(text)) if pattern else ():
+                if target == r["stem"]:
                     continue
-                for m in pattern.finditer(text) if pattern else ():
-                    target = m.group(0)
-                    if target == r["stem"]:
-                        continue
-                    e = edges.setdefault((r["stem"], target, "mention"),
-                                         {"from": r["stem"], "to": target, "type": "mention",
-                                          "sections": [], "count": 0})
-                    e["count"] += 1
-                    if heading is not None and heading not in e["sections"]:
-                        e["sections"].append(heading)
-            for ref in r["supersedes"]:
-                target = _stem_of_reference(ref, by_stem, by_id)
-                if target and target != r["stem"]:
-                    edges[(r["stem"], target, "supersedes")] = {
-                        "from": r["stem"], "to": target, "type": "supersedes", "sections": [],
-                        "count": 1}
-    finally:
-        progress.done()
+                e = edges.setdefault((r["stem"], target, "mention"), {
+                    "from": r["stem"], "to": target, "type": "mention", "sections": [],
+                    "count": 0})
+                e["count"] += 1
+                if heading is not None and heading not in e["sections"]:
+                    e["sections"].append(heading)
+        for target in (_stem_of_reference(ref, by_stem, by_id) for ref in r["supersedes"]):
+            if target and target != r["stem"]:
+                edges[(r["stem"], target, "supersedes")] = {
+                    "from": r["stem"], "to": target, "type": "supersedes", "sections": [],
+                    "count": 1}
     edge_list = [edges[k] for k in sorted(edges)]
-    payload = {"nodes": nodes, "edges": edge_list}
     if format == "mermaid":
         text = _mermaid(nodes, edge_list, all_nodes)
     else:
-        text = json.dumps(payload, ensure_ascii=False, indent=2)
+        text = json.dumps({"nodes": nodes, "edges": edge_list}, ensure_ascii=False, indent=2)
     if out_path:
         _write_out(out_path, text)
     return {"status": "ok", "format": format, "section": section, "nodes": nodes,
@@ -14323,9 +14281,7 @@ def _mermaid(nodes, edges, all_nodes):
     linked = {e["from"] for e in edges} | {e["to"] for e in edges}
     shown = [n for n in nodes if all_nodes or n["id"] in linked]
     names = {n["id"]: f"n{i}" for i, n in enumerate(shown, 1)}
-    lines = ["graph LR"]
-    for n in shown:
-        lines.append(f'    {names[n["id"]]}["{_mermaid_label(n["id"])}"]')
+    lines = ["graph LR"] + [f'    {names[n["id"]]}["{_mermaid_label(n["id"])}"]' for n in shown]
     for e in edges:
         a, b = names[e["from"]], names[e["to"]]
         if e["type"] == "supersedes":
@@ -14421,8 +14377,7 @@ def _supersession_chains(recs, in_period):
     return [c for c in chains if any(s in in_period for s in c)]
 
 
-def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
-          include_private=False):
+def retro(shelf_path=None, quarter=None, since=None, until=None, out=None, include_private=False):
     """A Markdown retrospective of a quarter or a date range (§ 4.5); no model involved."""
     label, start, end = _retro_period(quarter, since, until)
     out_path = _check_out_path(out) if out is not None else None
@@ -14433,7 +14388,6 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
     in_range = [r for r in recs if r["date"] and start <= r["date"] <= end]
     private = [r for r in in_range if not include_private and _is_private(r, patterns)]
     chosen = [r for r in in_range if r not in private]
-    name = _docshelf_config(root)["name"]
     counts = {k: 0 for k in KINDS}
     mass = {k: 0 for k in KINDS}
     for r in chosen:
@@ -14443,57 +14397,42 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
             mass[kind] += min(max(r["approx_tokens"] or 0, 0), window)
     period = f"{start if start != '0001-01-01' else 'the start'} … " \
         f"{end if end != '9999-12-31' else 'now'}"
+    archived = sum(1 for r in chosen if r["archived"])
     lines = [f"# Retrospective {label}", "",
-             f"Shelf **{name}** · {period} · {len(chosen)} episodes · "
+             f"Shelf **{_docshelf_config(root)['name']}** · {period} · {len(chosen)} episodes · "
              f"~{_human_count(sum(mass.values()))} tokens shelved"
-             + (f" · {sum(1 for r in chosen if r['archived'])} archived"
-                if any(r["archived"] for r in chosen) else ""), ""]
+             + (f" · {archived} archived" if archived else ""), ""]
     if private:
         lines += [f"{len(private)} episode(s) tagged private left out "
                   "(--include-private adds them).", ""]
     lines += ["## Counts", "", "| kind | episodes | shelved mass |", "|---|---:|---:|"]
-    for k in KINDS:
-        lines.append(f"| {k} | {counts[k]} | {_human_count(mass[k])} |")
-    lines += [f"| **total** | {len(chosen)} | {_human_count(sum(mass.values()))} |", ""]
-    lines += ["## Episodes", ""]
+    lines += [f"| {k} | {counts[k]} | {_human_count(mass[k])} |" for k in KINDS]
+    lines += [f"| **total** | {len(chosen)} | {_human_count(sum(mass.values()))} |", "",
+              "## Episodes", ""]
     if not chosen:
         lines += ["_No episodes in this period._", ""]
-    bodies = {}
     for cat in CATEGORIES:
         group = [r for r in chosen if r["category"] == cat]
         if not group:
             continue
         lines += [f"### {_HEADINGS[cat]}", ""]
         for r in group:
-            desc = _record_description(r)
-            title = _record_title(r)
-            entry = f"- {r['date']} · `{r['stem']}`"
-            if title != r["stem"]:
-                entry += f" **{title}**"
-            if desc:
-                entry += f" — {desc}"
-            if r["archived"]:
-                entry += " _(archived)_"
-            lines.append(entry)
+            title, desc = _record_title(r), _record_description(r)
+            lines.append(f"- {r['date']} · `{r['stem']}`"
+                         + (f" **{title}**" if title != r["stem"] else "")
+                         + (f" — {desc}" if desc else "")
+                         + (" _(archived)_" if r["archived"] else ""))
         lines.append("")
-    progress = _Progress("reading episodes", len(chosen))
-    try:
-        for n, r in enumerate(chosen):
-            progress.update(n)
-            found = _episode_body(root, r, skip=True)
-            bodies[r["stem"]] = _body_sections(found[1]) if found else []
-    finally:
-        progress.done()
+    bodies = {r["stem"]: _split_sections(body)[1] if body is not None else []
+              for r, body in _view_bodies(root, chosen, "reading episodes")}
     lines += ["## Decisions", ""]
     decided = False
     for r in chosen:
-        found = _find_section([s for s in bodies[r["stem"]] if s[0] is not None], "Decisions")
+        found = _find_section(bodies[r["stem"]], "Decisions")
         bullets = _first_bullets(found[1]) if found else []
         if bullets:
             decided = True
-            lines.append(f"**`{r['stem']}`**")
-            lines += [f"- {b}" for b in bullets]
-            lines.append("")
+            lines += [f"**`{r['stem']}`**"] + [f"- {b}" for b in bullets] + [""]
     if not decided:
         lines += ["_No Decisions sections in this period._", ""]
     lines += ["## Still open", ""]
@@ -14501,8 +14440,7 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
                       key=lambda r: (r["date"], r["stem"]), reverse=True)
     opened = False
     for r in sessions[:3]:
-        found = _find_section([s for s in bodies[r["stem"]] if s[0] is not None],
-                              "Open threads")
+        found = _find_section(bodies[r["stem"]], "Open threads")
         text = found[1].strip() if found else ""
         if text:
             if not opened:
