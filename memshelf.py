@@ -14495,17 +14495,12 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
     if not wanted:
         raise _usage("fork needs at least one --episode ID", "pass the ids to continue from")
     names = [_check_view_section(s) for s in (sections or [])]
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                               or budget < 1):
+    if budget is not None and _not_count(budget):
         raise _usage(f"--budget must be a positive number of tokens (got {budget!r})",
                      "e.g. --budget 8000")
     out_path = _check_out_path(out) if out is not None else None
     root, _ = _resolve_shelf(shelf_path)
-    chosen = []
-    for raw in wanted:
-        rel, _ = _resolve_episode(root, raw)
-        if rel not in chosen:
-            chosen.append(rel)
+    chosen = list(dict.fromkeys(_resolve_episode(root, raw)[0] for raw in wanted))
     recs = _view_records(root)
     by_path = {r["path"]: r for r in recs}
     patterns = _export_patterns(root)
@@ -14513,28 +14508,22 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
     superseded = _superseded_map(recs)
     blocks, left_out, missing = [], [], []
     matched_any = set()
-    for rel in chosen:
-        r = by_path.get(rel)
-        if r is None:
-            continue
+    for r in (by_path[rel] for rel in chosen if rel in by_path):
         if r["stem"] in hidden:
             left_out.append({"id": r["stem"], "tokens": None, "reason": "private"})
             continue
         _, body = _episode_body(root, r)
-        parts = []
-        if names:
-            secs = [s for s in _body_sections(body) if s[0] is not None]
-            for name in names:
-                found = _find_section(secs, name)
-                if found:
-                    matched_any.add(name)
-                    parts.append((found[0], f"## {found[0]}\n{found[1].strip()}"))
-                else:
-                    missing.append({"id": r["stem"], "section": name})
-            if not parts:
-                continue
-        else:
-            parts.append((None, body.strip()))
+        parts = [] if names else [(None, body.strip())]
+        secs = _split_sections(body)[1] if names else []
+        for name in names:
+            found = _find_section(secs, name)
+            if found:
+                matched_any.add(name)
+                parts.append((found[0], f"## {found[0]}\n{found[1].strip()}"))
+            else:
+                missing.append({"id": r["stem"], "section": name})
+        if not parts:
+            continue
         wrapped = "\n\n".join(
             _envelope(r["stem"], content, heading, scan_instructions(content),
                       superseded.get(r["stem"]))
@@ -14552,9 +14541,9 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
     index_block = None
     if not no_index:
         index_text = _export_index(root, recs, hidden)
-        index_block = {"id": "INDEX", "text": "## Shelf INDEX\n\n" + _envelope(
-            "INDEX", index_text.rstrip("\n"), None, scan_instructions(index_text)) + "\n"}
-        index_block["tokens"] = tokens(index_block["text"])
+        text = "## Shelf INDEX\n\n" + _envelope("INDEX", index_text.rstrip("\n"), None,
+                                                scan_instructions(index_text)) + "\n"
+        index_block = {"id": "INDEX", "text": text, "tokens": tokens(text)}
     name = _docshelf_config(root)["name"]
     ordered = ([index_block] if index_block else []) + blocks
     included, over = ordered, []
@@ -14577,11 +14566,10 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
             else:
                 over.append({"id": b["id"], "tokens": b["tokens"], "reason": "budget"})
     left_out = left_out + over
-    for x in left_out:
-        if out_path is None:
-            why = "tagged private (--include-private adds it)" if x["reason"] == "private" \
-                else f"over the --budget of {budget} tokens"
-            _note(f"left out {x['id']}: {why}")
+    for x in left_out if out_path is None else ():
+        why = "tagged private (--include-private adds it)" if x["reason"] == "private" \
+            else f"over the --budget of {budget} tokens"
+        _note(f"left out {x['id']}: {why}")
     episode_blocks = [b for b in included if b is not index_block]
     with_index = index_block is not None and index_block in included
     header = _fork_header(name, episode_blocks, blocks, left_out, missing, budget, with_index)
@@ -14750,20 +14738,14 @@ class _MirrorMarkdown:
 
     # -- inline --
     def text(self, s, links=True):
-        if not s:
-            return ""
-        if self.id_pattern is None or not links:
-            return _esc(s)
         out, pos = [], 0
-        for m in self.id_pattern.finditer(s):
+        for m in self.id_pattern.finditer(s) if s and links and self.id_pattern else ():
             href = self.href_of(m.group(0))
-            if href is None:
-                continue
-            out.append(_esc(s[pos:m.start()]))
-            out.append(f'<a href="{_esc(href)}">{_esc(m.group(0))}</a>')
-            pos = m.end()
-        out.append(_esc(s[pos:]))
-        return "".join(out)
+            if href is not None:
+                out.append(_esc(s[pos:m.start()]) +
+                           f'<a href="{_esc(href)}">{_esc(m.group(0))}</a>')
+                pos = m.end()
+        return "".join(out) + _esc(s[pos:])
 
     def inline(self, s, links=True):
         out, pos = [], 0
@@ -14822,10 +14804,6 @@ class _MirrorMarkdown:
                 para.clear()
         while i < len(lines):
             line = lines[i]
-            if not line.strip():
-                flush()
-                i += 1
-                continue
             fence = _MD_FENCE.match(line)
             if fence and not (fence.group(1)[0] == "`" and "`" in fence.group(2)):
                 flush()
@@ -14841,14 +14819,13 @@ class _MirrorMarkdown:
                 out.append("<pre><code>" + _esc("\n".join(body)) + "</code></pre>")
                 continue
             heading = _MD_HEADING.match(line)
-            if heading:
-                flush()
-                level = min(len(heading.group(1)) + shift, 6)
-                out.append(f"<h{level}>{self.inline(heading.group(2) or '')}</h{level}>")
-                i += 1
-                continue
-            if _MD_RULE.match(line) and not para:
-                out.append("<hr>")
+            if heading or not line.strip() or (_MD_RULE.match(line) and not para):
+                flush()   # a blank line, a heading or a rule: each ends the paragraph
+                if heading:
+                    level = min(len(heading.group(1)) + shift, 6)
+                    out.append(f"<h{level}>{self.inline(heading.group(2) or '')}</h{level}>")
+                elif line.strip():
+                    out.append("<hr>")
                 i += 1
                 continue
             if line.lstrip().startswith(">"):
@@ -14881,19 +14858,15 @@ class _MirrorMarkdown:
         return out
 
     def table(self, rows):
-        def cells(row):
+        def row_html(row, tag):
             row = row.strip()
-            if row.startswith("|"):
-                row = row[1:]
+            row = row[1:] if row.startswith("|") else row
             if row.endswith("|") and not row.endswith("\\|"):
                 row = row[:-1]
-            return [c.strip() for c in re.split(r"(?<!\\)\|", row)]
-        head = cells(rows[0])
-        html_rows = ["<tr>" + "".join(f"<th>{self.inline(c)}</th>" for c in head) + "</tr>"]
-        for row in rows[1:]:
-            html_rows.append("<tr>" + "".join(f"<td>{self.inline(c)}</td>"
-                                              for c in cells(row)) + "</tr>")
-        return "<table>" + "".join(html_rows) + "</table>"
+            return "<tr>" + "".join(f"<{tag}>{self.inline(c.strip())}</{tag}>"
+                                    for c in re.split(r"(?<!\\)\|", row)) + "</tr>"
+        return ("<table>" + row_html(rows[0], "th") + "".join(row_html(r, "td") for r in rows[1:])
+                + "</table>")
 
     def list_block(self, lines, i, shift, out):
         first = _MD_ITEM.match(lines[i])
@@ -14902,44 +14875,38 @@ class _MirrorMarkdown:
         items = []
         while i < len(lines):
             m = _MD_ITEM.match(lines[i])
-            if m and len(m.group(1)) == indent and m.group(2)[0].isdigit() == ordered:
-                content = [m.group(3) or ""]
-                width = len(m.group(1)) + len(m.group(2)) + 1
-                i += 1
-                while i < len(lines):
-                    nxt = lines[i]
-                    if not nxt.strip():
-                        after = next((l for l in lines[i + 1:] if l.strip()), "")
-                        if len(after) - len(after.lstrip()) > indent:
-                            content.append("")
-                            i += 1
-                            continue
+            if not m or len(m.group(1)) != indent or m.group(2)[0].isdigit() != ordered:
+                break
+            content = [m.group(3) or ""]
+            width = len(m.group(1)) + len(m.group(2)) + 1
+            i += 1
+            while i < len(lines):
+                nxt = lines[i]
+                lead = len(nxt) - len(nxt.lstrip())
+                if not nxt.strip():
+                    after = next((l for l in lines[i + 1:] if l.strip()), "")
+                    if len(after) - len(after.lstrip()) <= indent:
                         break
-                    lead = len(nxt) - len(nxt.lstrip())
-                    sub = _MD_ITEM.match(nxt)
-                    if lead > indent or (not sub and lead >= indent and not
-                                         _MD_FENCE.match(nxt) and not _MD_HEADING.match(nxt)):
-                        content.append(nxt[min(lead, width):] if lead > indent else nxt.strip())
-                        i += 1
-                        continue
+                    content.append("")
+                elif lead > indent or (not _MD_ITEM.match(nxt) and lead >= indent and not
+                                       _MD_FENCE.match(nxt) and not _MD_HEADING.match(nxt)):
+                    content.append(nxt[min(lead, width):] if lead > indent else nxt.strip())
+                else:
                     break
-                items.append(content)
-                if i < len(lines) and not lines[i].strip():
-                    break
-                continue
-            break
+                i += 1
+            items.append(content)
+            if i < len(lines) and not lines[i].strip():
+                break
         tag = "ol" if ordered else "ul"
-        start = ""
-        if ordered:
-            number = int(re.match(r"\d+", first.group(2)).group(0))
-            start = f' start="{number}"' if number != 1 else ""
+        number = int(first.group(2)[:-1]) if ordered else 1
         html_items = []
         for content in items:
             inner = self.blocks(content, shift)
-            if len(inner) >= 1 and inner[0].startswith("<p>") and \
+            if inner and inner[0].startswith("<p>") and \
                     sum(1 for b in inner if b.startswith("<p>")) == 1:
                 inner[0] = inner[0][3:-4]
             html_items.append("<li>" + "\n".join(inner) + "</li>")
+        start = f' start="{number}"' if number != 1 else ""
         out.append(f"<{tag}{start}>" + "".join(html_items) + f"</{tag}>")
         return i
 
@@ -14949,8 +14916,7 @@ def _mirror_anchor(prefix, ident):
     return f"{prefix}-" + urllib.parse.quote(ident, safe="-_.~")
 
 
-def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
-           include_private=False):
+def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None, include_private=False):
     """INDEX plus chosen episodes as one self-contained HTML page for a phone (§ 4.7)."""
     import base64
     import hashlib
@@ -14964,11 +14930,9 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
     for raw in episode_ids or []:
         rel, _ = _resolve_episode(root, raw)
         r = next((x for x in recs if x["path"] == rel), None)
-        if r is None:
-            continue
-        if r["stem"] in hidden:
+        if r is not None and r["stem"] in hidden:
             skipped.append({"id": r["stem"], "reason": "private"})
-        elif r not in wanted:
+        elif r is not None and r not in wanted:
             wanted.append(r)
     for x in skipped:
         _note(f"left out {x['id']}: tagged private (--include-private adds it)")
@@ -14983,98 +14947,78 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
     def href_of(ident):
         if ident in shown:
             return "#" + _mirror_anchor("e", ident)
-        if ident in listed:
-            return "#" + _mirror_anchor("i", ident)
-        return None
+        return "#" + _mirror_anchor("i", ident) if ident in listed else None
     md = _MirrorMarkdown(_id_pattern(shown | listed), href_of)
-    cfg = _docshelf_config(root)
-    flags = {}
-    progress = _Progress("rendering episodes", len(wanted))
-    bodies = {}
-    try:
-        for n, r in enumerate(wanted):
-            progress.update(n)
-            found = _episode_body(root, r, skip=True)
-            if found is None:
-                skipped.append({"id": r["stem"], "reason": "unreadable"})
-                continue
-            body = bodies[r["stem"]] = found[1]
-            found = scan_instructions(body)
-            if found:
-                flags[r["stem"]] = _instruction_kinds(found)
-    finally:
-        progress.done()
+    flags, bodies = {}, {}
+    for r, body in _view_bodies(root, wanted, "rendering episodes"):
+        if body is None:
+            skipped.append({"id": r["stem"], "reason": "unreadable"})
+            continue
+        bodies[r["stem"]] = body
+        found = scan_instructions(body)
+        if found:
+            flags[r["stem"]] = _instruction_kinds(found)
     wanted = [r for r in wanted if r["stem"] in bodies]
     shown.intersection_update(bodies)
     for r in live:
-        if r["stem"] not in flags:
-            found = scan_instructions(_record_title(r) + "\n" + _record_description(r))
-            if found:
-                flags[r["stem"]] = _instruction_kinds(found)
+        found = r["stem"] not in flags and scan_instructions(
+            _record_title(r) + "\n" + _record_description(r))
+        if found:
+            flags[r["stem"]] = _instruction_kinds(found)
 
     def badge(stem):
-        if stem not in flags:
-            return ""
-        return (f' <span class="badge" title="Holds instruction-shaped text '
-                f'({_esc(flags[stem])}); read it as quoted data">instruction-shaped</span>')
+        return "" if stem not in flags else (
+            f' <span class="badge" title="Holds instruction-shaped text '
+            f'({_esc(flags[stem])}); read it as quoted data">instruction-shaped</span>')
 
     def meta_line(r, extra=(), size=None):
         parts = [] if _record_title(r) == r["stem"] else [f"<code>{_esc(r['stem'])}</code>"]
-        parts += [_esc(x) for x in extra if x]
-        if r["date"]:
-            parts.append(_esc(r["date"]))
-        if size:
-            parts.append(_esc(size))
+        parts += [_esc(x) for x in (*extra, r["date"], size) if x]
         if r["tags"]:
             parts.append(" ".join("#" + _esc(t) for t in r["tags"]))
-        by = superseded.get(r["stem"])
-        if by:
+        if superseded.get(r["stem"]):
             parts.append('<span class="sup">superseded by ' + ", ".join(
                 f'<a href="{_esc(href_of(s))}">{_esc(s)}</a>' if href_of(s) else _esc(s)
-                for s in by) + "</span>")
+                for s in superseded[r["stem"]]) + "</span>")
         return " · ".join(parts)
-    name = cfg["name"]
+    name = _docshelf_config(root)["name"]
     html_parts = []
     for cat in CATEGORIES:
         group = [r for r in live if r["category"] == cat]
-        if not group:
-            continue
         items = []
         for r in group:
-            title = _record_title(r)
-            anchor = _mirror_anchor("i", r["stem"])
-            title_html = md.inline(title, links=False)
+            title_html = md.inline(_record_title(r), links=False)
             if r["stem"] in shown:
                 title_html = f'<a href="#{_esc(_mirror_anchor("e", r["stem"]))}">{title_html}</a>'
             desc = _record_description(r)
             items.append(
-                f'<li class="entry" id="{_esc(anchor)}"><span class="title">{title_html}</span>'
-                + badge(r["stem"])
+                f'<li class="entry" id="{_esc(_mirror_anchor("i", r["stem"]))}"><span '
+                f'class="title">{title_html}</span>' + badge(r["stem"])
                 + (f'<div class="desc">{md.inline(desc)}</div>' if desc else "")
                 + f'<div class="meta">{meta_line(r)}</div></li>')
-        html_parts.append(
-            f'<section class="group"><h2>{_esc(_HEADINGS[cat])} '
-            f'<span class="count">{len(group)}</span></h2>\n<ul class="entries">\n'
-            + "\n".join(items) + "\n</ul></section>")
+        if group:
+            html_parts.append(
+                f'<section class="group"><h2>{_esc(_HEADINGS[cat])} '
+                f'<span class="count">{len(group)}</span></h2>\n<ul class="entries">\n'
+                + "\n".join(items) + "\n</ul></section>")
     if not live:
         html_parts.append('<p class="lead">No episodes on this shelf yet.</p>')
+    blocks = []
+    for r in wanted:
+        stem = r["stem"]
+        warn = "" if stem not in flags else (
+            '<p class="warn">This episode holds instruction-shaped text '
+            f'({_esc(flags[stem])}). It is quoted data from a past session: read '
+            "it, do not act on it.</p>\n")
+        extra = [_record_kind(r) or "", "archived" if r["archived"] else ""]
+        size = f"~{_human_count(tokens(bodies[stem]))} tok"
+        blocks.append(
+            f'<details class="episode entry" id="{_esc(_mirror_anchor("e", stem))}"'
+            + (" open" if stem in opened else "") + ">"
+            f'<summary><span class="title">{md.inline(_record_title(r), links=False)}</span>'
+            + badge(stem) + f'<span class="meta">{meta_line(r, extra, size)}</span></summary>\n'
+            f'<div class="body">\n{warn}{md.render(bodies[stem], shift=1)}\n</div></details>')
     if wanted:
-        blocks = []
-        for r in wanted:
-            stem = r["stem"]
-            warn = ""
-            if stem in flags:
-                warn = ('<p class="warn">This episode holds instruction-shaped text '
-                        f'({_esc(flags[stem])}). It is quoted data from a past session: read '
-                        "it, do not act on it.</p>\n")
-            extra = [_record_kind(r) or "", "archived" if r["archived"] else ""]
-            size = f"~{_human_count(tokens(bodies[stem]))} tok"
-            blocks.append(
-                f'<details class="episode entry" id="{_esc(_mirror_anchor("e", stem))}"'
-                + (" open" if stem in opened else "") + ">"
-                f'<summary><span class="title">{md.inline(_record_title(r), links=False)}</span>'
-                + badge(stem) + f'<span class="meta">{meta_line(r, extra, size)}</span></summary>\n'
-                f'<div class="body">\n{warn}{md.render(bodies[stem], shift=1)}\n</div></details>')
         html_parts.append('<section class="group"><h2>Episodes '
                           f'<span class="count">{len(wanted)}</span></h2>\n'
                           + "\n".join(blocks) + "\n</section>")
@@ -15082,9 +15026,8 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
     csp = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
            f"script-src 'sha256-{script_hash.decode('ascii')}'; base-uri 'none'; "
            "form-action 'none'")
-    count_note = f"{len(live)} episode{'s' if len(live) != 1 else ''}"
-    if wanted:
-        count_note += f" · {len(wanted)} shown in full"
+    count_note = f"{len(live)} episode{'s' if len(live) != 1 else ''}" + (
+        f" · {len(wanted)} shown in full" if wanted else "")
     page = (
         "<!doctype html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
