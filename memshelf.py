@@ -14217,12 +14217,6 @@ def tags(shelf_path=None, archive="include"):
             "untagged": sorted(r["stem"] for r in recs if not r["tags"])}
 
 
-def _text_tags(result):
-    if not result["tags"]:
-        return f"no tags on this shelf ({result['episodes']} episodes)"
-    return "\n".join(f"{t['tag']}\t{t['count']}\t{','.join(t['ids'])}" for t in result["tags"])
-
-
 # --- graph --------------------------------------------------------------------------------
 
 def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=None):
@@ -14291,13 +14285,6 @@ def _mermaid(nodes, edges, all_nodes):
         else:
             lines.append(f"    {a} --> {b}")
     return "\n".join(lines)
-
-
-def _text_graph(result):
-    if result.get("out"):
-        return (f"graph: {len(result['nodes'])} nodes, {len(result['edges'])} edges "
-                f"-> {result['out']}")
-    return result["text"]
 
 
 # --- retro --------------------------------------------------------------------------------
@@ -14466,13 +14453,6 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None, inclu
             "out": out_path}
 
 
-def _text_retro(result):
-    if result.get("out"):
-        return (f"retro {result['period']['label']}: {result['episodes']} episodes "
-                f"-> {result['out']}")
-    return result["markdown"]
-
-
 # --- fork ---------------------------------------------------------------------------------
 
 def _export_index(root, records, hidden):
@@ -14606,14 +14586,6 @@ def _fork_header(name, included, blocks, left_out, missing, budget, with_index):
         lines.append("Sections not found: " + ", ".join(
             f"{m['id']} § {m['section']}" for m in missing) + ".")
     return "\n".join(lines) + "\n"
-
-
-def _text_fork(result):
-    if result.get("out"):
-        gone = ", ".join(x["id"] for x in result["left_out"])
-        return (f"fork: ~{result['tokens']} tokens, {len(result['included'])} episode(s) "
-                f"-> {result['out']}" + (f"; left out: {gone}" if gone else ""))
-    return result["markdown"]
 
 
 # --- mirror: one self-contained HTML page ---------------------------------------------------
@@ -15054,19 +15026,11 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None, incl
             "private_excluded": len(hidden), "out": out_path}
 
 
-def _text_mirror(result):
-    if result.get("out"):
-        return (f"mirror: {result['entries']} entries, {len(result['episodes'])} episode(s), "
-                f"{result['bytes']} bytes -> {result['out']}")
-    return result["html"]
-
-
 # --- freshness: which copies of memshelf answer, and are they the checkout's code ----------
 
 def _freshness_checkout(checkout):
     def is_tree(path):
-        return os.path.isfile(os.path.join(path, "memshelf.py")) and \
-            os.path.isfile(os.path.join(path, "server.py"))
+        return all(os.path.isfile(os.path.join(path, f)) for f in ("memshelf.py", "server.py"))
     if checkout is not None and str(checkout).strip():
         path = os.path.realpath(os.path.expanduser(str(checkout).strip()))
         if not is_tree(path):
@@ -15080,19 +15044,8 @@ def _freshness_checkout(checkout):
             raise _usage(f"MEMSHELF_CHECKOUT={path} is not a memshelf checkout",
                          "point MEMSHELF_CHECKOUT at a memshelf source tree, or unset it")
         return path, "MEMSHELF_CHECKOUT"
-    cwd = os.getcwd()
-    if is_tree(cwd):
-        return os.path.realpath(cwd), "current directory"
-    return None, None
-
-
-def _file_sha(path):
-    import hashlib
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
+    return (os.path.realpath(os.getcwd()), "current directory") if is_tree(os.getcwd()) else \
+        (None, None)
 
 
 def _source_version(path):
@@ -15115,63 +15068,55 @@ def _copy_row(consumer, main_path):
             "_full": full}
 
 
-def _path_commands(name):
-    seen, found = set(), []
-    for d in os.environ.get("PATH", "").split(os.pathsep):
-        if not d:
-            continue
-        p = os.path.join(d, name)
-        if os.path.isfile(p) and os.access(p, os.X_OK):
-            real = os.path.realpath(p)
-            if real not in seen:
-                seen.add(real)
-                found.append(p)
-    return found
-
-
-def _path_row(name, path):
+def _path_rows(name):
+    """One row per distinct executable `name` on PATH, from its --version line."""
     import subprocess
-    row = {"consumer": f"{name} on PATH", "path": path, "version": None, "code_hash": None,
-           "hash_of": "memshelf.py+server.py" if name == "memshelf-mcp" else "memshelf.py",
-           "_full": None}
-    try:
-        proc = subprocess.run([path, "--version"], capture_output=True, timeout=15,
-                              stdin=subprocess.DEVNULL)
+    seen, rows = set(), []
+    for d in filter(None, os.environ.get("PATH", "").split(os.pathsep)):
+        path = os.path.join(d, name)
+        if not os.path.isfile(path) or not os.access(path, os.X_OK) or \
+                os.path.realpath(path) in seen:
+            continue
+        seen.add(os.path.realpath(path))
+        row = {"consumer": f"{name} on PATH", "path": path, "version": None, "code_hash": None,
+               "hash_of": "memshelf.py+server.py" if name == "memshelf-mcp" else "memshelf.py",
+               "_full": None}
+        rows.append(row)
+        try:
+            proc = subprocess.run([path, "--version"], capture_output=True, timeout=15,
+                                  stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            row["note"] = f"--version failed: {exc}"
+            continue
         text = proc.stdout.decode("utf-8", "replace").strip()
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        row["note"] = f"--version failed: {exc}"
-        return row
-    m = re.match(r"(memshelf(?:-mcp)?) (\S+)(?: \(([0-9a-f]{12})\))?", text)
-    if m:
-        row["version"], row["code_hash"] = m.group(2), m.group(3)
-    else:
-        row["note"] = "unrecognised --version output: " + (text.split("\n")[0][:80] or "(none)")
-    return row
+        m = re.match(r"(memshelf(?:-mcp)?) (\S+)(?: \(([0-9a-f]{12})\))?", text)
+        if m:
+            row["version"], row["code_hash"] = m.group(2), m.group(3)
+        else:
+            row["note"] = "unrecognised --version output: " + (text.split("\n")[0][:80] or
+                                                               "(none)")
+    return rows
 
 
-def _extension_dirs():
+def _extension_dir():
     override = os.environ.get("MEMSHELF_EXTENSIONS_DIR", "").strip()
     if override:
-        return [os.path.expanduser(override)]
+        return os.path.expanduser(override)
     home = os.path.expanduser("~")
     if sys.platform == "darwin":
-        base = os.path.join(home, "Library", "Application Support", "Claude")
+        base = os.path.join(home, "Library", "Application Support")
     elif os.name == "nt":
-        base = os.path.join(os.environ.get("APPDATA") or os.path.join(home, "AppData",
-                                                                      "Roaming"), "Claude")
+        base = os.environ.get("APPDATA") or os.path.join(home, "AppData", "Roaming")
     else:
-        base = os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"),
-                            "Claude")
-    return [os.path.join(base, "Claude Extensions")]
+        base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+    return os.path.join(base, "Claude", "Claude Extensions")
 
 
 def _find_copies(top, depth, name_filter=None):
     """memshelf.py files under top, at most depth levels down, in sorted order."""
     found = []
-    if not os.path.isdir(top):
-        return found
     base_depth = top.rstrip(os.sep).count(os.sep)
-    for dirpath, dirnames, filenames in os.walk(top):
+    for dirpath, dirnames, filenames in os.walk(top) if os.path.isdir(top) else ():
         dirnames[:] = sorted(d for d in dirnames if d not in (
             "node_modules", ".git", "__pycache__", ".venv", "venv"))
         if dirpath.count(os.sep) - base_depth >= depth:
@@ -15185,43 +15130,36 @@ def freshness(checkout=None):
     """Which copies of memshelf would answer a call, and are they the checkout's code (§ 4.1)."""
     root, how = _freshness_checkout(checkout)
     rows = [_copy_row("this process", os.path.abspath(__file__))]
-    for name in ("memshelf", "memshelf-mcp"):
-        for path in _path_commands(name):
-            rows.append(_path_row(name, path))
-    for top in _extension_dirs():
-        try:
-            entries = sorted(os.listdir(top))
-        except OSError:
-            entries = []
-        for entry in entries:
-            if "memshelf" in entry.casefold():
-                for main in _find_copies(os.path.join(top, entry), 3):
-                    rows.append(_copy_row(f"Claude Desktop extension {entry}", main))
+    rows += _path_rows("memshelf") + _path_rows("memshelf-mcp")
+    top = _extension_dir()
+    try:
+        entries = sorted(os.listdir(top))
+    except OSError:
+        entries = []
+    for entry in (e for e in entries if "memshelf" in e.casefold()):
+        rows += [_copy_row(f"Claude Desktop extension {entry}", main)
+                 for main in _find_copies(os.path.join(top, entry), 3)]
     claude = os.environ.get("CLAUDE_CONFIG_DIR", "").strip() or os.path.join(
         os.path.expanduser("~"), ".claude")
-    cache = os.path.join(claude, "plugins", "cache")
-    for main in _find_copies(cache, 6, lambda d: "memshelf" in d.casefold()):
-        rows.append(_copy_row("Claude Code plugin", main))
+    rows += [_copy_row("Claude Code plugin", main) for main in _find_copies(
+        os.path.join(claude, "plugins", "cache"), 6, lambda d: "memshelf" in d.casefold())]
     ref_pair = ref_main = None
     if root:
         ref_pair = _code_pair_hash(os.path.join(root, "memshelf.py"),
                                    os.path.join(root, "server.py"))
-        ref_main = _file_sha(os.path.join(root, "memshelf.py"))
+        ref_main = _code_pair_hash(os.path.join(root, "memshelf.py"), "")   # memshelf.py alone
     for row in rows:
         full = row.pop("_full")
-        ours = row["code_hash"]
         ref = ref_main if row["hash_of"] == "memshelf.py" else ref_pair
-        if not root or not ours or not ref:
+        if not root or not row["code_hash"] or not ref:
             row["state"] = "unknown"
-        elif full:
-            row["state"] = "same" if full == ref else "differs"
         else:
-            row["state"] = "same" if ours == ref[:12] else "differs"
-    unreleased = _unreleased(root) if root else None
+            row["state"] = "same" if (full or row["code_hash"]) == (ref if full else ref[:12]) \
+                else "differs"
     differs = sum(1 for r in rows if r["state"] == "differs")
     return {"status": "differs" if differs else "ok", "checkout": root, "checkout_from": how,
             "checkout_hash": ref_pair[:12] if ref_pair else None, "consumers": rows,
-            "differs": differs, "unreleased": unreleased}
+            "differs": differs, "unreleased": _unreleased(root) if root else None}
 
 
 def _unreleased(root):
@@ -15384,7 +15322,9 @@ def _view_verbs():
             shelf(),
             _Param("archive", "string", default="include", enum=["include", "exclude"],
                    help="Count archived episodes too (default include)."),
-        ], title="Tags with their episodes", mcp=False, text=_text_tags),
+        ], title="Tags with their episodes", mcp=False, text=lambda r: "\n".join(
+            f"{t['tag']}\t{t['count']}\t{','.join(t['ids'])}" for t in r["tags"])
+            or f"no tags on this shelf ({r['episodes']} episodes)"),
         _Verb("graph", graph, [
             shelf(),
             _Param("format", "string", default="json", enum=["json", "mermaid"],
@@ -15394,7 +15334,9 @@ def _view_verbs():
             _Param("all_nodes", "boolean", default=False, flags=["--all"],
                    help="Mermaid: draw isolated episodes too."),
             out,
-        ], title="Who mentions and supersedes whom", mcp=False, text=_text_graph),
+        ], title="Who mentions and supersedes whom", mcp=False, text=lambda r: (
+            f"graph: {len(r['nodes'])} nodes, {len(r['edges'])} edges -> {r['out']}"
+            if r.get("out") else r["text"])),
         _Verb("retro", retro, [
             shelf(),
             _Param("quarter", "string", nullable=True, metavar="YYYYQn",
@@ -15402,7 +15344,9 @@ def _view_verbs():
             _Param("since", "string", nullable=True, metavar="DATE", help="Period start."),
             _Param("until", "string", nullable=True, metavar="DATE", help="Period end."),
             out, private,
-        ], title="A Markdown retrospective of a period", mcp=False, text=_text_retro),
+        ], title="A Markdown retrospective of a period", mcp=False, text=lambda r: (
+            f"retro {r['period']['label']}: {r['episodes']} episodes -> {r['out']}"
+            if r.get("out") else r["markdown"])),
         _Verb("fork", fork, [
             shelf(),
             _Param("episode_ids", "array", default=[], flags=["--episode"], metavar="ID",
@@ -15413,7 +15357,10 @@ def _view_verbs():
             _Param("budget", "integer", nullable=True, minimum=1, metavar="TOKENS",
                    help="Token budget: include what fits, newest first."),
             out, private,
-        ], title="Start a new session from chosen episodes", mcp=False, text=_text_fork),
+        ], title="Start a new session from chosen episodes", mcp=False, text=lambda r: (
+            f"fork: ~{r['tokens']} tokens, {len(r['included'])} episode(s) -> {r['out']}"
+            + (f"; left out: {', '.join(x['id'] for x in r['left_out'])}" if r["left_out"]
+               else "") if r.get("out") else r["markdown"])),
         _Verb("mirror", mirror, [
             shelf(),
             _Param("episode_ids", "array", default=[], flags=["--episode"], metavar="ID",
@@ -15421,26 +15368,14 @@ def _view_verbs():
             _Param("all_episodes", "boolean", default=False, flags=["--all"],
                    help="Include every live episode in full."),
             out, private,
-        ], title="The shelf as one self-contained HTML page", mcp=False, text=_text_mirror),
+        ], title="The shelf as one self-contained HTML page", mcp=False, text=lambda r: (
+            f"mirror: {r['entries']} entries, {len(r['episodes'])} episode(s), "
+            f"{r['bytes']} bytes -> {r['out']}" if r.get("out") else r["html"])),
     ]
 
 
-_VIEW_VERBS = []
-
-
-def _view_verb(name):
-    if not _VIEW_VERBS:
-        _VIEW_VERBS.extend(_view_verbs())
-    return next(v for v in _VIEW_VERBS if v.name == name)
-
-
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("freshness"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("prune-splits"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("tags"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("graph"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("retro"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("fork"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("mirror"))
+# the verb table is built once per process, so building the seven views per factory is cheap
+_EXTRA_VERB_FACTORIES.extend(lambda n=n: _view_verbs()[n] for n in range(7))
 
 # ==========================================================================================
 # Hooks: host adapter entry points
