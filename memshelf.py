@@ -13960,8 +13960,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     unstated = too_small = 0
     q = _shell_quote(root)
     for occ in reported:
-        size = occ["approx_tokens"]
-        label = occ["label"]
+        size, label = occ["approx_tokens"], occ["label"]
         if occ["kind"] == "instructions":
             breakdown["static"] += size
             continue
@@ -14036,16 +14035,15 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
               "reclaimable_tokens": reclaimable, "episodes_on_shelf": len(eps),
               "index_tokens": index_tokens, "index_budget_tokens": index_budget,
               "index_entry_tokens": entry_tokens, "proposals": proposals, "notes": notes}
-    if summary_only:
-        result["summary"] = line
-        return result
-    detail = [line, f"breakdown: static {breakdown['static']:,} · memory {memory:,} · live "
-                    f"{breakdown['live']:,} · reclaimable {breakdown['reclaimable']:,} · "
-                    f"headroom {budget - accounted:,}"]
-    for p in proposals:
-        detail.append(f"  {p['action']:<7} {p['target']}  ~{p['tokens']:,} tok — {p['why']}")
-        detail.append(f"          $ {p['command']}")
-    detail += [f"note: {n}" for n in notes]
+    detail = [line]
+    if not summary_only:
+        detail.append(f"breakdown: static {breakdown['static']:,} · memory {memory:,} · live "
+                      f"{breakdown['live']:,} · reclaimable {breakdown['reclaimable']:,} · "
+                      f"headroom {budget - accounted:,}")
+        for p in proposals:
+            detail += [f"  {p['action']:<7} {p['target']}  ~{p['tokens']:,} tok — {p['why']}",
+                       f"          $ {p['command']}"]
+        detail += [f"note: {n}" for n in notes]
     result["summary"] = "\n".join(detail)
     return result
 
@@ -14198,13 +14196,10 @@ def _tag_rows(recs):
             if r["stem"] not in g["ids"]:
                 g["spellings"][t] = g["spellings"].get(t, 0) + 1
             g["ids"].add(r["stem"])
-    rows = []
-    for g in groups.values():
-        spelling = min(g["spellings"].items(), key=lambda kv: (-kv[1], kv[0]))[0]
-        rows.append({"tag": spelling, "count": len(g["ids"]), "ids": sorted(g["ids"]),
-                     "spellings": sorted(g["spellings"])})
-    rows.sort(key=lambda t: (-t["count"], t["tag"].casefold(), t["tag"]))
-    return rows
+    rows = [{"tag": min(g["spellings"].items(), key=lambda kv: (-kv[1], kv[0]))[0],
+             "count": len(g["ids"]), "ids": sorted(g["ids"]), "spellings": sorted(g["spellings"])}
+            for g in groups.values()]
+    return sorted(rows, key=lambda t: (-t["count"], t["tag"].casefold(), t["tag"]))
 
 
 def tags(shelf_path=None, archive="include"):
@@ -15232,7 +15227,7 @@ def prune_splits(shelf_path=None, apply=False, tracked=False):
     dirs = _split_directories(root)
     git = _Git(root) if _git_available() else None
     in_git = bool(git and git.is_repo())
-    if not in_git and not _git_available() and os.path.exists(os.path.join(root, ".git")):
+    if git is None and os.path.exists(os.path.join(root, ".git")):
         raise ShelfError("git-missing", "git is not installed, so tracked split directories "
                          "cannot be told apart", "install git and retry")
     listed = []
@@ -15242,14 +15237,13 @@ def prune_splits(shelf_path=None, apply=False, tracked=False):
     rows = []
     for rel, files, clean in dirs:
         is_tracked = any(n.startswith(rel + "/") for n in listed)
-        row = {"path": rel, "files": len(files), "tracked": is_tracked, "action": "remove",
-               "reason": None}
+        reason = None
         if not clean:
-            row["action"], row["reason"] = "keep", ("holds files other than NNN-*.md and "
-                                                    "SUBINDEX.md; move them out first")
+            reason = "holds files other than NNN-*.md and SUBINDEX.md; move them out first"
         elif is_tracked and not tracked:
-            row["action"], row["reason"] = "keep", "tracked by git; add --tracked"
-        rows.append(row)
+            reason = "tracked by git; add --tracked"
+        rows.append({"path": rel, "files": len(files), "tracked": is_tracked,
+                     "action": "keep" if reason else "remove", "reason": reason})
     doomed = [r for r in rows if r["action"] == "remove"]
     removed, commit, derived = [], None, []
     if apply and doomed:
