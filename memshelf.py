@@ -13631,9 +13631,8 @@ def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, 
 # Accounting and advisor: stats, advise
 # ==========================================================================================
 
-# Accounting: what the shelf costs every session against what it holds (verbs.md § 2.4).
-# Claimed economy comes from the episodes through the catalog, realized economy from the
-# recall log; ledger.tsv is read only to report how far it lags.
+# Accounting (verbs.md § 2.4): claimed economy comes from the catalog, realized economy from
+# the recall log; ledger.tsv is read only to report how far it lags.
 
 def _not_count(value, minimum=1):
     """True unless value is a whole number (not a bool) of at least minimum."""
@@ -13741,10 +13740,8 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     return result
 
 
-# Advisor: the caller reports what sits in its context window (it alone can see it); advise
-# measures the shelf's own standing cost, verifies every "already shelved" claim against the
-# episodes, and proposes shelve/drop/rollup moves net of what each new episode costs in every
-# later session (verbs.md § 2.5). It writes nothing.
+# Advisor (verbs.md § 2.5): the caller reports its context window, which it alone can see;
+# every "already shelved" claim is checked against the episodes. It writes nothing.
 
 _ADVISE_STATES = ("live", "closed", "unknown")
 _ADVISE_KINDS = ("topic", "research", "tool-output", "instructions", "other")
@@ -14052,10 +14049,8 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
 # ==========================================================================================
 
 
-# The views read the shelf and export it: tags, graph, retro, fork, mirror (verbs.md § 4).
-# Exports skip episodes whose tags match `export_exclude_tags` (shelf-format.md § 2.3) unless
-# include_private; freshness compares the copies of memshelf that answer calls with a checkout;
-# prune-splits removes legacy H2 split directories (the only view that writes).
+# The views read the shelf and export it (verbs.md § 4); exports skip episodes tagged by
+# `export_exclude_tags` (shelf-format.md § 2.3). prune-splits is the only view that writes.
 
 _EXPORT_EXCLUDE_DEFAULT = ("private", "sensitive-*")
 _QUARTER = _re_lazy(r"(\d{4})[Qq]([1-4])\Z")
@@ -14307,21 +14302,14 @@ def _retro_period(quarter, since, until):
             raise _usage(f"--quarter {quarter!r} is not a quarter like 2026Q3",
                          "use YYYYQn with n = 1..4, e.g. 2026Q3")
         year, q = int(m.group(1)), int(m.group(2))
-    start = datetime.date(year, 3 * q - 2, 1)
-    end = (datetime.date(year + 1, 1, 1) if q == 4 else datetime.date(year, 3 * q + 1, 1)) - \
-        datetime.timedelta(days=1)
-    return f"{year}Q{q}", start.isoformat(), end.isoformat()
+    end = datetime.date(year + q // 4, 3 * q % 12 + 1, 1) - datetime.timedelta(days=1)
+    return f"{year}Q{q}", datetime.date(year, 3 * q - 2, 1).isoformat(), end.isoformat()
 
 
 def _first_bullets(text, limit=3):
-    out = []
-    for line in text.split("\n"):
-        m = re.match(r" ?(?:[-*+]|\d{1,3}[.)])\s+(\S.*)$", line)
-        if m:
-            out.append(_cap_text(m.group(1).strip(), 240))
-            if len(out) == limit:
-                break
-    return out
+    found = (re.match(r" ?(?:[-*+]|\d{1,3}[.)])\s+(\S.*)$", line) for line in text.split("\n"))
+    return [_cap_text(m.group(1).strip(), 240)
+            for m in itertools.islice(filter(None, found), limit)]
 
 
 def _cap_text(text, cap):
@@ -14337,8 +14325,7 @@ def _supersession_chains(recs, in_period):
     """Chains old -> newer -> newest among the shelf, kept when they touch the period."""
     by_stem = {r["stem"]: r for r in recs}
     by_id = {r["id"]: r["stem"] for r in recs if r.get("id")}
-    newer = {}
-    older = set()
+    newer, older = {}, set()
     for r in recs:
         for ref in r["supersedes"]:
             old = _stem_of_reference(ref, by_stem, by_id)
@@ -14351,7 +14338,6 @@ def _supersession_chains(recs, in_period):
         nxt = sorted(s for s in newer.get(path[-1], ()) if s not in path)
         if not nxt:
             chains.append(path)
-            return
         for s in nxt:
             walk(path + [s])
     for start in sorted(s for s in newer if s not in older):
