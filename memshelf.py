@@ -15278,11 +15278,13 @@ def _text_prune_splits(result):
 # --- CLI registration ---------------------------------------------------------------------
 
 def _view_verbs():
-    shelf = _shelf_param
     private = _Param("include_private", "boolean", default=False,
                      help="Include episodes whose tags match export_exclude_tags.")
     out = _Param("out", "string", nullable=True, metavar="FILE",
                  help="Write here instead of stdout (never inside .git).")
+
+    def view(name, func, params, title, **kw):
+        return _Verb(name, func, [_shelf_param(), *params], title=title, mcp=False, **kw)
     return [
         _Verb("freshness", freshness, [
             _Param("checkout", "string", positional=True, nargs="?", metavar="CHECKOUT",
@@ -15291,22 +15293,18 @@ def _view_verbs():
         ], title="Which copies of memshelf answer calls, and are they current", mcp=False,
             needs_shelf=False, text=_text_freshness,
             verdict=lambda r: 1 if r.get("differs") else 0),
-        _Verb("prune-splits", prune_splits, [
-            shelf(),
+        view("prune-splits", prune_splits, [
             _Param("apply", "boolean", default=False, help="Remove; default is a dry run."),
             _Param("tracked", "boolean", default=False,
                    help="Also remove committed split directories (git rm + commit)."),
-        ], title="Remove legacy H2 split directories", mcp=False, read_only=False,
-            text=_text_prune_splits),
-        _Verb("tags", tags, [
-            shelf(),
+        ], "Remove legacy H2 split directories", read_only=False, text=_text_prune_splits),
+        view("tags", tags, [
             _Param("archive", "string", default="include", enum=["include", "exclude"],
                    help="Count archived episodes too (default include)."),
-        ], title="Tags with their episodes", mcp=False, text=lambda r: "\n".join(
+        ], "Tags with their episodes", text=lambda r: "\n".join(
             f"{t['tag']}\t{t['count']}\t{','.join(t['ids'])}" for t in r["tags"])
             or f"no tags on this shelf ({r['episodes']} episodes)"),
-        _Verb("graph", graph, [
-            shelf(),
+        view("graph", graph, [
             _Param("format", "string", default="json", enum=["json", "mermaid"],
                    help="json or mermaid."),
             _Param("section", "string", nullable=True, metavar="NAME",
@@ -15314,21 +15312,19 @@ def _view_verbs():
             _Param("all_nodes", "boolean", default=False, flags=["--all"],
                    help="Mermaid: draw isolated episodes too."),
             out,
-        ], title="Who mentions and supersedes whom", mcp=False, text=lambda r: (
+        ], "Who mentions and supersedes whom", text=lambda r: (
             f"graph: {len(r['nodes'])} nodes, {len(r['edges'])} edges -> {r['out']}"
             if r.get("out") else r["text"])),
-        _Verb("retro", retro, [
-            shelf(),
+        view("retro", retro, [
             _Param("quarter", "string", nullable=True, metavar="YYYYQn",
                    help="A quarter, e.g. 2026Q3 (default: the current one)."),
             _Param("since", "string", nullable=True, metavar="DATE", help="Period start."),
             _Param("until", "string", nullable=True, metavar="DATE", help="Period end."),
             out, private,
-        ], title="A Markdown retrospective of a period", mcp=False, text=lambda r: (
+        ], "A Markdown retrospective of a period", text=lambda r: (
             f"retro {r['period']['label']}: {r['episodes']} episodes -> {r['out']}"
             if r.get("out") else r["markdown"])),
-        _Verb("fork", fork, [
-            shelf(),
+        view("fork", fork, [
             _Param("episode_ids", "array", default=[], flags=["--episode"], metavar="ID",
                    help="Episode to continue from (repeatable)."),
             _Param("sections", "array", default=[], flags=["--section"], metavar="NAME",
@@ -15337,18 +15333,17 @@ def _view_verbs():
             _Param("budget", "integer", nullable=True, minimum=1, metavar="TOKENS",
                    help="Token budget: include what fits, newest first."),
             out, private,
-        ], title="Start a new session from chosen episodes", mcp=False, text=lambda r: (
+        ], "Start a new session from chosen episodes", text=lambda r: (
             f"fork: ~{r['tokens']} tokens, {len(r['included'])} episode(s) -> {r['out']}"
             + (f"; left out: {', '.join(x['id'] for x in r['left_out'])}" if r["left_out"]
                else "") if r.get("out") else r["markdown"])),
-        _Verb("mirror", mirror, [
-            shelf(),
+        view("mirror", mirror, [
             _Param("episode_ids", "array", default=[], flags=["--episode"], metavar="ID",
                    help="Include this episode in full (repeatable)."),
             _Param("all_episodes", "boolean", default=False, flags=["--all"],
                    help="Include every live episode in full."),
             out, private,
-        ], title="The shelf as one self-contained HTML page", mcp=False, text=lambda r: (
+        ], "The shelf as one self-contained HTML page", text=lambda r: (
             f"mirror: {r['entries']} entries, {len(r['episodes'])} episode(s), "
             f"{r['bytes']} bytes -> {r['out']}" if r.get("out") else r["html"])),
     ]
