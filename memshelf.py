@@ -14119,12 +14119,8 @@ def _view_bodies(root, recs, label):
 def _body_sections(body):
     """[(heading or None, text)]: the H2 sections, or the whole body when it has none."""
     _, sections = _split_sections(body)
-    if sections:
-        return sections
     lines = body.split("\n")
-    if lines and lines[0].startswith("# "):
-        lines = lines[1:]
-    return [(None, "\n".join(lines))]
+    return sections or [(None, "\n".join(lines[1:] if lines[0].startswith("# ") else lines))]
 
 
 def _check_view_section(name, flag="--section"):
@@ -14137,11 +14133,9 @@ def _check_view_section(name, flag="--section"):
 
 
 def _section_matches(heading, wanted):
-    if heading is None:
-        return False
     slug = _section_slug(wanted)
-    return heading.casefold() == wanted.casefold() or (bool(slug) and
-                                                       _section_slug(heading) == slug)
+    return heading is not None and (heading.casefold() == wanted.casefold() or
+                                    (bool(slug) and _section_slug(heading) == slug))
 
 
 def _check_out_path(out):
@@ -14169,10 +14163,8 @@ def _write_out(path, text):
 def _id_pattern(ids):
     """One regex that finds any of these ids as a whole token (longest first, so prefixes lose)."""
     ids = sorted({i for i in ids if i}, key=lambda i: (-len(i), i))
-    if not ids:
-        return None
     return re.compile(_VIEW_ID_BOUNDARY[0] + "(?:" + "|".join(re.escape(i) for i in ids) + ")"
-                      + _VIEW_ID_BOUNDARY[1])
+                      + _VIEW_ID_BOUNDARY[1]) if ids else None
 
 
 def _stem_of_reference(ref, by_stem, by_id):
@@ -14182,8 +14174,7 @@ def _stem_of_reference(ref, by_stem, by_id):
 # --- tags ---------------------------------------------------------------------------------
 
 def _tag_rows(recs):
-    """[{tag, count, ids, spellings}]: tags folded by case, shown in their most used spelling,
-    sorted by count descending, then tag."""
+    """Tags folded by case, each in its most used spelling; most used first."""
     groups = {}
     for r in recs:
         for t in r["tags"]:
@@ -14467,8 +14458,7 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
     patterns = _export_patterns(root)
     hidden = set() if include_private else {r["stem"] for r in recs if _is_private(r, patterns)}
     superseded = _superseded_map(recs)
-    blocks, left_out, missing = [], [], []
-    matched_any = set()
+    blocks, left_out, missing, matched_any = [], [], [], set()
     for r in (by_path[rel] for rel in chosen if rel in by_path):
         if r["stem"] in hidden:
             left_out.append({"id": r["stem"], "tokens": None, "reason": "private"})
@@ -14490,8 +14480,8 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
                       superseded.get(r["stem"]))
             for heading, content in parts)
         title = _record_title(r)
-        head = f"## {r['stem']}" + (f" — {title}" if title != r["stem"] else "")
-        text = f"{head}\n\n{wrapped}\n"
+        text = (f"## {r['stem']}" + (f" — {title}" if title != r["stem"] else "")
+                + f"\n\n{wrapped}\n")
         blocks.append({"id": r["stem"], "date": r["date"], "text": text,
                        "sections": [h for h, _ in parts if h], "tokens": tokens(text)})
     if names and not matched_any and missing:
@@ -14520,10 +14510,9 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
                          "alone", "raise the budget, or fork fewer episodes")
         included = []
         for b in ordered:
-            cost = len(b["text"]) + 1
-            if cost <= room:
+            if len(b["text"]) + 1 <= room:
                 included.append(b)
-                room -= cost
+                room -= len(b["text"]) + 1
             else:
                 over.append({"id": b["id"], "tokens": b["tokens"], "reason": "budget"})
     left_out = left_out + over
@@ -14538,9 +14527,8 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
     if out_path:
         _write_out(out_path, document)
     return {"status": "ok", "markdown": document, "tokens": tokens(document), "budget": budget,
-            "included": [b["id"] for b in episode_blocks],
-            "index_included": with_index, "left_out": left_out,
-            "missing_sections": missing, "sections": names, "out": out_path}
+            "included": [b["id"] for b in episode_blocks], "index_included": with_index,
+            "left_out": left_out, "missing_sections": missing, "sections": names, "out": out_path}
 
 
 def _fork_header(name, included, blocks, left_out, missing, budget, with_index):
