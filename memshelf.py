@@ -14210,10 +14210,8 @@ def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=Non
     root, _ = _resolve_shelf(shelf_path)
     recs = _view_records(root)
     by_stem = {r["stem"]: r for r in recs}
-    by_id = {}
-    for r in recs:
-        if r.get("id") and r["id"] not in by_stem:
-            by_id.setdefault(r["id"], r["stem"])
+    # reversed, so that the first record carrying an id wins
+    by_id = {r["id"]: r["stem"] for r in reversed(recs) if r.get("id") and r["id"] not in by_stem}
     nodes = [{"id": r["stem"], "kind": _record_kind(r), "date": r["date"] or None,
               "title": _record_title(r), "archived": bool(r["archived"])} for r in recs]
     pattern = _id_pattern(by_stem)
@@ -14258,13 +14256,9 @@ def _mermaid(nodes, edges, all_nodes):
     names = {n["id"]: f"n{i}" for i, n in enumerate(shown, 1)}
     lines = ["graph LR"] + [f'    {names[n["id"]]}["{_mermaid_label(n["id"])}"]' for n in shown]
     for e in edges:
-        a, b = names[e["from"]], names[e["to"]]
-        if e["type"] == "supersedes":
-            lines.append(f"    {a} -.->|supersedes| {b}")
-        elif e["count"] > 1:
-            lines.append(f"    {a} -->|x{e['count']}| {b}")
-        else:
-            lines.append(f"    {a} --> {b}")
+        arrow = "-.->|supersedes|" if e["type"] == "supersedes" else \
+            f"-->|x{e['count']}|" if e["count"] > 1 else "-->"
+        lines.append(f"    {names[e['from']]} {arrow} {names[e['to']]}")
     return "\n".join(lines)
 
 
