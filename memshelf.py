@@ -15151,12 +15151,11 @@ def _text_freshness(result):
                      f"{r['version'] or '?'}  {r['code_hash'] or '?'}"
                      + (f"  ({r['note']})" if r.get("note") else ""))
     u = result.get("unreleased")
-    if u:
-        if u["tag"]:
-            lines.append(f"merged but unreleased since {u['tag']}: {len(u['commits'])} commit(s)")
-            lines += [f"  {c['commit']} {c['subject']}" for c in u["commits"]]
-        else:
-            lines.append(f"merged but unreleased: unknown ({u['note']})")
+    if u and u["tag"]:
+        lines.append(f"merged but unreleased since {u['tag']}: {len(u['commits'])} commit(s)")
+        lines += [f"  {c['commit']} {c['subject']}" for c in u["commits"]]
+    elif u:
+        lines.append(f"merged but unreleased: unknown ({u['note']})")
     if result["differs"]:
         lines.append(f"{result['differs']} copy(ies) differ from the checkout: reinstall or "
                      "refresh them")
@@ -15178,13 +15177,11 @@ def _split_directories(root):
                 p = os.path.join(d, sub)
                 if os.path.islink(p) or not os.path.isdir(p) or f"{sub}.md" not in names:
                     continue
-                files, clean = [], True
-                for e in sorted(os.scandir(p), key=lambda e: e.name):
-                    files.append(e.name)
-                    if e.is_symlink() or not e.is_file() or not (
-                            e.name == "SUBINDEX.md" or re.match(r"\d{3,}-.*\.md\Z", e.name)):
-                        clean = False
-                found.append((f"{base}/{cat}/{sub}", files, clean))
+                entries = sorted(os.scandir(p), key=lambda e: e.name)
+                clean = all(not e.is_symlink() and e.is_file() and (
+                    e.name == "SUBINDEX.md" or re.match(r"\d{3,}-.*\.md\Z", e.name))
+                    for e in entries)
+                found.append((f"{base}/{cat}/{sub}", [e.name for e in entries], clean))
     return found
 
 
@@ -15242,11 +15239,9 @@ def _text_prune_splits(result):
     rows = result["split_dirs"]
     if not rows:
         return "no legacy split directories on this shelf"
-    lines = []
-    for r in rows:
-        state = "tracked" if r["tracked"] else "untracked"
-        lines.append(f"{r['action']:12} {r['path']}/ ({r['files']} files, {state})"
-                     + (f": {r['reason']}" if r["reason"] else ""))
+    lines = [f"{r['action']:12} {r['path']}/ ({r['files']} files, "
+             f"{'tracked' if r['tracked'] else 'untracked'})"
+             + (f": {r['reason']}" if r["reason"] else "") for r in rows]
     if not result["applied"] and any(r["action"] == "would-remove" for r in rows):
         lines.append("dry run: pass --apply to remove them")
     if result.get("commit"):
