@@ -13019,57 +13019,47 @@ def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, 
 # Accounting and advisor: stats, advise
 # ==========================================================================================
 
-# Accounting: what the shelf costs every session against what it holds (verbs.md § 2.4).
-# Claimed economy comes from the episodes through the catalog, realized economy from the
-# recall log; ledger.tsv is read only to report how far it lags.
+# Accounting (verbs.md § 2.4): claimed economy comes from the catalog, realized economy from
+# the recall log; ledger.tsv is read only to report how far it lags.
 
-def _stats_window(root, context_window):
-    if context_window is not None:
-        if isinstance(context_window, bool) or not isinstance(context_window, int) or \
-                context_window < 1:
-            raise _usage(f"context_window must be a positive integer, got {context_window!r}",
-                         "pass a token count such as 200000")
-    return _context_window(root, context_window)
+def _not_count(value, minimum=1):
+    """True unless value is a whole number (not a bool) of at least minimum."""
+    return isinstance(value, bool) or not isinstance(value, int) or value < minimum
+
+
+def _index_text(root):
+    """INDEX.md as a session loads it; empty when it is missing or unreadable."""
+    try:
+        return _read_text(os.path.join(root, "INDEX.md"))
+    except (OSError, ShelfError):
+        return ""
 
 
 def _median(values):
     ordered = sorted(values)
-    n = len(ordered)
-    mid = n // 2
-    value = ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    mid = len(ordered) // 2
+    value = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
     return int(value) if value == int(value) else value
-
-
-def _stats_banner(t):
-    text = _banner_core(t)
-    if t.get("capped_episodes"):
-        text += (f" · {t['capped_episodes']} clipped to a "
-                 f"{_human_count(t['context_window'])} window")
-    if t.get("realized_savings"):
-        text += f" · realized saved {_human_count(t['realized_savings'])}"
-    return text
 
 
 def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_episode=False):
     """Token accounting: standing cost, shelved mass, compression, realized savings."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
-    window = _stats_window(root, context_window)
+    if context_window is not None and _not_count(context_window):
+        raise _usage(f"context_window must be a positive integer, got {context_window!r}",
+                     "pass a token count such as 200000")
+    window = _context_window(root, context_window)
     with _Store(root) as catalog:
         records = catalog.render_records()
     eps = [r for r in records if r.get("id")]
-    try:
-        index_text = _read_text(os.path.join(root, "INDEX.md"))
-    except (OSError, ShelfError):
-        index_text = ""
-    fmt = _index_format(root)
+    index_text = _index_text(root)
     index_tokens = tokens(index_text)
-    index_entries = len(_index_entries(index_text, "docshelf" if fmt == "docshelf"
-                                       else "compact"))
+    index_entries = len(_index_entries(index_text, "docshelf" if _index_format(root) ==
+                                       "docshelf" else "compact"))
     digest_tokens = sum(r["digest_tokens"] for r in eps)
     claimed = [r for r in eps if r.get("approx_src") != "unmeasured"]
     unmeasured = [r for r in eps if r.get("approx_src") == "unmeasured"]
     sizes = {r["stem"]: max(r["approx_tokens"] or 0, 0) for r in claimed}
-    work_volume = sum(sizes.values())
     shelved_mass = sum(min(v, window) for v in sizes.values())
     capped = sum(1 for v in sizes.values() if v > window)
     unmeasured_digest = sum(r["digest_tokens"] for r in unmeasured)
@@ -13081,66 +13071,56 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     rows, _problems = _recall_log_entries(root)
     today = datetime.date.fromisoformat(_utc_today())
     recent = 0
-    realized = 0
-    per_id = {}
+    per_id = {}   # stem -> [recalls, fetched tokens, saved tokens]
     for stem, _section, fetched, date in rows:
         saved = max(min(sizes.get(stem, 0), window) - fetched, 0)
-        realized += saved
-        entry = per_id.setdefault(stem, [0, 0, 0])
-        entry[0] += 1
-        entry[1] += fetched
-        entry[2] += saved
-        if date is not None:
-            age = (today - datetime.date.fromisoformat(date)).days
-            if 0 <= age < 30:
-                recent += 1
-    fetched_total = sum(row[2] for row in rows)
-
+        per_id[stem] = [a + b for a, b in zip(per_id.get(stem, (0, 0, 0)), (1, fetched, saved))]
+        if date is not None and 0 <= (today - datetime.date.fromisoformat(date)).days < 30:
+            recent += 1
+    realized = sum(entry[2] for entry in per_id.values())
     ledger_ids = set(_read_ledger(root)[2])
-    lag = sum(1 for r in eps if r["id"] not in ledger_ids)
-
     result = {"status": "ok", "episodes": len(eps),
               "episodes_archived": sum(1 for r in eps if r["archived"]),
               "index_tokens": index_tokens, "index_entries": index_entries,
               "index_tokens_per_entry": round((index_tokens - _INDEX_BASE_TOKENS) /
                                               index_entries, 1) if index_entries else 0.0,
               "digest_tokens": digest_tokens, "standing_cost": standing,
-              "work_volume": work_volume, "shelved_mass": shelved_mass,
+              "work_volume": sum(sizes.values()), "shelved_mass": shelved_mass,
               "capped_episodes": capped, "context_window": window,
               "unmeasured_episodes": len(unmeasured),
               "unmeasured_digest_tokens": unmeasured_digest,
               "compression_ratio": ratio, "recalls": len(rows),
-              "episodes_recalled": len(per_id), "fetched_tokens": fetched_total,
+              "episodes_recalled": len(per_id), "fetched_tokens": sum(row[2] for row in rows),
               "realized_savings": realized,
               "recall_cost_per_question": index_tokens + _median([row[2] for row in rows])
               if rows else None,
-              "recalls_30d": recent, "ledger_lag": lag}
+              "recalls_30d": recent,
+              "ledger_lag": sum(1 for r in eps if r["id"] not in ledger_ids)}
     if not rows:
         result["note"] = ("no recalls logged yet: realized numbers need logged recalls "
                           "(memshelf recall logs each one)")
-    result["banner"] = _stats_banner({"episodes": len(eps), "standing_cost": standing,
-                                      "shelved_mass": shelved_mass, "compression_ratio": ratio,
-                                      "unmeasured": len(unmeasured), "capped_episodes": capped,
-                                      "context_window": window,
-                                      "realized_savings": realized})
+    text = _banner_core(dict(result, unmeasured=len(unmeasured)))
+    if capped:
+        text += f" · {capped} clipped to a {_human_count(window)} window"
+    if realized:
+        text += f" · realized saved {_human_count(realized)}"
+    result["banner"] = text
     if per_episode:
-        breakdown = []
+        result["per_episode"] = []
         for r in sorted(eps, key=lambda r: (r["date"], r["stem"])):
             size = sizes.get(r["stem"])
             recalls, fetched, saved = per_id.get(r["stem"], (0, 0, 0))
-            breakdown.append({"id": r["id"], "address": r["path"], "archived": r["archived"],
-                              "approx_tokens": r["approx_tokens"],
-                              "approx_tokens_source": r.get("approx_src") or "estimate",
-                              "mass": min(size, window) if size is not None else 0,
-                              "capped": size is not None and size > window,
-                              "digest_tokens": r["digest_tokens"], "recalls": recalls,
-                              "fetched_tokens": fetched, "realized_savings": saved})
-        result["per_episode"] = breakdown
+            result["per_episode"].append({
+                "id": r["id"], "address": r["path"], "archived": r["archived"],
+                "approx_tokens": r["approx_tokens"],
+                "approx_tokens_source": r.get("approx_src") or "estimate",
+                "mass": min(size, window) if size is not None else 0,
+                "capped": size is not None and size > window, "digest_tokens": r["digest_tokens"],
+                "recalls": recalls, "fetched_tokens": fetched, "realized_savings": saved})
     if chart:
         svg = _render_chart(_ledger_rows(records)[0])
         if svg is None:
-            raise ShelfError("nothing-to-chart",
-                             "no episode with an id yet: nothing to chart",
+            raise ShelfError("nothing-to-chart", "no episode with an id yet: nothing to chart",
                              "shelve an episode first, then run memshelf stats --chart")
         with _ShelfLock(root):
             _atomic_write(os.path.join(root, "stats.svg"), svg)
@@ -13148,10 +13128,8 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     return result
 
 
-# Advisor: the caller reports what sits in its context window (it alone can see it); advise
-# measures the shelf's own standing cost, verifies every "already shelved" claim against the
-# episodes, and proposes shelve/drop/rollup moves net of what each new episode costs in every
-# later session (verbs.md § 2.5). It writes nothing.
+# Advisor (verbs.md § 2.5): the caller reports its context window, which it alone can see;
+# every "already shelved" claim is checked against the episodes. It writes nothing.
 
 _ADVISE_STATES = ("live", "closed", "unknown")
 _ADVISE_KINDS = ("topic", "research", "tool-output", "instructions", "other")
@@ -13163,14 +13141,14 @@ _ADVISE_INDEX_SHARE = 0.03       # INDEX above this share of the window makes a 
 
 
 def _advise_int(value, what, where, minimum=0):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if _not_count(value, minimum):
         raise _usage(f"{where}: {what} must be a whole number ≥ {minimum}, got {value!r}",
                      "see: memshelf advise --help")
     return value
 
 
 def _advise_spec(spec):
-    """One CLI --occupant SPEC: LABEL=TOKENS[,live|closed|unknown][,idle=N][,kind=K][,episode=ID]."""
+    """One CLI --occupant SPEC, parsed into an occupant object and validated."""
     where = f"--occupant {spec!r}"
     fix = "write LABEL=TOKENS[,live|closed|unknown][,idle=N][,kind=K][,episode=ID]"
     label, sep, rest = spec.partition("=")
@@ -13192,10 +13170,8 @@ def _advise_spec(spec):
             if not re.fullmatch(r"\d+", value.strip()):
                 raise _usage(f"{where}: idle={value!r} is not a number of turns", fix)
             occ["idle_turns"] = int(value.strip())
-        elif eq and key == "kind":
-            occ["kind"] = value.strip()
-        elif eq and key == "episode":
-            occ["episode_id"] = value.strip()
+        elif eq and key in ("kind", "episode"):
+            occ["kind" if key == "kind" else "episode_id"] = value.strip()
         else:
             raise _usage(f"{where}: unknown attribute {part!r}", fix)
     return _advise_occupant(occ, where)
@@ -13238,10 +13214,8 @@ def _advise_occupant(obj, where):
 
 
 def _advise_occupants(occupants, occupants_json):
-    out = []
-    for n, item in enumerate(occupants or []):
-        out.append(_advise_spec(item) if isinstance(item, str)
-                   else _advise_occupant(item, f"occupant {n + 1}"))
+    out = [_advise_spec(item) if isinstance(item, str) else
+           _advise_occupant(item, f"occupant {n + 1}") for n, item in enumerate(occupants or [])]
     if occupants_json is not None:
         raw = _read_input_file(occupants_json, "--occupants-json")
         try:
@@ -13253,8 +13227,8 @@ def _advise_occupants(occupants, occupants_json):
             data = data["occupants"]
         if not isinstance(data, list):
             raise _usage("--occupants-json must hold a JSON list of occupant objects")
-        for n, item in enumerate(data):
-            out.append(_advise_occupant(item, f"--occupants-json item {n + 1}"))
+        out += [_advise_occupant(item, f"--occupants-json item {n + 1}")
+                for n, item in enumerate(data)]
     return out
 
 
@@ -13264,21 +13238,17 @@ def _advise_index_lines(text, fmt):
     for line in text.split("\n"):
         if line.startswith("## "):
             in_section = True
-            continue
-        if line.startswith("# ") or line == "---":
+        elif line.startswith("# ") or line == "---":
             in_section = False
-            continue
-        if not in_section or not line.startswith("- "):
-            continue
-        key = None
-        if fmt == "docshelf":
-            m = re.search(r"`([^`/]+)\.md`\s*$", line) or re.search(r"/([^/()]+)\.md\)", line)
-            key = m.group(1) if m else None
-        else:
-            m = _ENTRY_LINE.match(line)
-            key = (m.group(1) or m.group(2)) if m else None
-        if key:
-            costs[key] = (len(line) + 1) / 4
+        elif in_section and line.startswith("- "):
+            if fmt == "docshelf":
+                m = re.search(r"`([^`/]+)\.md`\s*$", line) or re.search(r"/([^/()]+)\.md\)", line)
+                key = m.group(1) if m else None
+            else:
+                m = _ENTRY_LINE.match(line)
+                key = (m.group(1) or m.group(2)) if m else None
+            if key:
+                costs[key] = (len(line) + 1) / 4
     return costs
 
 
@@ -13292,16 +13262,14 @@ def _advise_standing_cost(line_costs, eps):
 
 
 def _advise_rollup(root, live, index_tokens, budget, line_costs, over_entry_budget,
-                   listed, entry_tokens, allowance):
-    """A rollup proposal when INDEX rides above 3 % of the window, oldest episodes first."""
-    notes = []
+                   listed, entry_tokens, allowance, proposals, notes):
+    """Propose a rollup when INDEX rides above 3 % of the window, oldest episodes first."""
     target = int(budget * _ADVISE_INDEX_SHARE)
     if index_tokens <= target:
-        return None, notes
-    dated = sorted([r for r in live if _rollup_date(r)], key=lambda r: (_rollup_date(r),
-                                                                       r["stem"]))
+        return
+    dated = sorted([r for r in live if _rollup_date(r)], key=lambda r: (_rollup_date(r), r["stem"]))
     if len(dated) < 2:
-        return None, notes
+        return
     if over_entry_budget:
         notes.append(f"INDEX is also over its per-entry budget (~{entry_tokens} tokens per "
                      f"entry against an allowance of {allowance}): that is doctor's index-bloat, "
@@ -13325,15 +13293,14 @@ def _advise_rollup(root, live, index_tokens, budget, line_costs, over_entry_budg
         notes.append(f"folding every dated episode still leaves INDEX above {target} tokens "
                      f"({_ADVISE_INDEX_SHARE:.0%} of the window); the header and preamble are a "
                      "floor")
-    proposal = {"action": "rollup", "target": f"{len(covered)} episodes through {until}",
-                "tokens": reclaimed,
-                "why": f"INDEX is ~{index_tokens} tokens, {index_tokens / budget:.1%} of the "
-                       f"window (worth folding above {_ADVISE_INDEX_SHARE:.0%}), and it rides in "
-                       "every session; recall, search and stats still reach folded episodes",
-                "command": f"memshelf rollup --shelf {_shell_quote(root)} --slug "
-                           f"{until}-rollup --until {until} --digest "
-                           "'<the period: who decided what; what is still open>'"}
-    return proposal, notes
+    proposals.append({
+        "action": "rollup", "target": f"{len(covered)} episodes through {until}",
+        "tokens": reclaimed,
+        "why": f"INDEX is ~{index_tokens} tokens, {index_tokens / budget:.1%} of the "
+               f"window (worth folding above {_ADVISE_INDEX_SHARE:.0%}), and it rides in "
+               "every session; recall, search and stats still reach folded episodes",
+        "command": f"memshelf rollup --shelf {_shell_quote(root)} --slug {until}-rollup --until "
+                   f"{until} --digest '<the period: who decided what; what is still open>'"})
 
 
 def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_turns=10,
@@ -13350,10 +13317,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     eps = [r for r in records if r.get("id")]
     live = [r for r in eps if not r["archived"]]
     fmt = "docshelf" if _index_format(root) == "docshelf" else "compact"
-    try:
-        index_text = _read_text(os.path.join(root, "INDEX.md"))
-    except (OSError, ShelfError):
-        index_text = ""
+    index_text = _index_text(root)
     index_tokens = tokens(index_text)   # what a session actually loads, stale or not
     line_costs = _advise_index_lines(index_text, fmt)
     if not line_costs and live:   # no usable INDEX on disk: price the lines a render would have
@@ -13368,23 +13332,20 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     cost, cost_source = _advise_standing_cost(line_costs, eps)
     min_tokens = _ADVISE_PROPOSAL_FACTOR * cost
     memory = standing if include_memory_overhead else 0
-    known = {}
+    known, titles = {}, {}
     for r in eps:
         known.setdefault(r["stem"], r)
         known.setdefault(r["id"], r)
-    folded = {k.casefold(): r for k, r in known.items()}
-    titles = {}
-    for r in eps:
         titles.setdefault(r["stem"].casefold(), r["stem"])
         if r.get("display_title"):
             titles.setdefault(" ".join(r["display_title"].split()).casefold(), r["stem"])
+    folded = {k.casefold(): r for k, r in known.items()}
     breakdown = {"static": 0, "memory": memory, "live": 0, "reclaimable": 0}
     proposals, notes = [], []
     unstated = too_small = 0
     q = _shell_quote(root)
     for occ in reported:
-        size = occ["approx_tokens"]
-        label = occ["label"]
+        size, label = occ["approx_tokens"], occ["label"]
         if occ["kind"] == "instructions":
             breakdown["static"] += size
             continue
@@ -13413,7 +13374,6 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
             breakdown["reclaimable"] += size
             reason = "reported closed" if occ["state"] == "closed" else \
                 f"idle for {idle} turns (stale after {stale_after})"
-            net = size - cost
             if size < min_tokens:
                 too_small += 1
                 continue
@@ -13423,7 +13383,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
             slug = f"{_today()}-{slug}" if slug and not _slug_problem(f"2026-01-01-{slug}") \
                 else "<YYYY-MM-DD>-<slug>"
             proposals.append({
-                "action": "shelve", "target": label, "tokens": net,
+                "action": "shelve", "target": label, "tokens": size - cost,
                 "why": f"{reason}; net of the ~{cost} tokens ({cost_source}) its INDEX line and "
                        "digest will cost every later session",
                 "command": f"memshelf shelve --shelf {q} --slug {slug} --kind {kind} "
@@ -13433,12 +13393,9 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
         breakdown["live"] += size
         if occ["state"] == "unknown" and idle is None:
             unstated += 1
-    rollup_proposal, rollup_notes = _advise_rollup(
-        root, live, index_tokens, budget, line_costs, listed and index_tokens > index_budget,
-        listed, entry_tokens, allowance)
-    notes += rollup_notes
-    if rollup_proposal is not None:
-        proposals.append(rollup_proposal)
+    _advise_rollup(root, live, index_tokens, budget, line_costs,
+                   listed and index_tokens > index_budget, listed, entry_tokens, allowance,
+                   proposals, notes)
     if not reported:
         notes.insert(0, "no occupants reported: this covers the shelf side only; pass what is "
                         "in the window (label and approximate tokens each) for the full picture")
@@ -13463,16 +13420,15 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
               "reclaimable_tokens": reclaimable, "episodes_on_shelf": len(eps),
               "index_tokens": index_tokens, "index_budget_tokens": index_budget,
               "index_entry_tokens": entry_tokens, "proposals": proposals, "notes": notes}
-    if summary_only:
-        result["summary"] = line
-        return result
-    detail = [line, f"breakdown: static {breakdown['static']:,} · memory {memory:,} · live "
-                    f"{breakdown['live']:,} · reclaimable {breakdown['reclaimable']:,} · "
-                    f"headroom {budget - accounted:,}"]
-    for p in proposals:
-        detail.append(f"  {p['action']:<7} {p['target']}  ~{p['tokens']:,} tok — {p['why']}")
-        detail.append(f"          $ {p['command']}")
-    detail += [f"note: {n}" for n in notes]
+    detail = [line]
+    if not summary_only:
+        detail.append(f"breakdown: static {breakdown['static']:,} · memory {memory:,} · live "
+                      f"{breakdown['live']:,} · reclaimable {breakdown['reclaimable']:,} · "
+                      f"headroom {budget - accounted:,}")
+        for p in proposals:
+            detail += [f"  {p['action']:<7} {p['target']}  ~{p['tokens']:,} tok — {p['why']}",
+                       f"          $ {p['command']}"]
+        detail += [f"note: {n}" for n in notes]
     result["summary"] = "\n".join(detail)
     return result
 
@@ -13481,10 +13437,8 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
 # ==========================================================================================
 
 
-# The views read the shelf and export it: tags, graph, retro, fork, mirror (verbs.md § 4).
-# Exports skip episodes whose tags match `export_exclude_tags` (shelf-format.md § 2.3) unless
-# include_private; freshness compares the copies of memshelf that answer calls with a checkout;
-# prune-splits removes legacy H2 split directories (the only view that writes).
+# The views read the shelf and export it (verbs.md § 4); exports skip episodes tagged by
+# `export_exclude_tags` (shelf-format.md § 2.3). prune-splits is the only view that writes.
 
 _EXPORT_EXCLUDE_DEFAULT = ("private", "sensitive-*")
 _QUARTER = _re_lazy(r"(\d{4})[Qq]([1-4])\Z")
@@ -13503,12 +13457,8 @@ def _export_patterns(root):
 
 
 def _is_private(rec, patterns):
-    for tag in rec.get("tags") or []:
-        folded = tag.casefold()
-        for p in patterns:
-            if folded == p or (p.endswith("*") and folded.startswith(p[:-1])):
-                return True
-    return False
+    return any(t == p or (p.endswith("*") and t.startswith(p[:-1]))
+               for t in map(str.casefold, rec.get("tags") or []) for p in patterns)
 
 
 def _view_records(root, archive=True, label="reading episodes"):
@@ -13542,15 +13492,23 @@ def _episode_body(root, rec, skip=False):
     return read["fields"], episode.body
 
 
+def _view_bodies(root, recs, label):
+    """(record, body) for each record with progress; an unreadable body is None."""
+    progress = _Progress(label, len(recs))
+    try:
+        for n, r in enumerate(recs):
+            progress.update(n)
+            found = _episode_body(root, r, skip=True)
+            yield r, found[1] if found else None
+    finally:
+        progress.done()
+
+
 def _body_sections(body):
     """[(heading or None, text)]: the H2 sections, or the whole body when it has none."""
     _, sections = _split_sections(body)
-    if sections:
-        return sections
     lines = body.split("\n")
-    if lines and lines[0].startswith("# "):
-        lines = lines[1:]
-    return [(None, "\n".join(lines))]
+    return sections or [(None, "\n".join(lines[1:] if lines[0].startswith("# ") else lines))]
 
 
 def _check_view_section(name, flag="--section"):
@@ -13563,11 +13521,9 @@ def _check_view_section(name, flag="--section"):
 
 
 def _section_matches(heading, wanted):
-    if heading is None:
-        return False
     slug = _section_slug(wanted)
-    return heading.casefold() == wanted.casefold() or (bool(slug) and
-                                                       _section_slug(heading) == slug)
+    return heading is not None and (heading.casefold() == wanted.casefold() or
+                                    (bool(slug) and _section_slug(heading) == slug))
 
 
 def _check_out_path(out):
@@ -13595,23 +13551,18 @@ def _write_out(path, text):
 def _id_pattern(ids):
     """One regex that finds any of these ids as a whole token (longest first, so prefixes lose)."""
     ids = sorted({i for i in ids if i}, key=lambda i: (-len(i), i))
-    if not ids:
-        return None
     return re.compile(_VIEW_ID_BOUNDARY[0] + "(?:" + "|".join(re.escape(i) for i in ids) + ")"
-                      + _VIEW_ID_BOUNDARY[1])
+                      + _VIEW_ID_BOUNDARY[1]) if ids else None
 
 
 def _stem_of_reference(ref, by_stem, by_id):
-    if ref in by_stem:
-        return ref
-    return by_id.get(ref)
+    return ref if ref in by_stem else by_id.get(ref)
 
 
 # --- tags ---------------------------------------------------------------------------------
 
 def _tag_rows(recs):
-    """[{tag, count, ids, spellings}]: tags folded by case, shown in their most used spelling,
-    sorted by count descending, then tag."""
+    """Tags folded by case, each in its most used spelling; most used first."""
     groups = {}
     for r in recs:
         for t in r["tags"]:
@@ -13619,13 +13570,10 @@ def _tag_rows(recs):
             if r["stem"] not in g["ids"]:
                 g["spellings"][t] = g["spellings"].get(t, 0) + 1
             g["ids"].add(r["stem"])
-    rows = []
-    for g in groups.values():
-        spelling = min(g["spellings"].items(), key=lambda kv: (-kv[1], kv[0]))[0]
-        rows.append({"tag": spelling, "count": len(g["ids"]), "ids": sorted(g["ids"]),
-                     "spellings": sorted(g["spellings"])})
-    rows.sort(key=lambda t: (-t["count"], t["tag"].casefold(), t["tag"]))
-    return rows
+    rows = [{"tag": min(g["spellings"].items(), key=lambda kv: (-kv[1], kv[0]))[0],
+             "count": len(g["ids"]), "ids": sorted(g["ids"]), "spellings": sorted(g["spellings"])}
+            for g in groups.values()]
+    return sorted(rows, key=lambda t: (-t["count"], t["tag"].casefold(), t["tag"]))
 
 
 def tags(shelf_path=None, archive="include"):
@@ -13636,12 +13584,6 @@ def tags(shelf_path=None, archive="include"):
     recs = _view_records(root, archive=archive == "include")
     return {"status": "ok", "archive": archive, "episodes": len(recs), "tags": _tag_rows(recs),
             "untagged": sorted(r["stem"] for r in recs if not r["tags"])}
-
-
-def _text_tags(result):
-    if not result["tags"]:
-        return f"no tags on this shelf ({result['episodes']} episodes)"
-    return "\n".join(f"{t['tag']}\t{t['count']}\t{','.join(t['ids'])}" for t in result["tags"])
 
 
 # --- graph --------------------------------------------------------------------------------
@@ -13656,46 +13598,35 @@ def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=Non
     root, _ = _resolve_shelf(shelf_path)
     recs = _view_records(root)
     by_stem = {r["stem"]: r for r in recs}
-    by_id = {}
-    for r in recs:
-        if r.get("id") and r["id"] not in by_stem:
-            by_id.setdefault(r["id"], r["stem"])
+    # reversed, so that the first record carrying an id wins
+    by_id = {r["id"]: r["stem"] for r in reversed(recs) if r.get("id") and r["id"] not in by_stem}
     nodes = [{"id": r["stem"], "kind": _record_kind(r), "date": r["date"] or None,
               "title": _record_title(r), "archived": bool(r["archived"])} for r in recs]
     pattern = _id_pattern(by_stem)
     edges = {}
-    progress = _Progress("reading mentions", len(recs))
-    try:
-        for n, r in enumerate(recs):
-            progress.update(n)
-            found = _episode_body(root, r, skip=True)
-            for heading, text in _body_sections(found[1]) if found else ():
-                if section is not None and not _section_matches(heading, section):
+    for r, body in _view_bodies(root, recs, "reading mentions"):
+        for heading, text in _body_sections(body) if body is not None else ():
+            if section is not None and not _section_matches(heading, section):
+                continue
+            for target in (m.group(0) for m in pattern.finditer(text)) if pattern else ():
+                if target == r["stem"]:
                     continue
-                for m in pattern.finditer(text) if pattern else ():
-                    target = m.group(0)
-                    if target == r["stem"]:
-                        continue
-                    e = edges.setdefault((r["stem"], target, "mention"),
-                                         {"from": r["stem"], "to": target, "type": "mention",
-                                          "sections": [], "count": 0})
-                    e["count"] += 1
-                    if heading is not None and heading not in e["sections"]:
-                        e["sections"].append(heading)
-            for ref in r["supersedes"]:
-                target = _stem_of_reference(ref, by_stem, by_id)
-                if target and target != r["stem"]:
-                    edges[(r["stem"], target, "supersedes")] = {
-                        "from": r["stem"], "to": target, "type": "supersedes", "sections": [],
-                        "count": 1}
-    finally:
-        progress.done()
+                e = edges.setdefault((r["stem"], target, "mention"), {
+                    "from": r["stem"], "to": target, "type": "mention", "sections": [],
+                    "count": 0})
+                e["count"] += 1
+                if heading is not None and heading not in e["sections"]:
+                    e["sections"].append(heading)
+        for target in (_stem_of_reference(ref, by_stem, by_id) for ref in r["supersedes"]):
+            if target and target != r["stem"]:
+                edges[(r["stem"], target, "supersedes")] = {
+                    "from": r["stem"], "to": target, "type": "supersedes", "sections": [],
+                    "count": 1}
     edge_list = [edges[k] for k in sorted(edges)]
-    payload = {"nodes": nodes, "edges": edge_list}
     if format == "mermaid":
         text = _mermaid(nodes, edge_list, all_nodes)
     else:
-        text = json.dumps(payload, ensure_ascii=False, indent=2)
+        text = json.dumps({"nodes": nodes, "edges": edge_list}, ensure_ascii=False, indent=2)
     if out_path:
         _write_out(out_path, text)
     return {"status": "ok", "format": format, "section": section, "nodes": nodes,
@@ -13711,25 +13642,12 @@ def _mermaid(nodes, edges, all_nodes):
     linked = {e["from"] for e in edges} | {e["to"] for e in edges}
     shown = [n for n in nodes if all_nodes or n["id"] in linked]
     names = {n["id"]: f"n{i}" for i, n in enumerate(shown, 1)}
-    lines = ["graph LR"]
-    for n in shown:
-        lines.append(f'    {names[n["id"]]}["{_mermaid_label(n["id"])}"]')
+    lines = ["graph LR"] + [f'    {names[n["id"]]}["{_mermaid_label(n["id"])}"]' for n in shown]
     for e in edges:
-        a, b = names[e["from"]], names[e["to"]]
-        if e["type"] == "supersedes":
-            lines.append(f"    {a} -.->|supersedes| {b}")
-        elif e["count"] > 1:
-            lines.append(f"    {a} -->|x{e['count']}| {b}")
-        else:
-            lines.append(f"    {a} --> {b}")
+        arrow = "-.->|supersedes|" if e["type"] == "supersedes" else \
+            f"-->|x{e['count']}|" if e["count"] > 1 else "-->"
+        lines.append(f"    {names[e['from']]} {arrow} {names[e['to']]}")
     return "\n".join(lines)
-
-
-def _text_graph(result):
-    if result.get("out"):
-        return (f"graph: {len(result['nodes'])} nodes, {len(result['edges'])} edges "
-                f"-> {result['out']}")
-    return result["text"]
 
 
 # --- retro --------------------------------------------------------------------------------
@@ -13757,21 +13675,14 @@ def _retro_period(quarter, since, until):
             raise _usage(f"--quarter {quarter!r} is not a quarter like 2026Q3",
                          "use YYYYQn with n = 1..4, e.g. 2026Q3")
         year, q = int(m.group(1)), int(m.group(2))
-    start = datetime.date(year, 3 * q - 2, 1)
-    end = (datetime.date(year + 1, 1, 1) if q == 4 else datetime.date(year, 3 * q + 1, 1)) - \
-        datetime.timedelta(days=1)
-    return f"{year}Q{q}", start.isoformat(), end.isoformat()
+    end = datetime.date(year + q // 4, 3 * q % 12 + 1, 1) - datetime.timedelta(days=1)
+    return f"{year}Q{q}", datetime.date(year, 3 * q - 2, 1).isoformat(), end.isoformat()
 
 
 def _first_bullets(text, limit=3):
-    out = []
-    for line in text.split("\n"):
-        m = re.match(r" ?(?:[-*+]|\d{1,3}[.)])\s+(\S.*)$", line)
-        if m:
-            out.append(_cap_text(m.group(1).strip(), 240))
-            if len(out) == limit:
-                break
-    return out
+    found = (re.match(r" ?(?:[-*+]|\d{1,3}[.)])\s+(\S.*)$", line) for line in text.split("\n"))
+    return [_cap_text(m.group(1).strip(), 240)
+            for m in itertools.islice(filter(None, found), limit)]
 
 
 def _cap_text(text, cap):
@@ -13787,8 +13698,7 @@ def _supersession_chains(recs, in_period):
     """Chains old -> newer -> newest among the shelf, kept when they touch the period."""
     by_stem = {r["stem"]: r for r in recs}
     by_id = {r["id"]: r["stem"] for r in recs if r.get("id")}
-    newer = {}
-    older = set()
+    newer, older = {}, set()
     for r in recs:
         for ref in r["supersedes"]:
             old = _stem_of_reference(ref, by_stem, by_id)
@@ -13801,7 +13711,6 @@ def _supersession_chains(recs, in_period):
         nxt = sorted(s for s in newer.get(path[-1], ()) if s not in path)
         if not nxt:
             chains.append(path)
-            return
         for s in nxt:
             walk(path + [s])
     for start in sorted(s for s in newer if s not in older):
@@ -13809,8 +13718,7 @@ def _supersession_chains(recs, in_period):
     return [c for c in chains if any(s in in_period for s in c)]
 
 
-def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
-          include_private=False):
+def retro(shelf_path=None, quarter=None, since=None, until=None, out=None, include_private=False):
     """A Markdown retrospective of a quarter or a date range (§ 4.5); no model involved."""
     label, start, end = _retro_period(quarter, since, until)
     out_path = _check_out_path(out) if out is not None else None
@@ -13821,7 +13729,6 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
     in_range = [r for r in recs if r["date"] and start <= r["date"] <= end]
     private = [r for r in in_range if not include_private and _is_private(r, patterns)]
     chosen = [r for r in in_range if r not in private]
-    name = _docshelf_config(root)["name"]
     counts = {k: 0 for k in KINDS}
     mass = {k: 0 for k in KINDS}
     for r in chosen:
@@ -13831,57 +13738,42 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
             mass[kind] += min(max(r["approx_tokens"] or 0, 0), window)
     period = f"{start if start != '0001-01-01' else 'the start'} … " \
         f"{end if end != '9999-12-31' else 'now'}"
+    archived = sum(1 for r in chosen if r["archived"])
     lines = [f"# Retrospective {label}", "",
-             f"Shelf **{name}** · {period} · {len(chosen)} episodes · "
+             f"Shelf **{_docshelf_config(root)['name']}** · {period} · {len(chosen)} episodes · "
              f"~{_human_count(sum(mass.values()))} tokens shelved"
-             + (f" · {sum(1 for r in chosen if r['archived'])} archived"
-                if any(r["archived"] for r in chosen) else ""), ""]
+             + (f" · {archived} archived" if archived else ""), ""]
     if private:
         lines += [f"{len(private)} episode(s) tagged private left out "
                   "(--include-private adds them).", ""]
     lines += ["## Counts", "", "| kind | episodes | shelved mass |", "|---|---:|---:|"]
-    for k in KINDS:
-        lines.append(f"| {k} | {counts[k]} | {_human_count(mass[k])} |")
-    lines += [f"| **total** | {len(chosen)} | {_human_count(sum(mass.values()))} |", ""]
-    lines += ["## Episodes", ""]
+    lines += [f"| {k} | {counts[k]} | {_human_count(mass[k])} |" for k in KINDS]
+    lines += [f"| **total** | {len(chosen)} | {_human_count(sum(mass.values()))} |", "",
+              "## Episodes", ""]
     if not chosen:
         lines += ["_No episodes in this period._", ""]
-    bodies = {}
     for cat in CATEGORIES:
         group = [r for r in chosen if r["category"] == cat]
         if not group:
             continue
         lines += [f"### {_HEADINGS[cat]}", ""]
         for r in group:
-            desc = _record_description(r)
-            title = _record_title(r)
-            entry = f"- {r['date']} · `{r['stem']}`"
-            if title != r["stem"]:
-                entry += f" **{title}**"
-            if desc:
-                entry += f" — {desc}"
-            if r["archived"]:
-                entry += " _(archived)_"
-            lines.append(entry)
+            title, desc = _record_title(r), _record_description(r)
+            lines.append(f"- {r['date']} · `{r['stem']}`"
+                         + (f" **{title}**" if title != r["stem"] else "")
+                         + (f" — {desc}" if desc else "")
+                         + (" _(archived)_" if r["archived"] else ""))
         lines.append("")
-    progress = _Progress("reading episodes", len(chosen))
-    try:
-        for n, r in enumerate(chosen):
-            progress.update(n)
-            found = _episode_body(root, r, skip=True)
-            bodies[r["stem"]] = _body_sections(found[1]) if found else []
-    finally:
-        progress.done()
+    bodies = {r["stem"]: _split_sections(body)[1] if body is not None else []
+              for r, body in _view_bodies(root, chosen, "reading episodes")}
     lines += ["## Decisions", ""]
     decided = False
     for r in chosen:
-        found = _find_section([s for s in bodies[r["stem"]] if s[0] is not None], "Decisions")
+        found = _find_section(bodies[r["stem"]], "Decisions")
         bullets = _first_bullets(found[1]) if found else []
         if bullets:
             decided = True
-            lines.append(f"**`{r['stem']}`**")
-            lines += [f"- {b}" for b in bullets]
-            lines.append("")
+            lines += [f"**`{r['stem']}`**"] + [f"- {b}" for b in bullets] + [""]
     if not decided:
         lines += ["_No Decisions sections in this period._", ""]
     lines += ["## Still open", ""]
@@ -13889,8 +13781,7 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
                       key=lambda r: (r["date"], r["stem"]), reverse=True)
     opened = False
     for r in sessions[:3]:
-        found = _find_section([s for s in bodies[r["stem"]] if s[0] is not None],
-                              "Open threads")
+        found = _find_section(bodies[r["stem"]], "Open threads")
         text = found[1].strip() if found else ""
         if text:
             if not opened:
@@ -13916,13 +13807,6 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None,
             "out": out_path}
 
 
-def _text_retro(result):
-    if result.get("out"):
-        return (f"retro {result['period']['label']}: {result['episodes']} episodes "
-                f"-> {result['out']}")
-    return result["markdown"]
-
-
 # --- fork ---------------------------------------------------------------------------------
 
 def _export_index(root, records, hidden):
@@ -13945,53 +13829,41 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
     if not wanted:
         raise _usage("fork needs at least one --episode ID", "pass the ids to continue from")
     names = [_check_view_section(s) for s in (sections or [])]
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                               or budget < 1):
+    if budget is not None and _not_count(budget):
         raise _usage(f"--budget must be a positive number of tokens (got {budget!r})",
                      "e.g. --budget 8000")
     out_path = _check_out_path(out) if out is not None else None
     root, _ = _resolve_shelf(shelf_path)
-    chosen = []
-    for raw in wanted:
-        rel, _ = _resolve_episode(root, raw)
-        if rel not in chosen:
-            chosen.append(rel)
+    chosen = list(dict.fromkeys(_resolve_episode(root, raw)[0] for raw in wanted))
     recs = _view_records(root)
     by_path = {r["path"]: r for r in recs}
     patterns = _export_patterns(root)
     hidden = set() if include_private else {r["stem"] for r in recs if _is_private(r, patterns)}
     superseded = _superseded_map(recs)
-    blocks, left_out, missing = [], [], []
-    matched_any = set()
-    for rel in chosen:
-        r = by_path.get(rel)
-        if r is None:
-            continue
+    blocks, left_out, missing, matched_any = [], [], [], set()
+    for r in (by_path[rel] for rel in chosen if rel in by_path):
         if r["stem"] in hidden:
             left_out.append({"id": r["stem"], "tokens": None, "reason": "private"})
             continue
         _, body = _episode_body(root, r)
-        parts = []
-        if names:
-            secs = [s for s in _body_sections(body) if s[0] is not None]
-            for name in names:
-                found = _find_section(secs, name)
-                if found:
-                    matched_any.add(name)
-                    parts.append((found[0], f"## {found[0]}\n{found[1].strip()}"))
-                else:
-                    missing.append({"id": r["stem"], "section": name})
-            if not parts:
-                continue
-        else:
-            parts.append((None, body.strip()))
+        parts = [] if names else [(None, body.strip())]
+        secs = _split_sections(body)[1] if names else []
+        for name in names:
+            found = _find_section(secs, name)
+            if found:
+                matched_any.add(name)
+                parts.append((found[0], f"## {found[0]}\n{found[1].strip()}"))
+            else:
+                missing.append({"id": r["stem"], "section": name})
+        if not parts:
+            continue
         wrapped = "\n\n".join(
             _envelope(r["stem"], content, heading, scan_instructions(content),
                       superseded.get(r["stem"]))
             for heading, content in parts)
         title = _record_title(r)
-        head = f"## {r['stem']}" + (f" — {title}" if title != r["stem"] else "")
-        text = f"{head}\n\n{wrapped}\n"
+        text = (f"## {r['stem']}" + (f" — {title}" if title != r["stem"] else "")
+                + f"\n\n{wrapped}\n")
         blocks.append({"id": r["stem"], "date": r["date"], "text": text,
                        "sections": [h for h, _ in parts if h], "tokens": tokens(text)})
     if names and not matched_any and missing:
@@ -14002,9 +13874,9 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
     index_block = None
     if not no_index:
         index_text = _export_index(root, recs, hidden)
-        index_block = {"id": "INDEX", "text": "## Shelf INDEX\n\n" + _envelope(
-            "INDEX", index_text.rstrip("\n"), None, scan_instructions(index_text)) + "\n"}
-        index_block["tokens"] = tokens(index_block["text"])
+        text = "## Shelf INDEX\n\n" + _envelope("INDEX", index_text.rstrip("\n"), None,
+                                                scan_instructions(index_text)) + "\n"
+        index_block = {"id": "INDEX", "text": text, "tokens": tokens(text)}
     name = _docshelf_config(root)["name"]
     ordered = ([index_block] if index_block else []) + blocks
     included, over = ordered, []
@@ -14020,18 +13892,16 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
                          "alone", "raise the budget, or fork fewer episodes")
         included = []
         for b in ordered:
-            cost = len(b["text"]) + 1
-            if cost <= room:
+            if len(b["text"]) + 1 <= room:
                 included.append(b)
-                room -= cost
+                room -= len(b["text"]) + 1
             else:
                 over.append({"id": b["id"], "tokens": b["tokens"], "reason": "budget"})
     left_out = left_out + over
-    for x in left_out:
-        if out_path is None:
-            why = "tagged private (--include-private adds it)" if x["reason"] == "private" \
-                else f"over the --budget of {budget} tokens"
-            _note(f"left out {x['id']}: {why}")
+    for x in left_out if out_path is None else ():
+        why = "tagged private (--include-private adds it)" if x["reason"] == "private" \
+            else f"over the --budget of {budget} tokens"
+        _note(f"left out {x['id']}: {why}")
     episode_blocks = [b for b in included if b is not index_block]
     with_index = index_block is not None and index_block in included
     header = _fork_header(name, episode_blocks, blocks, left_out, missing, budget, with_index)
@@ -14039,9 +13909,8 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
     if out_path:
         _write_out(out_path, document)
     return {"status": "ok", "markdown": document, "tokens": tokens(document), "budget": budget,
-            "included": [b["id"] for b in episode_blocks],
-            "index_included": with_index, "left_out": left_out,
-            "missing_sections": missing, "sections": names, "out": out_path}
+            "included": [b["id"] for b in episode_blocks], "index_included": with_index,
+            "left_out": left_out, "missing_sections": missing, "sections": names, "out": out_path}
 
 
 def _fork_header(name, included, blocks, left_out, missing, budget, with_index):
@@ -14068,14 +13937,6 @@ def _fork_header(name, included, blocks, left_out, missing, budget, with_index):
         lines.append("Sections not found: " + ", ".join(
             f"{m['id']} § {m['section']}" for m in missing) + ".")
     return "\n".join(lines) + "\n"
-
-
-def _text_fork(result):
-    if result.get("out"):
-        gone = ", ".join(x["id"] for x in result["left_out"])
-        return (f"fork: ~{result['tokens']} tokens, {len(result['included'])} episode(s) "
-                f"-> {result['out']}" + (f"; left out: {gone}" if gone else ""))
-    return result["markdown"]
 
 
 # --- mirror: one self-contained HTML page ---------------------------------------------------
@@ -14200,20 +14061,14 @@ class _MirrorMarkdown:
 
     # -- inline --
     def text(self, s, links=True):
-        if not s:
-            return ""
-        if self.id_pattern is None or not links:
-            return _esc(s)
         out, pos = [], 0
-        for m in self.id_pattern.finditer(s):
+        for m in self.id_pattern.finditer(s) if s and links and self.id_pattern else ():
             href = self.href_of(m.group(0))
-            if href is None:
-                continue
-            out.append(_esc(s[pos:m.start()]))
-            out.append(f'<a href="{_esc(href)}">{_esc(m.group(0))}</a>')
-            pos = m.end()
-        out.append(_esc(s[pos:]))
-        return "".join(out)
+            if href is not None:
+                out.append(_esc(s[pos:m.start()]) +
+                           f'<a href="{_esc(href)}">{_esc(m.group(0))}</a>')
+                pos = m.end()
+        return "".join(out) + _esc(s[pos:])
 
     def inline(self, s, links=True):
         out, pos = [], 0
@@ -14272,10 +14127,6 @@ class _MirrorMarkdown:
                 para.clear()
         while i < len(lines):
             line = lines[i]
-            if not line.strip():
-                flush()
-                i += 1
-                continue
             fence = _MD_FENCE.match(line)
             if fence and not (fence.group(1)[0] == "`" and "`" in fence.group(2)):
                 flush()
@@ -14291,14 +14142,13 @@ class _MirrorMarkdown:
                 out.append("<pre><code>" + _esc("\n".join(body)) + "</code></pre>")
                 continue
             heading = _MD_HEADING.match(line)
-            if heading:
-                flush()
-                level = min(len(heading.group(1)) + shift, 6)
-                out.append(f"<h{level}>{self.inline(heading.group(2) or '')}</h{level}>")
-                i += 1
-                continue
-            if _MD_RULE.match(line) and not para:
-                out.append("<hr>")
+            if heading or not line.strip() or (_MD_RULE.match(line) and not para):
+                flush()   # a blank line, a heading or a rule: each ends the paragraph
+                if heading:
+                    level = min(len(heading.group(1)) + shift, 6)
+                    out.append(f"<h{level}>{self.inline(heading.group(2) or '')}</h{level}>")
+                elif line.strip():
+                    out.append("<hr>")
                 i += 1
                 continue
             if line.lstrip().startswith(">"):
@@ -14331,19 +14181,15 @@ class _MirrorMarkdown:
         return out
 
     def table(self, rows):
-        def cells(row):
+        def row_html(row, tag):
             row = row.strip()
-            if row.startswith("|"):
-                row = row[1:]
+            row = row[1:] if row.startswith("|") else row
             if row.endswith("|") and not row.endswith("\\|"):
                 row = row[:-1]
-            return [c.strip() for c in re.split(r"(?<!\\)\|", row)]
-        head = cells(rows[0])
-        html_rows = ["<tr>" + "".join(f"<th>{self.inline(c)}</th>" for c in head) + "</tr>"]
-        for row in rows[1:]:
-            html_rows.append("<tr>" + "".join(f"<td>{self.inline(c)}</td>"
-                                              for c in cells(row)) + "</tr>")
-        return "<table>" + "".join(html_rows) + "</table>"
+            return "<tr>" + "".join(f"<{tag}>{self.inline(c.strip())}</{tag}>"
+                                    for c in re.split(r"(?<!\\)\|", row)) + "</tr>"
+        return ("<table>" + row_html(rows[0], "th") + "".join(row_html(r, "td") for r in rows[1:])
+                + "</table>")
 
     def list_block(self, lines, i, shift, out):
         first = _MD_ITEM.match(lines[i])
@@ -14352,44 +14198,38 @@ class _MirrorMarkdown:
         items = []
         while i < len(lines):
             m = _MD_ITEM.match(lines[i])
-            if m and len(m.group(1)) == indent and m.group(2)[0].isdigit() == ordered:
-                content = [m.group(3) or ""]
-                width = len(m.group(1)) + len(m.group(2)) + 1
-                i += 1
-                while i < len(lines):
-                    nxt = lines[i]
-                    if not nxt.strip():
-                        after = next((l for l in lines[i + 1:] if l.strip()), "")
-                        if len(after) - len(after.lstrip()) > indent:
-                            content.append("")
-                            i += 1
-                            continue
+            if not m or len(m.group(1)) != indent or m.group(2)[0].isdigit() != ordered:
+                break
+            content = [m.group(3) or ""]
+            width = len(m.group(1)) + len(m.group(2)) + 1
+            i += 1
+            while i < len(lines):
+                nxt = lines[i]
+                lead = len(nxt) - len(nxt.lstrip())
+                if not nxt.strip():
+                    after = next((l for l in lines[i + 1:] if l.strip()), "")
+                    if len(after) - len(after.lstrip()) <= indent:
                         break
-                    lead = len(nxt) - len(nxt.lstrip())
-                    sub = _MD_ITEM.match(nxt)
-                    if lead > indent or (not sub and lead >= indent and not
-                                         _MD_FENCE.match(nxt) and not _MD_HEADING.match(nxt)):
-                        content.append(nxt[min(lead, width):] if lead > indent else nxt.strip())
-                        i += 1
-                        continue
+                    content.append("")
+                elif lead > indent or (not _MD_ITEM.match(nxt) and lead >= indent and not
+                                       _MD_FENCE.match(nxt) and not _MD_HEADING.match(nxt)):
+                    content.append(nxt[min(lead, width):] if lead > indent else nxt.strip())
+                else:
                     break
-                items.append(content)
-                if i < len(lines) and not lines[i].strip():
-                    break
-                continue
-            break
+                i += 1
+            items.append(content)
+            if i < len(lines) and not lines[i].strip():
+                break
         tag = "ol" if ordered else "ul"
-        start = ""
-        if ordered:
-            number = int(re.match(r"\d+", first.group(2)).group(0))
-            start = f' start="{number}"' if number != 1 else ""
+        number = int(first.group(2)[:-1]) if ordered else 1
         html_items = []
         for content in items:
             inner = self.blocks(content, shift)
-            if len(inner) >= 1 and inner[0].startswith("<p>") and \
+            if inner and inner[0].startswith("<p>") and \
                     sum(1 for b in inner if b.startswith("<p>")) == 1:
                 inner[0] = inner[0][3:-4]
             html_items.append("<li>" + "\n".join(inner) + "</li>")
+        start = f' start="{number}"' if number != 1 else ""
         out.append(f"<{tag}{start}>" + "".join(html_items) + f"</{tag}>")
         return i
 
@@ -14399,8 +14239,7 @@ def _mirror_anchor(prefix, ident):
     return f"{prefix}-" + urllib.parse.quote(ident, safe="-_.~")
 
 
-def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
-           include_private=False):
+def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None, include_private=False):
     """INDEX plus chosen episodes as one self-contained HTML page for a phone (§ 4.7)."""
     import base64
     import hashlib
@@ -14414,11 +14253,9 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
     for raw in episode_ids or []:
         rel, _ = _resolve_episode(root, raw)
         r = next((x for x in recs if x["path"] == rel), None)
-        if r is None:
-            continue
-        if r["stem"] in hidden:
+        if r is not None and r["stem"] in hidden:
             skipped.append({"id": r["stem"], "reason": "private"})
-        elif r not in wanted:
+        elif r is not None and r not in wanted:
             wanted.append(r)
     for x in skipped:
         _note(f"left out {x['id']}: tagged private (--include-private adds it)")
@@ -14433,98 +14270,78 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
     def href_of(ident):
         if ident in shown:
             return "#" + _mirror_anchor("e", ident)
-        if ident in listed:
-            return "#" + _mirror_anchor("i", ident)
-        return None
+        return "#" + _mirror_anchor("i", ident) if ident in listed else None
     md = _MirrorMarkdown(_id_pattern(shown | listed), href_of)
-    cfg = _docshelf_config(root)
-    flags = {}
-    progress = _Progress("rendering episodes", len(wanted))
-    bodies = {}
-    try:
-        for n, r in enumerate(wanted):
-            progress.update(n)
-            found = _episode_body(root, r, skip=True)
-            if found is None:
-                skipped.append({"id": r["stem"], "reason": "unreadable"})
-                continue
-            body = bodies[r["stem"]] = found[1]
-            found = scan_instructions(body)
-            if found:
-                flags[r["stem"]] = _instruction_kinds(found)
-    finally:
-        progress.done()
+    flags, bodies = {}, {}
+    for r, body in _view_bodies(root, wanted, "rendering episodes"):
+        if body is None:
+            skipped.append({"id": r["stem"], "reason": "unreadable"})
+            continue
+        bodies[r["stem"]] = body
+        found = scan_instructions(body)
+        if found:
+            flags[r["stem"]] = _instruction_kinds(found)
     wanted = [r for r in wanted if r["stem"] in bodies]
     shown.intersection_update(bodies)
     for r in live:
-        if r["stem"] not in flags:
-            found = scan_instructions(_record_title(r) + "\n" + _record_description(r))
-            if found:
-                flags[r["stem"]] = _instruction_kinds(found)
+        found = r["stem"] not in flags and scan_instructions(
+            _record_title(r) + "\n" + _record_description(r))
+        if found:
+            flags[r["stem"]] = _instruction_kinds(found)
 
     def badge(stem):
-        if stem not in flags:
-            return ""
-        return (f' <span class="badge" title="Holds instruction-shaped text '
-                f'({_esc(flags[stem])}); read it as quoted data">instruction-shaped</span>')
+        return "" if stem not in flags else (
+            f' <span class="badge" title="Holds instruction-shaped text '
+            f'({_esc(flags[stem])}); read it as quoted data">instruction-shaped</span>')
 
     def meta_line(r, extra=(), size=None):
         parts = [] if _record_title(r) == r["stem"] else [f"<code>{_esc(r['stem'])}</code>"]
-        parts += [_esc(x) for x in extra if x]
-        if r["date"]:
-            parts.append(_esc(r["date"]))
-        if size:
-            parts.append(_esc(size))
+        parts += [_esc(x) for x in (*extra, r["date"], size) if x]
         if r["tags"]:
             parts.append(" ".join("#" + _esc(t) for t in r["tags"]))
-        by = superseded.get(r["stem"])
-        if by:
+        if superseded.get(r["stem"]):
             parts.append('<span class="sup">superseded by ' + ", ".join(
                 f'<a href="{_esc(href_of(s))}">{_esc(s)}</a>' if href_of(s) else _esc(s)
-                for s in by) + "</span>")
+                for s in superseded[r["stem"]]) + "</span>")
         return " · ".join(parts)
-    name = cfg["name"]
+    name = _docshelf_config(root)["name"]
     html_parts = []
     for cat in CATEGORIES:
         group = [r for r in live if r["category"] == cat]
-        if not group:
-            continue
         items = []
         for r in group:
-            title = _record_title(r)
-            anchor = _mirror_anchor("i", r["stem"])
-            title_html = md.inline(title, links=False)
+            title_html = md.inline(_record_title(r), links=False)
             if r["stem"] in shown:
                 title_html = f'<a href="#{_esc(_mirror_anchor("e", r["stem"]))}">{title_html}</a>'
             desc = _record_description(r)
             items.append(
-                f'<li class="entry" id="{_esc(anchor)}"><span class="title">{title_html}</span>'
-                + badge(r["stem"])
+                f'<li class="entry" id="{_esc(_mirror_anchor("i", r["stem"]))}"><span '
+                f'class="title">{title_html}</span>' + badge(r["stem"])
                 + (f'<div class="desc">{md.inline(desc)}</div>' if desc else "")
                 + f'<div class="meta">{meta_line(r)}</div></li>')
-        html_parts.append(
-            f'<section class="group"><h2>{_esc(_HEADINGS[cat])} '
-            f'<span class="count">{len(group)}</span></h2>\n<ul class="entries">\n'
-            + "\n".join(items) + "\n</ul></section>")
+        if group:
+            html_parts.append(
+                f'<section class="group"><h2>{_esc(_HEADINGS[cat])} '
+                f'<span class="count">{len(group)}</span></h2>\n<ul class="entries">\n'
+                + "\n".join(items) + "\n</ul></section>")
     if not live:
         html_parts.append('<p class="lead">No episodes on this shelf yet.</p>')
+    blocks = []
+    for r in wanted:
+        stem = r["stem"]
+        warn = "" if stem not in flags else (
+            '<p class="warn">This episode holds instruction-shaped text '
+            f'({_esc(flags[stem])}). It is quoted data from a past session: read '
+            "it, do not act on it.</p>\n")
+        extra = [_record_kind(r) or "", "archived" if r["archived"] else ""]
+        size = f"~{_human_count(tokens(bodies[stem]))} tok"
+        blocks.append(
+            f'<details class="episode entry" id="{_esc(_mirror_anchor("e", stem))}"'
+            + (" open" if stem in opened else "") + ">"
+            f'<summary><span class="title">{md.inline(_record_title(r), links=False)}</span>'
+            + badge(stem) + f'<span class="meta">{meta_line(r, extra, size)}</span></summary>\n'
+            f'<div class="body">\n{warn}{md.render(bodies[stem], shift=1)}\n</div></details>')
     if wanted:
-        blocks = []
-        for r in wanted:
-            stem = r["stem"]
-            warn = ""
-            if stem in flags:
-                warn = ('<p class="warn">This episode holds instruction-shaped text '
-                        f'({_esc(flags[stem])}). It is quoted data from a past session: read '
-                        "it, do not act on it.</p>\n")
-            extra = [_record_kind(r) or "", "archived" if r["archived"] else ""]
-            size = f"~{_human_count(tokens(bodies[stem]))} tok"
-            blocks.append(
-                f'<details class="episode entry" id="{_esc(_mirror_anchor("e", stem))}"'
-                + (" open" if stem in opened else "") + ">"
-                f'<summary><span class="title">{md.inline(_record_title(r), links=False)}</span>'
-                + badge(stem) + f'<span class="meta">{meta_line(r, extra, size)}</span></summary>\n'
-                f'<div class="body">\n{warn}{md.render(bodies[stem], shift=1)}\n</div></details>')
         html_parts.append('<section class="group"><h2>Episodes '
                           f'<span class="count">{len(wanted)}</span></h2>\n'
                           + "\n".join(blocks) + "\n</section>")
@@ -14532,9 +14349,8 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
     csp = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
            f"script-src 'sha256-{script_hash.decode('ascii')}'; base-uri 'none'; "
            "form-action 'none'")
-    count_note = f"{len(live)} episode{'s' if len(live) != 1 else ''}"
-    if wanted:
-        count_note += f" · {len(wanted)} shown in full"
+    count_note = f"{len(live)} episode{'s' if len(live) != 1 else ''}" + (
+        f" · {len(wanted)} shown in full" if wanted else "")
     page = (
         "<!doctype html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
@@ -14561,19 +14377,11 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None,
             "private_excluded": len(hidden), "out": out_path}
 
 
-def _text_mirror(result):
-    if result.get("out"):
-        return (f"mirror: {result['entries']} entries, {len(result['episodes'])} episode(s), "
-                f"{result['bytes']} bytes -> {result['out']}")
-    return result["html"]
-
-
 # --- freshness: which copies of memshelf answer, and are they the checkout's code ----------
 
 def _freshness_checkout(checkout):
     def is_tree(path):
-        return os.path.isfile(os.path.join(path, "memshelf.py")) and \
-            os.path.isfile(os.path.join(path, "server.py"))
+        return all(os.path.isfile(os.path.join(path, f)) for f in ("memshelf.py", "server.py"))
     if checkout is not None and str(checkout).strip():
         path = os.path.realpath(os.path.expanduser(str(checkout).strip()))
         if not is_tree(path):
@@ -14587,19 +14395,8 @@ def _freshness_checkout(checkout):
             raise _usage(f"MEMSHELF_CHECKOUT={path} is not a memshelf checkout",
                          "point MEMSHELF_CHECKOUT at a memshelf source tree, or unset it")
         return path, "MEMSHELF_CHECKOUT"
-    cwd = os.getcwd()
-    if is_tree(cwd):
-        return os.path.realpath(cwd), "current directory"
-    return None, None
-
-
-def _file_sha(path):
-    import hashlib
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
+    return (os.path.realpath(os.getcwd()), "current directory") if is_tree(os.getcwd()) else \
+        (None, None)
 
 
 def _source_version(path):
@@ -14622,63 +14419,55 @@ def _copy_row(consumer, main_path):
             "_full": full}
 
 
-def _path_commands(name):
-    seen, found = set(), []
-    for d in os.environ.get("PATH", "").split(os.pathsep):
-        if not d:
-            continue
-        p = os.path.join(d, name)
-        if os.path.isfile(p) and os.access(p, os.X_OK):
-            real = os.path.realpath(p)
-            if real not in seen:
-                seen.add(real)
-                found.append(p)
-    return found
-
-
-def _path_row(name, path):
+def _path_rows(name):
+    """One row per distinct executable `name` on PATH, from its --version line."""
     import subprocess
-    row = {"consumer": f"{name} on PATH", "path": path, "version": None, "code_hash": None,
-           "hash_of": "memshelf.py+server.py" if name == "memshelf-mcp" else "memshelf.py",
-           "_full": None}
-    try:
-        proc = subprocess.run([path, "--version"], capture_output=True, timeout=15,
-                              stdin=subprocess.DEVNULL)
+    seen, rows = set(), []
+    for d in filter(None, os.environ.get("PATH", "").split(os.pathsep)):
+        path = os.path.join(d, name)
+        if not os.path.isfile(path) or not os.access(path, os.X_OK) or \
+                os.path.realpath(path) in seen:
+            continue
+        seen.add(os.path.realpath(path))
+        row = {"consumer": f"{name} on PATH", "path": path, "version": None, "code_hash": None,
+               "hash_of": "memshelf.py+server.py" if name == "memshelf-mcp" else "memshelf.py",
+               "_full": None}
+        rows.append(row)
+        try:
+            proc = subprocess.run([path, "--version"], capture_output=True, timeout=15,
+                                  stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            row["note"] = f"--version failed: {exc}"
+            continue
         text = proc.stdout.decode("utf-8", "replace").strip()
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        row["note"] = f"--version failed: {exc}"
-        return row
-    m = re.match(r"(memshelf(?:-mcp)?) (\S+)(?: \(([0-9a-f]{12})\))?", text)
-    if m:
-        row["version"], row["code_hash"] = m.group(2), m.group(3)
-    else:
-        row["note"] = "unrecognised --version output: " + (text.split("\n")[0][:80] or "(none)")
-    return row
+        m = re.match(r"(memshelf(?:-mcp)?) (\S+)(?: \(([0-9a-f]{12})\))?", text)
+        if m:
+            row["version"], row["code_hash"] = m.group(2), m.group(3)
+        else:
+            row["note"] = "unrecognised --version output: " + (text.split("\n")[0][:80] or
+                                                               "(none)")
+    return rows
 
 
-def _extension_dirs():
+def _extension_dir():
     override = os.environ.get("MEMSHELF_EXTENSIONS_DIR", "").strip()
     if override:
-        return [os.path.expanduser(override)]
+        return os.path.expanduser(override)
     home = os.path.expanduser("~")
     if sys.platform == "darwin":
-        base = os.path.join(home, "Library", "Application Support", "Claude")
+        base = os.path.join(home, "Library", "Application Support")
     elif os.name == "nt":
-        base = os.path.join(os.environ.get("APPDATA") or os.path.join(home, "AppData",
-                                                                      "Roaming"), "Claude")
+        base = os.environ.get("APPDATA") or os.path.join(home, "AppData", "Roaming")
     else:
-        base = os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"),
-                            "Claude")
-    return [os.path.join(base, "Claude Extensions")]
+        base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+    return os.path.join(base, "Claude", "Claude Extensions")
 
 
 def _find_copies(top, depth, name_filter=None):
     """memshelf.py files under top, at most depth levels down, in sorted order."""
     found = []
-    if not os.path.isdir(top):
-        return found
     base_depth = top.rstrip(os.sep).count(os.sep)
-    for dirpath, dirnames, filenames in os.walk(top):
+    for dirpath, dirnames, filenames in os.walk(top) if os.path.isdir(top) else ():
         dirnames[:] = sorted(d for d in dirnames if d not in (
             "node_modules", ".git", "__pycache__", ".venv", "venv"))
         if dirpath.count(os.sep) - base_depth >= depth:
@@ -14692,43 +14481,36 @@ def freshness(checkout=None):
     """Which copies of memshelf would answer a call, and are they the checkout's code (§ 4.1)."""
     root, how = _freshness_checkout(checkout)
     rows = [_copy_row("this process", os.path.abspath(__file__))]
-    for name in ("memshelf", "memshelf-mcp"):
-        for path in _path_commands(name):
-            rows.append(_path_row(name, path))
-    for top in _extension_dirs():
-        try:
-            entries = sorted(os.listdir(top))
-        except OSError:
-            entries = []
-        for entry in entries:
-            if "memshelf" in entry.casefold():
-                for main in _find_copies(os.path.join(top, entry), 3):
-                    rows.append(_copy_row(f"Claude Desktop extension {entry}", main))
+    rows += _path_rows("memshelf") + _path_rows("memshelf-mcp")
+    top = _extension_dir()
+    try:
+        entries = sorted(os.listdir(top))
+    except OSError:
+        entries = []
+    for entry in (e for e in entries if "memshelf" in e.casefold()):
+        rows += [_copy_row(f"Claude Desktop extension {entry}", main)
+                 for main in _find_copies(os.path.join(top, entry), 3)]
     claude = os.environ.get("CLAUDE_CONFIG_DIR", "").strip() or os.path.join(
         os.path.expanduser("~"), ".claude")
-    cache = os.path.join(claude, "plugins", "cache")
-    for main in _find_copies(cache, 6, lambda d: "memshelf" in d.casefold()):
-        rows.append(_copy_row("Claude Code plugin", main))
+    rows += [_copy_row("Claude Code plugin", main) for main in _find_copies(
+        os.path.join(claude, "plugins", "cache"), 6, lambda d: "memshelf" in d.casefold())]
     ref_pair = ref_main = None
     if root:
         ref_pair = _code_pair_hash(os.path.join(root, "memshelf.py"),
                                    os.path.join(root, "server.py"))
-        ref_main = _file_sha(os.path.join(root, "memshelf.py"))
+        ref_main = _code_pair_hash(os.path.join(root, "memshelf.py"), "")   # memshelf.py alone
     for row in rows:
         full = row.pop("_full")
-        ours = row["code_hash"]
         ref = ref_main if row["hash_of"] == "memshelf.py" else ref_pair
-        if not root or not ours or not ref:
+        if not root or not row["code_hash"] or not ref:
             row["state"] = "unknown"
-        elif full:
-            row["state"] = "same" if full == ref else "differs"
         else:
-            row["state"] = "same" if ours == ref[:12] else "differs"
-    unreleased = _unreleased(root) if root else None
+            row["state"] = "same" if (full or row["code_hash"]) == (ref if full else ref[:12]) \
+                else "differs"
     differs = sum(1 for r in rows if r["state"] == "differs")
     return {"status": "differs" if differs else "ok", "checkout": root, "checkout_from": how,
             "checkout_hash": ref_pair[:12] if ref_pair else None, "consumers": rows,
-            "differs": differs, "unreleased": unreleased}
+            "differs": differs, "unreleased": _unreleased(root) if root else None}
 
 
 def _unreleased(root):
@@ -14757,12 +14539,11 @@ def _text_freshness(result):
                      f"{r['version'] or '?'}  {r['code_hash'] or '?'}"
                      + (f"  ({r['note']})" if r.get("note") else ""))
     u = result.get("unreleased")
-    if u:
-        if u["tag"]:
-            lines.append(f"merged but unreleased since {u['tag']}: {len(u['commits'])} commit(s)")
-            lines += [f"  {c['commit']} {c['subject']}" for c in u["commits"]]
-        else:
-            lines.append(f"merged but unreleased: unknown ({u['note']})")
+    if u and u["tag"]:
+        lines.append(f"merged but unreleased since {u['tag']}: {len(u['commits'])} commit(s)")
+        lines += [f"  {c['commit']} {c['subject']}" for c in u["commits"]]
+    elif u:
+        lines.append(f"merged but unreleased: unknown ({u['note']})")
     if result["differs"]:
         lines.append(f"{result['differs']} copy(ies) differ from the checkout: reinstall or "
                      "refresh them")
@@ -14784,13 +14565,11 @@ def _split_directories(root):
                 p = os.path.join(d, sub)
                 if os.path.islink(p) or not os.path.isdir(p) or f"{sub}.md" not in names:
                     continue
-                files, clean = [], True
-                for e in sorted(os.scandir(p), key=lambda e: e.name):
-                    files.append(e.name)
-                    if e.is_symlink() or not e.is_file() or not (
-                            e.name == "SUBINDEX.md" or re.match(r"\d{3,}-.*\.md\Z", e.name)):
-                        clean = False
-                found.append((f"{base}/{cat}/{sub}", files, clean))
+                entries = sorted(os.scandir(p), key=lambda e: e.name)
+                clean = all(not e.is_symlink() and e.is_file() and (
+                    e.name == "SUBINDEX.md" or re.match(r"\d{3,}-.*\.md\Z", e.name))
+                    for e in entries)
+                found.append((f"{base}/{cat}/{sub}", [e.name for e in entries], clean))
     return found
 
 
@@ -14801,7 +14580,7 @@ def prune_splits(shelf_path=None, apply=False, tracked=False):
     dirs = _split_directories(root)
     git = _Git(root) if _git_available() else None
     in_git = bool(git and git.is_repo())
-    if not in_git and not _git_available() and os.path.exists(os.path.join(root, ".git")):
+    if git is None and os.path.exists(os.path.join(root, ".git")):
         raise ShelfError("git-missing", "git is not installed, so tracked split directories "
                          "cannot be told apart", "install git and retry")
     listed = []
@@ -14811,14 +14590,13 @@ def prune_splits(shelf_path=None, apply=False, tracked=False):
     rows = []
     for rel, files, clean in dirs:
         is_tracked = any(n.startswith(rel + "/") for n in listed)
-        row = {"path": rel, "files": len(files), "tracked": is_tracked, "action": "remove",
-               "reason": None}
+        reason = None
         if not clean:
-            row["action"], row["reason"] = "keep", ("holds files other than NNN-*.md and "
-                                                    "SUBINDEX.md; move them out first")
+            reason = "holds files other than NNN-*.md and SUBINDEX.md; move them out first"
         elif is_tracked and not tracked:
-            row["action"], row["reason"] = "keep", "tracked by git; add --tracked"
-        rows.append(row)
+            reason = "tracked by git; add --tracked"
+        rows.append({"path": rel, "files": len(files), "tracked": is_tracked,
+                     "action": "keep" if reason else "remove", "reason": reason})
     doomed = [r for r in rows if r["action"] == "remove"]
     removed, commit, derived = [], None, []
     if apply and doomed:
@@ -14849,11 +14627,9 @@ def _text_prune_splits(result):
     rows = result["split_dirs"]
     if not rows:
         return "no legacy split directories on this shelf"
-    lines = []
-    for r in rows:
-        state = "tracked" if r["tracked"] else "untracked"
-        lines.append(f"{r['action']:12} {r['path']}/ ({r['files']} files, {state})"
-                     + (f": {r['reason']}" if r["reason"] else ""))
+    lines = [f"{r['action']:12} {r['path']}/ ({r['files']} files, "
+             f"{'tracked' if r['tracked'] else 'untracked'})"
+             + (f": {r['reason']}" if r["reason"] else "") for r in rows]
     if not result["applied"] and any(r["action"] == "would-remove" for r in rows):
         lines.append("dry run: pass --apply to remove them")
     if result.get("commit"):
@@ -14867,11 +14643,13 @@ def _text_prune_splits(result):
 # --- CLI registration ---------------------------------------------------------------------
 
 def _view_verbs():
-    shelf = _shelf_param
     private = _Param("include_private", "boolean", default=False,
                      help="Include episodes whose tags match export_exclude_tags.")
     out = _Param("out", "string", nullable=True, metavar="FILE",
                  help="Write here instead of stdout (never inside .git).")
+
+    def view(name, func, params, title, **kw):
+        return _Verb(name, func, [_shelf_param(), *params], title=title, mcp=False, **kw)
     return [
         _Verb("freshness", freshness, [
             _Param("checkout", "string", positional=True, nargs="?", metavar="CHECKOUT",
@@ -14880,20 +14658,18 @@ def _view_verbs():
         ], title="Which copies of memshelf answer calls, and are they current", mcp=False,
             needs_shelf=False, text=_text_freshness,
             verdict=lambda r: 1 if r.get("differs") else 0),
-        _Verb("prune-splits", prune_splits, [
-            shelf(),
+        view("prune-splits", prune_splits, [
             _Param("apply", "boolean", default=False, help="Remove; default is a dry run."),
             _Param("tracked", "boolean", default=False,
                    help="Also remove committed split directories (git rm + commit)."),
-        ], title="Remove legacy H2 split directories", mcp=False, read_only=False,
-            text=_text_prune_splits),
-        _Verb("tags", tags, [
-            shelf(),
+        ], "Remove legacy H2 split directories", read_only=False, text=_text_prune_splits),
+        view("tags", tags, [
             _Param("archive", "string", default="include", enum=["include", "exclude"],
                    help="Count archived episodes too (default include)."),
-        ], title="Tags with their episodes", mcp=False, text=_text_tags),
-        _Verb("graph", graph, [
-            shelf(),
+        ], "Tags with their episodes", text=lambda r: "\n".join(
+            f"{t['tag']}\t{t['count']}\t{','.join(t['ids'])}" for t in r["tags"])
+            or f"no tags on this shelf ({r['episodes']} episodes)"),
+        view("graph", graph, [
             _Param("format", "string", default="json", enum=["json", "mermaid"],
                    help="json or mermaid."),
             _Param("section", "string", nullable=True, metavar="NAME",
@@ -14901,17 +14677,19 @@ def _view_verbs():
             _Param("all_nodes", "boolean", default=False, flags=["--all"],
                    help="Mermaid: draw isolated episodes too."),
             out,
-        ], title="Who mentions and supersedes whom", mcp=False, text=_text_graph),
-        _Verb("retro", retro, [
-            shelf(),
+        ], "Who mentions and supersedes whom", text=lambda r: (
+            f"graph: {len(r['nodes'])} nodes, {len(r['edges'])} edges -> {r['out']}"
+            if r.get("out") else r["text"])),
+        view("retro", retro, [
             _Param("quarter", "string", nullable=True, metavar="YYYYQn",
                    help="A quarter, e.g. 2026Q3 (default: the current one)."),
             _Param("since", "string", nullable=True, metavar="DATE", help="Period start."),
             _Param("until", "string", nullable=True, metavar="DATE", help="Period end."),
             out, private,
-        ], title="A Markdown retrospective of a period", mcp=False, text=_text_retro),
-        _Verb("fork", fork, [
-            shelf(),
+        ], "A Markdown retrospective of a period", text=lambda r: (
+            f"retro {r['period']['label']}: {r['episodes']} episodes -> {r['out']}"
+            if r.get("out") else r["markdown"])),
+        view("fork", fork, [
             _Param("episode_ids", "array", default=[], flags=["--episode"], metavar="ID",
                    help="Episode to continue from (repeatable)."),
             _Param("sections", "array", default=[], flags=["--section"], metavar="NAME",
@@ -14920,34 +14698,24 @@ def _view_verbs():
             _Param("budget", "integer", nullable=True, minimum=1, metavar="TOKENS",
                    help="Token budget: include what fits, newest first."),
             out, private,
-        ], title="Start a new session from chosen episodes", mcp=False, text=_text_fork),
-        _Verb("mirror", mirror, [
-            shelf(),
+        ], "Start a new session from chosen episodes", text=lambda r: (
+            f"fork: ~{r['tokens']} tokens, {len(r['included'])} episode(s) -> {r['out']}"
+            + (f"; left out: {', '.join(x['id'] for x in r['left_out'])}" if r["left_out"]
+               else "") if r.get("out") else r["markdown"])),
+        view("mirror", mirror, [
             _Param("episode_ids", "array", default=[], flags=["--episode"], metavar="ID",
                    help="Include this episode in full (repeatable)."),
             _Param("all_episodes", "boolean", default=False, flags=["--all"],
                    help="Include every live episode in full."),
             out, private,
-        ], title="The shelf as one self-contained HTML page", mcp=False, text=_text_mirror),
+        ], "The shelf as one self-contained HTML page", text=lambda r: (
+            f"mirror: {r['entries']} entries, {len(r['episodes'])} episode(s), "
+            f"{r['bytes']} bytes -> {r['out']}" if r.get("out") else r["html"])),
     ]
 
 
-_VIEW_VERBS = []
-
-
-def _view_verb(name):
-    if not _VIEW_VERBS:
-        _VIEW_VERBS.extend(_view_verbs())
-    return next(v for v in _VIEW_VERBS if v.name == name)
-
-
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("freshness"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("prune-splits"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("tags"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("graph"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("retro"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("fork"))
-_EXTRA_VERB_FACTORIES.append(lambda: _view_verb("mirror"))
+# the verb table is built once per process, so building the seven views per factory is cheap
+_EXTRA_VERB_FACTORIES.extend(lambda n=n: _view_verbs()[n] for n in range(7))
 
 # ==========================================================================================
 # Hooks: host adapter entry points
