@@ -8016,31 +8016,25 @@ def _search_document(root, rel, archived):
     rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
     if (rec["fm_error"] or "").startswith("io:"):
         raise OSError(rec["fm_error"])
-    fields, body, sections = rec["fields"], episode.body, episode.sections
-    stem, category = rec["stem"], rec["category"]
+    fields, body, sections, stem = rec["fields"], episode.body, episode.sections, rec["stem"]
 
     def field(key):
         value = fields.get(key)
         return value if isinstance(value, str) else ""
 
-    kind = field("kind")
-    if kind not in KINDS:
-        kind = _KIND_OF_CATEGORY.get(category, "")
-    tags = fields.get("tags")
-    tags = [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
-    sup = fields.get("supersedes")
-    sup = [s for s in sup if isinstance(s, str)] if isinstance(sup, list) else []
-    title = field("display_title")
-    ident = field("id")
-    words = [title, field("description"), " ".join(tags), stem]
-    if ident and ident != stem:
-        words.append(ident)
+    def strings(key):
+        value = fields.get(key)
+        return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+    kind = field("kind") if field("kind") in KINDS else _KIND_OF_CATEGORY.get(rec["category"], "")
+    tags, title, ident = strings("tags"), field("display_title"), field("id")
+    words = [title, field("description"), " ".join(tags), stem] + ([ident] if ident != stem else [])
     rows = [(h, t.strip()) for h, t in sections] if sections else [(None, body.strip())]
     if "\x00" in body:
         rows = [(h, t.replace("\x00", "\ufffd")) for h, t in rows]   # never printed raw
     return {"path": rel, "stem": stem, "kind": kind, "date": _episode_date(fields, stem),
             "title": title or stem, "archived": bool(archived), "tags": tags,
-            "supersedes": sup, "title_text": " ".join(w for w in words if w), "rows": rows}
+            "supersedes": strings("supersedes"), "title_text": " ".join(w for w in words if w), "rows": rows}
 
 
 def _search_rows(doc):
@@ -8113,8 +8107,7 @@ def _fts_create(db):
         db.execute(f"DROP TABLE IF EXISTS {table}")
     db.execute("CREATE TABLE search_episodes(ep INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL,"
                " size INTEGER, mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, stem TEXT,"
-               " kind TEXT, date TEXT, title TEXT,"
-               " archived INTEGER, tags TEXT, supersedes TEXT)")
+               " kind TEXT, date TEXT, title TEXT, archived INTEGER, tags TEXT, supersedes TEXT)")
     db.execute("CREATE TABLE search_sections(sid INTEGER PRIMARY KEY, ep INTEGER NOT NULL,"
                " ord INTEGER, heading TEXT, chars INTEGER)")
     db.execute("CREATE INDEX search_sections_ep ON search_sections(ep)")
@@ -8460,21 +8453,17 @@ def _snippet(text, pattern, needles):
 def _build_hits(root, chosen, info, superseded, terms, via):
     """The hit objects: metadata, snippet from the original section text, token costs."""
     pattern, needles = _snippet_pattern(terms)
-    docs = {}
-    hits = []
+    docs, hits = {}, []
     for c in chosen:
         row = info[c[5]]
-        path, heading = row["address"], row["section"]
+        path, heading, ordinal = row["address"], row["section"], row["ord"]
         if path not in docs:
             try:
-                docs[path] = _search_document(root, path, row["archived"])
+                docs[path] = _search_document(root, path, row["archived"])["rows"]
             except OSError:
-                docs[path] = None
-        doc = docs[path]
-        body = ""
-        if doc is not None and row["ord"] < len(doc["rows"]) and \
-                doc["rows"][row["ord"]][0] == heading:
-            body = doc["rows"][row["ord"]][1]
+                docs[path] = []
+        rows = docs[path]
+        body = rows[ordinal][1] if ordinal < len(rows) and rows[ordinal][0] == heading else ""
         content = (f"## {heading}\n" if heading is not None else "") + body
         flags = scan_instructions(content) if body else []
         wrapped = _envelope(row["id"], content, heading, flags, superseded.get(row["id"]))
@@ -8675,7 +8664,6 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
             # a damaged sidecar is rebuilt once; anything else, or a second failure, scans
             if attempt == 2 or not _DAMAGE.search(str(exc)):
                 return None
-    return None
 
 
 def _fts_semantic_candidates(db, semantic, filters):
@@ -8723,12 +8711,11 @@ def _bench_queries(path):
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        cells = line.split("\t")
-        if len(cells) < 2 or not cells[0].strip() or not cells[1].strip():
+        cells = [c.strip() for c in line.split("\t")] + [""]
+        if not cells[0] or not cells[1]:
             raise _usage(f"{path}:{n}: expected query<TAB>expected-id[<TAB>label]",
                          "separate the query and the expected id with a tab")
-        label = cells[2].strip() if len(cells) > 2 and cells[2].strip() else "unlabelled"
-        out.append((cells[0].strip(), cells[1].strip(), label))
+        out.append((cells[0], cells[1], cells[2] or "unlabelled"))
     return out
 
 
@@ -8759,6 +8746,7 @@ def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=Fal
         ranks, misses, engine, skipped = [], [], None, None
         for query, expected, label in items:
             ident, _, section = expected.partition(" § ")   # `id § Section`: section level
+            miss = {"query": query, "expected": expected, "label": label}
             try:
                 r = search(root, query, max_results=depth, per_episode=not section, mode=m)
             except ShelfError as exc:
@@ -8766,8 +8754,7 @@ def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=Fal
                     skipped = exc.message
                     break
                 ranks.append(None)
-                misses.append({"query": query, "expected": expected, "label": label,
-                               "rank": None, "top": [], "error": exc.message})
+                misses.append(dict(miss, rank=None, top=[], error=exc.message))
                 continue
             engine = r["engine"]
             ids = [h["id"] + (f" § {h['section']}" if section else "") for h in r["hits"]]
@@ -8775,8 +8762,7 @@ def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=Fal
                          and section in ("", h["section"])), None)
             ranks.append(rank)
             if not rank or rank > k:
-                misses.append({"query": query, "expected": expected, "label": label,
-                               "rank": rank, "top": ids[:3]})
+                misses.append(dict(miss, rank=rank, top=ids[:3]))
         if skipped:
             results.append({"mode": m, "skipped": skipped})
             continue
@@ -8797,10 +8783,9 @@ def _text_search_bench(result):
         if entry.get("skipped"):
             lines.append(f"{entry['mode']}: skipped — {entry['skipped']}")
             continue
-        lines.append(f"{entry['mode']} ({entry['engine']}):")
-        lines.append(f"  {'label':14}{'n':>5}{'hit@1':>8}{f'hit@{k}':>8}{'mrr':>8}")
-        rows = [("all", entry)] + list(entry["labels"].items())
-        for label, s in rows:
+        lines += [f"{entry['mode']} ({entry['engine']}):",
+                  f"  {'label':14}{'n':>5}{'hit@1':>8}{f'hit@{k}':>8}{'mrr':>8}"]
+        for label, s in [("all", entry)] + list(entry["labels"].items()):
             lines.append(f"  {label:14}{s['queries']:>5}{s['hit_at_1']:>8.2f}"
                          f"{s['hit_at_k']:>8.2f}{s['mrr']:>8.2f}")
         if result.get("verbose"):
@@ -8909,7 +8894,6 @@ class _Embedder:
     """Texts -> unit-length float32 vectors (numpy rows) with one loaded model."""
 
     def __init__(self, backend, name, encode):
-        self.backend = backend
         self.name = name
         self.model_id = _semantic_model_id((backend, name))
         self._encode = encode
@@ -9198,10 +9182,7 @@ def _text_semantic(result):
                         else ""))
     else:
         lines.append("vectors: none (memshelf semantic build)")
-    if result.get("reason"):
-        lines.append(f"reason: {result['reason']}")
-    if result.get("fix"):
-        lines.append(f"fix: {result['fix']}")
+    lines += [f"{key}: {result[key]}" for key in ("reason", "fix") if result.get(key)]
     return "\n".join(lines)
 
 
