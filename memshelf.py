@@ -7995,8 +7995,7 @@ def _held_weights(counts, n_rows):
 
 
 def _held(weights, terms, first, any_alt):
-    """The weight of the query words a section's own text holds; an identifier held only in
-    pieces (pg-upgrade for pg_upgrade) counts half."""
+    """The weight of the query words a section's own text holds (an identifier in pieces: half)."""
     return sum(w * (1.0 if first(i) else 0.5 if any_alt(i) and _IDENT_MARK in t[0][0][0]
                     else 1.0 if any_alt(i) else 0.0)
                for i, (w, t) in enumerate(zip(weights, terms)))
@@ -8011,8 +8010,7 @@ def _fts_expression(terms, any_word):
 # --- episodes as search rows ----------------------------------------------------------------
 
 def _search_document(root, rel, archived):
-    """An episode file -> its metadata and sections, as both engines index it (read through
-    the store's one reader: a broken frontmatter block leaves the whole text as the body)."""
+    """An episode file -> its metadata and sections, as both engines index it."""
     rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
     if (rec["fm_error"] or "").startswith("io:"):
         raise OSError(rec["fm_error"])
@@ -8034,7 +8032,8 @@ def _search_document(root, rel, archived):
         rows = [(h, t.replace("\x00", "\ufffd")) for h, t in rows]   # never printed raw
     return {"path": rel, "stem": stem, "kind": kind, "date": _episode_date(fields, stem),
             "title": title or stem, "archived": bool(archived), "tags": tags,
-            "supersedes": strings("supersedes"), "title_text": " ".join(w for w in words if w), "rows": rows}
+            "supersedes": strings("supersedes"), "title_text": " ".join(w for w in words if w),
+            "rows": rows}
 
 
 def _search_rows(doc):
@@ -8130,8 +8129,7 @@ class _SidecarBusy(Exception):
 
 
 def _fts_sync(db, root, rebuild=False):
-    """Bring the sidecar up to date by the one freshness rule (_unchanged): re-index only new,
-    changed or deleted episodes; no write at all when nothing changed."""
+    """Re-index the new, changed or deleted episodes (_unchanged); no write when none changed."""
     import sqlite3
     plan = None
     if not rebuild:
@@ -8395,8 +8393,7 @@ def _rank_candidates(cands):
 
 
 def _cap_per_episode(ranked, cap, limit):
-    """The first `limit` candidates, at most `cap` per episode, and how many there were.
-    ranked may be a cursor: it is read to the end only to count."""
+    """The first `limit` candidates, at most `cap` per episode, and how many there were."""
     seen, out, total = collections.Counter(), [], 0
     for total, c in enumerate(ranked, 1):
         if len(out) < limit and seen[c[4]] < cap:
@@ -8420,8 +8417,7 @@ def _snippet_pattern(terms):
 
 
 def _snippet(text, pattern, needles):
-    """About 200 characters of the original text around the densest cluster of query words,
-    cut at word boundaries, with … where text was cut."""
+    """About 200 characters of the text around the densest cluster of query words, with …"""
     best = 0
     if pattern is not None:
         found = []
@@ -8556,11 +8552,10 @@ def _check_search_args(query, max_results, kinds, tags, since, until, archive, m
     if isinstance(max_results, bool) or not isinstance(max_results, int) or \
             not 1 <= max_results <= 100:
         raise _usage(f"max_results must be 1..100 (got {_excerpt(max_results)})")
-    kinds = list(kinds or [])
+    kinds, tags = list(kinds or []), list(tags or [])
     for k in kinds:
         if k not in KINDS:
             raise _usage(f"unknown kind {_excerpt(k)}", "use topic, research or session")
-    tags = list(tags or [])
     for t in tags:
         bare = t[:-1] if isinstance(t, str) and t.endswith("*") else t
         if not isinstance(bare, str) or not bare or not _TAG.match(bare) or \
@@ -8669,15 +8664,12 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
 def _fts_semantic_candidates(db, semantic, filters):
     """Map (address, section, similarity) to candidate tuples, applying the same filters."""
     where, params = filters.sql()
-    out = []
-    for address, section, similarity in semantic:
-        row = db.execute(
-            "SELECT e.date, e.stem, s.ord, e.path, s.sid FROM search_sections s JOIN "
-            "search_episodes e ON e.ep = s.ep WHERE e.path = ? AND s.heading IS ?" + where +
-            " ORDER BY s.ord LIMIT 1", [address, section] + params).fetchone()
-        if row:
-            out.append((float(similarity),) + tuple(row))
-    return out
+    sql = ("SELECT e.date, e.stem, s.ord, e.path, s.sid FROM search_sections s JOIN"
+           " search_episodes e ON e.ep = s.ep WHERE e.path = ? AND s.heading IS ?" + where +
+           " ORDER BY s.ord LIMIT 1")
+    rows = [(float(sim), db.execute(sql, [address, section] + params).fetchone())
+            for address, section, sim in semantic]
+    return [(sim,) + tuple(row) for sim, row in rows if row]
 
 
 def _search_scan(root, terms, excluded, filters, limit, per_episode):
