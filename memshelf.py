@@ -8010,7 +8010,8 @@ def _fts_expression(terms, any_word):
 # --- episodes as search rows ----------------------------------------------------------------
 
 def _search_document(root, rel, archived):
-    """An episode file -> its metadata and sections, as both engines index it."""
+    """An episode file -> its metadata and sections, as both engines index it (read through
+    the store's one reader: a broken frontmatter block leaves the whole text as the body)."""
     rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
     if (rec["fm_error"] or "").startswith("io:"):
         raise OSError(rec["fm_error"])
@@ -8216,8 +8217,10 @@ def _fts_update(db, root, gone, fresh):
 
 
 def _fts_candidates(db, terms, excluded, filters, any_word, weights):
-    """A cursor over the matching sections, (score, date, stem, ord, path, sid) best first, as
-    _scan_candidates scores them and _rank_candidates ranks them."""
+    """A cursor over the matching sections, (score, date, stem, ord, path, sid) best first as
+    _rank_candidates ranks. An excluded word removes every section of an episode that holds it.
+    Score: _held (halved in a Digest) + BM25/(BM25+1); a section holding no query word is a hit
+    only as a Digest."""
     where, params = filters.sql()
     own = "(s.sid IN (SELECT rowid FROM search_fts WHERE search_fts MATCH '{heading body}: ' || ?))"
     held, hp = [], []
