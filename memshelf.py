@@ -12861,7 +12861,7 @@ def _not_count(value, minimum=1):
     return isinstance(value, bool) or not isinstance(value, int) or value < minimum
 
 
-def _index_text(root):
+def _index_file_text(root):
     """INDEX.md as a session loads it; empty when it is missing or unreadable."""
     try:
         return _read_text(os.path.join(root, "INDEX.md"))
@@ -12886,7 +12886,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     with _Store(root) as catalog:
         records = catalog.render_records()
     eps = [r for r in records if r.get("id")]
-    index_text = _index_text(root)
+    index_text = _index_file_text(root)
     index_tokens = tokens(index_text)
     index_entries = len(_index_entries(index_text, "docshelf" if _index_format(root) ==
                                        "docshelf" else "compact"))
@@ -13151,7 +13151,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     eps = [r for r in records if r.get("id")]
     live = [r for r in eps if not r["archived"]]
     fmt = "docshelf" if _index_format(root) == "docshelf" else "compact"
-    index_text = _index_text(root)
+    index_text = _index_file_text(root)
     index_tokens = tokens(index_text)   # what a session actually loads, stale or not
     line_costs = _advise_index_lines(index_text, fmt)
     if not line_costs and live:   # no usable INDEX on disk: price the lines a render would have

@@ -719,3 +719,20 @@ def test_init_inside_a_repository_that_ignores_the_folder(tmp_path, cli):
     assert r.json()["enclosing_repo"] is None and r.json()["committed"]
     assert git(proj / "cache" / "shelf", "rev-parse", "--show-toplevel").strip() == \
         str((proj / "cache" / "shelf").resolve())
+
+
+def test_memshelf_py_defines_each_top_level_name_once():
+    """A second definition of a name silently replaces the first for every caller."""
+    import ast
+    import collections
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "memshelf.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = collections.Counter()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names[node.name] += 1
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    assert [n for n, k in names.items() if k > 1] == []
