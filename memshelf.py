@@ -5731,7 +5731,6 @@ _DOCSHELF_KEYS = (("name", DEFAULT_NAME), ("remote", ""), ("branch", "main"),
                   ("split_threshold_bytes", 51200), ("index_style", "auto"),
                   ("subindex_threshold_sections", 10), ("provider", "github"),
                   ("url_template", ""))
-_DERIVED_TOP = ("INDEX.md", "ledger.tsv", "stats.svg")
 _RECALL_LOG = "recall-log.tsv"
 _RECALL_LOG_HEADER = "episode_id\tsection\tfetched_tokens\tdate\n"
 _SLUG = _re_lazy(r"[a-z0-9][a-z0-9_-]{0,79}\Z")
@@ -5762,19 +5761,8 @@ def _load_json_object(path):
 
 
 def _docshelf_config(root):
-    data, _ = _load_json_object(os.path.join(root, ".docshelf.json"))
-    cfg = {k: v for k, v in _DOCSHELF_KEYS}
-    for key, default in _DOCSHELF_KEYS:
-        if isinstance(data, dict) and key in data and isinstance(data[key], type(default)):
-            cfg[key] = data[key]
-    if not isinstance(data, dict) or "preamble" not in (data or {}):
-        cfg["preamble"] = MEMORY_PREAMBLE if data is None or not data else cfg["preamble"]
-    return cfg
-
-
-def _docshelf_json_text(data):
-    """The bytes docshelf writes: 2-space indent, ASCII-escaped, trailing newline."""
-    return json.dumps(data, indent=2, ensure_ascii=True) + "\n"
+    data = _load_json_object(os.path.join(root, ".docshelf.json"))[0] or {}
+    return {k: data[k] if isinstance(data.get(k), type(d)) else d for k, d in _DOCSHELF_KEYS}
 
 
 def _memshelf_config(root):
@@ -5806,20 +5794,15 @@ def _renderer_workflow(root):
     return None
 
 
-def _manifest(root):
-    try:
-        with open(os.path.join(root, "shelf.yml"), encoding="utf-8") as f:
-            return parse_manifest(f.read())
-    except (OSError, FrontmatterError, UnicodeDecodeError):
-        return None
-
-
 def _index_format(root):
     """compact | docshelf | manual, from shelf.yml index.generated_by (missing -> docshelf)."""
-    m = _manifest(root)
-    gen = None
-    if isinstance(m, dict) and isinstance(m.get("index"), dict):
-        gen = m["index"].get("generated_by")
+    try:
+        with open(os.path.join(root, "shelf.yml"), encoding="utf-8") as f:
+            m = parse_manifest(f.read())
+    except (OSError, FrontmatterError, UnicodeDecodeError):
+        m = None
+    idx = m.get("index") if isinstance(m, dict) else None
+    gen = idx.get("generated_by") if isinstance(idx, dict) else None
     return {"external": "compact", "manual": "manual"}.get(gen, "docshelf")
 
 
@@ -6025,49 +6008,40 @@ def init(shelf_path=None, name="Memory shelf", storage="git-local", remote=None,
             raise ShelfError("not-empty", f"{docs} holds other things ({', '.join(foreign[:3])})",
                              f"use a subfolder as the shelf, e.g. --shelf {os.path.join(root, 'shelf')}")
     name = (name or DEFAULT_NAME).strip()
-    with _ShelfLockMaybe(root):
+    with _ShelfLock(root):   # which creates the folder too
         created, updated = [], []
         for d in ("docs/topics", "docs/research", "docs/sessions"):
             path = os.path.join(root, d)
             if not os.path.isdir(path):
                 os.makedirs(path, exist_ok=True)
                 created.append(d + "/")
-        generated_by = "external" if index_format == "compact" else "docshelf-mcp"
         if not os.path.exists(os.path.join(root, "shelf.yml")):
+            generated_by = "external" if index_format == "compact" else "docshelf-mcp"
             _atomic_write(os.path.join(root, "shelf.yml"),
                           _SHELF_YML.format(name=_yaml_quote(name), generated_by=generated_by))
             created.append("shelf.yml")
         ds_path = os.path.join(root, ".docshelf.json")
         existing, problem = _load_json_object(ds_path)
         if problem is None:
-            merged = dict(existing)
+            merged = dict(existing)   # existing keys keep their order; missing ones follow
             for key, default in _DOCSHELF_KEYS:
-                if key not in merged:
-                    merged[key] = name if key == "name" else default
+                merged.setdefault(key, name if key == "name" else default)
             pre = merged.get("preamble")
             if not isinstance(pre, str) or not pre.strip() or \
                     pre.startswith(_DOCSHELF_DEFAULT_PREAMBLE_PREFIXES):
                 merged["preamble"] = MEMORY_PREAMBLE
-            if merged != existing or not os.path.exists(ds_path):
-                ordered = {k: merged[k] for k, _ in _DOCSHELF_KEYS}
-                ordered.update({k: v for k, v in merged.items() if k not in ordered})
-                if existing:
-                    ordered = {k: merged[k] for k in existing}
-                    ordered.update({k: merged[k] for k, _ in _DOCSHELF_KEYS if k not in ordered})
-                _atomic_write(ds_path, _docshelf_json_text(ordered))
+            if merged != existing:
+                # docshelf's own bytes: 2-space indent, ASCII-escaped
+                _atomic_write(ds_path, json.dumps(merged, indent=2, ensure_ascii=True) + "\n")
                 (updated if existing else created).append(".docshelf.json")
         ms_path = os.path.join(root, "memshelf.json")
-        if not os.path.exists(ms_path):
-            mode = derived or ("bot" if _renderer_workflow(root) else "auto")
-            _atomic_write(ms_path, json.dumps({"derived": mode}, indent=2,
-                                              ensure_ascii=False) + "\n")
-            created.append("memshelf.json")
-        elif derived:
-            cfg, problem = _load_json_object(ms_path)
-            if problem is None and cfg.get("derived") != derived:
-                cfg["derived"] = derived
-                _atomic_write(ms_path, json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-                updated.append("memshelf.json")
+        fresh = not os.path.exists(ms_path)
+        cfg, problem = _load_json_object(ms_path)
+        mode = (derived or ("bot" if _renderer_workflow(root) else "auto")) if fresh else derived
+        if problem is None and mode and cfg.get("derived") != mode:
+            cfg["derived"] = mode
+            _atomic_write(ms_path, json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+            (created if fresh else updated).append("memshelf.json")
         for fname, text in (("POLICY.md", POLICY_MD_TEMPLATE),
                             ("POLICY.patterns", POLICY_PATTERNS_TEMPLATE)):
             if not os.path.exists(os.path.join(root, fname)):
@@ -6120,14 +6094,6 @@ def init(shelf_path=None, name="Memory shelf", storage="git-local", remote=None,
                        + (f"; created {len(created)} files" if created else "; nothing to add")}
 
 
-class _ShelfLockMaybe(_ShelfLock):
-    """init locks too, creating the folder first."""
-
-    def __enter__(self):
-        os.makedirs(self.root, exist_ok=True)
-        return super().__enter__()
-
-
 # --- shelve --------------------------------------------------------------------------------
 
 def _parse_episode_document(text):
@@ -6160,34 +6126,25 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
     """Shelve a closed topic: redact, check the digest, write, render, commit (verbs.md § 1.2)."""
     warnings = []
     section_list = []
-    extra_fields = {}
     if file is not None:
         doc_fields, doc_digest, doc_sections = _parse_episode_document(
             _read_input_file(file, "--file"))
         section_list = list(doc_sections)
-
-        def pick(value, key):
-            v = doc_fields.get(key)
-            return value if value is not None else v
-        slug = pick(slug, "id")
-        kind = pick(kind, "kind")
-        digest = digest if digest is not None else doc_digest
+        slug = doc_fields.get("id") if slug is None else slug
+        kind = doc_fields.get("kind") if kind is None else kind
+        digest = doc_digest if digest is None else digest
+        # the file fills in what the call leaves out; an empty non-free-text option counts as out
+        call, filled = locals(), []
         for key in ("display_title", "description", "span", "date", "session", "agent", "model",
                     "notes", "retain_until", "approx_tokens_source", "mode"):
-            v = doc_fields.get(key)
-            if locals()[key] is None and isinstance(v, str):
-                extra_fields[key] = v
-        display_title = display_title if display_title is not None else extra_fields.get("display_title")
-        description = description if description is not None else extra_fields.get("description")
-        span = span or extra_fields.get("span")
-        date = date or extra_fields.get("date")
-        session = session if session is not None else extra_fields.get("session")
-        agent = agent if agent is not None else extra_fields.get("agent")
-        model = model if model is not None else extra_fields.get("model")
-        notes = notes if notes is not None else extra_fields.get("notes")
-        retain_until = retain_until or extra_fields.get("retain_until")
-        approx_tokens_source = approx_tokens_source or extra_fields.get("approx_tokens_source")
-        mode = mode or extra_fields.get("mode")
+            value, doc = call[key], doc_fields.get(key)
+            if value is None:
+                value = doc if isinstance(doc, str) else None
+            elif not value and key not in _FREE_TEXT_CAPS:
+                value = None
+            filled.append(value)
+        (display_title, description, span, date, session, agent, model, notes, retain_until,
+         approx_tokens_source, mode) = filled
         if tags is None and isinstance(doc_fields.get("tags"), list):
             tags = doc_fields["tags"]
         if supersedes is None and isinstance(doc_fields.get("supersedes"), list):
