@@ -5892,8 +5892,7 @@ def _lookup_key(raw):
 
 
 def _check_tag(tag):
-    if not isinstance(tag, str) or not _TAG.match(tag) or not tag[0].isalnum() or \
-            not tag[-1].isalnum():
+    if not (isinstance(tag, str) and _TAG.match(tag) and tag[0].isalnum() and tag[-1].isalnum()):
         raise _usage(f"invalid tag {_excerpt(tag)}", "tags are 1-48 letters, digits and - _ . + / :, "
                      "starting and ending with a letter or digit")
     if find_secrets(tag):
@@ -5909,8 +5908,7 @@ def _check_free_text(name, value):
     cap = _FREE_TEXT_CAPS[name]
     flat = _collapse(value)
     if len(flat) > cap:
-        raise _usage(f"{name} is {len(flat)} characters; the limit is {cap}",
-                     f"shorten {name}")
+        raise _usage(f"{name} is {len(flat)} characters; the limit is {cap}", f"shorten {name}")
     return flat
 
 
@@ -5964,8 +5962,7 @@ recall-log.tsv              merge=memshelf-recall-log
 def init(shelf_path=None, name="Memory shelf", storage="git-local", remote=None, derived=None,
          index_format="compact", hooks=True):
     """Create a shelf, or add what an existing one lacks. Never overwrites what it does not own."""
-    root, _ = _resolve_shelf(shelf_path, must_exist=False,
-                             relative_ok=not _context("mcp"))
+    root, _ = _resolve_shelf(shelf_path, must_exist=False, relative_ok=not _context("mcp"))
     if storage not in ("plain", "git-local", "git-remote"):
         raise _usage(f"unknown storage {_excerpt(storage)}", "use plain, git-local or git-remote")
     if storage == "git-remote" and not remote:
@@ -6163,16 +6160,14 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
     session = _check_free_text("session", session)
     agent = _check_free_text("agent", agent)
     model = _check_free_text("model", model)
-    if notes is not None:
-        if "\t" in notes or "\n" in notes or "\r" in notes:
-            warnings.append("notes: tabs and line breaks were flattened to spaces")
-        notes = _check_free_text("notes", notes)
+    if isinstance(notes, str) and any(c in notes for c in "\t\n\r"):
+        warnings.append("notes: tabs and line breaks were flattened to spaces")
+    notes = _check_free_text("notes", notes)
     tags = [_check_tag(t) for t in (tags or [])]
     seen = set()
     tags = [t for t in tags if not (t.casefold() in seen or seen.add(t.casefold()))]
     supersedes = [_lookup_key(s) for s in (supersedes or [])]
-    if approx_tokens is not None and (not isinstance(approx_tokens, int) or
-                                      isinstance(approx_tokens, bool) or approx_tokens < 0):
+    if approx_tokens is not None and (type(approx_tokens) is not int or approx_tokens < 0):
         raise _usage("approx_tokens must be a non-negative integer")
     if approx_tokens_source not in (None, "estimate", "measured", "unmeasured"):
         raise _usage("approx_tokens_source must be estimate or measured")
@@ -6288,8 +6283,7 @@ def _shelve_locked(root, a):
     span = a["span"] or (old_fields.get("span") if old and isinstance(old_fields.get("span"), str)
                          else None) or date
     given = free["description"]   # one memshelf derived itself is fitted without a warning
-    description, cap_warning = _cap_description(_first_sentence(digest) if given is None
-                                                else given)
+    description, cap_warning = _cap_description(_first_sentence(digest) if given is None else given)
     if cap_warning and given is not None:
         warnings.append(cap_warning)
     if not re.match(r"\d{4}-\d{2}-\d{2}-", slug):
@@ -6332,9 +6326,8 @@ def _shelve_locked(root, a):
                          "trim Raw excerpts; keep verbatim text only where it carries weight")
     if size > _EPISODE_WARN_BYTES:
         warnings.append(f"episode-large: the episode is {size // 1024} KiB; recall it by section")
-    for sup in a["supersedes"]:
-        if not _find_episode_path(root, sup)[0]:
-            warnings.append(f"supersedes: no episode {sup} on this shelf")
+    warnings.extend(f"supersedes: no episode {sup} on this shelf" for sup in a["supersedes"]
+                    if not _find_episode_path(root, sup)[0])
     flags = scan_instructions(text)
     address = f"docs/{_CATEGORY_OF_KIND[kind]}/{slug}.md"
     moved_from = existing_rel if existing_rel and existing_rel != address else None
@@ -6406,14 +6399,13 @@ def _shelve_locked(root, a):
     # 13. push / publish (git-and-sync.md § 7)
     if git.is_repo() and result["committed"]:
         result["sync"] = _after_commit_sync(root, git, result, sync_report, a)
-    new_rec = _read_episode(root, address)
+    ledger_row = _ledger_row(_read_episode(root, address))
     totals = _shelf_totals(root, window=window, records=rendered_records)
-    result["ledger_row"] = _ledger_row(new_rec)
-    result["shelf_totals"] = totals
-    result["next"] = "the topic can be replaced in context by its digest and address"
-    result["summary"] = (f"shelved {slug} at {address} · " +
-                         (f"+{approx:,} tok" if approx else "size unmeasured") +
-                         f" · {redaction['summary']}\n" + _banner_core(totals))
+    result.update(ledger_row=ledger_row, shelf_totals=totals,
+                  next="the topic can be replaced in context by its digest and address",
+                  summary=f"shelved {slug} at {address} · "
+                  + (f"+{approx:,} tok" if approx else "size unmeasured")
+                  + f" · {redaction['summary']}\n" + _banner_core(totals))
     if result.get("sync") and result["sync"].get("error") and a["push"]:
         result["status"] = "incomplete"
     return result
@@ -6444,8 +6436,7 @@ class _Journal:
         path = _shelf_join(self.root, *rel.split("/"))
         if content is None:
             if os.path.exists(path):
-                self._remember(rel)
-                os.unlink(path)
+                self.remove(rel)
                 return True
             return False
         try:
@@ -6655,9 +6646,8 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
     sup_by = _superseded_by(root, stem)
     part = f"{start}-{end}/{size}" if (start > 0 or truncated) else None
     content = page if raw else _envelope(stem, page, heading, flags, sup_by, part)
-    fetched = tokens(page)
     if log and not outline:
-        _append_recall_log(root, stem, heading or "", fetched)
+        _append_recall_log(root, stem, heading or "", tokens(page))
     title = fields.get("display_title") if isinstance(fields.get("display_title"), str) else ""
     mass = _int_or_none(fields.get("approx_tokens") if isinstance(fields.get("approx_tokens"), str)
                         else "")
