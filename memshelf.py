@@ -5830,8 +5830,7 @@ def _slugify(text):
     slug = re.sub(r"[^a-z0-9]+", "-", norm).strip("-")
     if len(slug) > 80:
         cut = slug[:80]
-        slug = cut[:cut.rfind("-")] if "-" in cut[40:] else cut
-        slug = slug.strip("-_")
+        slug = (cut[:cut.rfind("-")] if "-" in cut[40:] else cut).strip("-_")
     return slug
 
 
@@ -5854,12 +5853,12 @@ def _check_slug(slug, what="slug"):
     norm = unicodedata.normalize("NFC", slug or "")
     problem = _slug_problem(norm)
     if problem:
-        proposal = _slugify(norm or "")
-        fix = (f"use --{what} {proposal}" if proposal and not _slug_problem(proposal)
+        proposal = _slugify(norm)
+        proposal = None if _slug_problem(proposal) else proposal
+        fix = (f"use --{what} {proposal}" if proposal
                else "use the form YYYY-MM-DD-latin-words, e.g. 2026-07-22-auth-refactor")
         raise ShelfError("slug-invalid", f"{what} {_excerpt(slug)} {problem}", fix,
-                         {"slug": slug, "proposal": proposal if not _slug_problem(proposal)
-                          else None})
+                         {"slug": slug, "proposal": proposal})
     return norm
 
 
@@ -5867,9 +5866,7 @@ def _lookup_key(raw):
     """The lookup-id rule of contracts.md § 5: strip .md and a category prefix; check chars."""
     if not isinstance(raw, str):
         raise ShelfError("id-invalid", "the episode id must be a string", "pass the id from INDEX")
-    key = raw.strip()
-    if key.endswith(".md"):
-        key = key[:-3]
+    key = raw.strip().removesuffix(".md")
     for prefix in ("archive/docs/", "docs/"):
         if key.startswith(prefix):
             cat, _, stem = key[len(prefix):].partition("/")
@@ -6236,11 +6233,10 @@ def _shelve_locked(root, a):
                                    [(f"section:{n}", t) for n, t in a["section_list"]] +
                                    [(k, a[k]) for k in fields], rules, learned=learned,
                                    **_redaction_switches(root))
-    digest = outs[0]
     sections = [(n, t) for (n, _), t in zip(a["section_list"], outs[1:])]
     free = dict(zip(fields, outs[-len(fields):]))
     # 6. the digest contract
-    digest, demoted = _demote_headings(digest.strip())
+    digest, demoted = _demote_headings(outs[0].strip())
     report = validate_digest(digest, patterns=rules, strict=a["strict"])
     if not report["passed"]:
         raise ShelfError("digest-rejected", "the digest breaks the contract:\n" + report["report"],
@@ -6288,11 +6284,8 @@ def _shelve_locked(root, a):
         warnings.append(cap_warning)
     if not re.match(r"\d{4}-\d{2}-\d{2}-", slug):
         warnings.append("slug-undated: the recommended form is YYYY-MM-DD-latin-words")
-    approx, source = a["approx_tokens"], a["approx_tokens_source"]
-    if approx is None:
-        approx, source = 0, "unmeasured"
-    elif source is None:
-        source = "estimate"
+    approx, source = (0, "unmeasured") if a["approx_tokens"] is None else \
+        (a["approx_tokens"], a["approx_tokens_source"] or "estimate")
     # 8. compose
     body_sections = []
     for name, text in sections:
@@ -6622,11 +6615,10 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
     text, fields, sections, stem = episode.text, rec["fields"], episode.sections, rec["stem"]
     heading = listing = None
     if outline:
-        digest = _digest_of(sections)
         # each section's cost and first line: enough to tell which one holds the answer
         listing = [{"section": h, "tokens": tokens(t.strip()), "first_line": _import_title(t)}
                    for h, t in sections if h.casefold() != "digest"]
-        selected = "## Digest\n" + digest + "\n\n## Sections\n" + "\n".join(
+        selected = "## Digest\n" + _digest_of(sections) + "\n\n## Sections\n" + "\n".join(
             f"- {s['section']} (~{s['tokens']} tok): {s['first_line']}" for s in listing)
     elif section is not None:
         found = _find_section(sections, section)
