@@ -91,9 +91,7 @@ class ShelfError(Exception):
         # the backstop for a message that quotes input without _excerpt: bounded all the same
         message, fix = _excerpt(message, _ERROR_CHARS, False), _excerpt(fix, _ERROR_CHARS, False)
         super().__init__(message)
-        self.code = code
-        self.message = message
-        self.fix = fix
+        self.code, self.message, self.fix = code, message, fix
         self.details = {k: _excerpt(v, _ERROR_CHARS, False) if isinstance(v, str) else v
                         for k, v in (details or {}).items()}
 
@@ -133,8 +131,6 @@ class _Held:
 
 _EXIT_CODES = {"usage": 2, "no-shelf": 2, "shelf-path-relative": 2, "slug-invalid": 2,
                "id-invalid": 2}
-
-
 _ERROR_CHARS = 1000     # an error's message, fix or detail text never exceeds this (plus a note)
 
 
@@ -160,14 +156,10 @@ def tokens(text):
 
 
 class _LazyPattern:
-    """A regex compiled on first use: module import stays fast for one-shot CLI calls.
-
-    Each method looked up is kept on the instance, so hot loops pay a plain attribute lookup."""
+    """A regex compiled on first use (fast import); each method looked up stays on the instance."""
 
     def __init__(self, pattern, flags=0):
-        self.pattern = pattern
-        self.flags = flags
-        self.compiled = None
+        self.pattern, self.flags, self.compiled = pattern, flags, None
 
     def __getattr__(self, name):
         if self.compiled is None:
@@ -177,10 +169,7 @@ class _LazyPattern:
         return value
 
 
-def _re_lazy(pattern, flags=0):
-    return _LazyPattern(pattern, flags)
-
-
+_re_lazy = _LazyPattern
 _ISO_DATE = _re_lazy(r"\d{4}-\d{2}-\d{2}\Z")
 
 
@@ -194,10 +183,9 @@ def _iso_date_ok(value):
         return False
     import datetime
     try:
-        datetime.date.fromisoformat(value)
+        return bool(datetime.date.fromisoformat(value))
     except ValueError:
         return False
-    return True
 
 
 def _today():
@@ -223,6 +211,7 @@ def _human_count(n):
 # --- the per-call context: progress, cancellation, the MCP client's name -----------------
 
 _call_context = threading.local()
+_QUIET = [False]   # --quiet
 
 
 class run_context:
@@ -256,13 +245,10 @@ class _Progress:
     """Progress for long work: MCP notifications when bound, else stderr on a terminal."""
 
     def __init__(self, label, total=None):
-        self.label = label
-        self.total = total
-        self.last = 0.0
+        self.label, self.total, self.last, self.shown = label, total, 0.0, False
         self.sink = _context("progress")
         self.to_stderr = self.sink is None and not _QUIET[0] and (
             os.environ.get("MEMSHELF_PROGRESS") == "1" or _isatty(sys.stderr))
-        self.shown = False
 
     def update(self, done, message=None):
         _check_cancelled()
@@ -285,15 +271,9 @@ class _Progress:
             sys.stderr.flush()
 
 
-_QUIET = [False]
-
-
 def _worker_count(items):
-    """Worker processes for `items` independent per-file jobs: 1 (serial) unless a CLI run on
-    Linux has several cores and enough work. MEMSHELF_WORKERS=N sets the count (1 turns it off).
-
-    Only fork is used, and only from a single-threaded process (never inside the MCP server):
-    the workers inherit the shelf state instead of re-importing and pickling it."""
+    """Forked workers for `items` per-file jobs: 1 (serial) unless a single-threaded CLI run on
+    Linux has cores and work to spare; MEMSHELF_WORKERS=N forces N (1 turns them off)."""
     raw = os.environ.get("MEMSHELF_WORKERS", "").strip()
     forced = int(raw) if raw.isdigit() else None
     if forced is not None and forced <= 1:
@@ -309,13 +289,8 @@ def _worker_count(items):
 
 
 def _parallel_map(func, items, progress=None, message=None):
-    """(index, func(item)) for every item, in the order they are done, spread over forked
-    worker processes when it pays. The calling process works too, and the caller consumes
-    each result as it comes (it can store it while later ones are being made).
-
-    Work is handed out in chunks through a pipe every process reads from, so a slower
-    process simply takes fewer; func and items are inherited through fork, never pickled,
-    and only results come back (pickled, one message per chunk)."""
+    """(index, func(item)) for every item as done, over forked workers when it pays (the caller
+    works too); chunks are claimed from a shared pipe and only results come back, pickled."""
     n = len(items)
     workers = _worker_count(n)
     if workers < 2:
@@ -347,10 +322,7 @@ def _parallel_map(func, items, progress=None, message=None):
                 status = 1
                 try:
                     os.close(out)
-                    while True:
-                        first = claim()
-                        if first is None:
-                            break
+                    while (first := claim()) is not None:
                         chunk = [func(items[i]) for i in range(first, min(first + step, n))]
                         _send_message(into, pickle.dumps((first, chunk), -1))
                     status = 0
@@ -427,9 +399,8 @@ def _send_failure(fd, exc):
 
 
 def _read_messages(pipes, arrived):
-    """The parent's side of the workers' result pipes: each whole message onto `arrived`,
-    then None per pipe at its end. A thread of its own, so that no worker ever waits on a
-    full pipe while the parent works."""
+    """Each whole message of the result pipes onto `arrived`, None per pipe at its end; a thread
+    of its own, so no worker waits on a full pipe while the parent works."""
     import select
     buffers = {fd: bytearray() for fd in pipes}
     while buffers:
@@ -478,8 +449,8 @@ _O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0)
 
 
 def _file_bytes(path, size=-1):
-    """A whole file's bytes through one descriptor: no buffered file object per read, which
-    counts at 10,000 episodes. `size` (from a stat just made) lets one read usually do."""
+    """A whole file's bytes through one descriptor (no file object: counts at 10,000 episodes);
+    `size` from a stat just made lets one read usually do."""
     fd = os.open(path, _O_READ)
     try:
         return _fd_bytes(fd, size)
@@ -525,28 +496,24 @@ def _atomic_write(path, data):
         raise _io_error(IsADirectoryError(21, "Is a directory", path))
     tmp = os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
     with _Held():
-        _replace_with(path, tmp, data)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise ShelfError("io-error", f"cannot write {path}: {exc.strerror or exc}",
+                             "check permissions and free space", {"path": path}) from None
     _fsync_dir(directory)
-
-
-def _replace_with(path, tmp, data):
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise ShelfError("io-error", f"cannot write {path}: {exc.strerror or exc}",
-                         "check permissions and free space", {"path": path}) from None
 
 
 def _fsync_dir(directory):
@@ -554,14 +521,12 @@ def _fsync_dir(directory):
         return
     try:
         fd = os.open(directory or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError:
         pass
-    finally:
-        os.close(fd)
 
 
 def _read_text(path):
@@ -578,9 +543,7 @@ class _ShelfLock:
     """The one inter-process write lock of a shelf: .memshelf/lock (git-and-sync.md § 3)."""
 
     def __init__(self, root):
-        self.root = root
-        self.fd = None
-        self.depth = 0
+        self.root, self.fd, self.depth = root, None, 0
 
     def __enter__(self):
         if self.depth:
@@ -646,15 +609,12 @@ class _ShelfLock:
 # --- shelf paths ---------------------------------------------------------------------------
 
 _SHELF_ENV = ("MEMSHELF_SHELF", "MEMSHELF_SHELF_PATH", "MEMSHELF_ROOT")
-
-
 _HOST_DIRS = {"HOME": "", "DESKTOP": "Desktop", "DOCUMENTS": "Documents", "DOWNLOADS": "Downloads"}
 
 
 def _host_expanded(name):
-    """A shelf variable with the Desktop host's ${HOME}, ${DESKTOP}, ${DOCUMENTS}, ${DOWNLOADS},
-    ${/} and ${pathSeparator} expanded (a bundle default may arrive unexpanded); other ${...}
-    stay. ${HOME} is the user's home (the user profile on Windows)."""
+    """A shelf variable with the Desktop host's ${HOME}, ${DESKTOP}, ... ${/} expanded (a bundle
+    default may arrive unexpanded); other ${...} stay."""
     def sub(m):
         key, home = m.group(1), os.path.expanduser("~")
         if key in ("/", "pathSeparator"):
@@ -748,8 +708,7 @@ def _shelf_join(root, *parts):
             raise ShelfError("id-invalid", f"unsafe path part {_excerpt(part)}",
                              "use a plain name without separators")
     path = os.path.join(root, *parts)
-    real = os.path.realpath(path)
-    base = os.path.realpath(root)
+    real, base = os.path.realpath(path), os.path.realpath(root)
     if real != base and not real.startswith(base + os.sep):
         # only a symlink inside the shelf gets here (parts hold no separator): a refusal
         raise ShelfError("io-error", f"{'/'.join(parts)} resolves outside the shelf through "
@@ -764,17 +723,11 @@ def _shelf_join(root, *parts):
 def code_hash():
     """sha256 of memshelf.py (+ server.py next to it), 12 hex: which code answers a call."""
     import hashlib
-    digest = hashlib.sha256()
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("memshelf.py", "server.py", "memshelf_server.py"):
-        path = os.path.join(here, name)
-        if name == "memshelf.py":
-            path = os.path.abspath(__file__)
+    digest, here = hashlib.sha256(), os.path.abspath(__file__)
+    servers = (os.path.join(os.path.dirname(here), n) for n in ("server.py", "memshelf_server.py"))
+    for path in (here, next(filter(os.path.isfile, servers), "")):
         if os.path.isfile(path):
-            with open(path, "rb") as f:
-                digest.update(f.read())
-            if name != "memshelf.py":
-                break
+            digest.update(_file_bytes(path))
     return digest.hexdigest()[:12]
 
 
