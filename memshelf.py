@@ -312,7 +312,7 @@ def _parallel_map(func, items, progress=None, message=None):
         data = os.read(jobs, 4)
         return int.from_bytes(data, "little") if data else None
 
-    children, reader = {}, None   # result pipe -> pid
+    children, readers, arrived = {}, [], queue.SimpleQueue()   # children: result pipe -> pid
     gc.freeze()   # objects the workers inherit stay shared: their collector never touches them
     try:
         for _ in range(workers - 1):
@@ -322,20 +322,22 @@ def _parallel_map(func, items, progress=None, message=None):
                 status = 1
                 try:
                     os.close(out)
+                    pipe = open(into, "wb")
                     while (first := claim()) is not None:
                         chunk = [func(items[i]) for i in range(first, min(first + step, n))]
-                        _send_message(into, pickle.dumps((first, chunk), -1))
+                        pipe.write(pickle.dumps((first, chunk), -1))
+                        pipe.flush()
                     status = 0
                 except BaseException as exc:
-                    _send_failure(into, exc)
+                    _send_failure(pipe, exc)
                 finally:
                     os._exit(status)
             os.close(into)
             children[out] = pid
-        arrived = queue.SimpleQueue()
-        reader = threading.Thread(target=_read_messages, args=(list(children), arrived),
-                                  daemon=True)
-        reader.start()
+        for out in children:
+            readers.append(threading.Thread(target=_read_results, args=(out, arrived),
+                                            daemon=True))
+            readers[-1].start()
         done, open_pipes = 0, len(children)
         while True:
             first = claim()
@@ -351,7 +353,7 @@ def _parallel_map(func, items, progress=None, message=None):
                 if packet is None:
                     open_pipes -= 1
                     continue
-                start, results = pickle.loads(packet)
+                start, results = packet
                 if start < 0:
                     raise results
                 for k, result in enumerate(results):
@@ -372,19 +374,12 @@ def _parallel_map(func, items, progress=None, message=None):
                     os.waitpid(pid, 0)
             except OSError:
                 pass
-        if reader is not None:
+        for reader in readers:
             reader.join()   # every pipe has ended: a later call sees one thread again
         gc.unfreeze()
 
 
-def _send_message(fd, data):
-    """One length-prefixed message down a pipe, whole."""
-    view = memoryview(len(data).to_bytes(8, "little") + data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _send_failure(fd, exc):
+def _send_failure(pipe, exc):
     """A worker's exception for the parent to raise (as a RuntimeError if it won't pickle)."""
     import pickle
     try:
@@ -393,33 +388,23 @@ def _send_failure(fd, exc):
     except Exception:
         data = pickle.dumps((-1, RuntimeError(f"in a worker process: {exc!r}")), -1)
     try:
-        _send_message(fd, data)
+        pipe.write(data)
+        pipe.flush()
     except OSError:
         pass
 
 
-def _read_messages(pipes, arrived):
-    """Each whole message of the result pipes onto `arrived`, None per pipe at its end; a thread
-    of its own, so no worker waits on a full pipe while the parent works."""
-    import select
-    buffers = {fd: bytearray() for fd in pipes}
-    while buffers:
-        ready, _, _ = select.select(list(buffers), [], [])
-        for fd in ready:
-            data = os.read(fd, 1 << 20)
-            buf = buffers[fd]
-            if not data:
-                del buffers[fd]
-                os.close(fd)
-                arrived.put(None)
-                continue
-            buf += data
-            while len(buf) >= 8:
-                size = int.from_bytes(buf[:8], "little")
-                if len(buf) < 8 + size:
-                    break
-                arrived.put(bytes(buf[8:8 + size]))
-                del buf[:8 + size]
+def _read_results(pipe, arrived):
+    """A worker's results onto `arrived`, then None; a thread per worker, so none waits on a
+    full pipe while the parent works."""
+    import pickle
+    with open(pipe, "rb") as f:
+        try:
+            while True:
+                arrived.put(pickle.load(f))
+        except Exception:   # the end, or a result cut short by a worker that died
+            pass
+    arrived.put(None)
 
 
 def _isatty(stream):
