@@ -189,13 +189,11 @@ def _iso_date_ok(value):
 
 
 def _today():
-    import datetime
-    return datetime.date.today().isoformat()
+    return time.strftime("%Y-%m-%d")
 
 
 def _utc_today():
-    import datetime
-    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return time.strftime("%Y-%m-%d", time.gmtime())
 
 
 def _human_count(n):
@@ -228,7 +226,6 @@ class run_context:
 
     def __exit__(self, *exc):
         _call_context.values = self.saved
-        return False
 
 
 def _context(name):
@@ -276,10 +273,8 @@ def _worker_count(items):
     Linux has cores and work to spare; MEMSHELF_WORKERS=N forces N (1 turns them off)."""
     raw = os.environ.get("MEMSHELF_WORKERS", "").strip()
     forced = int(raw) if raw.isdigit() else None
-    if forced is not None and forced <= 1:
-        return 1
-    if items < (2 if forced else 256) or not sys.platform.startswith("linux") or \
-            _context("mcp") or threading.active_count() > 1:
+    if forced in (0, 1) or items < (2 if forced else 256) or \
+            not sys.platform.startswith("linux") or _context("mcp") or threading.active_count() > 1:
         return 1
     try:
         cores = len(os.sched_getaffinity(0))
@@ -338,8 +333,8 @@ def _parallel_map(func, items, progress=None, message=None):
             readers.append(threading.Thread(target=_read_results, args=(out, arrived),
                                             daemon=True))
             readers[-1].start()
-        done, open_pipes = 0, len(children)
-        while True:
+        done, open_pipes, first = 0, len(children), 0
+        while first is not None or open_pipes:   # chunks left to claim, or results to come
             first = claim()
             mine = [] if first is None else range(first, min(first + step, n))
             for i in mine:
@@ -361,8 +356,6 @@ def _parallel_map(func, items, progress=None, message=None):
                 done += len(results)
             if progress is not None:
                 progress.update(done, message)
-            if first is None and not open_pipes:
-                break
         if done != n:
             raise RuntimeError(f"a worker process stopped with {n - done} files not done")
     finally:
@@ -457,11 +450,7 @@ def _fd_bytes(fd, size):
     data = os.read(fd, size + 1 if size >= 0 else 1 << 16)
     if 0 <= size and len(data) <= size:
         return data
-    chunks = [data]
-    while data:
-        data = os.read(fd, 1 << 16)
-        chunks.append(data)
-    return b"".join(chunks)
+    return b"".join([data, *iter(lambda: os.read(fd, 1 << 16), b"")])
 
 
 # --- atomic writes and the shelf lock ------------------------------------------------------
@@ -482,14 +471,10 @@ def _atomic_write(path, data):
     tmp = os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
     with _Held():
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as exc:
             try:
@@ -588,7 +573,6 @@ class _ShelfLock:
             finally:
                 os.close(self.fd)
                 self.fd = None
-        return False
 
 
 # --- shelf paths ---------------------------------------------------------------------------
@@ -623,14 +607,12 @@ def default_shelf_state():
     value, name = _env_shelf()
     if value:
         return {"state": "configured", "path": os.path.expanduser(value), "variable": name}
-    if any("${" in _host_expanded(n) for n in _SHELF_ENV):
-        return {"state": "unexpanded", "path": None, "variable": None}
-    return {"state": "unset", "path": None, "variable": None}
+    unexpanded = any("${" in _host_expanded(n) for n in _SHELF_ENV)
+    return {"state": "unexpanded" if unexpanded else "unset", "path": None, "variable": None}
 
 
 def _is_shelf(root):
-    return os.path.isfile(os.path.join(root, "shelf.yml")) or os.path.isfile(
-        os.path.join(root, ".docshelf.json"))
+    return any(os.path.isfile(os.path.join(root, n)) for n in ("shelf.yml", ".docshelf.json"))
 
 
 def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
