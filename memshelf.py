@@ -112,8 +112,7 @@ class Cancelled(Exception):
 
 
 class _Held:
-    """A stretch a signal must not split (a git call, a file replacement, a restore, the commit
-    point): the signal waits for its end, then interrupts the verb unless the commit passed."""
+    """A stretch a signal must not split (git call, file replacement, restore, commit point)."""
 
     def __init__(self, active=True):
         self.step = int(active)
@@ -135,8 +134,7 @@ _ERROR_CHARS = 1000     # an error's message, fix or detail text never exceeds t
 
 
 def _excerpt(value, limit=60, quote=True):
-    """User input as an error shows it: repr (quote) or as is; a longer value is cut to an
-    excerpt with its length, 'AAAA…' (16,777,216 characters), so no error echoes a huge input."""
+    """User input as an error shows it: repr (quote) or as is, cut to `limit` plus its length."""
     if isinstance(value, (dict, list)):
         return f"<{type(value).__name__}>"
     text = value if isinstance(value, str) else repr(value)
@@ -216,8 +214,7 @@ class run_context:
     """Binds progress and cancellation callbacks to the verbs run on this thread."""
 
     def __init__(self, progress=None, cancelled=None, client_name=None, log=None):
-        self.values = {"progress": progress, "cancelled": cancelled, "client_name": client_name,
-                       "log": log}
+        self.values = dict(progress=progress, cancelled=cancelled, client_name=client_name, log=log)
 
     def __enter__(self):
         self.saved = dict(getattr(_call_context, "values", {}) or {})
@@ -253,12 +250,11 @@ class _Progress:
         if now - self.last < 0.25:
             return
         self.last = now
-        text = message or self.label
         if self.sink is not None:
-            self.sink(done, self.total, text)
+            self.sink(done, self.total, message or self.label)
         elif self.to_stderr:
             of = f"/{self.total}" if self.total else ""
-            sys.stderr.write(f"\rmemshelf: {text} {done}{of}   ")
+            sys.stderr.write(f"\rmemshelf: {message or self.label} {done}{of}   ")
             sys.stderr.flush()
             self.shown = True
 
@@ -269,8 +265,7 @@ class _Progress:
 
 
 def _worker_count(items):
-    """Forked workers for `items` per-file jobs: 1 (serial) unless a single-threaded CLI run on
-    Linux has cores and work to spare; MEMSHELF_WORKERS=N forces N (1 turns them off)."""
+    """Forked workers for `items` jobs: 1 unless a CLI run on Linux has cores and work to spare."""
     raw = os.environ.get("MEMSHELF_WORKERS", "").strip()
     forced = int(raw) if raw.isdigit() else None
     if forced in (0, 1) or items < (2 if forced else 256) or \
@@ -284,8 +279,7 @@ def _worker_count(items):
 
 
 def _parallel_map(func, items, progress=None, message=None):
-    """(index, func(item)) for every item as done, over forked workers when it pays (the caller
-    works too); chunks are claimed from a shared pipe and only results come back, pickled."""
+    """(index, func(item)) for every item as done, spread over forked workers when it pays."""
     n = len(items)
     workers = _worker_count(n)
     if workers < 2:
@@ -351,8 +345,7 @@ def _parallel_map(func, items, progress=None, message=None):
                 start, results = packet
                 if start < 0:
                     raise results
-                for k, result in enumerate(results):
-                    yield start + k, result
+                yield from enumerate(results, start)
                 done += len(results)
             if progress is not None:
                 progress.update(done, message)
@@ -388,8 +381,7 @@ def _send_failure(pipe, exc):
 
 
 def _read_results(pipe, arrived):
-    """A worker's results onto `arrived`, then None; a thread per worker, so none waits on a
-    full pipe while the parent works."""
+    """A worker's results onto `arrived`, then None: no worker waits on a full pipe."""
     import pickle
     with open(pipe, "rb") as f:
         try:
@@ -409,12 +401,10 @@ def _isatty(stream):
 
 def _log_event(level, message, **data):
     """An event for the MCP client's log (notifications/message) when a server is listening."""
-    sink = _context("log")
-    if sink is not None:
-        try:
-            sink(level, message, **data)
-        except Exception:
-            pass
+    try:
+        _context("log")(level, message, **data)
+    except Exception:   # no server listening (None), or its log failed: the verb goes on
+        pass
 
 
 def _note(message):
@@ -423,12 +413,14 @@ def _note(message):
         sys.stderr.write(f"memshelf: {message}\n")
 
 
+# --- file reads, atomic writes and the shelf lock -----------------------------------------
+
 _O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0)
+_TEMP_MARK = ".memshelf-tmp-"
 
 
 def _file_bytes(path, size=-1):
-    """A whole file's bytes through one descriptor (no file object: counts at 10,000 episodes);
-    `size` from a stat just made lets one read usually do."""
+    """A whole file's bytes through one descriptor (no file object: counts at 10,000 episodes)."""
     fd = os.open(path, _O_READ)
     try:
         return _fd_bytes(fd, size)
@@ -451,11 +443,6 @@ def _fd_bytes(fd, size):
     if 0 <= size and len(data) <= size:
         return data
     return b"".join([data, *iter(lambda: os.read(fd, 1 << 16), b"")])
-
-
-# --- atomic writes and the shelf lock ------------------------------------------------------
-
-_TEMP_MARK = ".memshelf-tmp-"
 
 
 def _atomic_write(path, data):
@@ -527,8 +514,7 @@ class _ShelfLock:
             timeout = float(os.environ.get("MEMSHELF_LOCK_TIMEOUT", "30"))
         except ValueError:
             timeout = 30.0
-        start = time.monotonic()
-        noted = False
+        start, noted = time.monotonic(), False
         while not self._try():
             waited = time.monotonic() - start
             if waited >= timeout:
@@ -582,8 +568,7 @@ _HOST_DIRS = {"HOME": "", "DESKTOP": "Desktop", "DOCUMENTS": "Documents", "DOWNL
 
 
 def _host_expanded(name):
-    """A shelf variable with the Desktop host's ${HOME}, ${DESKTOP}, ... ${/} expanded (a bundle
-    default may arrive unexpanded); other ${...} stay."""
+    """A shelf variable with the Desktop host's ${HOME}, ${DESKTOP}, ... ${/} expanded."""
     def sub(m):
         key, home = m.group(1), os.path.expanduser("~")
         if key in ("/", "pathSeparator"):
@@ -640,9 +625,9 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
         raise _usage("the shelf path contains a NUL byte")
     expanded = os.path.expanduser(raw)
     if not os.path.isabs(expanded) and (origin is not None or not relative_ok):
-        raise ShelfError("shelf-path-relative",
-                         f"the shelf path {_excerpt(raw)} is relative; the server's working directory "
-                         "is unspecified", "give an absolute path or one starting with ~")
+        raise ShelfError("shelf-path-relative", f"the shelf path {_excerpt(raw)} is relative; "
+                         "the server's working directory is unspecified",
+                         "give an absolute path or one starting with ~")
     root = os.path.realpath(expanded)
     if origin and relative_ok:
         _note(f"shelf from {origin if origin.startswith('the ') else '$' + origin}: {root}")
@@ -670,8 +655,7 @@ def _shell_quote(text):
 def _shelf_join(root, *parts):
     """Join validated parts under the shelf root; refuse anything that escapes it or enters .git."""
     for part in parts:
-        if not part or part in (".", "..") or "\x00" in part or os.path.isabs(part) or \
-                "\\" in part:
+        if not part or part in (".", "..") or "\x00" in part or os.path.isabs(part) or "\\" in part:
             raise ShelfError("id-invalid", f"unsafe path part {_excerpt(part)}",
                              "use a plain name without separators")
     path = os.path.join(root, *parts)
