@@ -100,8 +100,7 @@ class ShelfError(Exception):
         return _EXIT_CODES.get(self.code, 1)
 
     def as_dict(self):
-        return {"code": self.code, "message": self.message, "fix": self.fix,
-                "details": self.details}
+        return dict(code=self.code, message=self.message, fix=self.fix, details=self.details)
 
     def as_text(self):
         return f"{self.message}\ncode: {self.code}\nfix: {self.fix}"
@@ -271,11 +270,7 @@ def _worker_count(items):
     if forced in (0, 1) or items < (2 if forced else 256) or \
             not sys.platform.startswith("linux") or _context("mcp") or threading.active_count() > 1:
         return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(forced or cores, 8, items))
+    return min(forced or len(os.sched_getaffinity(0)), 8, items)
 
 
 def _parallel_map(func, items, progress=None, message=None):
@@ -474,15 +469,13 @@ def _atomic_write(path, data):
 
 
 def _fsync_dir(directory):
-    if os.name != "posix":
-        return
     try:
         fd = os.open(directory or ".", os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError:
+    except OSError:   # Windows opens no folder: nothing to sync there
         pass
 
 
@@ -506,9 +499,8 @@ class _ShelfLock:
         if self.depth:
             self.depth += 1
             return self
-        cache = os.path.join(self.root, ".memshelf")
-        os.makedirs(cache, exist_ok=True)
-        path = os.path.join(cache, "lock")
+        path = os.path.join(self.root, ".memshelf", "lock")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             timeout = float(os.environ.get("MEMSHELF_LOCK_TIMEOUT", "30"))
@@ -603,9 +595,8 @@ def _is_shelf(root):
 def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
     """Resolve the shelf of a call (verbs.md § 0.2). Returns (root, origin variable or None)."""
     origin, cli = None, _context("client_name") is None
-    if shelf_path is not None and str(shelf_path).strip():
-        raw = str(shelf_path).strip()
-    else:
+    raw = str(shelf_path).strip() if shelf_path is not None else ""
+    if not raw:
         raw, origin = _env_shelf()
         if raw is None and cli:
             # the CLI finds the shelf it runs in as git finds .git (verbs.md § 0.2)
