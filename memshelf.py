@@ -91,9 +91,7 @@ class ShelfError(Exception):
         # the backstop for a message that quotes input without _excerpt: bounded all the same
         message, fix = _excerpt(message, _ERROR_CHARS, False), _excerpt(fix, _ERROR_CHARS, False)
         super().__init__(message)
-        self.code = code
-        self.message = message
-        self.fix = fix
+        self.code, self.message, self.fix = code, message, fix
         self.details = {k: _excerpt(v, _ERROR_CHARS, False) if isinstance(v, str) else v
                         for k, v in (details or {}).items()}
 
@@ -102,8 +100,7 @@ class ShelfError(Exception):
         return _EXIT_CODES.get(self.code, 1)
 
     def as_dict(self):
-        return {"code": self.code, "message": self.message, "fix": self.fix,
-                "details": self.details}
+        return dict(code=self.code, message=self.message, fix=self.fix, details=self.details)
 
     def as_text(self):
         return f"{self.message}\ncode: {self.code}\nfix: {self.fix}"
@@ -114,8 +111,7 @@ class Cancelled(Exception):
 
 
 class _Held:
-    """A stretch a signal must not split (a git call, a file replacement, a restore, the commit
-    point): the signal waits for its end, then interrupts the verb unless the commit passed."""
+    """A stretch a signal must not split (git call, file replacement, restore, commit point)."""
 
     def __init__(self, active=True):
         self.step = int(active)
@@ -133,14 +129,11 @@ class _Held:
 
 _EXIT_CODES = {"usage": 2, "no-shelf": 2, "shelf-path-relative": 2, "slug-invalid": 2,
                "id-invalid": 2}
-
-
 _ERROR_CHARS = 1000     # an error's message, fix or detail text never exceeds this (plus a note)
 
 
 def _excerpt(value, limit=60, quote=True):
-    """User input as an error shows it: repr (quote) or as is; a longer value is cut to an
-    excerpt with its length, 'AAAA…' (16,777,216 characters), so no error echoes a huge input."""
+    """User input as an error shows it: repr (quote) or as is, cut to `limit` plus its length."""
     if isinstance(value, (dict, list)):
         return f"<{type(value).__name__}>"
     text = value if isinstance(value, str) else repr(value)
@@ -160,14 +153,10 @@ def tokens(text):
 
 
 class _LazyPattern:
-    """A regex compiled on first use: module import stays fast for one-shot CLI calls.
-
-    Each method looked up is kept on the instance, so hot loops pay a plain attribute lookup."""
+    """A regex compiled on first use (fast import); each method looked up stays on the instance."""
 
     def __init__(self, pattern, flags=0):
-        self.pattern = pattern
-        self.flags = flags
-        self.compiled = None
+        self.pattern, self.flags, self.compiled = pattern, flags, None
 
     def __getattr__(self, name):
         if self.compiled is None:
@@ -177,10 +166,7 @@ class _LazyPattern:
         return value
 
 
-def _re_lazy(pattern, flags=0):
-    return _LazyPattern(pattern, flags)
-
-
+_re_lazy = _LazyPattern
 _ISO_DATE = _re_lazy(r"\d{4}-\d{2}-\d{2}\Z")
 
 
@@ -194,20 +180,17 @@ def _iso_date_ok(value):
         return False
     import datetime
     try:
-        datetime.date.fromisoformat(value)
+        return bool(datetime.date.fromisoformat(value))
     except ValueError:
         return False
-    return True
 
 
 def _today():
-    import datetime
-    return datetime.date.today().isoformat()
+    return time.strftime("%Y-%m-%d")
 
 
 def _utc_today():
-    import datetime
-    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return time.strftime("%Y-%m-%d", time.gmtime())
 
 
 def _human_count(n):
@@ -223,14 +206,14 @@ def _human_count(n):
 # --- the per-call context: progress, cancellation, the MCP client's name -----------------
 
 _call_context = threading.local()
+_QUIET = [False]   # --quiet
 
 
 class run_context:
     """Binds progress and cancellation callbacks to the verbs run on this thread."""
 
     def __init__(self, progress=None, cancelled=None, client_name=None, log=None):
-        self.values = {"progress": progress, "cancelled": cancelled, "client_name": client_name,
-                       "log": log}
+        self.values = dict(progress=progress, cancelled=cancelled, client_name=client_name, log=log)
 
     def __enter__(self):
         self.saved = dict(getattr(_call_context, "values", {}) or {})
@@ -239,7 +222,6 @@ class run_context:
 
     def __exit__(self, *exc):
         _call_context.values = self.saved
-        return False
 
 
 def _context(name):
@@ -256,13 +238,10 @@ class _Progress:
     """Progress for long work: MCP notifications when bound, else stderr on a terminal."""
 
     def __init__(self, label, total=None):
-        self.label = label
-        self.total = total
-        self.last = 0.0
+        self.label, self.total, self.last, self.shown = label, total, 0.0, False
         self.sink = _context("progress")
         self.to_stderr = self.sink is None and not _QUIET[0] and (
             os.environ.get("MEMSHELF_PROGRESS") == "1" or _isatty(sys.stderr))
-        self.shown = False
 
     def update(self, done, message=None):
         _check_cancelled()
@@ -270,12 +249,11 @@ class _Progress:
         if now - self.last < 0.25:
             return
         self.last = now
-        text = message or self.label
         if self.sink is not None:
-            self.sink(done, self.total, text)
+            self.sink(done, self.total, message or self.label)
         elif self.to_stderr:
             of = f"/{self.total}" if self.total else ""
-            sys.stderr.write(f"\rmemshelf: {text} {done}{of}   ")
+            sys.stderr.write(f"\rmemshelf: {message or self.label} {done}{of}   ")
             sys.stderr.flush()
             self.shown = True
 
@@ -285,37 +263,18 @@ class _Progress:
             sys.stderr.flush()
 
 
-_QUIET = [False]
-
-
 def _worker_count(items):
-    """Worker processes for `items` independent per-file jobs: 1 (serial) unless a CLI run on
-    Linux has several cores and enough work. MEMSHELF_WORKERS=N sets the count (1 turns it off).
-
-    Only fork is used, and only from a single-threaded process (never inside the MCP server):
-    the workers inherit the shelf state instead of re-importing and pickling it."""
+    """Forked workers for `items` jobs: 1 unless a CLI run on Linux has cores and work to spare."""
     raw = os.environ.get("MEMSHELF_WORKERS", "").strip()
     forced = int(raw) if raw.isdigit() else None
-    if forced is not None and forced <= 1:
+    if forced in (0, 1) or items < (2 if forced else 256) or \
+            not sys.platform.startswith("linux") or _context("mcp") or threading.active_count() > 1:
         return 1
-    if items < (2 if forced else 256) or not sys.platform.startswith("linux") or \
-            _context("mcp") or threading.active_count() > 1:
-        return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(forced or cores, 8, items))
+    return min(forced or len(os.sched_getaffinity(0)), 8, items)
 
 
 def _parallel_map(func, items, progress=None, message=None):
-    """(index, func(item)) for every item, in the order they are done, spread over forked
-    worker processes when it pays. The calling process works too, and the caller consumes
-    each result as it comes (it can store it while later ones are being made).
-
-    Work is handed out in chunks through a pipe every process reads from, so a slower
-    process simply takes fewer; func and items are inherited through fork, never pickled,
-    and only results come back (pickled, one message per chunk)."""
+    """(index, func(item)) for every item as done, spread over forked workers when it pays."""
     n = len(items)
     workers = _worker_count(n)
     if workers < 2:
@@ -337,7 +296,7 @@ def _parallel_map(func, items, progress=None, message=None):
         data = os.read(jobs, 4)
         return int.from_bytes(data, "little") if data else None
 
-    children, reader = {}, None   # result pipe -> pid
+    children, readers, arrived = {}, [], queue.SimpleQueue()   # children: result pipe -> pid
     gc.freeze()   # objects the workers inherit stay shared: their collector never touches them
     try:
         for _ in range(workers - 1):
@@ -347,25 +306,24 @@ def _parallel_map(func, items, progress=None, message=None):
                 status = 1
                 try:
                     os.close(out)
-                    while True:
-                        first = claim()
-                        if first is None:
-                            break
+                    pipe = open(into, "wb")
+                    while (first := claim()) is not None:
                         chunk = [func(items[i]) for i in range(first, min(first + step, n))]
-                        _send_message(into, pickle.dumps((first, chunk), -1))
+                        pipe.write(pickle.dumps((first, chunk), -1))
+                        pipe.flush()
                     status = 0
                 except BaseException as exc:
-                    _send_failure(into, exc)
+                    _send_failure(pipe, exc)
                 finally:
                     os._exit(status)
             os.close(into)
             children[out] = pid
-        arrived = queue.SimpleQueue()
-        reader = threading.Thread(target=_read_messages, args=(list(children), arrived),
-                                  daemon=True)
-        reader.start()
-        done, open_pipes = 0, len(children)
-        while True:
+        for out in children:
+            readers.append(threading.Thread(target=_read_results, args=(out, arrived),
+                                            daemon=True))
+            readers[-1].start()
+        done, open_pipes, first = 0, len(children), 0
+        while first is not None or open_pipes:   # chunks left to claim, or results to come
             first = claim()
             mine = [] if first is None else range(first, min(first + step, n))
             for i in mine:
@@ -379,16 +337,13 @@ def _parallel_map(func, items, progress=None, message=None):
                 if packet is None:
                     open_pipes -= 1
                     continue
-                start, results = pickle.loads(packet)
+                start, results = packet
                 if start < 0:
                     raise results
-                for k, result in enumerate(results):
-                    yield start + k, result
+                yield from enumerate(results, start)
                 done += len(results)
             if progress is not None:
                 progress.update(done, message)
-            if first is None and not open_pipes:
-                break
         if done != n:
             raise RuntimeError(f"a worker process stopped with {n - done} files not done")
     finally:
@@ -400,19 +355,12 @@ def _parallel_map(func, items, progress=None, message=None):
                     os.waitpid(pid, 0)
             except OSError:
                 pass
-        if reader is not None:
+        for reader in readers:
             reader.join()   # every pipe has ended: a later call sees one thread again
         gc.unfreeze()
 
 
-def _send_message(fd, data):
-    """One length-prefixed message down a pipe, whole."""
-    view = memoryview(len(data).to_bytes(8, "little") + data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _send_failure(fd, exc):
+def _send_failure(pipe, exc):
     """A worker's exception for the parent to raise (as a RuntimeError if it won't pickle)."""
     import pickle
     try:
@@ -421,34 +369,22 @@ def _send_failure(fd, exc):
     except Exception:
         data = pickle.dumps((-1, RuntimeError(f"in a worker process: {exc!r}")), -1)
     try:
-        _send_message(fd, data)
+        pipe.write(data)
+        pipe.flush()
     except OSError:
         pass
 
 
-def _read_messages(pipes, arrived):
-    """The parent's side of the workers' result pipes: each whole message onto `arrived`,
-    then None per pipe at its end. A thread of its own, so that no worker ever waits on a
-    full pipe while the parent works."""
-    import select
-    buffers = {fd: bytearray() for fd in pipes}
-    while buffers:
-        ready, _, _ = select.select(list(buffers), [], [])
-        for fd in ready:
-            data = os.read(fd, 1 << 20)
-            buf = buffers[fd]
-            if not data:
-                del buffers[fd]
-                os.close(fd)
-                arrived.put(None)
-                continue
-            buf += data
-            while len(buf) >= 8:
-                size = int.from_bytes(buf[:8], "little")
-                if len(buf) < 8 + size:
-                    break
-                arrived.put(bytes(buf[8:8 + size]))
-                del buf[:8 + size]
+def _read_results(pipe, arrived):
+    """A worker's results onto `arrived`, then None: no worker waits on a full pipe."""
+    import pickle
+    with open(pipe, "rb") as f:
+        try:
+            while True:
+                arrived.put(pickle.load(f))
+        except Exception:   # the end, or a result cut short by a worker that died
+            pass
+    arrived.put(None)
 
 
 def _isatty(stream):
@@ -460,12 +396,10 @@ def _isatty(stream):
 
 def _log_event(level, message, **data):
     """An event for the MCP client's log (notifications/message) when a server is listening."""
-    sink = _context("log")
-    if sink is not None:
-        try:
-            sink(level, message, **data)
-        except Exception:
-            pass
+    try:
+        _context("log")(level, message, **data)
+    except Exception:   # no server listening (None), or its log failed: the verb goes on
+        pass
 
 
 def _note(message):
@@ -474,12 +408,14 @@ def _note(message):
         sys.stderr.write(f"memshelf: {message}\n")
 
 
+# --- file reads, atomic writes and the shelf lock -----------------------------------------
+
 _O_READ = os.O_RDONLY | getattr(os, "O_BINARY", 0)
+_TEMP_MARK = ".memshelf-tmp-"
 
 
 def _file_bytes(path, size=-1):
-    """A whole file's bytes through one descriptor: no buffered file object per read, which
-    counts at 10,000 episodes. `size` (from a stat just made) lets one read usually do."""
+    """A whole file's bytes through one descriptor (no file object: counts at 10,000 episodes)."""
     fd = os.open(path, _O_READ)
     try:
         return _fd_bytes(fd, size)
@@ -501,16 +437,7 @@ def _fd_bytes(fd, size):
     data = os.read(fd, size + 1 if size >= 0 else 1 << 16)
     if 0 <= size and len(data) <= size:
         return data
-    chunks = [data]
-    while data:
-        data = os.read(fd, 1 << 16)
-        chunks.append(data)
-    return b"".join(chunks)
-
-
-# --- atomic writes and the shelf lock ------------------------------------------------------
-
-_TEMP_MARK = ".memshelf-tmp-"
+    return b"".join([data, *iter(lambda: os.read(fd, 1 << 16), b"")])
 
 
 def _atomic_write(path, data):
@@ -525,43 +452,31 @@ def _atomic_write(path, data):
         raise _io_error(IsADirectoryError(21, "Is a directory", path))
     tmp = os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
     with _Held():
-        _replace_with(path, tmp, data)
+        try:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise ShelfError("io-error", f"cannot write {path}: {exc.strerror or exc}",
+                             "check permissions and free space", {"path": path}) from None
     _fsync_dir(directory)
 
 
-def _replace_with(path, tmp, data):
+def _fsync_dir(directory):
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(directory or ".", os.O_RDONLY)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise ShelfError("io-error", f"cannot write {path}: {exc.strerror or exc}",
-                         "check permissions and free space", {"path": path}) from None
-
-
-def _fsync_dir(directory):
-    if os.name != "posix":
-        return
-    try:
-        fd = os.open(directory or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
+    except OSError:   # Windows opens no folder: nothing to sync there
         pass
-    finally:
-        os.close(fd)
 
 
 def _read_text(path):
@@ -578,24 +493,20 @@ class _ShelfLock:
     """The one inter-process write lock of a shelf: .memshelf/lock (git-and-sync.md § 3)."""
 
     def __init__(self, root):
-        self.root = root
-        self.fd = None
-        self.depth = 0
+        self.root, self.fd, self.depth = root, None, 0
 
     def __enter__(self):
         if self.depth:
             self.depth += 1
             return self
-        cache = os.path.join(self.root, ".memshelf")
-        os.makedirs(cache, exist_ok=True)
-        path = os.path.join(cache, "lock")
+        path = os.path.join(self.root, ".memshelf", "lock")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             timeout = float(os.environ.get("MEMSHELF_LOCK_TIMEOUT", "30"))
         except ValueError:
             timeout = 30.0
-        start = time.monotonic()
-        noted = False
+        start, noted = time.monotonic(), False
         while not self._try():
             waited = time.monotonic() - start
             if waited >= timeout:
@@ -640,21 +551,16 @@ class _ShelfLock:
             finally:
                 os.close(self.fd)
                 self.fd = None
-        return False
 
 
 # --- shelf paths ---------------------------------------------------------------------------
 
 _SHELF_ENV = ("MEMSHELF_SHELF", "MEMSHELF_SHELF_PATH", "MEMSHELF_ROOT")
-
-
 _HOST_DIRS = {"HOME": "", "DESKTOP": "Desktop", "DOCUMENTS": "Documents", "DOWNLOADS": "Downloads"}
 
 
 def _host_expanded(name):
-    """A shelf variable with the Desktop host's ${HOME}, ${DESKTOP}, ${DOCUMENTS}, ${DOWNLOADS},
-    ${/} and ${pathSeparator} expanded (a bundle default may arrive unexpanded); other ${...}
-    stay. ${HOME} is the user's home (the user profile on Windows)."""
+    """A shelf variable with the Desktop host's ${HOME}, ${DESKTOP}, ... ${/} expanded."""
     def sub(m):
         key, home = m.group(1), os.path.expanduser("~")
         if key in ("/", "pathSeparator"):
@@ -678,22 +584,19 @@ def default_shelf_state():
     value, name = _env_shelf()
     if value:
         return {"state": "configured", "path": os.path.expanduser(value), "variable": name}
-    if any("${" in _host_expanded(n) for n in _SHELF_ENV):
-        return {"state": "unexpanded", "path": None, "variable": None}
-    return {"state": "unset", "path": None, "variable": None}
+    unexpanded = any("${" in _host_expanded(n) for n in _SHELF_ENV)
+    return {"state": "unexpanded" if unexpanded else "unset", "path": None, "variable": None}
 
 
 def _is_shelf(root):
-    return os.path.isfile(os.path.join(root, "shelf.yml")) or os.path.isfile(
-        os.path.join(root, ".docshelf.json"))
+    return any(os.path.isfile(os.path.join(root, n)) for n in ("shelf.yml", ".docshelf.json"))
 
 
 def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
     """Resolve the shelf of a call (verbs.md § 0.2). Returns (root, origin variable or None)."""
     origin, cli = None, _context("client_name") is None
-    if shelf_path is not None and str(shelf_path).strip():
-        raw = str(shelf_path).strip()
-    else:
+    raw = str(shelf_path).strip() if shelf_path is not None else ""
+    if not raw:
         raw, origin = _env_shelf()
         if raw is None and cli:
             # the CLI finds the shelf it runs in as git finds .git (verbs.md § 0.2)
@@ -713,9 +616,9 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
         raise _usage("the shelf path contains a NUL byte")
     expanded = os.path.expanduser(raw)
     if not os.path.isabs(expanded) and (origin is not None or not relative_ok):
-        raise ShelfError("shelf-path-relative",
-                         f"the shelf path {_excerpt(raw)} is relative; the server's working directory "
-                         "is unspecified", "give an absolute path or one starting with ~")
+        raise ShelfError("shelf-path-relative", f"the shelf path {_excerpt(raw)} is relative; "
+                         "the server's working directory is unspecified",
+                         "give an absolute path or one starting with ~")
     root = os.path.realpath(expanded)
     if origin and relative_ok:
         _note(f"shelf from {origin if origin.startswith('the ') else '$' + origin}: {root}")
@@ -743,13 +646,11 @@ def _shell_quote(text):
 def _shelf_join(root, *parts):
     """Join validated parts under the shelf root; refuse anything that escapes it or enters .git."""
     for part in parts:
-        if not part or part in (".", "..") or "\x00" in part or os.path.isabs(part) or \
-                "\\" in part:
+        if not part or part in (".", "..") or "\x00" in part or os.path.isabs(part) or "\\" in part:
             raise ShelfError("id-invalid", f"unsafe path part {_excerpt(part)}",
                              "use a plain name without separators")
     path = os.path.join(root, *parts)
-    real = os.path.realpath(path)
-    base = os.path.realpath(root)
+    real, base = os.path.realpath(path), os.path.realpath(root)
     if real != base and not real.startswith(base + os.sep):
         # only a symlink inside the shelf gets here (parts hold no separator): a refusal
         raise ShelfError("io-error", f"{'/'.join(parts)} resolves outside the shelf through "
@@ -764,17 +665,11 @@ def _shelf_join(root, *parts):
 def code_hash():
     """sha256 of memshelf.py (+ server.py next to it), 12 hex: which code answers a call."""
     import hashlib
-    digest = hashlib.sha256()
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("memshelf.py", "server.py", "memshelf_server.py"):
-        path = os.path.join(here, name)
-        if name == "memshelf.py":
-            path = os.path.abspath(__file__)
+    digest, here = hashlib.sha256(), os.path.abspath(__file__)
+    servers = (os.path.join(os.path.dirname(here), n) for n in ("server.py", "memshelf_server.py"))
+    for path in (here, next(filter(os.path.isfile, servers), "")):
         if os.path.isfile(path):
-            with open(path, "rb") as f:
-                digest.update(f.read())
-            if name != "memshelf.py":
-                break
+            digest.update(_file_bytes(path))
     return digest.hexdigest()[:12]
 
 
