@@ -1600,15 +1600,9 @@ _H2_OR_FENCE = _re_lazy(r"\n(?: {0,3}(?:```|~~~)|##)")
 
 
 def _h2_spans(text):
-    """(start, end) offsets of the H2 heading lines, skipping fenced code (CommonMark fences).
-
-    Only candidate lines are visited (a regex finds them), so a long body costs one scan."""
-    return list(_iter_h2_spans(text))
-
-
-def _iter_h2_spans(text):
-    """_h2_spans one heading at a time: a reader that stops early leaves the rest unscanned."""
-    fence = None
+    """(start, end) offsets of the H2 heading lines, skipping fenced code (CommonMark fences);
+    only candidate lines are visited (a regex finds them), so a long body costs one scan."""
+    spans, fence = [], None
     for m in _H2_OR_FENCE.finditer("\n" + text):
         start = m.start()   # the line's offset in text: one past the \n, one less for the prefix
         end = text.find("\n", start)
@@ -1617,7 +1611,7 @@ def _iter_h2_spans(text):
             # never a fence line; a heading only outside fences
             if fence is None and (text.startswith("## ", start) or
                                   text[start:end].rstrip() == "##"):
-                yield start, end
+                spans.append((start, end))
             continue
         line = text[start:end]
         if fence:
@@ -1629,6 +1623,7 @@ def _iter_h2_spans(text):
         f = _FENCE_OPEN.match(line)
         if f and not (f.group(1)[0] == "`" and "`" in f.group(2)):
             fence = f.group(1)
+    return spans
 
 
 def _split_sections(body):
@@ -1647,15 +1642,9 @@ def _split_sections(body):
 
 def _find_section(sections, wanted):
     """Match a section by name or slug, case-insensitively."""
-    w = wanted.strip().casefold()
-    ws = _section_slug(wanted)
-    for heading, text in sections:
-        if heading.casefold() == w:
-            return heading, text
-    for heading, text in sections:
-        if _section_slug(heading) == ws and ws:
-            return heading, text
-    return None
+    w, ws = wanted.strip().casefold(), _section_slug(wanted)
+    return next((s for s in sections if s[0].casefold() == w), None) or \
+        next((s for s in sections if ws and _section_slug(s[0]) == ws), None)
 
 
 def _ledger_digest(body):
@@ -1683,16 +1672,9 @@ def _digest_of(sections):
 
 def _first_sentence(text):
     """Through the earliest sentence end of contracts.md § 2, punctuation kept; stripped."""
-    best = None
-    for mark in (". ", ".\n", "! ", "? "):
-        i = text.find(mark)
-        if i >= 0 and (best is None or i + 1 < best):
-            best = i + 1
-    for mark in ("。", "！", "？"):
-        i = text.find(mark)
-        if i >= 0 and (best is None or i + 1 < best):
-            best = i + 1
-    return (text[:best] if best is not None else text).strip()
+    ends = [text.find(mark) + 1 for mark in (". ", ".\n", "! ", "? ", "。", "！", "？")
+            if mark in text]
+    return (text[:min(ends)] if ends else text).strip()
 
 
 MAX_DESCRIPTION_CHARS = 120
@@ -1704,10 +1686,8 @@ def _cap_description(text):
     if len(flat) <= MAX_DESCRIPTION_CHARS:
         return flat, None
     head = flat[:MAX_DESCRIPTION_CHARS - 1]
-    cut = None
-    if " " in head:
-        cut = head[:head.rfind(" ")].rstrip(" ,;:—-")
-    if cut is None or len(cut) < 80:
+    cut = head[:head.rfind(" ")].rstrip(" ,;:—-") if " " in head else ""
+    if len(cut) < 80:
         cut = head.rstrip()
     result = cut + "…"
     return result, (f"description was {len(flat)} characters, cut to {len(result)} "
@@ -1735,9 +1715,7 @@ def _episode_date(fields, stem):
     if _is_iso_date(d):
         return d
     ident = fields.get("id") if isinstance(fields.get("id"), str) else stem
-    if _is_iso_date(ident[:10]):
-        return ident[:10]
-    return ""
+    return ident[:10] if _is_iso_date(ident[:10]) else ""
 
 
 # An episode file as _read_episode parsed it: its normalised text, the body after the
@@ -1773,28 +1751,24 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
     category = sys.intern(rel.split("/")[-2])
     stem = rel.rsplit("/", 1)[-1][:-3]
     rec = {"path": rel, "stem": stem, "category": category, "archived": archived,
-           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,
-           "fm_ok": False, "fm_error": None,
-           "fields": {}, "has_block": False, "portability": []}
+           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "fm_ok": False,
+           "fm_error": None, "fields": {}, "has_block": False, "portability": []}
+    text = ""
     if failed is not None:
         rec["fm_error"] = f"io: {failed.strerror}"
-        text = ""
     else:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
             text = raw.decode("utf-8", "replace")
-    text = _normalised(text)
-    body = text
+    body = text = _normalised(text)
     if rec["fm_error"] is None:
         try:
             detail = _parse_frontmatter_detail(text)
-            rec["fields"] = detail["fields"]
-            rec["has_block"] = detail["has_block"]
-            rec["fm_ok"] = detail["has_block"]
+            rec["fields"], body = detail["fields"], detail["body"]
+            rec["has_block"] = rec["fm_ok"] = detail["has_block"]
             rec["portability"] = detail.get("portability", [])
-            body = detail["body"]
         except FrontmatterError as exc:
             rec["fm_error"] = f"{exc.error_class}: {exc}"
     split = _fill_record(rec, body)
@@ -1802,21 +1776,18 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
 
 
 def _fill_record(rec, body):
-    """Fill the record's fields from its frontmatter and body; returns the body's
-    (preamble, sections)."""
+    """Fill the record's fields from its frontmatter and body; returns (preamble, sections)."""
     f = rec["fields"]
     # a string field on one line (a block scalar or a "\n" escape may hold breaks), else None
     s = {k: _collapse(v) if "\n" in v else v for k, v in f.items() if isinstance(v, str)}.get
-    rec["id"] = s("id")
-    rec["kind"] = s("kind")
+    rec["id"], rec["kind"] = s("id"), s("kind")
     rec["date"] = _episode_date(f, rec["stem"])
     rec["span"] = s("span")
     rec["display_title"] = s("display_title") or ""
     rec["description"] = s("description")
-    tags = f.get("tags")
-    rec["tags"] = [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
-    sup = f.get("supersedes")
-    rec["supersedes"] = [t for t in sup if isinstance(t, str)] if isinstance(sup, list) else []
+    for key in ("tags", "supersedes"):
+        items = f.get(key)
+        rec[key] = [t for t in items if isinstance(t, str)] if isinstance(items, list) else []
     rec["approx_tokens"] = _int_or_none(s("approx_tokens") or "")
     rec["approx_src"] = s("approx_tokens_source")
     rec["mode"] = s("mode")
@@ -1832,35 +1803,25 @@ def _fill_record(rec, body):
 def _record_description(rec):
     """What INDEX shows: the description, else the digest's first sentence; capped."""
     d = rec.get("description")
-    if d is None or d == "":
-        d = _first_sentence(rec.get("digest") or "") if d is None else ""
+    if d is None:
+        d = _first_sentence(rec.get("digest") or "")
     return _cap_description(d)[0] if d else ""
 
 
 def _compose_episode(fields, digest, sections):
     """Write an episode H1-first (shelf-format.md § 4.1); fields is an ordered dict."""
     lines = [f"# {fields['id']}", "", "---"]
-    for key in _FIELD_ORDER:
-        if key not in fields or fields[key] is None:
-            continue
+    for key in [k for k in _FIELD_ORDER if k in fields] + \
+            [k for k in fields if k not in _FIELD_ORDER]:
         value = fields[key]
-        if isinstance(value, list):
-            lines.append(f"{key}: {_yaml_flow_list(value)}")
-        elif key in _QUOTED_FIELDS:
-            lines.append(f"{key}: {_yaml_quote(value)}")
-        elif key in _PLAIN_FIELDS:
-            lines.append(f"{key}: {value}")
-        else:
-            lines.append(f"{key}: {value}" if _yaml_plain_safe(str(value))
-                         else f"{key}: {_yaml_quote(value)}")
-    for key, value in fields.items():
-        if key in _FIELD_ORDER or value is None:
+        if value is None:
             continue
         if isinstance(value, list):
-            lines.append(f"{key}: {_yaml_flow_list(value)}")
-        else:
-            lines.append(f"{key}: {value}" if _yaml_plain_safe(str(value)) else
-                         f"{key}: {_yaml_quote(value)}")
+            value = _yaml_flow_list(value)
+        elif key in _QUOTED_FIELDS or \
+                (key not in _PLAIN_FIELDS and not _yaml_plain_safe(str(value))):
+            value = _yaml_quote(value)
+        lines.append(f"{key}: {value}")
     lines += ["---", "", "## Digest", digest.strip()]
     for name, text in sections:
         lines += ["", f"## {name}", text.strip()]
@@ -1881,26 +1842,24 @@ def _demote_headings(text):
 def _canonical_sections(sections):
     """Known names in canonical spelling and order, then custom ones in the order given."""
     known = {s.casefold(): s for s in KNOWN_SECTIONS}
-    ordered, custom = {}, []
+    ordered, custom = {}, {}
     for name, text in sections:
-        canon = known.get(name.casefold())
-        if canon:
-            ordered[canon] = text
+        fold = name.casefold()
+        if fold in known:
+            ordered[known[fold]] = text
         else:
-            custom = [(n, t) for n, t in custom if n.casefold() != name.casefold()]
-            custom.append((name, text))
-    out = [(k, ordered[k]) for k in KNOWN_SECTIONS if k in ordered]
-    return out + custom
+            custom.pop(fold, None)   # a repeated custom name: its last text, at its last place
+            custom[fold] = (name, text)
+    return [(k, ordered[k]) for k in KNOWN_SECTIONS if k in ordered] + list(custom.values())
 
 # ==========================================================================================
 # Store: the one reader of episode files
 # ==========================================================================================
 
-# Every verb reads episodes here: the listing (_scan_episode_files, which never follows a link),
-# the row cache (_Store), the one freshness rule (_unchanged) and the one key (_render_key_of)
-# that every derived value is remembered under (the render memo, shelf totals, supersedes
-# links). A file is re-read whenever its stamp moved or it was written within the timestamp
-# granularity of the read that produced the cached answer.
+# Every verb reads episodes here: the listing (_scan_episode_files, never following a link), the
+# row cache (_Store), the one freshness rule (_unchanged) and the one key (_render_key_of) every
+# derived value is remembered under. A file is re-read when its stamp moved or it was written
+# within the timestamp granularity of the read behind the cached answer.
 
 
 # --- the episode catalog and its row cache -------------------------------------------------
@@ -1914,44 +1873,33 @@ class _Store:
 
     def __init__(self, root, use_cache=True):
         self.root = root
-        self.db = None
+        self.db = _cache_db(root) if use_cache else None
         self.extras = {}
-        if use_cache:
-            self.db = _cache_db(root)
-
-    def scan(self, archive=True):
-        return _scan_episode_files(self.root, archive)
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
-        """Every episode's record; `files` is a scan made just before (saves a second one).
-
-        also(record, bytes, _EpisodeText) runs beside each file parsed afresh (in its worker);
-        its answers are left in self.extras by path. trim(record) -> record: what is kept of
-        a record parsed afresh once its cache row is made (and `also` has seen it whole)."""
+        """Every episode's record; `files`: a scan made just before. also(record, bytes,
+        _EpisodeText) runs beside each fresh parse (answers in self.extras by path); trim(record)
+        is what is kept of a fresh record once its row is made and `also` has seen it whole."""
         return self._merge(archive, progress, files, None,
                            lambda rel, archived, row: _record_from_row(row[0]), also, trim)
 
     def render_records(self, progress=None, files=None):
-        """What the derived renders read of every episode (_RENDER_KEYS), from the cache
-        columns: a render after one shelve decodes a few values per episode, not records."""
+        """What the renders read of every episode (_RENDER_KEYS), from the cache columns: a
+        render after one shelve decodes a few values per episode, not records."""
         return self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
                            _render_record_from_row)
 
     def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
-        """One object per episode file: from_row(path, archived, values of `columns`) from
-        its cache row while the file is unchanged (_unchanged), else from a fresh parse (its
-        row stored for next time). Cached rows are read in path order alongside the sorted
-        scan, one at a time: memory never holds a second copy of the cache.
-
-        columns None: whole records (the cache's `rec`). A fresh parse is always whole; the
-        object is made from the same column values a cached row gives, so both agree."""
-        files = self.scan(archive) if files is None else files
+        """One object per episode file: from_row(path, archived, values of `columns`; None:
+        the whole record) from its cache row while _unchanged, else from a fresh parse whose
+        row is stored. Rows stream in path order beside the sorted scan: never a second copy
+        of the cache in memory. Fresh objects come from the same values a row gives."""
+        files = _scan_episode_files(self.root, archive) if files is None else files
         whole = columns is None
-        gone = []
         rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
                                     f"{'rec' if whole else ', '.join(columns)} FROM episodes "
                                     "ORDER BY path")
-        out, missing = [], []
+        out, missing, gone = [], [], []
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
             obj = None
             if row is not None and st is not None and _unchanged(st, row[1:4], row[4]):
@@ -1967,16 +1915,12 @@ class _Store:
             seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
                 (_read_episode(root, *job[1:]), None)
-            # a reader of the columns stores them alone: encoding whole records it does not
-            # read cost an empty-cache rebuild a seventh of its time (docs/performance.md); a
-            # reader of whole records parses such a file once more and stores its record
+            # a reader of the columns stores them alone: encoding unread records cost an
+            # empty-cache rebuild a seventh of its time (docs/performance.md)
             row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
                    _record_to_row(rec) if cached and whole else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
-            if not whole:
-                rec = None
-            elif trim is not None:
-                rec = trim(rec)
+            rec = (trim(rec) if trim else rec) if whole else None
             return rec, row, extra
 
         take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
@@ -1985,8 +1929,7 @@ class _Store:
         batch = []   # cache rows are stored as they come: they never pile up in memory
         for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
             slot, rel, archived, _ = missing[n]
-            out[slot] = _share_values(rec) if whole else \
-                from_row(rel, archived, take(row))
+            out[slot] = _share_values(rec) if whole else from_row(rel, archived, take(row))
             if also is not None:
                 self.extras[rel] = extra
             if cached:
@@ -1998,8 +1941,7 @@ class _Store:
         return out
 
     def _store(self, rows, gone):
-        """Cache rows for fresh parses (path, size, mtime_ns, record, columns); rows of gone
-        paths go."""
+        """Store the cache rows of fresh parses; drop the rows of gone paths."""
         if self.db is None or not (rows or gone):
             return
         try:
@@ -2025,17 +1967,14 @@ class _Store:
 # A cached record is a JSON array in this key order (object keys would be stored, decoded and
 # held once per record; at 100,000 episodes that is a third of the catalog's memory).
 _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "fm_ok",
-                "fm_error",
-                "fields", "has_block", "portability", "id", "kind", "date", "span",
+                "fm_error", "fields", "has_block", "portability", "id", "kind", "date", "span",
                 "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
                 "sections")
-# What the derived renders (INDEX, ledger, .meta.json, chart, supersedes links) and shelf
-# accounting read of every episode, kept as cache columns beside the record so that neither
-# decodes whole records. `supersedes` is stored as a JSON list; `date_field` is the frontmatter
-# date (the ledger checks it); `index_entry` and `meta_entry`/`meta_warning` are the episode's
-# own INDEX line and .meta.json entry, formatted once where the file is parsed (in a worker on a
-# cold start), not again by every render. Path, stem and archived come from the scan.
+# What the derived renders and shelf accounting read of every episode, as cache columns beside
+# the record so that neither decodes whole records. `supersedes` is a JSON list, `date_field`
+# the frontmatter date; the INDEX line and .meta.json entry are formatted once where the file
+# is parsed (in a worker on a cold start), not by every render.
 _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
                   "date_field")
@@ -2056,23 +1995,17 @@ def _cache_columns(rec):
 
 
 def _render_record_from_row(rel, archived, columns):
-    """A render record (_RENDER_KEYS) from a file's path and its size and _CACHE_COLUMNS values:
-    supersedes decoded, the date field as the one frontmatter value it holds. None when the
-    values are not what a render needs (a cache row is a file anyone may have edited)."""
+    """A render record (_RENDER_KEYS) from a path and its size and _CACHE_COLUMNS values, or None
+    when they are not what a render needs (a cache row is a file anyone may have edited)."""
     (size, category, ident, date, index_entry, meta_entry, meta_warning, supersedes, mode,
      approx_tokens, approx_src, digest_tokens, notes, date_field) = columns
-    if supersedes == "[]":
-        supersedes = []
-    else:
-        try:
-            supersedes = json.loads(supersedes)
-        except (TypeError, ValueError):
-            return None
-        if supersedes.__class__ is not list:
-            return None
-    if category not in CATEGORIES or index_entry.__class__ is not str or \
-            (meta_entry is not None and meta_entry.__class__ is not str) or \
-            (meta_warning is not None and meta_warning.__class__ is not str):
+    try:
+        supersedes = [] if supersedes == "[]" else json.loads(supersedes)
+    except (TypeError, ValueError):
+        return None
+    if supersedes.__class__ is not list or category not in CATEGORIES or \
+            index_entry.__class__ is not str or \
+            not all(v is None or v.__class__ is str for v in (meta_entry, meta_warning)):
         return None
     stem = rel.rsplit("/", 1)[-1][:-3]
     return {"path": rel, "stem": stem, "archived": archived, "size": size,
@@ -2096,8 +2029,7 @@ def _cache_rows(db, sql):
 
 def _beside(rows, items, path_of, gone):
     """(item, its row or None) for each item, items and rows both sorted by path (a row's path
-    comes first); the paths of rows no item has are appended to gone. A merge of two sorted
-    streams: neither side is copied into memory."""
+    first); paths of rows no item has go to `gone`. Neither stream is copied into memory."""
     rows = iter(rows)
     row = next(rows, None)
     for item in items:
@@ -2125,20 +2057,13 @@ def _record_to_row(rec):
     return _json_row([rec.get(k) for k in _RECORD_KEYS])
 
 
-def _json_row(value):
-    """json.dumps(value, ensure_ascii=False) for cache cells, through one encoder made once
-    (a dumps call with options builds a new encoder every time)."""
-    if not _ROW_ENCODER:
-        _ROW_ENCODER.append(json.JSONEncoder(ensure_ascii=False, check_circular=False).encode)
-    return _ROW_ENCODER[0](value)
-
-
-_ROW_ENCODER = []
+# json.dumps(value, ensure_ascii=False) for cache cells through one encoder: a dumps call with
+# options builds a new encoder every time
+_json_row = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
 
 
 def _record_from_row(text):
-    """A record from its cache row, or None when the row is not one (then the file is re-read);
-    a row with columns alone has no record."""
+    """A record from its cache row, or None when the row holds none (then the file is re-read)."""
     try:
         values = json.loads(text)
     except (TypeError, ValueError):
@@ -2183,10 +2108,8 @@ def _linked(root, rel):
 
 
 def _scan_episode_files(root, archive=True, subdirs=None):
-    """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps.
-
-    With a `subdirs` list, the folders met inside category folders (legacy split sections) are
-    appended to it as (relative path, mtime_ns)."""
+    """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps;
+    folders inside category folders (legacy split sections) go to `subdirs` as (path, mtime_ns)."""
     found = []
     bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
     for base, archived in bases:
@@ -2198,15 +2121,14 @@ def _scan_episode_files(root, archive=True, subdirs=None):
                 continue
             prefix = f"{base}/{cat}/"
             for e in entries:
-                name = e.name
                 # a regular file, never a symlink (d_type answers without a system call)
-                if not name.endswith(".md") or name.startswith(".") or \
+                if not e.name.endswith(".md") or e.name.startswith(".") or \
                         not e.is_file(follow_symlinks=False):
                     if subdirs is not None and e.is_dir(follow_symlinks=False):
-                        subdirs.append((prefix + name, e.stat().st_mtime_ns))
+                        subdirs.append((prefix + e.name, e.stat().st_mtime_ns))
                     continue
                 st = e.stat()
-                found.append((prefix + name, archived,
+                found.append((prefix + e.name, archived,
                               _stamp((st.st_size, st.st_mtime_ns, st.st_ino))))
     found.sort()   # paths are unique: the comparison never goes past them
     return found
@@ -2253,10 +2175,8 @@ def _cache_db(root):
             _ensure_cache_ignored(root)
             db = sqlite3.connect(path, timeout=10, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
-            # No fsync at checkpoints (a third of storing 10,000 fresh rows): everything here
-            # is derived, a row is used only while its file's (size, mtime_ns) still match,
-            # and a file SQLite cannot read is discarded and rebuilt. An application crash
-            # loses nothing either way; only an OS crash could leave a cache to rebuild.
+            # No fsync at checkpoints (a third of storing 10,000 fresh rows): all here is
+            # derived and an unreadable cache is rebuilt, so only an OS crash costs a rebuild.
             db.execute("PRAGMA synchronous=OFF")
             db.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT)")
             row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
@@ -2336,17 +2256,11 @@ def _episode_read(root, rel, archived=False):
     if error.startswith(("io:", "encoding:")):
         raise ShelfError("io-error", f"{rel} cannot be read as text ({error})",
                          "convert the file to UTF-8, or restore it from git", {"path": rel})
-    _episode_text_checked(rel, episode.text)
-    return rec, episode
-
-
-def _episode_text_checked(rel, text):
-    """text itself, unless it holds a NUL byte: then the episode is refused."""
-    if "\x00" in text:
+    if "\x00" in episode.text:
         raise ShelfError("episode-invalid", f"{rel} holds a NUL byte (character "
-                         f"{text.index(chr(0))})", "remove the byte and amend the episode "
-                         "(memshelf doctor lists it as episode-binary)", {"path": rel})
-    return text
+                         f"{episode.text.index(chr(0))})", "remove the byte and amend the "
+                         "episode (memshelf doctor lists it as episode-binary)", {"path": rel})
+    return rec, episode
 
 
 def _find_episode_path(root, key, archive=True):
@@ -2368,12 +2282,10 @@ def _resolve_episode(root, raw, archive=True):
         return rel, archived
     with _Store(root) as cat:
         recs = cat.records(archive)
-    for r in recs:
-        if r.get("id") == key:
-            return r["path"], r["archived"]
-    for r in recs:
-        if r["stem"].casefold() == key.casefold():
-            return r["path"], r["archived"]
+    found = next((r for r in recs if r.get("id") == key), None) or \
+        next((r for r in recs if r["stem"].casefold() == key.casefold()), None)
+    if found:
+        return found["path"], found["archived"]
     import difflib
     stems = [r["stem"] for r in recs]
     close = difflib.get_close_matches(key, stems, n=3, cutoff=0.6)
@@ -2387,16 +2299,14 @@ def _resolve_episode(root, raw, archive=True):
 # --- the store key and what is remembered under it -----------------------------------------
 
 def _render_key(root, fmt):
-    """(key, scan): the store key of all a full render reads, and the episode scan it was
-    made from."""
+    """(key, scan): the store key of all a full render reads, and the scan it was made from."""
     seen, scanned, subdirs = _render_inputs(root)
     return _render_key_of(root, fmt, scanned, subdirs, seen), scanned
 
 
 def _render_inputs(root):
     """(time before the scan, the episode scan, the folders inside category folders)."""
-    seen = time.time_ns()
-    subdirs = []
+    seen, subdirs = time.time_ns(), []
     return seen, _scan_episode_files(root, subdirs=subdirs), subdirs
 
 
@@ -2457,9 +2367,8 @@ def _text_digest(text):
 
 
 def _render_memo_hit(root, key, memo=None, index_only=False):
-    """The last full render, read back from disk, when it was remembered under this key and
-    every derived file still holds what it wrote (compared by content, not by stamp).
-    `memo`: the state's render_memo when the caller has just read it."""
+    """The last full render read back from disk, when remembered under this key and every
+    derived file still holds what it wrote (by content); `memo`: render_memo if just read."""
     memo = _state(root).get("render_memo") if memo is None else memo
     if not _key_holds(root, memo, key) or not isinstance(memo.get("files"), dict):
         return None
@@ -2471,15 +2380,10 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
             continue
         path = os.path.join(root, rel)
         try:
-            if digest is None:
-                if os.path.lexists(path):
-                    return None
-                files[rel] = None
-                continue
-            files[rel] = _read_text(path)
+            files[rel] = None if digest is None else _read_text(path)
         except (OSError, ShelfError):
             return None
-        if _text_digest(files[rel]) != digest:
+        if (os.path.lexists(path) if digest is None else _text_digest(files[rel]) != digest):
             return None
     return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
             "key": key, "episodes": memo.get("episodes") or 0}
@@ -2507,17 +2411,14 @@ def _remember_render(root, rendered, files=None):
     digests = {rel: None if content is None else _text_digest(content)
                for rel, content in (rendered["files"] if files is None else files).items()}
     _save_state(root, render_memo={"key": rendered["key"][0], "racy": rendered["key"][1],
-                                   "files": digests,
-                                   "episodes": rendered["episodes"],
+                                   "files": digests, "episodes": rendered["episodes"],
                                    "warnings": rendered["warnings"]})
 
 
 def _remembered(root, name, key):
     """A derived value remembered under the store key (_render_key_of), or None."""
     entry = _state(root).get(name)
-    if _key_holds(root, entry, key):
-        return entry.get("value")
-    return None
+    return entry.get("value") if _key_holds(root, entry, key) else None
 
 
 def _remember(root, name, key, value):
