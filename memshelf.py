@@ -1613,15 +1613,12 @@ def _h2_spans(text):
                                   text[start:end].rstrip() == "##"):
                 spans.append((start, end))
             continue
-        line = text[start:end]
+        f = _FENCE_OPEN.match(text[start:end])
         if fence:
-            f = _FENCE_OPEN.match(line)
             if f and f.group(1)[0] == fence[0] and len(f.group(1)) >= len(fence) and \
                     not f.group(2).strip():
                 fence = None
-            continue
-        f = _FENCE_OPEN.match(line)
-        if f and not (f.group(1)[0] == "`" and "`" in f.group(2)):
+        elif f and not (f.group(1)[0] == "`" and "`" in f.group(2)):
             fence = f.group(1)
     return spans
 
@@ -1631,13 +1628,10 @@ def _split_sections(body):
     heads = _h2_spans(body)
     if not heads:
         return body, []
-    preamble = body[:max(heads[0][0] - 1, 0)]
-    sections = []
-    for n, (start, end) in enumerate(heads):
-        stop = heads[n + 1][0] - 1 if n + 1 < len(heads) else len(body)
-        sections.append((sys.intern(body[start + 3:end].strip()),
-                         body[end + 1:stop] if end < stop else ""))
-    return preamble, sections
+    stops = [start - 1 for start, _ in heads[1:]] + [len(body)]
+    return body[:max(heads[0][0] - 1, 0)], [
+        (sys.intern(body[start + 3:end].strip()), body[end + 1:stop] if end < stop else "")
+        for (start, end), stop in zip(heads, stops)]
 
 
 def _find_section(sections, wanted):
@@ -1647,22 +1641,17 @@ def _find_section(sections, wanted):
         next((s for s in sections if ws and _section_slug(s[0]) == ws), None)
 
 
+# The first line that strips to "## Digest" (\s is what str.strip strips; \n ends the line).
+_DIGEST_LINE = _re_lazy(r"^[^\S\n]*## Digest[^\S\n]*$", re.M)
+
+
 def _ledger_digest(body):
     """The digest by the simple, non-fence-aware rule the ledger keeps for byte compatibility."""
-    out, pos, size = None, 0, len(body)
-    while pos <= size:   # line by line without splitting the whole body (the digest comes first)
-        end = body.find("\n", pos)
-        end = size if end < 0 else end
-        line = body[pos:end]
-        pos = end + 1
-        if out is None:
-            if line.strip() == "## Digest":
-                out = []
-        elif line.startswith("## "):
-            break
-        else:
-            out.append(line)
-    return "\n".join(out).strip() if out is not None else ""
+    m = _DIGEST_LINE.search(body)
+    if m is None:
+        return ""
+    end = body.find("\n## ", m.end())
+    return body[m.end():end if end >= 0 else len(body)].strip()
 
 
 def _digest_of(sections):
@@ -1718,50 +1707,40 @@ def _episode_date(fields, stem):
     return ident[:10] if _is_iso_date(ident[:10]) else ""
 
 
-# An episode file as _read_episode parsed it: its normalised text, the body after the
-# frontmatter block, and the body's preamble and [(heading, text)] sections.
+# An episode as _read_episode parsed it: normalised text, body after the frontmatter, sections
 _EpisodeText = collections.namedtuple("_EpisodeText", "text body preamble sections")
 
 
 def _normalised(text):
     """Text as every episode reader sees it: no byte order mark, \n line ends."""
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text
+    text = text.removeprefix("\ufeff")
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
 def _read_episode(root, rel, archived=False, stat=None, also=None):
-    """Parse one episode file into a plain record (the unit the cache stores); with `also`,
-    (record, also(record, the file's bytes, its _EpisodeText)): per-file work that shares
-    the one read and parse."""
+    """One episode file as a plain record (the unit the cache stores); with `also`, (record,
+    also(record, the file's bytes, its _EpisodeText)): per-file work sharing the one read."""
     # os.path.join's answer for a shelf root (absolute, no separator at the end), faster
     path = root + os.sep + rel if root[-1:] not in ("", "/", os.sep, ":") else \
         os.path.join(root, rel)
-    raw, failed, st = b"", None, stat
+    raw, error, st = b"", None, stat
     try:
         if st is None:   # listed without a stat: the descriptor that reads it says
             raw, st = _file_bytes_stamped(path)
         else:
             raw = _file_bytes(path, st.st_size)
     except OSError as exc:
-        failed = exc
+        error = f"io: {exc.strerror}"
         st = st or _stamp((0, 0, 0))   # gone since the listing
-    category = sys.intern(rel.split("/")[-2])
-    stem = rel.rsplit("/", 1)[-1][:-3]
-    rec = {"path": rel, "stem": stem, "category": category, "archived": archived,
+    rec = {"path": rel, "stem": rel.rsplit("/", 1)[-1][:-3],
+           "category": sys.intern(rel.split("/")[-2]), "archived": archived,
            "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "fm_ok": False,
-           "fm_error": None, "fields": {}, "has_block": False, "portability": []}
-    text = ""
-    if failed is not None:
-        rec["fm_error"] = f"io: {failed.strerror}"
-    else:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
-            text = raw.decode("utf-8", "replace")
+           "fm_error": error, "fields": {}, "has_block": False, "portability": []}
+    try:
+        text = raw.decode("utf-8")   # b"" after an io error
+    except UnicodeDecodeError as exc:
+        rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
+        text = raw.decode("utf-8", "replace")
     body = text = _normalised(text)
     if rec["fm_error"] is None:
         try:
@@ -1830,13 +1809,8 @@ def _compose_episode(fields, digest, sections):
 
 def _demote_headings(text):
     """Demote H2 lines outside fences to H3 so the writer's structure survives."""
-    heads = _h2_spans(text)
-    out, last = [], 0
-    for start, _ in heads:
-        out += [text[last:start], "#"]
-        last = start
-    out.append(text[last:])
-    return "".join(out), len(heads)
+    starts = [0] + [start for start, _ in _h2_spans(text)]
+    return "#".join(text[a:b] for a, b in zip(starts, starts[1:] + [None])), len(starts) - 1
 
 
 def _canonical_sections(sections):
@@ -1856,10 +1830,10 @@ def _canonical_sections(sections):
 # Store: the one reader of episode files
 # ==========================================================================================
 
-# Every verb reads episodes here: the listing (_scan_episode_files, never following a link), the
-# row cache (_Store), the one freshness rule (_unchanged) and the one key (_render_key_of) every
-# derived value is remembered under. A file is re-read when its stamp moved or it was written
-# within the timestamp granularity of the read behind the cached answer.
+# Every verb reads episodes here: the listing (_scan_episode_files), the row cache (_Store), the
+# one freshness rule (_unchanged) and the one key (_render_key_of) derived values are kept under.
+# A file is re-read when its stamp moved or it was written within the timestamp granularity of
+# the read behind the cached answer.
 
 
 # --- the episode catalog and its row cache -------------------------------------------------
@@ -1868,8 +1842,7 @@ _CACHE_SCHEMA = "10"   # bump when the cached record or the cache columns change
 
 
 class _Store:
-    """Episode records of one shelf from the row cache, each re-parsed unless _unchanged says
-    its file is as it was read. Use it as a context manager (or close() it)."""
+    """Episode records from the row cache, each re-parsed unless _unchanged; a context manager."""
 
     def __init__(self, root, use_cache=True):
         self.root = root
@@ -1877,23 +1850,20 @@ class _Store:
         self.extras = {}
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
-        """Every episode's record; `files`: a scan made just before. also(record, bytes,
-        _EpisodeText) runs beside each fresh parse (answers in self.extras by path); trim(record)
-        is what is kept of a fresh record once its row is made and `also` has seen it whole."""
+        """Every episode's record; also(record, bytes, _EpisodeText) runs beside each fresh parse
+        (answers in self.extras by path); trim(record): what is kept once its row is made."""
         return self._merge(archive, progress, files, None,
                            lambda rel, archived, row: _record_from_row(row[0]), also, trim)
 
     def render_records(self, progress=None, files=None):
-        """What the renders read of every episode (_RENDER_KEYS), from the cache columns: a
-        render after one shelve decodes a few values per episode, not records."""
+        """What the renders read of every episode (_RENDER_KEYS), from the cache columns alone."""
         return self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
                            _render_record_from_row)
 
     def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
-        """One object per episode file: from_row(path, archived, values of `columns`; None:
-        the whole record) from its cache row while _unchanged, else from a fresh parse whose
-        row is stored. Rows stream in path order beside the sorted scan: never a second copy
-        of the cache in memory. Fresh objects come from the same values a row gives."""
+        """One object per episode: from_row(path, archived, `columns` values; None: the record)
+        from its row while _unchanged, else from a fresh parse whose row is stored. Rows stream
+        beside the sorted scan, so memory never holds a second copy of the cache."""
         files = _scan_episode_files(self.root, archive) if files is None else files
         whole = columns is None
         rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
@@ -1901,9 +1871,8 @@ class _Store:
                                     "ORDER BY path")
         out, missing, gone = [], [], []
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
-            obj = None
-            if row is not None and st is not None and _unchanged(st, row[1:4], row[4]):
-                obj = from_row(rel, archived, row[5:])
+            fresh = row is not None and st is not None and _unchanged(st, row[1:4], row[4])
+            obj = from_row(rel, archived, row[5:]) if fresh else None
             if obj is None:
                 missing.append((len(out), rel, archived, st))
             out.append(obj)
@@ -1971,17 +1940,14 @@ _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino
                 "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
                 "sections")
-# What the derived renders and shelf accounting read of every episode, as cache columns beside
-# the record so that neither decodes whole records. `supersedes` is a JSON list, `date_field`
-# the frontmatter date; the INDEX line and .meta.json entry are formatted once where the file
-# is parsed (in a worker on a cold start), not by every render.
+# What renders and shelf accounting read of every episode, as cache columns so that neither
+# decodes records; the INDEX line and .meta.json entry are formatted once, where it is parsed.
 _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
                   "date_field")
 # Where each column sits in a cache row as _Store stores it.
 _ROW_SLOTS = dict({"size": 1, "rec": 5}, **{c: 6 + n for n, c in enumerate(_CACHE_COLUMNS)})
-# What a render record holds (_render_record_from_row unpacks the columns in this order and
-# puts the date field under "fields"; tests/test_render_memo.py checks both lists).
+# What a render record holds (the date field goes under "fields"; test_render_memo checks both)
 _RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
 
 
@@ -2057,8 +2023,7 @@ def _record_to_row(rec):
     return _json_row([rec.get(k) for k in _RECORD_KEYS])
 
 
-# json.dumps(value, ensure_ascii=False) for cache cells through one encoder: a dumps call with
-# options builds a new encoder every time
+# json.dumps(value, ensure_ascii=False) with one encoder: dumps with options makes one per call
 _json_row = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
 
 
@@ -2079,10 +2044,9 @@ def _share_values(rec):
     for key in _INTERNED_VALUES:
         if isinstance(rec[key], str):
             rec[key] = sys.intern(rec[key])
-    if rec["id"] == rec["stem"]:
-        rec["id"] = rec["stem"]
-    if rec["span"] == rec["date"]:
-        rec["span"] = rec["date"]
+    for key, same in (("id", "stem"), ("span", "date")):
+        if rec[key] == rec[same]:
+            rec[key] = rec[same]
     # keys decoded from the cache or unpickled from a worker are copies; interned, one each
     fields = rec["fields"] = {sys.intern(k): v for k, v in rec["fields"].items()}
     for key in _SHARED_FIELDS:
@@ -2169,7 +2133,7 @@ def _cache_db(root):
         return None
     cache = os.path.join(root, ".memshelf")
     path = os.path.join(cache, "shelf.sqlite")
-    for attempt in (1, 2):
+    for _attempt in (1, 2):
         try:
             os.makedirs(cache, exist_ok=True)
             _ensure_cache_ignored(root)
@@ -2191,33 +2155,27 @@ def _cache_db(root):
             db.commit()
             return db
         except Exception:
-            # a corrupt cache is discarded and rebuilt
-            _log_event("notice", "the shelf cache was unreadable and is being rebuilt",
-                       shelf=root)
+            _log_event("notice", "the shelf cache was unreadable and is being rebuilt", shelf=root)
             for suffix in ("", "-wal", "-shm"):
                 try:
                     os.unlink(path + suffix)
                 except OSError:
                     pass
-            if attempt == 2:
-                return None
     return None
 
 
 def _ensure_cache_ignored(root):
     """On a git shelf where .memshelf/ is not ignored, add it to .git/info/exclude (local)."""
-    gi = os.path.join(root, ".gitignore")
     try:
-        with open(gi, encoding="utf-8") as f:
+        with open(os.path.join(root, ".gitignore"), encoding="utf-8") as f:
             if any(line.strip() in (".memshelf/", ".memshelf", "/.memshelf/", "/.memshelf")
                    for line in f):
                 return
     except OSError:
         pass
-    git_dir = os.path.join(root, ".git")
-    if not os.path.isdir(git_dir):
+    if not os.path.isdir(os.path.join(root, ".git")):
         return
-    exclude = os.path.join(git_dir, "info", "exclude")
+    exclude = os.path.join(root, ".git", "info", "exclude")
     try:
         with open(exclude, encoding="utf-8") as f:
             if ".memshelf/" in f.read().split():
@@ -2238,8 +2196,7 @@ def _state(root):
 
 
 def _save_state(root, **updates):
-    state = _state(root)
-    state.update(updates)
+    state = {**_state(root), **updates}
     try:
         os.makedirs(os.path.join(root, ".memshelf"), exist_ok=True)
         _atomic_write(os.path.join(root, ".memshelf", "state.json"),
@@ -2249,8 +2206,7 @@ def _save_state(root, **updates):
 
 
 def _episode_read(root, rel, archived=False):
-    """(record, _EpisodeText) of an episode to show: through the one reader; a file that is not
-    UTF-8 text or holds a NUL byte is refused, so neither is ever printed."""
+    """(record, _EpisodeText) of an episode to show; a file not UTF-8 or with a NUL is refused."""
     rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
     error = rec["fm_error"] or ""
     if error.startswith(("io:", "encoding:")):
@@ -2287,8 +2243,7 @@ def _resolve_episode(root, raw, archive=True):
     if found:
         return found["path"], found["archived"]
     import difflib
-    stems = [r["stem"] for r in recs]
-    close = difflib.get_close_matches(key, stems, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(key, [r["stem"] for r in recs], n=3, cutoff=0.6)
     hint = ("did you mean: " + ", ".join(close)) if close else \
         "read the INDEX (memshelf index) or search for it"
     raise ShelfError("episode-not-found", f"no episode {_excerpt(key)} on this shelf" +
@@ -2327,10 +2282,8 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
     # has aged is the same key, so a render remembered just after a shelve serves the next read
     racy = {rel: _content_sha1(root, rel) for rel, _, st in files if seen - st[1] <= _RACY_NS}
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
-    for base in ("docs", "archive/docs"):
-        for cat in CATEGORIES:
-            rel = f"{base}/{cat}"
-            parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
+    for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
+        parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += [rel for rel, _, _ in files]
     digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
@@ -2357,8 +2310,7 @@ def _key_holds(root, entry, key):
 
 def _render_is_current(root, fmt=None):
     """True when the derived files on disk are the last full render of the current inputs."""
-    key, _scanned = _render_key(root, fmt or _index_format(root))
-    return _render_memo_hit(root, key) is not None
+    return _render_memo_hit(root, _render_key(root, fmt or _index_format(root))[0]) is not None
 
 
 def _text_digest(text):
@@ -2394,10 +2346,8 @@ def _remember_if_on_disk(root, rendered):
     for rel, content in rendered["files"].items():
         path = os.path.join(root, rel)
         try:
-            if content is None:
-                if os.path.lexists(path):
-                    return
-            elif _file_bytes(path) != content.encode("utf-8"):
+            if (os.path.lexists(path) if content is None else
+                    _file_bytes(path) != content.encode("utf-8")):
                 return
         except OSError:
             return
