@@ -1693,9 +1693,7 @@ _INTEGER = _re_lazy(r"-?\d+\Z")
 def _int_or_none(value):
     if value.__class__ is str and value.isdigit() and value.isascii():
         return int(value)   # the spelling shelve writes, without the regex
-    if isinstance(value, str) and _INTEGER.match(value.strip()):
-        return int(value.strip())
-    return None
+    return int(value.strip()) if isinstance(value, str) and _INTEGER.match(value.strip()) else None
 
 
 def _episode_date(fields, stem):
