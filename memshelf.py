@@ -1495,15 +1495,9 @@ _H2_OR_FENCE = _re_lazy(r"\n(?: {0,3}(?:```|~~~)|##)")
 
 
 def _h2_spans(text):
-    """(start, end) offsets of the H2 heading lines, skipping fenced code (CommonMark fences).
-
-    Only candidate lines are visited (a regex finds them), so a long body costs one scan."""
-    return list(_iter_h2_spans(text))
-
-
-def _iter_h2_spans(text):
-    """_h2_spans one heading at a time: a reader that stops early leaves the rest unscanned."""
-    fence = None
+    """(start, end) offsets of the H2 heading lines, skipping fenced code (CommonMark fences);
+    only candidate lines are visited (a regex finds them), so a long body costs one scan."""
+    spans, fence = [], None
     for m in _H2_OR_FENCE.finditer("\n" + text):
         start = m.start()   # the line's offset in text: one past the \n, one less for the prefix
         end = text.find("\n", start)
@@ -1512,18 +1506,16 @@ def _iter_h2_spans(text):
             # never a fence line; a heading only outside fences
             if fence is None and (text.startswith("## ", start) or
                                   text[start:end].rstrip() == "##"):
-                yield start, end
+                spans.append((start, end))
             continue
-        line = text[start:end]
+        f = _FENCE_OPEN.match(text[start:end])
         if fence:
-            f = _FENCE_OPEN.match(line)
             if f and f.group(1)[0] == fence[0] and len(f.group(1)) >= len(fence) and \
                     not f.group(2).strip():
                 fence = None
-            continue
-        f = _FENCE_OPEN.match(line)
-        if f and not (f.group(1)[0] == "`" and "`" in f.group(2)):
+        elif f and not (f.group(1)[0] == "`" and "`" in f.group(2)):
             fence = f.group(1)
+    return spans
 
 
 def _split_sections(body):
@@ -1531,44 +1523,30 @@ def _split_sections(body):
     heads = _h2_spans(body)
     if not heads:
         return body, []
-    preamble = body[:max(heads[0][0] - 1, 0)]
-    sections = []
-    for n, (start, end) in enumerate(heads):
-        stop = heads[n + 1][0] - 1 if n + 1 < len(heads) else len(body)
-        sections.append((sys.intern(body[start + 3:end].strip()),
-                         body[end + 1:stop] if end < stop else ""))
-    return preamble, sections
+    stops = [start - 1 for start, _ in heads[1:]] + [len(body)]
+    return body[:max(heads[0][0] - 1, 0)], [
+        (sys.intern(body[start + 3:end].strip()), body[end + 1:stop] if end < stop else "")
+        for (start, end), stop in zip(heads, stops)]
 
 
 def _find_section(sections, wanted):
     """Match a section by name or slug, case-insensitively."""
-    w = wanted.strip().casefold()
-    ws = _section_slug(wanted)
-    for heading, text in sections:
-        if heading.casefold() == w:
-            return heading, text
-    for heading, text in sections:
-        if _section_slug(heading) == ws and ws:
-            return heading, text
-    return None
+    w, ws = wanted.strip().casefold(), _section_slug(wanted)
+    return next((s for s in sections if s[0].casefold() == w), None) or \
+        next((s for s in sections if ws and _section_slug(s[0]) == ws), None)
+
+
+# The first line that strips to "## Digest" (\s is what str.strip strips; \n ends the line).
+_DIGEST_LINE = _re_lazy(r"^[^\S\n]*## Digest[^\S\n]*$", re.M)
 
 
 def _ledger_digest(body):
     """The digest by the simple, non-fence-aware rule the ledger keeps for byte compatibility."""
-    out, pos, size = None, 0, len(body)
-    while pos <= size:   # line by line without splitting the whole body (the digest comes first)
-        end = body.find("\n", pos)
-        end = size if end < 0 else end
-        line = body[pos:end]
-        pos = end + 1
-        if out is None:
-            if line.strip() == "## Digest":
-                out = []
-        elif line.startswith("## "):
-            break
-        else:
-            out.append(line)
-    return "\n".join(out).strip() if out is not None else ""
+    m = _DIGEST_LINE.search(body)
+    if m is None:
+        return ""
+    end = body.find("\n## ", m.end())
+    return body[m.end():end if end >= 0 else len(body)].strip()
 
 
 def _digest_of(sections):
@@ -1578,16 +1556,9 @@ def _digest_of(sections):
 
 def _first_sentence(text):
     """Through the earliest sentence end of contracts.md § 2, punctuation kept; stripped."""
-    best = None
-    for mark in (". ", ".\n", "! ", "? "):
-        i = text.find(mark)
-        if i >= 0 and (best is None or i + 1 < best):
-            best = i + 1
-    for mark in ("。", "！", "？"):
-        i = text.find(mark)
-        if i >= 0 and (best is None or i + 1 < best):
-            best = i + 1
-    return (text[:best] if best is not None else text).strip()
+    ends = [text.find(mark) + 1 for mark in (". ", ".\n", "! ", "? ", "。", "！", "？")
+            if mark in text]
+    return (text[:min(ends)] if ends else text).strip()
 
 
 MAX_DESCRIPTION_CHARS = 120
@@ -1599,10 +1570,8 @@ def _cap_description(text):
     if len(flat) <= MAX_DESCRIPTION_CHARS:
         return flat, None
     head = flat[:MAX_DESCRIPTION_CHARS - 1]
-    cut = None
-    if " " in head:
-        cut = head[:head.rfind(" ")].rstrip(" ,;:—-")
-    if cut is None or len(cut) < 80:
+    cut = head[:head.rfind(" ")].rstrip(" ,;:—-") if " " in head else ""
+    if len(cut) < 80:
         cut = head.rstrip()
     result = cut + "…"
     return result, (f"description was {len(flat)} characters, cut to {len(result)} "
@@ -1619,9 +1588,7 @@ _INTEGER = _re_lazy(r"-?\d+\Z")
 def _int_or_none(value):
     if value.__class__ is str and value.isdigit() and value.isascii():
         return int(value)   # the spelling shelve writes, without the regex
-    if isinstance(value, str) and _INTEGER.match(value.strip()):
-        return int(value.strip())
-    return None
+    return int(value.strip()) if isinstance(value, str) and _INTEGER.match(value.strip()) else None
 
 
 def _episode_date(fields, stem):
@@ -1630,66 +1597,50 @@ def _episode_date(fields, stem):
     if _is_iso_date(d):
         return d
     ident = fields.get("id") if isinstance(fields.get("id"), str) else stem
-    if _is_iso_date(ident[:10]):
-        return ident[:10]
-    return ""
+    return ident[:10] if _is_iso_date(ident[:10]) else ""
 
 
-# An episode file as _read_episode parsed it: its normalised text, the body after the
-# frontmatter block, and the body's preamble and [(heading, text)] sections.
+# An episode as _read_episode parsed it: normalised text, body after the frontmatter, sections
 _EpisodeText = collections.namedtuple("_EpisodeText", "text body preamble sections")
 
 
 def _normalised(text):
     """Text as every episode reader sees it: no byte order mark, \n line ends."""
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text
+    text = text.removeprefix("\ufeff")
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
 def _read_episode(root, rel, archived=False, stat=None, also=None):
-    """Parse one episode file into a plain record (the unit the cache stores); with `also`,
-    (record, also(record, the file's bytes, its _EpisodeText)): per-file work that shares
-    the one read and parse."""
+    """One episode file as a plain record (the unit the cache stores); with `also`, (record,
+    also(record, the file's bytes, its _EpisodeText)): per-file work sharing the one read."""
     # os.path.join's answer for a shelf root (absolute, no separator at the end), faster
     path = root + os.sep + rel if root[-1:] not in ("", "/", os.sep, ":") else \
         os.path.join(root, rel)
-    raw, failed, st = b"", None, stat
+    raw, error, st = b"", None, stat
     try:
         if st is None:   # listed without a stat: the descriptor that reads it says
             raw, st = _file_bytes_stamped(path)
         else:
             raw = _file_bytes(path, st.st_size)
     except OSError as exc:
-        failed = exc
+        error = f"io: {exc.strerror}"
         st = st or _stamp((0, 0, 0))   # gone since the listing
-    category = sys.intern(rel.split("/")[-2])
-    stem = rel.rsplit("/", 1)[-1][:-3]
-    rec = {"path": rel, "stem": stem, "category": category, "archived": archived,
-           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,
-           "fm_ok": False, "fm_error": None,
-           "fields": {}, "has_block": False, "portability": []}
-    if failed is not None:
-        rec["fm_error"] = f"io: {failed.strerror}"
-        text = ""
-    else:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
-            text = raw.decode("utf-8", "replace")
-    text = _normalised(text)
-    body = text
+    rec = {"path": rel, "stem": rel.rsplit("/", 1)[-1][:-3],
+           "category": sys.intern(rel.split("/")[-2]), "archived": archived,
+           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "fm_ok": False,
+           "fm_error": error, "fields": {}, "has_block": False, "portability": []}
+    try:
+        text = raw.decode("utf-8")   # b"" after an io error
+    except UnicodeDecodeError as exc:
+        rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
+        text = raw.decode("utf-8", "replace")
+    body = text = _normalised(text)
     if rec["fm_error"] is None:
         try:
             detail = _parse_frontmatter_detail(text)
-            rec["fields"] = detail["fields"]
-            rec["has_block"] = detail["has_block"]
-            rec["fm_ok"] = detail["has_block"]
+            rec["fields"], body = detail["fields"], detail["body"]
+            rec["has_block"] = rec["fm_ok"] = detail["has_block"]
             rec["portability"] = detail.get("portability", [])
-            body = detail["body"]
         except FrontmatterError as exc:
             rec["fm_error"] = f"{exc.error_class}: {exc}"
     split = _fill_record(rec, body)
@@ -1697,21 +1648,18 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
 
 
 def _fill_record(rec, body):
-    """Fill the record's fields from its frontmatter and body; returns the body's
-    (preamble, sections)."""
+    """Fill the record's fields from its frontmatter and body; returns (preamble, sections)."""
     f = rec["fields"]
     # a string field on one line (a block scalar or a "\n" escape may hold breaks), else None
     s = {k: _collapse(v) if "\n" in v else v for k, v in f.items() if isinstance(v, str)}.get
-    rec["id"] = s("id")
-    rec["kind"] = s("kind")
+    rec["id"], rec["kind"] = s("id"), s("kind")
     rec["date"] = _episode_date(f, rec["stem"])
     rec["span"] = s("span")
     rec["display_title"] = s("display_title") or ""
     rec["description"] = s("description")
-    tags = f.get("tags")
-    rec["tags"] = [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
-    sup = f.get("supersedes")
-    rec["supersedes"] = [t for t in sup if isinstance(t, str)] if isinstance(sup, list) else []
+    for key in ("tags", "supersedes"):
+        items = f.get(key)
+        rec[key] = [t for t in items if isinstance(t, str)] if isinstance(items, list) else []
     rec["approx_tokens"] = _int_or_none(s("approx_tokens") or "")
     rec["approx_src"] = s("approx_tokens_source")
     rec["mode"] = s("mode")
@@ -1727,35 +1675,25 @@ def _fill_record(rec, body):
 def _record_description(rec):
     """What INDEX shows: the description, else the digest's first sentence; capped."""
     d = rec.get("description")
-    if d is None or d == "":
-        d = _first_sentence(rec.get("digest") or "") if d is None else ""
+    if d is None:
+        d = _first_sentence(rec.get("digest") or "")
     return _cap_description(d)[0] if d else ""
 
 
 def _compose_episode(fields, digest, sections):
     """Write an episode H1-first (shelf-format.md § 4.1); fields is an ordered dict."""
     lines = [f"# {fields['id']}", "", "---"]
-    for key in _FIELD_ORDER:
-        if key not in fields or fields[key] is None:
-            continue
+    for key in [k for k in _FIELD_ORDER if k in fields] + \
+            [k for k in fields if k not in _FIELD_ORDER]:
         value = fields[key]
-        if isinstance(value, list):
-            lines.append(f"{key}: {_yaml_flow_list(value)}")
-        elif key in _QUOTED_FIELDS:
-            lines.append(f"{key}: {_yaml_quote(value)}")
-        elif key in _PLAIN_FIELDS:
-            lines.append(f"{key}: {value}")
-        else:
-            lines.append(f"{key}: {value}" if _yaml_plain_safe(str(value))
-                         else f"{key}: {_yaml_quote(value)}")
-    for key, value in fields.items():
-        if key in _FIELD_ORDER or value is None:
+        if value is None:
             continue
         if isinstance(value, list):
-            lines.append(f"{key}: {_yaml_flow_list(value)}")
-        else:
-            lines.append(f"{key}: {value}" if _yaml_plain_safe(str(value)) else
-                         f"{key}: {_yaml_quote(value)}")
+            value = _yaml_flow_list(value)
+        elif key in _QUOTED_FIELDS or \
+                (key not in _PLAIN_FIELDS and not _yaml_plain_safe(str(value))):
+            value = _yaml_quote(value)
+        lines.append(f"{key}: {value}")
     lines += ["---", "", "## Digest", digest.strip()]
     for name, text in sections:
         lines += ["", f"## {name}", text.strip()]
@@ -1764,38 +1702,31 @@ def _compose_episode(fields, digest, sections):
 
 def _demote_headings(text):
     """Demote H2 lines outside fences to H3 so the writer's structure survives."""
-    heads = _h2_spans(text)
-    out, last = [], 0
-    for start, _ in heads:
-        out += [text[last:start], "#"]
-        last = start
-    out.append(text[last:])
-    return "".join(out), len(heads)
+    starts = [0] + [start for start, _ in _h2_spans(text)]
+    return "#".join(text[a:b] for a, b in zip(starts, starts[1:] + [None])), len(starts) - 1
 
 
 def _canonical_sections(sections):
     """Known names in canonical spelling and order, then custom ones in the order given."""
     known = {s.casefold(): s for s in KNOWN_SECTIONS}
-    ordered, custom = {}, []
+    ordered, custom = {}, {}
     for name, text in sections:
-        canon = known.get(name.casefold())
-        if canon:
-            ordered[canon] = text
+        fold = name.casefold()
+        if fold in known:
+            ordered[known[fold]] = text
         else:
-            custom = [(n, t) for n, t in custom if n.casefold() != name.casefold()]
-            custom.append((name, text))
-    out = [(k, ordered[k]) for k in KNOWN_SECTIONS if k in ordered]
-    return out + custom
+            custom.pop(fold, None)   # a repeated custom name: its last text, at its last place
+            custom[fold] = (name, text)
+    return [(k, ordered[k]) for k in KNOWN_SECTIONS if k in ordered] + list(custom.values())
 
 # ==========================================================================================
 # Store: the one reader of episode files
 # ==========================================================================================
 
-# Every verb reads episodes here: the listing (_scan_episode_files, which never follows a link),
-# the row cache (_Store), the one freshness rule (_unchanged) and the one key (_render_key_of)
-# that every derived value is remembered under (the render memo, shelf totals, supersedes
-# links). A file is re-read whenever its stamp moved or it was written within the timestamp
-# granularity of the read that produced the cached answer.
+# Every verb reads episodes here: the listing (_scan_episode_files), the row cache (_Store), the
+# one freshness rule (_unchanged) and the one key (_render_key_of) derived values are kept under.
+# A file is re-read when its stamp moved or it was written within the timestamp granularity of
+# the read behind the cached answer.
 
 
 # --- the episode catalog and its row cache -------------------------------------------------
@@ -1804,53 +1735,37 @@ _CACHE_SCHEMA = "10"   # bump when the cached record or the cache columns change
 
 
 class _Store:
-    """Episode records of one shelf from the row cache, each re-parsed unless _unchanged says
-    its file is as it was read. Use it as a context manager (or close() it)."""
+    """Episode records from the row cache, each re-parsed unless _unchanged; a context manager."""
 
     def __init__(self, root, use_cache=True):
         self.root = root
-        self.db = None
+        self.db = _cache_db(root) if use_cache else None
         self.extras = {}
-        if use_cache:
-            self.db = _cache_db(root)
-
-    def scan(self, archive=True):
-        return _scan_episode_files(self.root, archive)
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
-        """Every episode's record; `files` is a scan made just before (saves a second one).
-
-        also(record, bytes, _EpisodeText) runs beside each file parsed afresh (in its worker);
-        its answers are left in self.extras by path. trim(record) -> record: what is kept of
-        a record parsed afresh once its cache row is made (and `also` has seen it whole)."""
+        """Every episode's record; also(record, bytes, _EpisodeText) runs beside each fresh parse
+        (answers in self.extras by path); trim(record): what is kept once its row is made."""
         return self._merge(archive, progress, files, None,
                            lambda rel, archived, row: _record_from_row(row[0]), also, trim)
 
     def render_records(self, progress=None, files=None):
-        """What the derived renders read of every episode (_RENDER_KEYS), from the cache
-        columns: a render after one shelve decodes a few values per episode, not records."""
+        """What the renders read of every episode (_RENDER_KEYS), from the cache columns alone."""
         return self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
                            _render_record_from_row)
 
     def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
-        """One object per episode file: from_row(path, archived, values of `columns`) from
-        its cache row while the file is unchanged (_unchanged), else from a fresh parse (its
-        row stored for next time). Cached rows are read in path order alongside the sorted
-        scan, one at a time: memory never holds a second copy of the cache.
-
-        columns None: whole records (the cache's `rec`). A fresh parse is always whole; the
-        object is made from the same column values a cached row gives, so both agree."""
-        files = self.scan(archive) if files is None else files
+        """One object per episode: from_row(path, archived, `columns` values; None: the record)
+        from its row while _unchanged, else from a fresh parse whose row is stored. Rows stream
+        beside the sorted scan, so memory never holds a second copy of the cache."""
+        files = _scan_episode_files(self.root, archive) if files is None else files
         whole = columns is None
-        gone = []
         rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
                                     f"{'rec' if whole else ', '.join(columns)} FROM episodes "
                                     "ORDER BY path")
-        out, missing = [], []
+        out, missing, gone = [], [], []
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
-            obj = None
-            if row is not None and st is not None and _unchanged(st, row[1:4], row[4]):
-                obj = from_row(rel, archived, row[5:])
+            fresh = row is not None and st is not None and _unchanged(st, row[1:4], row[4])
+            obj = from_row(rel, archived, row[5:]) if fresh else None
             if obj is None:
                 missing.append((len(out), rel, archived, st))
             out.append(obj)
@@ -1862,16 +1777,12 @@ class _Store:
             seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
                 (_read_episode(root, *job[1:]), None)
-            # a reader of the columns stores them alone: encoding whole records it does not
-            # read cost an empty-cache rebuild a seventh of its time (docs/performance.md); a
-            # reader of whole records parses such a file once more and stores its record
+            # a reader of the columns stores them alone: encoding unread records cost an
+            # empty-cache rebuild a seventh of its time (docs/performance.md)
             row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
                    _record_to_row(rec) if cached and whole else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
-            if not whole:
-                rec = None
-            elif trim is not None:
-                rec = trim(rec)
+            rec = (trim(rec) if trim else rec) if whole else None
             return rec, row, extra
 
         take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
@@ -1880,8 +1791,7 @@ class _Store:
         batch = []   # cache rows are stored as they come: they never pile up in memory
         for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
             slot, rel, archived, _ = missing[n]
-            out[slot] = _share_values(rec) if whole else \
-                from_row(rel, archived, take(row))
+            out[slot] = _share_values(rec) if whole else from_row(rel, archived, take(row))
             if also is not None:
                 self.extras[rel] = extra
             if cached:
@@ -1893,8 +1803,7 @@ class _Store:
         return out
 
     def _store(self, rows, gone):
-        """Cache rows for fresh parses (path, size, mtime_ns, record, columns); rows of gone
-        paths go."""
+        """Store the cache rows of fresh parses; drop the rows of gone paths."""
         if self.db is None or not (rows or gone):
             return
         try:
@@ -1920,24 +1829,18 @@ class _Store:
 # A cached record is a JSON array in this key order (object keys would be stored, decoded and
 # held once per record; at 100,000 episodes that is a third of the catalog's memory).
 _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "fm_ok",
-                "fm_error",
-                "fields", "has_block", "portability", "id", "kind", "date", "span",
+                "fm_error", "fields", "has_block", "portability", "id", "kind", "date", "span",
                 "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
                 "sections")
-# What the derived renders (INDEX, ledger, .meta.json, chart, supersedes links) and shelf
-# accounting read of every episode, kept as cache columns beside the record so that neither
-# decodes whole records. `supersedes` is stored as a JSON list; `date_field` is the frontmatter
-# date (the ledger checks it); `index_entry` and `meta_entry`/`meta_warning` are the episode's
-# own INDEX line and .meta.json entry, formatted once where the file is parsed (in a worker on a
-# cold start), not again by every render. Path, stem and archived come from the scan.
+# What renders and shelf accounting read of every episode, as cache columns so that neither
+# decodes records; the INDEX line and .meta.json entry are formatted once, where it is parsed.
 _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
                   "date_field")
 # Where each column sits in a cache row as _Store stores it.
 _ROW_SLOTS = dict({"size": 1, "rec": 5}, **{c: 6 + n for n, c in enumerate(_CACHE_COLUMNS)})
-# What a render record holds (_render_record_from_row unpacks the columns in this order and
-# puts the date field under "fields"; tests/test_render_memo.py checks both lists).
+# What a render record holds (the date field goes under "fields"; test_render_memo checks both)
 _RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
 
 
@@ -1951,23 +1854,17 @@ def _cache_columns(rec):
 
 
 def _render_record_from_row(rel, archived, columns):
-    """A render record (_RENDER_KEYS) from a file's path and its size and _CACHE_COLUMNS values:
-    supersedes decoded, the date field as the one frontmatter value it holds. None when the
-    values are not what a render needs (a cache row is a file anyone may have edited)."""
+    """A render record (_RENDER_KEYS) from a path and its size and _CACHE_COLUMNS values, or None
+    when they are not what a render needs (a cache row is a file anyone may have edited)."""
     (size, category, ident, date, index_entry, meta_entry, meta_warning, supersedes, mode,
      approx_tokens, approx_src, digest_tokens, notes, date_field) = columns
-    if supersedes == "[]":
-        supersedes = []
-    else:
-        try:
-            supersedes = json.loads(supersedes)
-        except (TypeError, ValueError):
-            return None
-        if supersedes.__class__ is not list:
-            return None
-    if category not in CATEGORIES or index_entry.__class__ is not str or \
-            (meta_entry is not None and meta_entry.__class__ is not str) or \
-            (meta_warning is not None and meta_warning.__class__ is not str):
+    try:
+        supersedes = [] if supersedes == "[]" else json.loads(supersedes)
+    except (TypeError, ValueError):
+        return None
+    if supersedes.__class__ is not list or category not in CATEGORIES or \
+            index_entry.__class__ is not str or \
+            not all(v is None or v.__class__ is str for v in (meta_entry, meta_warning)):
         return None
     stem = rel.rsplit("/", 1)[-1][:-3]
     return {"path": rel, "stem": stem, "archived": archived, "size": size,
@@ -1991,8 +1888,7 @@ def _cache_rows(db, sql):
 
 def _beside(rows, items, path_of, gone):
     """(item, its row or None) for each item, items and rows both sorted by path (a row's path
-    comes first); the paths of rows no item has are appended to gone. A merge of two sorted
-    streams: neither side is copied into memory."""
+    first); paths of rows no item has go to `gone`. Neither stream is copied into memory."""
     rows = iter(rows)
     row = next(rows, None)
     for item in items:
@@ -2020,20 +1916,12 @@ def _record_to_row(rec):
     return _json_row([rec.get(k) for k in _RECORD_KEYS])
 
 
-def _json_row(value):
-    """json.dumps(value, ensure_ascii=False) for cache cells, through one encoder made once
-    (a dumps call with options builds a new encoder every time)."""
-    if not _ROW_ENCODER:
-        _ROW_ENCODER.append(json.JSONEncoder(ensure_ascii=False, check_circular=False).encode)
-    return _ROW_ENCODER[0](value)
-
-
-_ROW_ENCODER = []
+# json.dumps(value, ensure_ascii=False) with one encoder: dumps with options makes one per call
+_json_row = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
 
 
 def _record_from_row(text):
-    """A record from its cache row, or None when the row is not one (then the file is re-read);
-    a row with columns alone has no record."""
+    """A record from its cache row, or None when the row holds none (then the file is re-read)."""
     try:
         values = json.loads(text)
     except (TypeError, ValueError):
@@ -2049,10 +1937,9 @@ def _share_values(rec):
     for key in _INTERNED_VALUES:
         if isinstance(rec[key], str):
             rec[key] = sys.intern(rec[key])
-    if rec["id"] == rec["stem"]:
-        rec["id"] = rec["stem"]
-    if rec["span"] == rec["date"]:
-        rec["span"] = rec["date"]
+    for key, same in (("id", "stem"), ("span", "date")):
+        if rec[key] == rec[same]:
+            rec[key] = rec[same]
     # keys decoded from the cache or unpickled from a worker are copies; interned, one each
     fields = rec["fields"] = {sys.intern(k): v for k, v in rec["fields"].items()}
     for key in _SHARED_FIELDS:
@@ -2078,10 +1965,8 @@ def _linked(root, rel):
 
 
 def _scan_episode_files(root, archive=True, subdirs=None):
-    """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps.
-
-    With a `subdirs` list, the folders met inside category folders (legacy split sections) are
-    appended to it as (relative path, mtime_ns)."""
+    """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps;
+    folders inside category folders (legacy split sections) go to `subdirs` as (path, mtime_ns)."""
     found = []
     bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
     for base, archived in bases:
@@ -2093,15 +1978,14 @@ def _scan_episode_files(root, archive=True, subdirs=None):
                 continue
             prefix = f"{base}/{cat}/"
             for e in entries:
-                name = e.name
                 # a regular file, never a symlink (d_type answers without a system call)
-                if not name.endswith(".md") or name.startswith(".") or \
+                if not e.name.endswith(".md") or e.name.startswith(".") or \
                         not e.is_file(follow_symlinks=False):
                     if subdirs is not None and e.is_dir(follow_symlinks=False):
-                        subdirs.append((prefix + name, e.stat().st_mtime_ns))
+                        subdirs.append((prefix + e.name, e.stat().st_mtime_ns))
                     continue
                 st = e.stat()
-                found.append((prefix + name, archived,
+                found.append((prefix + e.name, archived,
                               _stamp((st.st_size, st.st_mtime_ns, st.st_ino))))
     found.sort()   # paths are unique: the comparison never goes past them
     return found
@@ -2142,16 +2026,14 @@ def _cache_db(root):
         return None
     cache = os.path.join(root, ".memshelf")
     path = os.path.join(cache, "shelf.sqlite")
-    for attempt in (1, 2):
+    for _attempt in (1, 2):
         try:
             os.makedirs(cache, exist_ok=True)
             _ensure_cache_ignored(root)
             db = sqlite3.connect(path, timeout=10, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
-            # No fsync at checkpoints (a third of storing 10,000 fresh rows): everything here
-            # is derived, a row is used only while its file's (size, mtime_ns) still match,
-            # and a file SQLite cannot read is discarded and rebuilt. An application crash
-            # loses nothing either way; only an OS crash could leave a cache to rebuild.
+            # No fsync at checkpoints (a third of storing 10,000 fresh rows): all here is
+            # derived and an unreadable cache is rebuilt, so only an OS crash costs a rebuild.
             db.execute("PRAGMA synchronous=OFF")
             db.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT)")
             row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
@@ -2166,33 +2048,27 @@ def _cache_db(root):
             db.commit()
             return db
         except Exception:
-            # a corrupt cache is discarded and rebuilt
-            _log_event("notice", "the shelf cache was unreadable and is being rebuilt",
-                       shelf=root)
+            _log_event("notice", "the shelf cache was unreadable and is being rebuilt", shelf=root)
             for suffix in ("", "-wal", "-shm"):
                 try:
                     os.unlink(path + suffix)
                 except OSError:
                     pass
-            if attempt == 2:
-                return None
     return None
 
 
 def _ensure_cache_ignored(root):
     """On a git shelf where .memshelf/ is not ignored, add it to .git/info/exclude (local)."""
-    gi = os.path.join(root, ".gitignore")
     try:
-        with open(gi, encoding="utf-8") as f:
+        with open(os.path.join(root, ".gitignore"), encoding="utf-8") as f:
             if any(line.strip() in (".memshelf/", ".memshelf", "/.memshelf/", "/.memshelf")
                    for line in f):
                 return
     except OSError:
         pass
-    git_dir = os.path.join(root, ".git")
-    if not os.path.isdir(git_dir):
+    if not os.path.isdir(os.path.join(root, ".git")):
         return
-    exclude = os.path.join(git_dir, "info", "exclude")
+    exclude = os.path.join(root, ".git", "info", "exclude")
     try:
         with open(exclude, encoding="utf-8") as f:
             if ".memshelf/" in f.read().split():
@@ -2213,8 +2089,7 @@ def _state(root):
 
 
 def _save_state(root, **updates):
-    state = _state(root)
-    state.update(updates)
+    state = {**_state(root), **updates}
     try:
         os.makedirs(os.path.join(root, ".memshelf"), exist_ok=True)
         _atomic_write(os.path.join(root, ".memshelf", "state.json"),
@@ -2224,24 +2099,17 @@ def _save_state(root, **updates):
 
 
 def _episode_read(root, rel, archived=False):
-    """(record, _EpisodeText) of an episode to show: through the one reader; a file that is not
-    UTF-8 text or holds a NUL byte is refused, so neither is ever printed."""
+    """(record, _EpisodeText) of an episode to show; a file not UTF-8 or with a NUL is refused."""
     rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
     error = rec["fm_error"] or ""
     if error.startswith(("io:", "encoding:")):
         raise ShelfError("io-error", f"{rel} cannot be read as text ({error})",
                          "convert the file to UTF-8, or restore it from git", {"path": rel})
-    _episode_text_checked(rel, episode.text)
-    return rec, episode
-
-
-def _episode_text_checked(rel, text):
-    """text itself, unless it holds a NUL byte: then the episode is refused."""
-    if "\x00" in text:
+    if "\x00" in episode.text:
         raise ShelfError("episode-invalid", f"{rel} holds a NUL byte (character "
-                         f"{text.index(chr(0))})", "remove the byte and amend the episode "
-                         "(memshelf doctor lists it as episode-binary)", {"path": rel})
-    return text
+                         f"{episode.text.index(chr(0))})", "remove the byte and amend the "
+                         "episode (memshelf doctor lists it as episode-binary)", {"path": rel})
+    return rec, episode
 
 
 def _find_episode_path(root, key, archive=True):
@@ -2263,15 +2131,12 @@ def _resolve_episode(root, raw, archive=True):
         return rel, archived
     with _Store(root) as cat:
         recs = cat.records(archive)
-    for r in recs:
-        if r.get("id") == key:
-            return r["path"], r["archived"]
-    for r in recs:
-        if r["stem"].casefold() == key.casefold():
-            return r["path"], r["archived"]
+    found = next((r for r in recs if r.get("id") == key), None) or \
+        next((r for r in recs if r["stem"].casefold() == key.casefold()), None)
+    if found:
+        return found["path"], found["archived"]
     import difflib
-    stems = [r["stem"] for r in recs]
-    close = difflib.get_close_matches(key, stems, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(key, [r["stem"] for r in recs], n=3, cutoff=0.6)
     hint = ("did you mean: " + ", ".join(close)) if close else \
         "read the INDEX (memshelf index) or search for it"
     raise ShelfError("episode-not-found", f"no episode {_excerpt(key)} on this shelf" +
@@ -2282,16 +2147,14 @@ def _resolve_episode(root, raw, archive=True):
 # --- the store key and what is remembered under it -----------------------------------------
 
 def _render_key(root, fmt):
-    """(key, scan): the store key of all a full render reads, and the episode scan it was
-    made from."""
+    """(key, scan): the store key of all a full render reads, and the scan it was made from."""
     seen, scanned, subdirs = _render_inputs(root)
     return _render_key_of(root, fmt, scanned, subdirs, seen), scanned
 
 
 def _render_inputs(root):
     """(time before the scan, the episode scan, the folders inside category folders)."""
-    seen = time.time_ns()
-    subdirs = []
+    seen, subdirs = time.time_ns(), []
     return seen, _scan_episode_files(root, subdirs=subdirs), subdirs
 
 
@@ -2312,10 +2175,8 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
     # has aged is the same key, so a render remembered just after a shelve serves the next read
     racy = {rel: _content_sha1(root, rel) for rel, _, st in files if seen - st[1] <= _RACY_NS}
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
-    for base in ("docs", "archive/docs"):
-        for cat in CATEGORIES:
-            rel = f"{base}/{cat}"
-            parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
+    for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
+        parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += [rel for rel, _, _ in files]
     digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
@@ -2342,8 +2203,7 @@ def _key_holds(root, entry, key):
 
 def _render_is_current(root, fmt=None):
     """True when the derived files on disk are the last full render of the current inputs."""
-    key, _scanned = _render_key(root, fmt or _index_format(root))
-    return _render_memo_hit(root, key) is not None
+    return _render_memo_hit(root, _render_key(root, fmt or _index_format(root))[0]) is not None
 
 
 def _text_digest(text):
@@ -2352,9 +2212,8 @@ def _text_digest(text):
 
 
 def _render_memo_hit(root, key, memo=None, index_only=False):
-    """The last full render, read back from disk, when it was remembered under this key and
-    every derived file still holds what it wrote (compared by content, not by stamp).
-    `memo`: the state's render_memo when the caller has just read it."""
+    """The last full render read back from disk, when remembered under this key and every
+    derived file still holds what it wrote (by content); `memo`: render_memo if just read."""
     memo = _state(root).get("render_memo") if memo is None else memo
     if not _key_holds(root, memo, key) or not isinstance(memo.get("files"), dict):
         return None
@@ -2366,15 +2225,10 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
             continue
         path = os.path.join(root, rel)
         try:
-            if digest is None:
-                if os.path.lexists(path):
-                    return None
-                files[rel] = None
-                continue
-            files[rel] = _read_text(path)
+            files[rel] = None if digest is None else _read_text(path)
         except (OSError, ShelfError):
             return None
-        if _text_digest(files[rel]) != digest:
+        if (os.path.lexists(path) if digest is None else _text_digest(files[rel]) != digest):
             return None
     return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
             "key": key, "episodes": memo.get("episodes") or 0}
@@ -2385,10 +2239,8 @@ def _remember_if_on_disk(root, rendered):
     for rel, content in rendered["files"].items():
         path = os.path.join(root, rel)
         try:
-            if content is None:
-                if os.path.lexists(path):
-                    return
-            elif _file_bytes(path) != content.encode("utf-8"):
+            if (os.path.lexists(path) if content is None else
+                    _file_bytes(path) != content.encode("utf-8")):
                 return
         except OSError:
             return
@@ -2402,17 +2254,14 @@ def _remember_render(root, rendered, files=None):
     digests = {rel: None if content is None else _text_digest(content)
                for rel, content in (rendered["files"] if files is None else files).items()}
     _save_state(root, render_memo={"key": rendered["key"][0], "racy": rendered["key"][1],
-                                   "files": digests,
-                                   "episodes": rendered["episodes"],
+                                   "files": digests, "episodes": rendered["episodes"],
                                    "warnings": rendered["warnings"]})
 
 
 def _remembered(root, name, key):
     """A derived value remembered under the store key (_render_key_of), or None."""
     entry = _state(root).get(name)
-    if _key_holds(root, entry, key):
-        return entry.get("value")
-    return None
+    return entry.get("value") if _key_holds(root, entry, key) else None
 
 
 def _remember(root, name, key, value):
