@@ -13563,8 +13563,7 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None, inclu
     in_range = [r for r in recs if r["date"] and start <= r["date"] <= end]
     private = [r for r in in_range if not include_private and _is_private(r, patterns)]
     chosen = [r for r in in_range if r not in private]
-    counts = {k: 0 for k in KINDS}
-    mass = {k: 0 for k in KINDS}
+    counts, mass = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
     for r in chosen:
         kind = _record_kind(r) or "topic"
         counts[kind] += 1
@@ -13601,29 +13600,22 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None, inclu
     bodies = {r["stem"]: _split_sections(body)[1] if body is not None else []
               for r, body in _view_bodies(root, chosen, "reading episodes")}
     lines += ["## Decisions", ""]
-    decided = False
+    decided = []
     for r in chosen:
         found = _find_section(bodies[r["stem"]], "Decisions")
         bullets = _first_bullets(found[1]) if found else []
-        if bullets:
-            decided = True
-            lines += [f"**`{r['stem']}`**"] + [f"- {b}" for b in bullets] + [""]
-    if not decided:
-        lines += ["_No Decisions sections in this period._", ""]
+        decided += [f"**`{r['stem']}`**", *(f"- {b}" for b in bullets), ""] if bullets else []
+    lines += decided or ["_No Decisions sections in this period._", ""]
     lines += ["## Still open", ""]
     sessions = sorted((r for r in chosen if _record_kind(r) == "session"),
                       key=lambda r: (r["date"], r["stem"]), reverse=True)
-    opened = False
+    opened = []
     for r in sessions[:3]:
         found = _find_section(bodies[r["stem"]], "Open threads")
         text = found[1].strip() if found else ""
-        if text:
-            if not opened:
-                lines += ["From the latest session episodes of the period:", ""]
-            opened = True
-            lines += [f"**`{r['stem']}`** ({r['date']})", "", _cap_text(text, 400), ""]
-    if not opened:
-        lines += ["_No open threads recorded in this period's session episodes._", ""]
+        opened += [f"**`{r['stem']}`** ({r['date']})", "", _cap_text(text, 400), ""] if text else []
+    lines += ["From the latest session episodes of the period:", "", *opened] if opened else \
+        ["_No open threads recorded in this period's session episodes._", ""]
     top = _tag_rows(chosen)[:10]
     lines += ["## Top tags", ""]
     lines += ([", ".join(f"{t['tag']} ({t['count']})" for t in top)] if top else ["_No tags._"])
@@ -13879,11 +13871,8 @@ def _esc(text):
 def _safe_href(url):
     """http(s) and in-page targets only; anything else (javascript:, file:, data:) is refused."""
     url = url.strip()
-    if re.match(r"https?://[^\s\"'<>\x00-\x1f\x7f]+\Z", url, re.I):
-        return url
-    if re.match(r"#[^\s\"'<>\x00-\x1f\x7f]*\Z", url):
-        return url
-    return None
+    safe = r"[^\s\"'<>\x00-\x1f\x7f]"
+    return url if re.match(rf"(?:https?://{safe}+|#{safe}*)\Z", url, re.I) else None
 
 
 class _MirrorMarkdown:
@@ -14651,9 +14640,7 @@ def _parse_hook_payload(raw, strict=False):
         data = json.loads(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
     except (TypeError, ValueError):   # also "" and blanks
         data = None
-    if strict:
-        return data
-    return data if isinstance(data, dict) else {}
+    return data if strict or isinstance(data, dict) else {}
 
 
 def _payload_text(payload, key, default=""):
@@ -14695,7 +14682,7 @@ def _hook_session_start(root, payload):
     source = _payload_text(payload, "source", "startup") or "startup"
     session_id = _payload_text(payload, "session_id")
     cap = _memshelf_config(root).get("hook_index_chars")
-    if not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
+    if _not_count(cap):
         cap = _HOOK_INDEX_CHARS
     state = _state(root)
     try:
@@ -14818,17 +14805,13 @@ def _fit_context(head, cats, compact, cap):
             picked = units if chosen is None else [units[u] for c, u in sorted(chosen) if c == ci]
             if not picked:
                 continue
-            if out[-1] != "":
-                out.append("")
-            out += [heading, ""]
+            out += [""] * (out[-1] != "") + [heading, ""]
             for body in picked:
                 out += body
                 if body[0].startswith("### "):
                     out.append("")
         if dropped:
-            if out[-1] != "":
-                out.append("")
-            out.append(_HOOK_OLDER.format(n=dropped))
+            out += [""] * (out[-1] != "") + [_HOOK_OLDER.format(n=dropped)]
         while out and out[-1] == "":
             out.pop()
         return "\n".join(out)
@@ -14902,37 +14885,38 @@ def _hook_session_end(root, payload):
 
 def _hook_stop(root, payload):
     """Once per long session: keep the agent going to propose a session digest."""
+    def skip(why, **extra):
+        return {"text": "", "asked": False, "skipped": why, **extra}
     session_id = _payload_text(payload, "session_id")
     if payload.get("stop_hook_active") is True:
-        return {"text": "", "asked": False, "skipped": "stop_hook_active"}
+        return skip("stop_hook_active")
     if not session_id:     # "once per session" needs a session to count by
-        return {"text": "", "asked": False, "skipped": "no session id"}
+        return skip("no session id")
     raw = os.environ.get("MEMSHELF_STOP_DIGEST", "").strip().lower()   # KB of transcript
     if raw in ("0", "off", "false", "no"):
-        return {"text": "", "asked": False, "skipped": "MEMSHELF_STOP_DIGEST is off"}
+        return skip("MEMSHELF_STOP_DIGEST is off")
     threshold = int(raw if raw.isdigit() else _STOP_DIGEST_KB) * 1024
     state = _state(root)
     sessions = state.get("hook_sessions") if isinstance(state.get("hook_sessions"), dict) else {}
     entry = sessions.get(session_id) if isinstance(sessions.get(session_id), dict) else {}
     if entry.get("asked"):
-        return {"text": "", "asked": False, "skipped": "already asked this session"}
+        return skip("already asked this session")
     transcript = os.path.expanduser(_payload_text(payload, "transcript_path"))
     try:
         size = os.path.getsize(transcript) if transcript else 0
     except OSError:
         size = 0
     if size < threshold:
-        return {"text": "", "asked": False, "skipped": "session still short",
-                "transcript_bytes": size}
+        return skip("session still short", transcript_bytes=size)
     start = entry.get("start")
     shelved = isinstance(start, (int, float)) and _session_episode_since(root, start)
     saved = _hook_save_state(root, hook_sessions=_remember_session(state, session_id,
                                                                    asked=time.time()))
     if shelved:
-        return {"text": "", "asked": False, "skipped": "a session episode was shelved"}
+        return skip("a session episode was shelved")
     if not saved:
         # without a record of the ask it would come back at every stop
-        return {"text": "", "asked": False, "skipped": "state.json is not writable"}
+        return skip("state.json is not writable")
     return {"text": _hook_output("Stop", _STOP_ASK), "asked": True, "transcript_bytes": size}
 
 
