@@ -13491,8 +13491,7 @@ def _retro_period(quarter, since, until):
         if value is not None and not _is_iso_date(value):
             raise _usage(f"--{name} {value!r} is not a YYYY-MM-DD date", "e.g. 2026-07-01")
     if since is not None or until is not None:
-        since = since or "0001-01-01"
-        until = until or "9999-12-31"
+        since, until = since or "0001-01-01", until or "9999-12-31"
         if since > until:
             raise _usage(f"--since {since} is after --until {until}", "swap the dates")
         return f"{since}..{until}", since, until
@@ -14318,11 +14317,8 @@ def freshness(checkout=None):
     for row in rows:
         full = row.pop("_full")
         ref = ref_main if row["hash_of"] == "memshelf.py" else ref_pair
-        if not root or not row["code_hash"] or not ref:
-            row["state"] = "unknown"
-        else:
-            row["state"] = "same" if (full or row["code_hash"]) == (ref if full else ref[:12]) \
-                else "differs"
+        row["state"] = "unknown" if not (root and row["code_hash"] and ref) else \
+            "same" if (full or row["code_hash"]) == (ref if full else ref[:12]) else "differs"
     differs = sum(1 for r in rows if r["state"] == "differs")
     return {"status": "differs" if differs else "ok", "checkout": root, "checkout_from": how,
             "checkout_hash": ref_pair[:12] if ref_pair else None, "consumers": rows,
@@ -14412,8 +14408,9 @@ def prune_splits(shelf_path=None, apply=False, tracked=False):
         elif is_tracked and not tracked:
             reason = "tracked by git; add --tracked"
         rows.append({"path": rel, "files": len(files), "tracked": is_tracked,
-                     "action": "keep" if reason else "remove", "reason": reason})
-    doomed = [r for r in rows if r["action"] == "remove"]
+                     "action": "keep" if reason else "removed" if apply else "would-remove",
+                     "reason": reason})
+    doomed = [r for r in rows if r["action"] != "keep"]
     removed, commit, derived = [], None, []
     if apply and doomed:
         with _ShelfLock(root):
@@ -14431,9 +14428,6 @@ def prune_splits(shelf_path=None, apply=False, tracked=False):
                 derived = written + deleted
             if gone:
                 commit = git.commit(gone + derived, "prune-splits: remove H2 split directories")
-    for r in rows:
-        if r["action"] == "remove":
-            r["action"] = "removed" if r["path"] in removed else "would-remove"
     return {"status": "ok", "applied": bool(apply), "tracked": bool(tracked),
             "split_dirs": rows, "removed": removed, "derived": derived,
             "committed": commit is not None, "commit": commit}
@@ -14724,11 +14718,10 @@ def _index_units(text, fmt):
     start = next((i for i, l in enumerate(lines) if l.startswith("## ")), len(lines))
     end = next((i for i in range(len(lines) - 1, start - 1, -1) if lines[i] == "---"), len(lines))
     cats = []
-    compact = fmt == "compact"
     for line in lines[start:end]:
         if line.startswith("## "):
             cats.append([line, []])
-        elif compact:
+        elif fmt == "compact":
             if line.startswith("- "):
                 cats[-1][1].append([line])
         elif _DOCSHELF_UNIT.match(line) or (line.strip() and not cats[-1][1]):
@@ -15892,9 +15885,8 @@ def _build_parser(only=None):
                     # the MCP schema's sentence says what happens by default; the switch
                     # turns it off: "Default: commit on git shelves; this flag turns it off"
                     done = text[:1].lower() + text[1:].rstrip(".")
-                    p.add_argument(prm.negate, dest=prm.name, action="store_false",
-                                   default=None, help=f"Default: {done}; this flag turns "
-                                                      "that off.")
+                    p.add_argument(prm.negate, dest=prm.name, action="store_false", default=None,
+                                   help=f"Default: {done}; this flag turns that off.")
                 else:
                     p.add_argument(*prm.flags, action="store_true", default=None, **kw)
                 continue
