@@ -13302,8 +13302,7 @@ def _view_records(root, archive=True, label="reading episodes"):
     with _Store(root) as store:
         recs = store.records(archive=archive, progress=progress)
     progress.done()
-    recs.sort(key=lambda r: (r["date"], r["stem"], r["path"]))
-    return recs
+    return sorted(recs, key=lambda r: (r["date"], r["stem"], r["path"]))
 
 
 def _record_kind(rec):
@@ -13458,10 +13457,8 @@ def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=Non
                     "from": r["stem"], "to": target, "type": "supersedes", "sections": [],
                     "count": 1}
     edge_list = [edges[k] for k in sorted(edges)]
-    if format == "mermaid":
-        text = _mermaid(nodes, edge_list, all_nodes)
-    else:
-        text = json.dumps({"nodes": nodes, "edges": edge_list}, ensure_ascii=False, indent=2)
+    text = _mermaid(nodes, edge_list, all_nodes) if format == "mermaid" else \
+        json.dumps({"nodes": nodes, "edges": edge_list}, ensure_ascii=False, indent=2)
     _write_out(out_path, text)
     return {"status": "ok", "format": format, "section": section, "nodes": nodes,
             "edges": edge_list, "text": text, "out": out_path}
@@ -13611,10 +13608,8 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None, inclu
         opened += [f"**`{r['stem']}`** ({r['date']})", "", _cap_text(text, 400), ""] if text else []
     lines += ["From the latest session episodes of the period:", "", *opened] if opened else \
         ["_No open threads recorded in this period's session episodes._", ""]
-    top = _tag_rows(chosen)[:10]
-    lines += ["## Top tags", ""]
-    lines += ([", ".join(f"{t['tag']} ({t['count']})" for t in top)] if top else ["_No tags._"])
-    lines += ["", "## Supersession chains", ""]
+    top = ", ".join(f"{t['tag']} ({t['count']})" for t in _tag_rows(chosen)[:10])
+    lines += ["## Top tags", "", top or "_No tags._", "", "## Supersession chains", ""]
     chains = _supersession_chains([r for r in recs if r not in private],
                                   {r["stem"] for r in chosen})
     lines += (["- " + " → ".join(f"`{s}`" for s in c) + " (each superseded by the next)"
@@ -14737,10 +14732,7 @@ def _index_units(text, fmt):
 
 def _compact_key_date(line):
     """The date prefix of a compact entry's key, or ""."""
-    if line.startswith("- `"):
-        key = line[3:line.find("`", 3)]
-    else:
-        key = line[2:].split(" ", 1)[0]
+    key = line[3:line.find("`", 3)] if line.startswith("- `") else line[2:].split(" ", 1)[0]
     return key[:10] if _ISO_PREFIX.match(key) else ""
 
 
@@ -14792,9 +14784,7 @@ def _fit_context(head, cats, compact, cap):
                 continue
             out += [""] * (out[-1] != "") + [heading, ""]
             for body in picked:
-                out += body
-                if body[0].startswith("### "):
-                    out.append("")
+                out += body + [""] * body[0].startswith("### ")
         if dropped:
             out += [""] * (out[-1] != "") + [_HOOK_OLDER.format(n=dropped)]
         while out and out[-1] == "":
