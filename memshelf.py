@@ -15663,10 +15663,7 @@ def prompt_text(name, arguments=None):
 
 def redact_verb(shelf_path=None, text=None):
     """stdin -> redacted text (the `redact` utility)."""
-    rules = []
-    if shelf_path:
-        root, _ = _resolve_shelf(shelf_path)
-        rules, _ = _shelf_policy(root)
+    rules = _shelf_policy(_resolve_shelf(shelf_path)[0])[0] if shelf_path else []
     if text is None:
         text = sys.stdin.read()
     redacted, report = redact(text, rules)
