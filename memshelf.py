@@ -15449,6 +15449,8 @@ def install_launcher(bin_dir=None):
     _atomic_write(target, f"""#!{sys.executable} -S
 {_LAUNCHER_MARK}: it runs
 # {source} with its bytecode in {cache}.
+import _signal
+_signal.signal(_signal.SIGINT, _signal.SIG_DFL)   # until memshelf's own handler: no traceback
 import os, sys
 sys.pycache_prefix = {cache!r}
 sys.path.insert(0, {os.path.dirname(source)!r})
