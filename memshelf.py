@@ -786,22 +786,13 @@ _EXTRA_VERB_FACTORIES = []
 # ==========================================================================================
 
 class FrontmatterError(ValueError):
-    """A frontmatter block or manifest that the YAML subset rejects (shelf-format.md § 3.3).
-
-    `error_class` is one of unsupported_yaml, syntax, duplicate_key, control_character,
-    not_a_mapping, too_large, encoding, unterminated; `line` is 1-based in the original text.
-    """
+    """A frontmatter block or manifest that the YAML subset rejects (shelf-format.md § 3.3);
+    `error_class` is a § 3.3 class name and `line` is 1-based in the original text."""
 
     def __init__(self, error_class, detail, line=None, fix=""):
-        self.error_class = error_class
-        self.detail = detail
-        self.line = line
-        self.fix = fix
-        where = "line %d: " % line if line else ""
-        message = "%s%s (%s)" % (where, detail, error_class)
-        if fix:
-            message += ". Fix: " + fix
-        super().__init__(message)
+        self.error_class, self.detail, self.line, self.fix = error_class, detail, line, fix
+        message = "%s%s (%s)" % ("line %d: " % line if line else "", detail, error_class)
+        super().__init__(message + (". Fix: " + fix if fix else ""))
 
     def __reduce__(self):
         # Keeps the error intact across pickling (multiprocessing, caches).
@@ -813,6 +804,7 @@ _FM_MAX_LINES = 100000
 _FM_FENCE_LINE = _re_lazy(r"^---[ \t]*$", re.M)
 _FM_CONTROL = _re_lazy("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _FM_KEY_END = _re_lazy(r"[: \t]")
+_FM_BLANKS = _re_lazy(r"[ \t]*")
 _FM_PLAIN_COMMENT = _re_lazy(r"[ \t]#")
 _FM_FLOW_PLAIN_END = _re_lazy(r"[,\]]|[ \t]#")
 _FM_DQ_RUN = _re_lazy(r'[^"\\]+')
@@ -823,6 +815,8 @@ _FM_SIMPLE_ESCAPES = {
     "L": "\u2028", "P": "\u2029", " ": " ",
 }
 _FM_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+_FM_INDICATORS = {"&": "an anchor", "*": "an alias", "!": "a tag", "%": "a directive",
+                  "{": "a flow mapping", "|": "a block scalar", ">": "a block scalar"}
 # `key: |` or `key: >`, then chomping (- or +) and an indentation digit in either order
 _FM_BLOCK_HEADER = _re_lazy(r"([|>])(?:([-+])([1-9])?|([1-9])([-+])?)?(?:[ \t]+#.*)?[ \t]*\Z")
 # Characters a YAML 1.1 reader treats as line breaks inside a plain scalar.
@@ -864,8 +858,7 @@ _YAML_QUOTE_ESCAPE = _re_lazy("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff\ufff
 
 def _fm_excerpt(text, limit=40):
     """A short printable rendering of a key or value for error messages."""
-    shown = text if len(text) <= limit else text[:limit] + "..."
-    return repr(shown)
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _fm_normalise(text):
@@ -886,47 +879,31 @@ def _fm_normalise(text):
     return _normalised(text)
 
 
-def _fm_is_fence(line):
-    return line[:3] == "---" and not line[3:].strip(" \t")
-
-
 def _fm_locate(text):
-    """Find the frontmatter block in normalised text (shelf-format.md § 3.1).
-
-    Returns (h1, open_line, block_start, block_end, close_line, body_start); open_line is
-    None when there is no block. Offsets index `text`; lines are 1-based.
-    """
+    """Find the frontmatter block in normalised text (shelf-format.md § 3.1): (h1, open_line,
+    block_start, block_end, close_line, body_start), open_line None when there is no block."""
     n = len(text)
-    pos, line_no, h1, seen_h1 = 0, 1, None, False
-    while pos <= n:
+    pos, open_line, h1 = 0, 1, None
+    while True:
         end = text.find("\n", pos)
-        if end < 0:
-            end = n
+        end = n if end < 0 else end
         line = text[pos:end]
-        if not line.strip(" \t"):
-            if end >= n:
-                break
-            pos, line_no = end + 1, line_no + 1
-            continue
-        if line.startswith("# ") and not seen_h1:
-            seen_h1, h1 = True, line[2:].strip(" \t")
-            if end >= n:
-                break
-            pos, line_no = end + 1, line_no + 1
-            continue
-        if not _fm_is_fence(line):
+        if line.startswith("# ") and h1 is None:
+            h1 = line[2:].strip(" \t")
+        elif line.strip(" \t"):
             break
-        open_line = line_no
-        match = _FM_FENCE_LINE.search(text, end + 1) if end < n else None
-        if match is None:
-            raise FrontmatterError(
-                "unterminated", "the frontmatter block opened here is never closed",
-                open_line, "add a line '---' after the last field")
-        block_start, block_end = end + 1, match.start()
-        close_line = open_line + 1 + text.count("\n", block_start, block_end)
-        body_start = min(match.end() + 1, n)
-        return h1, open_line, block_start, block_end, close_line, body_start
-    return h1, None, 0, 0, None, 0
+        if end >= n:
+            return h1, None, 0, 0, None, 0
+        pos, open_line = end + 1, open_line + 1
+    if line[:3] != "---" or line[3:].strip(" \t"):
+        return h1, None, 0, 0, None, 0
+    match = _FM_FENCE_LINE.search(text, end + 1) if end < n else None
+    if match is None:
+        raise FrontmatterError(
+            "unterminated", "the frontmatter block opened here is never closed",
+            open_line, "add a line '---' after the last field")
+    close_line = open_line + 1 + text.count("\n", end + 1, match.start())
+    return h1, open_line, end + 1, match.start(), close_line, min(match.end() + 1, n)
 
 
 def _fm_check_block(block, first_line, line_count, what, where):
@@ -1075,11 +1052,9 @@ class _YamlSubsetParser:
 
     def unsupported_key_start(self, line, line_no):
         first = line[0]
-        names = {"&": "an anchor", "*": "an alias", "!": "a tag", "%": "a directive",
-                 "{": "a flow mapping", "|": "a block scalar", ">": "a block scalar"}
-        if first in names:
-            self.fail("unsupported_yaml", "%s (%r) is not supported" % (names[first], first),
-                      line_no, "write a plain 'key: value' line")
+        if first in _FM_INDICATORS:
+            self.fail("unsupported_yaml", "%s (%r) is not supported"
+                      % (_FM_INDICATORS[first], first), line_no, "write a plain 'key: value' line")
         if first == "?":
             if len(line) == 1 or line[1] in " \t":
                 self.fail("unsupported_yaml", "complex keys ('? ') are not supported",
@@ -1223,8 +1198,7 @@ class _YamlSubsetParser:
                           "write a flat list of strings")
             elif first in "{&*!":
                 self.fail("unsupported_yaml", "%s inside a list is not supported"
-                          % {"{": "a flow mapping", "&": "an anchor", "*": "an alias",
-                             "!": "a tag"}[first], line_no, "write plain or quoted strings")
+                          % _FM_INDICATORS[first], line_no, "write plain or quoted strings")
             elif first in ",]":
                 self.fail("syntax", "empty item in the flow list", line_no,
                           "remove the extra comma or write '' for an empty string")
@@ -1346,18 +1320,13 @@ class _YamlSubsetParser:
 
 
 def _fm_skip_ws(text, pos):
-    n = len(text)
-    while pos < n and text[pos] in " \t":
-        pos += 1
-    return pos
+    return _FM_BLANKS.match(text, pos).end()
 
 
 def _fm_expect_line_end(text, pos, line_no, what):
     """After a quoted value or a flow list only whitespace and a comment may follow."""
     rest = text[pos:]
-    if not rest.strip(" \t"):
-        return
-    if rest[0] in " \t" and rest.lstrip(" \t")[0] == "#":
+    if not rest.strip(" \t") or rest[0] in " \t" and rest.lstrip(" \t")[0] == "#":
         return
     raise FrontmatterError(
         "syntax", "text after the closing of the %s: %s" % (what, _fm_excerpt(rest.strip())),
@@ -1367,10 +1336,9 @@ def _fm_expect_line_end(text, pos, line_no, what):
 def _fm_check_plain_start(text, line_no):
     first = text[0]
     if first in "&*!":
-        raise FrontmatterError(
-            "unsupported_yaml", "%s (%r) is not supported" % (
-                {"&": "an anchor", "*": "an alias", "!": "a tag"}[first], first),
-            line_no, "quote the value if it is text")
+        raise FrontmatterError("unsupported_yaml", "%s (%r) is not supported"
+                               % (_FM_INDICATORS[first], first), line_no,
+                               "quote the value if it is text")
     if first == "{":
         raise FrontmatterError("unsupported_yaml", "flow mappings ({...}) are not supported",
                                line_no, "use separate keys, or quote the value if it is text")
@@ -1397,18 +1365,13 @@ def _fm_plain_issue(value, in_flow):
 
 def _fm_scan_double(text, pos, line_no):
     """Decode the double-quoted scalar at text[pos]; returns (value, index after the quote)."""
-    parts, n = [], len(text)
-    pos += 1
+    parts, n, pos = [], len(text), pos + 1
     while True:
         run = _FM_DQ_RUN.match(text, pos)
         if run:
             parts.append(run.group())
             pos = run.end()
-        if pos >= n:
-            raise FrontmatterError(
-                "syntax", "a double-quoted value is not closed on its line", line_no,
-                "close the quote on the same line; quoted values cannot span lines")
-        if text[pos] == '"':
+        if pos < n and text[pos] == '"':
             return "".join(parts), pos + 1
         code = text[pos + 1: pos + 2]
         if not code:
@@ -1444,44 +1407,31 @@ def _fm_scan_double(text, pos, line_no):
 def _fm_scan_single(text, pos, line_no):
     """Decode the single-quoted scalar at text[pos]; returns (value, index after the quote)."""
     parts = []
-    pos += 1
     while True:
-        quote = text.find("'", pos)
+        quote = text.find("'", pos + 1)
         if quote < 0:
             raise FrontmatterError(
                 "syntax", "a single-quoted value is not closed on its line", line_no,
                 "close the quote on the same line; quoted values cannot span lines")
-        parts.append(text[pos:quote])
-        if text[quote + 1: quote + 2] == "'":
-            parts.append("'")
-            pos = quote + 2
-            continue
-        return "".join(parts), quote + 1
-
-
-# Whether any of them types a (non-empty) plain scalar: one match instead of one per type.
-_YAML_IMPLICIT_ANY = _re_lazy("|".join(f"(?:{p.pattern})" for _, p in _YAML_IMPLICIT_TYPES))
+        parts.append(text[pos + 1:quote])
+        if text[quote + 1: quote + 2] != "'":
+            return "'".join(parts), quote + 1
+        pos = quote + 1
 
 
 def _yaml_implicit_type(text):
     """The type a YAML 1.1 (or 1.2 core) loader gives this plain scalar, or None for a string."""
     if not text:
         return "null"
-    for name, pattern in _YAML_IMPLICIT_TYPES:
-        if pattern.match(text):
-            return name
-    return None
+    return next((name for name, pattern in _YAML_IMPLICIT_TYPES if pattern.match(text)), None)
 
 
 _YAML_CANONICAL_INT = _re_lazy(r"(?:0|-?[1-9][0-9]*)\Z")
 
 
 def _yaml_retyped(text):
-    """(type, text a loader prints back) for a plain scalar a YAML loader types, else (None, None).
-
-    The printed text is what str() of the loaded value gives (shelf-spec compares str(id) with
-    the file stem); it is None for dates and other values whose text always differs in kind.
-    """
+    """(type, str() of the loaded value) for a plain scalar a YAML loader types, else (None, None);
+    the text is None for dates and other values whose text always differs in kind."""
     kind = _yaml_implicit_type(text)
     if kind is None or kind in ("date", "merge key", "value key"):
         return kind, None
@@ -1513,18 +1463,13 @@ def _parse_frontmatter_detail(text):
     _fm_check_block(block, open_line + 1, line_count, "frontmatter block", open_line)
     lines = block.split("\n")[:line_count] if line_count else []
     parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
-    fields = parser.parse()
-    portability = parser.portability
-    return {"fields": fields, "body": text[body_start:],
-            "has_block": True, "h1": h1, "block_line": open_line,
-            "body_line": close_line + 1, "portability": portability}
+    return {"fields": parser.parse(), "body": text[body_start:], "has_block": True, "h1": h1,
+            "block_line": open_line, "body_line": close_line + 1,
+            "portability": parser.portability}
 
 
 def parse_frontmatter(text):
-    """Return (fields, body) of an episode; ({}, text) when it has no frontmatter block.
-
-    Values are str, list of str or None. Raises FrontmatterError on a malformed block.
-    """
+    """Return (fields, body) of an episode; ({}, text) when it has no frontmatter block."""
     detail = _parse_frontmatter_detail(text)
     return detail["fields"], detail["body"]
 
@@ -1543,22 +1488,16 @@ def _yaml_quote(value):
     """Write a free-text value double-quoted (shelf-format.md § 4.2): one line, valid YAML."""
     text = " ".join(value.split())
     text = text.replace("\\", "\\\\").replace('"', '\\"')
-    if _YAML_QUOTE_ESCAPE.search(text):
-        text = _YAML_QUOTE_ESCAPE.sub(lambda m: "\\u%04x" % ord(m.group()), text)
-    return '"' + text + '"'
+    return '"' + _YAML_QUOTE_ESCAPE.sub(lambda m: "\\u%04x" % ord(m.group()), text) + '"'
 
 
 def _yaml_plain_safe(text):
     """Whether text written plain reads back as the same string here and in a YAML loader."""
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str) or not text or text[0] in _YAML_PLAIN_BAD_FIRST or (
+            text[0] == " " or text[-1] == " " or ": " in text or text.endswith(":")):
         return False
-    if text[0] in _YAML_PLAIN_BAD_FIRST or text[0] == " " or text[-1] == " ":
-        return False
-    if _YAML_PLAIN_BAD_CHAR.search(text) or _FM_YAML_BREAKS.search(text):
-        return False
-    if ": " in text or text.endswith(":") or " #" in text:
-        return False
-    return _yaml_implicit_type(text) is None
+    return not (" #" in text or _YAML_PLAIN_BAD_CHAR.search(text)
+                or _FM_YAML_BREAKS.search(text)) and _yaml_implicit_type(text) is None
 
 
 def _yaml_flow_list(items):
