@@ -926,20 +926,13 @@ class _YamlSubsetParser:
     """One pass over the lines of a block: the grammar of shelf-format.md § 3.2 and § 3.4."""
 
     def __init__(self, lines, first_line, nested):
-        self.lines = lines
-        self.first_line = first_line
+        self.lines, self.first_line = lines, first_line
         self.nested = nested  # manifest mode: one level of nested block mapping
-        self.fields = {}
-        self.key_lines = {}
-        self.portability = []
+        self.fields, self.key_lines, self.nested_keys, self.portability = {}, {}, {}, []
         self.owner = None  # key of the last entry with no value on its line
         self.owner_kind = None  # None, "list" or "map"
-        self.item_indent = None
-        self.nested_keys = {}
-        self.seen_content = False
-        self.last_key = ""
-        self.tabbed = False  # the current line holds a tab
-        self.tab_noted = False
+        self.item_indent, self.seen_content, self.last_key = None, False, ""
+        self.tabbed = self.tab_noted = False  # the current line holds a tab; it is reported
         self.block = None  # [key, | or >, chomping, indentation, lines] of a block scalar
 
     # ---- errors -------------------------------------------------------------------------
@@ -973,17 +966,15 @@ class _YamlSubsetParser:
     # ---- driver -------------------------------------------------------------------------
 
     def parse(self):
-        first = self.first_line
-        for index, line in enumerate(self.lines):
+        for line_no, line in enumerate(self.lines, self.first_line):
             if self.block is not None and self.block_line(line):
                 continue
             content = line.lstrip(" \t")
             self.tabbed, self.tab_noted = "\t" in line, False
             if not content or content[0] == "#":
                 if self.tabbed and "\t" in line[: len(line) - len(content)]:
-                    self.tab_problem(first + index, self.last_key)
+                    self.tab_problem(line_no, self.last_key)
                 continue
-            line_no = first + index
             indent = line[: len(line) - len(content)]
             if "\t" in indent:
                 self.fail("syntax", "this line is indented with a tab", line_no,
@@ -1005,9 +996,8 @@ class _YamlSubsetParser:
         first = line[0]
         if line.startswith(("---", "...")) and (len(line) == 3 or line[3] in " \t"):
             self.fail("unsupported_yaml", "a YAML document marker %r inside the block"
-                      % line[:3], line_no,
-                      "delete the line; one block holds one document")
-        if first in "&*!%{|>?" or first in "'\"":
+                      % line[:3], line_no, "delete the line; one block holds one document")
+        if first in "&*!%{|>?'\"":
             self.unsupported_key_start(line, line_no)
         if first in "-]},@`[":
             if first == "[" and not self.seen_content:
@@ -1027,8 +1017,7 @@ class _YamlSubsetParser:
             self.tab_problem(line_no, key)
         if not rest or rest[0] == "#":
             self.fields[key] = None
-            self.owner, self.owner_kind = key, None
-            self.item_indent = None
+            self.owner, self.owner_kind, self.item_indent = key, None, None
             return
         if rest[0] in "|>":
             m = _FM_BLOCK_HEADER.match(rest)
@@ -1062,10 +1051,7 @@ class _YamlSubsetParser:
             self.fail("syntax", "a key cannot start with '?'", line_no, "rename the key")
         # A quoted scalar at the start of a line: a quoted key, or a bare scalar.
         try:
-            if first == '"':
-                _value, end = _fm_scan_double(line, 0, line_no)
-            else:
-                _value, end = _fm_scan_single(line, 0, line_no)
+            end = _fm_scan_quoted(line, 0, line_no)[1]
         except FrontmatterError:
             end = None
         if end is not None and line[end:].lstrip(" \t").startswith(":"):
@@ -1157,8 +1143,7 @@ class _YamlSubsetParser:
         """A plain, double-quoted or single-quoted scalar filling the rest of the line."""
         first = text[0]
         if first in "\"'":
-            scan = _fm_scan_double if first == '"' else _fm_scan_single
-            value, end = scan(text, 0, line_no)
+            value, end = _fm_scan_quoted(text, 0, line_no)
             _fm_expect_line_end(text, end, line_no, "quoted value")
             self.note_tabs(text, end, [(0, end)], line_no, key)
             return value, "double" if first == '"' else "single"
@@ -1190,8 +1175,7 @@ class _YamlSubsetParser:
             first = text[pos]
             if first in "\"'":
                 start = pos
-                scan = _fm_scan_double if first == '"' else _fm_scan_single
-                item, pos = scan(text, pos, line_no)
+                item, pos = _fm_scan_quoted(text, pos, line_no)
                 spans.append((start, pos))
             elif first == "[":
                 self.fail("unsupported_yaml", "nested lists are not supported", line_no,
@@ -1363,8 +1347,20 @@ def _fm_plain_issue(value, in_flow):
     return None
 
 
-def _fm_scan_double(text, pos, line_no):
-    """Decode the double-quoted scalar at text[pos]; returns (value, index after the quote)."""
+def _fm_scan_quoted(text, pos, line_no):
+    """Decode the quoted scalar at text[pos]; returns (value, index after the closing quote)."""
+    if text[pos] == "'":
+        parts = []
+        while True:
+            quote = text.find("'", pos + 1)
+            if quote < 0:
+                raise FrontmatterError(
+                    "syntax", "a single-quoted value is not closed on its line", line_no,
+                    "close the quote on the same line; quoted values cannot span lines")
+            parts.append(text[pos + 1:quote])
+            if text[quote + 1: quote + 2] != "'":
+                return "'".join(parts), quote + 1
+            pos = quote + 1
     parts, n, pos = [], len(text), pos + 1
     while True:
         run = _FM_DQ_RUN.match(text, pos)
@@ -1402,21 +1398,6 @@ def _fm_scan_double(text, pos, line_no):
                 point = 0x10000 + ((point - 0xD800) << 10) + (int(low, 16) - 0xDC00)
                 pos += 6
         parts.append(chr(point))
-
-
-def _fm_scan_single(text, pos, line_no):
-    """Decode the single-quoted scalar at text[pos]; returns (value, index after the quote)."""
-    parts = []
-    while True:
-        quote = text.find("'", pos + 1)
-        if quote < 0:
-            raise FrontmatterError(
-                "syntax", "a single-quoted value is not closed on its line", line_no,
-                "close the quote on the same line; quoted values cannot span lines")
-        parts.append(text[pos + 1:quote])
-        if text[quote + 1: quote + 2] != "'":
-            return "'".join(parts), quote + 1
-        pos = quote + 1
 
 
 def _yaml_implicit_type(text):
