@@ -1060,16 +1060,14 @@ class _YamlSubsetParser:
         if not self.seen_content:
             self.fail("not_a_mapping", "the block holds a bare quoted value, not key: value "
                       "fields", line_no, "write one 'key: value' per line")
-        self.fail("syntax", "this line is not a 'key: value' entry", line_no,
-                  "write 'key: value'")
+        self.fail("syntax", "this line is not a 'key: value' entry", line_no, "write 'key: value'")
 
     def split_entry(self, line, line_no):
         """Split 'key: rest' at the first colon; rest is stripped of leading whitespace."""
         stop = _FM_KEY_END.search(line)
         if stop is None or stop.group() != ":":
             colon = line.find(":")
-            spaced = colon > 0 and (colon + 1 == len(line) or line[colon + 1] in " \t")
-            if spaced:
+            if colon > 0 and (colon + 1 == len(line) or line[colon + 1] in " \t"):
                 self.fail("syntax", "a key cannot contain spaces or tabs, nor have one before "
                           "the colon", line_no, "write the key as one word directly followed "
                           "by ':'")
@@ -1092,8 +1090,7 @@ class _YamlSubsetParser:
     # ---- block scalars (YAML § 8.1: literal | and folded >, chomping - and +) ----------
 
     def block_line(self, line):
-        """Take a line into the open block scalar; False (block closed) for a line indented
-        less than its first."""
+        """Take a line into the open block scalar; False once a line ends the block."""
         lead, blank = len(line) - len(line.lstrip(" ")), not line.strip(" \t")
         self.block[3] = self.block[3] or (0 if blank else lead)
         if not blank and (lead < self.block[3] or not lead):
@@ -1162,17 +1159,13 @@ class _YamlSubsetParser:
         return value, "plain"
 
     def flow_list(self, text, line_no, key, spans):
-        """Parse '[a, "b", 'c']' at text[0]; returns (items, index after ']').
-
-        Appends the (start, end) of every quoted item to spans.
-        """
-        items, pos, n = [], _fm_skip_ws(text, 1), len(text)
-        if pos < n and text[pos] == "]":
-            return items, pos + 1
-        while True:
-            if pos >= n:
-                break
+        """Parse '[a, "b", 'c']' at text[0] into (items, index after ']'); quoted items' (start,
+        end) go to spans."""
+        items, pos, n = [], _FM_BLANKS.match(text, 1).end(), len(text)
+        while pos < n:
             first = text[pos]
+            if first == "]":
+                return items, pos + 1
             if first in "\"'":
                 start = pos
                 item, pos = _fm_scan_quoted(text, pos, line_no)
@@ -1183,7 +1176,7 @@ class _YamlSubsetParser:
             elif first in "{&*!":
                 self.fail("unsupported_yaml", "%s inside a list is not supported"
                           % _FM_INDICATORS[first], line_no, "write plain or quoted strings")
-            elif first in ",]":
+            elif first == ",":
                 self.fail("syntax", "empty item in the flow list", line_no,
                           "remove the extra comma or write '' for an empty string")
             elif first in "%@`}|>#" or (first == "-" and (
@@ -1200,18 +1193,15 @@ class _YamlSubsetParser:
                                  % (_fm_excerpt(item), issue[1], _yaml_quote(item)))
                 pos = end
             items.append(item)
-            pos = _fm_skip_ws(text, pos)
+            pos = _FM_BLANKS.match(text, pos).end()
             if pos >= n or text[pos] == "#":
                 break
-            if text[pos] == "]":
-                return items, pos + 1
-            if text[pos] != ",":
+            if text[pos] not in ",]":
                 self.fail("syntax", "expected ',' or ']' after a list item, found %r"
                           % text[pos], line_no, "separate items with ', ' and quote items "
                           "that contain special characters")
-            pos = _fm_skip_ws(text, pos + 1)
-            if pos < n and text[pos] == "]":
-                return items, pos + 1
+            if text[pos] == ",":
+                pos = _FM_BLANKS.match(text, pos + 1).end()
         self.fail("syntax", "the flow list is not closed on this line", line_no,
                   "close it with ']' on the same line")
 
@@ -1248,17 +1238,15 @@ class _YamlSubsetParser:
         if text[0] == "[" or (text[0] == "-" and (len(text) == 1 or text[1] in " \t")):
             self.fail("unsupported_yaml", "nested lists are not supported", line_no,
                       "write a flat list of strings")
-        value, _style = self.scalar(text, line_no, self.owner, "item")
+        value = self.scalar(text, line_no, self.owner, "item")[0]
         if self.owner_kind is None:
-            self.owner_kind = "list"
-            self.fields[self.owner] = []
+            self.owner_kind, self.fields[self.owner] = "list", []
         self.fields[self.owner].append(value)
 
     def indented_line(self, content, indent, line_no):
         stop = _FM_KEY_END.search(content)
-        is_entry = (stop is not None and stop.group() == ":" and stop.start() > 0
-                    and (stop.end() == len(content) or content[stop.end()] in " \t"))
-        if not is_entry:
+        if not (stop is not None and stop.group() == ":" and stop.start() > 0
+                and (stop.end() == len(content) or content[stop.end()] in " \t")):
             self.fail("syntax", "an indented line that continues nothing", line_no,
                       "multi-line values are not supported; put the value on one line, in "
                       "double quotes if needed")
@@ -1268,8 +1256,7 @@ class _YamlSubsetParser:
         if not self.nested:
             self.fail("unsupported_yaml", "nested mappings are not supported (under %s)"
                       % _fm_excerpt(self.owner), line_no,
-                      "use flat keys, e.g. %s_%s: value"
-                      % (self.owner, content[: stop.start()]))
+                      "use flat keys, e.g. %s_%s: value" % (self.owner, content[: stop.start()]))
         if self.owner_kind == "list":
             self.fail("syntax", "a key among the list items of %s" % _fm_excerpt(self.owner),
                       line_no, "start the key in column 0")
@@ -1286,9 +1273,7 @@ class _YamlSubsetParser:
                       "write a plain 'key: value' line")
         key, rest = self.split_entry(content, line_no)
         if self.owner_kind is None:
-            self.owner_kind = "map"
-            self.fields[self.owner] = {}
-            self.nested_keys = {}
+            self.owner_kind, self.fields[self.owner], self.nested_keys = "map", {}, {}
         if key in self.nested_keys:
             self.fail("duplicate_key", "the key %s appears twice under %s (first on line %d)"
                       % (_fm_excerpt(key), _fm_excerpt(self.owner), self.nested_keys[key]),
@@ -1296,15 +1281,8 @@ class _YamlSubsetParser:
         self.nested_keys[key] = line_no
         if self.tabbed and "\t" in content[len(key) + 1: len(content) - len(rest)]:
             self.tab_problem(line_no, self.owner + "." + key)
-        if not rest or rest[0] == "#":
-            value = None
-        else:
-            value, _style = self.value(rest, line_no, self.owner + "." + key)
-        self.fields[self.owner][key] = value
-
-
-def _fm_skip_ws(text, pos):
-    return _FM_BLANKS.match(text, pos).end()
+        self.fields[self.owner][key] = None if not rest or rest[0] == "#" else \
+            self.value(rest, line_no, self.owner + "." + key)[0]
 
 
 def _fm_expect_line_end(text, pos, line_no, what):
