@@ -954,14 +954,10 @@ class _YamlSubsetParser:
         """Flag a tab in text before its comment (which starts after `end`), outside spans."""
         if not self.tabbed or self.tab_noted:
             return
-        hash_at = text.find("#", end)
-        stop = len(text) if hash_at < 0 else hash_at
-        prev = 0
-        for start, finish in spans + [(stop, stop)]:
-            if "\t" in text[prev:min(start, stop)]:
-                self.tab_problem(line_no, key)
-                return
-            prev = finish
+        stop = text.find("#", end)
+        bounds = [0] + [i for span in spans for i in span] + [len(text) if stop < 0 else stop]
+        if any("\t" in text[a:min(b, bounds[-1])] for a, b in zip(bounds[::2], bounds[1::2])):
+            self.tab_problem(line_no, key)
 
     # ---- driver -------------------------------------------------------------------------
 
@@ -1144,7 +1140,18 @@ class _YamlSubsetParser:
             _fm_expect_line_end(text, end, line_no, "quoted value")
             self.note_tabs(text, end, [(0, end)], line_no, key)
             return value, "double" if first == '"' else "single"
-        _fm_check_plain_start(text, line_no)
+        if first in "&*!":
+            self.fail("unsupported_yaml", "%s (%r) is not supported"
+                      % (_FM_INDICATORS[first], first), line_no, "quote the value if it is text")
+        if first == "{":
+            self.fail("unsupported_yaml", "flow mappings ({...}) are not supported", line_no,
+                      "use separate keys, or quote the value if it is text")
+        if first in "|>":
+            self.fail("unsupported_yaml", "block scalars (| and >) are not supported", line_no,
+                      "put the value on one line in double quotes")
+        if first in "%@`,]}":
+            self.fail("syntax", "a plain value cannot start with %r" % first, line_no,
+                      "quote the value")
         comment = _FM_PLAIN_COMMENT.search(text)
         value = (text[: comment.start()] if comment else text).rstrip(" \t")
         self.note_tabs(text, comment.start() if comment else len(text), [], line_no, key)
@@ -1295,23 +1302,6 @@ def _fm_expect_line_end(text, pos, line_no, what):
         line_no, "quote the whole value, or put a space before a '#' comment")
 
 
-def _fm_check_plain_start(text, line_no):
-    first = text[0]
-    if first in "&*!":
-        raise FrontmatterError("unsupported_yaml", "%s (%r) is not supported"
-                               % (_FM_INDICATORS[first], first), line_no,
-                               "quote the value if it is text")
-    if first == "{":
-        raise FrontmatterError("unsupported_yaml", "flow mappings ({...}) are not supported",
-                               line_no, "use separate keys, or quote the value if it is text")
-    if first in "|>":
-        raise FrontmatterError("unsupported_yaml", "block scalars (| and >) are not supported",
-                               line_no, "put the value on one line in double quotes")
-    if first in "%@`,]}":
-        raise FrontmatterError("syntax", "a plain value cannot start with %r" % first,
-                               line_no, "quote the value")
-
-
 def _fm_plain_issue(value, in_flow):
     """Why a real YAML loader would reject or change this plain scalar: (code, text) or None."""
     if ": " in value or ":\t" in value or value.endswith(":"):
@@ -1404,10 +1394,7 @@ def _yaml_retyped(text):
     plain = text.replace("_", "")
     if ":" in plain or plain.lower().lstrip("+-") in (".inf", ".nan"):
         return kind, ""
-    try:
-        return kind, repr(float(plain))
-    except ValueError:
-        return kind, ""
+    return kind, repr(float(plain))
 
 
 def _parse_frontmatter_detail(text):
