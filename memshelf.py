@@ -808,12 +808,12 @@ _FM_BLANKS = _re_lazy(r"[ \t]*")
 _FM_PLAIN_COMMENT = _re_lazy(r"[ \t]#")
 _FM_FLOW_PLAIN_END = _re_lazy(r"[,\]]|[ \t]#")
 _FM_DQ_RUN = _re_lazy(r'[^"\\]+')
+_FM_SINGLE_QUOTED = _re_lazy(r"'([^']*(?:''[^']*)*)'(?!')")
 _FM_HEX = _re_lazy(r"[0-9A-Fa-f]+\Z")
 _FM_SIMPLE_ESCAPES = {
     "\\": "\\", '"': '"', "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t",
     "0": "\x00", "a": "\x07", "e": "\x1b", "v": "\x0b", "N": "\x85", "_": "\xa0",
-    "L": "\u2028", "P": "\u2029", " ": " ",
-}
+    "L": "\u2028", "P": "\u2029", " ": " "}
 _FM_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 _FM_INDICATORS = {"&": "an anchor", "*": "an alias", "!": "a tag", "%": "a directive",
                   "{": "a flow mapping", "|": "a block scalar", ">": "a block scalar"}
@@ -826,22 +826,18 @@ _FM_YAML_BREAKS = _re_lazy("[\x85\u2028\u2029]")
 # plus the 1.1 spec's y/n booleans and the 1.2 core forms such as 1e3 and 0o7).
 _YAML_IMPLICIT_TYPES = (
     ("null", _re_lazy(r"(?:~|null|Null|NULL)\Z")),
-    ("boolean", _re_lazy(
-        r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE"
-        r"|on|On|ON|off|Off|OFF)\Z")),
-    ("integer", _re_lazy(
-        r"[-+]?(?:0b[01_]+|0o[0-7]+|0[0-7_]+|0x[0-9a-fA-F_]+|[0-9]+|[1-9][0-9_]*"
-        r"|[1-9][0-9_]*(?::[0-5]?[0-9])+)\Z")),
-    ("float", _re_lazy(
-        r"(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
-        r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
-        r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
-        r"|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*"
-        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")),
-    ("date", _re_lazy(
-        r"(?:[0-9]{4}-[0-9]{2}-[0-9]{2}"
-        r"|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)[0-9]{1,2}:[0-9]{2}:[0-9]{2}"
-        r"(?:\.[0-9]*)?(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)\Z")),
+    ("boolean", _re_lazy(r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE"
+                         r"|on|On|ON|off|Off|OFF)\Z")),
+    ("integer", _re_lazy(r"[-+]?(?:0b[01_]+|0o[0-7]+|0[0-7_]+|0x[0-9a-fA-F_]+|[0-9]+"
+                         r"|[1-9][0-9_]*|[1-9][0-9_]*(?::[0-5]?[0-9])+)\Z")),
+    ("float", _re_lazy(r"(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
+                       r"|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")),
+    ("date", _re_lazy(r"(?:[0-9]{4}-[0-9]{2}-[0-9]{2}"
+                      r"|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)[0-9]{1,2}:[0-9]{2}:[0-9]{2}"
+                      r"(?:\.[0-9]*)?(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)\Z")),
     ("merge key", _re_lazy(r"<<\Z")),
     ("value key", _re_lazy(r"=\Z")),
 )
@@ -868,12 +864,10 @@ def _fm_normalise(text):
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            prefix = data[:exc.start].decode("utf-8", "replace")
-            line = prefix.replace("\r\n", "\n").replace("\r", "\n").count("\n") + 1
+            line = _normalised(data[:exc.start].decode("utf-8", "replace")).count("\n") + 1
             raise FrontmatterError(
                 "encoding", "byte 0x%02x at offset %d is not valid UTF-8"
-                % (data[exc.start], exc.start), line,
-                "save the file as UTF-8") from None
+                % (data[exc.start], exc.start), line, "save the file as UTF-8") from None
     elif not isinstance(text, str):
         raise TypeError("expected str or bytes, got %s" % type(text).__name__)
     return _normalised(text)
@@ -1318,17 +1312,12 @@ def _fm_plain_issue(value, in_flow):
 def _fm_scan_quoted(text, pos, line_no):
     """Decode the quoted scalar at text[pos]; returns (value, index after the closing quote)."""
     if text[pos] == "'":
-        parts = []
-        while True:
-            quote = text.find("'", pos + 1)
-            if quote < 0:
-                raise FrontmatterError(
-                    "syntax", "a single-quoted value is not closed on its line", line_no,
-                    "close the quote on the same line; quoted values cannot span lines")
-            parts.append(text[pos + 1:quote])
-            if text[quote + 1: quote + 2] != "'":
-                return "'".join(parts), quote + 1
-            pos = quote + 1
+        single = _FM_SINGLE_QUOTED.match(text, pos)
+        if not single:
+            raise FrontmatterError(
+                "syntax", "a single-quoted value is not closed on its line", line_no,
+                "close the quote on the same line; quoted values cannot span lines")
+        return single.group(1).replace("''", "'"), single.end()
     parts, n, pos = [], len(text), pos + 1
     while True:
         run = _FM_DQ_RUN.match(text, pos)
