@@ -928,53 +928,53 @@ class _YamlSubsetParser:
         self.item_indent, self.seen_content, self.last_key = None, False, ""
         self.tabbed = self.tab_noted = False  # the current line holds a tab; it is reported
         self.block = None  # [key, | or >, chomping, indentation, lines] of a block scalar
+        self.line_no = first_line  # of the line being parsed, for errors and portability notes
 
     # ---- errors -------------------------------------------------------------------------
 
-    def fail(self, error_class, detail, line_no, fix=""):
-        raise FrontmatterError(error_class, detail, line_no, fix)
+    def fail(self, error_class, detail, fix=""):
+        raise FrontmatterError(error_class, detail, self.line_no, fix)
 
-    def problem(self, line_no, key, problem):
-        self.portability.append({"line": line_no, "key": key, "problem": problem})
+    def problem(self, key, problem):
+        self.portability.append({"line": self.line_no, "key": key, "problem": problem})
 
-    def tab_problem(self, line_no, key):
+    def tab_problem(self, key):
         # PyYAML, which shelf-spec's validator uses, rejects a tab outside quotes and comments.
         if not self.tab_noted:
             self.tab_noted = True
-            self.problem(line_no, key, "a tab outside quotes and comments, which a YAML "
+            self.problem(key, "a tab outside quotes and comments, which a YAML "
                          "loader such as PyYAML rejects; replace it with spaces")
 
-    def note_tabs(self, text, end, spans, line_no, key):
+    def note_tabs(self, text, end, spans, key):
         """Flag a tab in text before its comment (which starts after `end`), outside spans."""
         if not self.tabbed or self.tab_noted:
             return
         stop = text.find("#", end)
         bounds = [0] + [i for span in spans for i in span] + [len(text) if stop < 0 else stop]
         if any("\t" in text[a:min(b, bounds[-1])] for a, b in zip(bounds[::2], bounds[1::2])):
-            self.tab_problem(line_no, key)
+            self.tab_problem(key)
 
     # ---- driver -------------------------------------------------------------------------
 
     def parse(self):
-        for line_no, line in enumerate(self.lines, self.first_line):
+        for self.line_no, line in enumerate(self.lines, self.first_line):
             if self.block is not None and self.block_line(line):
                 continue
             content = line.lstrip(" \t")
             self.tabbed, self.tab_noted = "\t" in line, False
             if not content or content[0] == "#":
                 if self.tabbed and "\t" in line[: len(line) - len(content)]:
-                    self.tab_problem(line_no, self.last_key)
+                    self.tab_problem(self.last_key)
                 continue
             indent = line[: len(line) - len(content)]
             if "\t" in indent:
-                self.fail("syntax", "this line is indented with a tab", line_no,
-                          "indent with spaces only")
+                self.fail("syntax", "this line is indented with a tab", "indent with spaces only")
             if content[0] == "-" and (len(content) == 1 or content[1] in " \t"):
-                self.list_item(content, len(indent), line_no)
+                self.list_item(content, len(indent))
             elif indent:
-                self.indented_line(content, len(indent), line_no)
+                self.indented_line(content, len(indent))
             else:
-                self.top_entry(line, line_no)
+                self.top_entry(line)
             self.seen_content = True
         if self.block is not None:
             self.end_block()
@@ -982,29 +982,28 @@ class _YamlSubsetParser:
 
     # ---- top-level entries --------------------------------------------------------------
 
-    def top_entry(self, line, line_no):
+    def top_entry(self, line):
         first = line[0]
         if line.startswith(("---", "...")) and (len(line) == 3 or line[3] in " \t"):
             self.fail("unsupported_yaml", "a YAML document marker %r inside the block"
-                      % line[:3], line_no, "delete the line; one block holds one document")
+                      % line[:3], "delete the line; one block holds one document")
         if first in "&*!%{|>?'\"":
-            self.unsupported_key_start(line, line_no)
+            self.unsupported_key_start(line)
         if first in "-]},@`[":
             if first == "[" and not self.seen_content:
                 self.fail("not_a_mapping", "the block holds a bare list, not key: value "
-                          "fields", line_no, "write one 'key: value' per line")
-            self.fail("syntax", "a line cannot start with %r" % first, line_no,
+                          "fields", "write one 'key: value' per line")
+            self.fail("syntax", "a line cannot start with %r" % first,
                       "write 'key: value' with a key that starts with a letter or digit")
-        key, rest = self.split_entry(line, line_no)
+        key, rest = self.split_entry(line)
         self.owner = None
         if key in self.key_lines:
             self.fail("duplicate_key", "the key %s appears twice (first on line %d)"
-                      % (_fm_excerpt(key), self.key_lines[key]), line_no,
-                      "keep one of the two lines")
-        self.key_lines[key] = line_no
+                      % (_fm_excerpt(key), self.key_lines[key]), "keep one of the two lines")
+        self.key_lines[key] = self.line_no
         self.last_key = key
         if self.tabbed and "\t" in line[len(key) + 1: len(line) - len(rest)]:
-            self.tab_problem(line_no, key)
+            self.tab_problem(key)
         if not rest or rest[0] == "#":
             self.fields[key] = None
             self.owner, self.owner_kind, self.item_indent = key, None, None
@@ -1012,68 +1011,65 @@ class _YamlSubsetParser:
         if rest[0] in "|>":
             m = _FM_BLOCK_HEADER.match(rest)
             if not m:
-                self.fail("syntax", "the block scalar header %s is not | or > with an optional "
-                          "- or + and an indentation digit" % _fm_excerpt(rest), line_no,
+                self.fail("syntax", "the block scalar header %s is not | or > with an optional - "
+                          "or + and an indentation digit" % _fm_excerpt(rest),
                           "write 'key: |' and the text on the lines below, indented")
             self.block = [key, m.group(1), m.group(2) or m.group(5),
                           int(m.group(3) or m.group(4) or 0), []]
             return
-        value, style = self.value(rest, line_no, key)
+        value, style = self.value(rest, key)
         self.fields[key] = value
         if key == "id" and style == "plain" and value is not None:
             kind, shown = _yaml_retyped(value)
             if kind and shown != value:
-                self.problem(line_no, key, "a YAML loader reads the id %s as %s %s%s, so it "
+                self.problem(key, "a YAML loader reads the id %s as %s %s%s, so it "
                              "no longer matches the file name; quote it: id: %s"
                              % (_fm_excerpt(value), "an" if kind[0] in "aeiou" else "a", kind,
                                 " (%s)" % _fm_excerpt(shown) if shown else "",
                                 _yaml_quote(value)))
 
-    def unsupported_key_start(self, line, line_no):
+    def unsupported_key_start(self, line):
         first = line[0]
         if first in _FM_INDICATORS:
             self.fail("unsupported_yaml", "%s (%r) is not supported"
-                      % (_FM_INDICATORS[first], first), line_no, "write a plain 'key: value' line")
+                      % (_FM_INDICATORS[first], first), "write a plain 'key: value' line")
         if first == "?":
             if len(line) == 1 or line[1] in " \t":
                 self.fail("unsupported_yaml", "complex keys ('? ') are not supported",
-                          line_no, "write a plain 'key: value' line")
-            self.fail("syntax", "a key cannot start with '?'", line_no, "rename the key")
+                          "write a plain 'key: value' line")
+            self.fail("syntax", "a key cannot start with '?'", "rename the key")
         # A quoted scalar at the start of a line: a quoted key, or a bare scalar.
         try:
-            end = _fm_scan_quoted(line, 0, line_no)[1]
+            end = _fm_scan_quoted(line, 0, self.line_no)[1]
         except FrontmatterError:
             end = None
         if end is not None and line[end:].lstrip(" \t").startswith(":"):
-            self.fail("unsupported_yaml", "quoted keys are not supported", line_no,
+            self.fail("unsupported_yaml", "quoted keys are not supported",
                       "write the key without quotes")
         if not self.seen_content:
             self.fail("not_a_mapping", "the block holds a bare quoted value, not key: value "
-                      "fields", line_no, "write one 'key: value' per line")
-        self.fail("syntax", "this line is not a 'key: value' entry", line_no, "write 'key: value'")
+                      "fields", "write one 'key: value' per line")
+        self.fail("syntax", "this line is not a 'key: value' entry", "write 'key: value'")
 
-    def split_entry(self, line, line_no):
+    def split_entry(self, line):
         """Split 'key: rest' at the first colon; rest is stripped of leading whitespace."""
         stop = _FM_KEY_END.search(line)
         if stop is None or stop.group() != ":":
             colon = line.find(":")
             if colon > 0 and (colon + 1 == len(line) or line[colon + 1] in " \t"):
                 self.fail("syntax", "a key cannot contain spaces or tabs, nor have one before "
-                          "the colon", line_no, "write the key as one word directly followed "
-                          "by ':'")
+                          "the colon", "write the key as one word directly followed by ':'")
             if not self.seen_content and colon < 0:
                 self.fail("not_a_mapping", "the block holds a bare value, not key: value "
-                          "fields", line_no, "write one 'key: value' per line")
-            self.fail("syntax", "this line has no 'key:'", line_no,
-                      "write 'key: value'; multi-line values are not supported, put the "
-                      "value on one line in double quotes")
+                          "fields", "write one 'key: value' per line")
+            self.fail("syntax", "this line has no 'key:'", "write 'key: value'; multi-line values "
+                      "are not supported, put the value on one line in double quotes")
         colon = stop.start()
         if colon == 0:
-            self.fail("syntax", "a line starts with ':' (an empty key)", line_no,
-                      "write 'key: value'")
+            self.fail("syntax", "a line starts with ':' (an empty key)", "write 'key: value'")
         if colon + 1 < len(line) and line[colon + 1] not in " \t":
             self.fail("syntax", "no space after the colon in %s" % _fm_excerpt(line),
-                      line_no, "write 'key: value' with a space after the colon")
+                      "write 'key: value' with a space after the colon")
         # keys repeat across thousands of episodes; one shared object each keeps records small
         return sys.intern(line[:colon]), line[colon + 1:].lstrip(" \t")
 
@@ -1110,56 +1106,55 @@ class _YamlSubsetParser:
 
     # ---- values -------------------------------------------------------------------------
 
-    def value(self, text, line_no, key):
+    def value(self, text, key):
         """Parse an entry's value (a scalar or a flow list) that starts at text[0]."""
         first = text[0]
         if first == "[":
             spans = []
-            items, end = self.flow_list(text, line_no, key, spans)
-            _fm_expect_line_end(text, end, line_no, "flow list")
-            self.note_tabs(text, end, spans, line_no, key)
+            items, end = self.flow_list(text, key, spans)
+            _fm_expect_line_end(text, end, self.line_no, "flow list")
+            self.note_tabs(text, end, spans, key)
             return items, "flow"
         if first == "-" and (len(text) == 1 or text[1] in " \t"):
-            self.fail("syntax", "a list item cannot follow the key on its line", line_no,
+            self.fail("syntax", "a list item cannot follow the key on its line",
                       "put each item on its own line as '- item', or write [a, b]")
-        value, style = self.scalar(text, line_no, key, "value")
+        value, style = self.scalar(text, key, "value")
         return None if style == "plain" and _YAML_IMPLICIT_TYPES[0][1].match(value) else \
             value, style
 
-    def scalar(self, text, line_no, key, where):
+    def scalar(self, text, key, where):
         """A plain, double-quoted or single-quoted scalar filling the rest of the line."""
         first = text[0]
         if first in "\"'":
-            value, end = _fm_scan_quoted(text, 0, line_no)
-            _fm_expect_line_end(text, end, line_no, "quoted value")
-            self.note_tabs(text, end, [(0, end)], line_no, key)
+            value, end = _fm_scan_quoted(text, 0, self.line_no)
+            _fm_expect_line_end(text, end, self.line_no, "quoted value")
+            self.note_tabs(text, end, [(0, end)], key)
             return value, "double" if first == '"' else "single"
         if first in "&*!":
             self.fail("unsupported_yaml", "%s (%r) is not supported"
-                      % (_FM_INDICATORS[first], first), line_no, "quote the value if it is text")
+                      % (_FM_INDICATORS[first], first), "quote the value if it is text")
         if first == "{":
-            self.fail("unsupported_yaml", "flow mappings ({...}) are not supported", line_no,
+            self.fail("unsupported_yaml", "flow mappings ({...}) are not supported",
                       "use separate keys, or quote the value if it is text")
         if first in "|>":
-            self.fail("unsupported_yaml", "block scalars (| and >) are not supported", line_no,
+            self.fail("unsupported_yaml", "block scalars (| and >) are not supported",
                       "put the value on one line in double quotes")
         if first in "%@`,]}":
-            self.fail("syntax", "a plain value cannot start with %r" % first, line_no,
-                      "quote the value")
+            self.fail("syntax", "a plain value cannot start with %r" % first, "quote the value")
         comment = _FM_PLAIN_COMMENT.search(text)
         value = (text[: comment.start()] if comment else text).rstrip(" \t")
-        self.note_tabs(text, comment.start() if comment else len(text), [], line_no, key)
+        self.note_tabs(text, comment.start() if comment else len(text), [], key)
         issue = _fm_plain_issue(value, False)
         if issue and where == "item" and issue[0] == "mapping":
-            self.fail("unsupported_yaml", "the list item %s is a mapping in YAML (nested "
-                      "mappings are not supported)" % _fm_excerpt(value), line_no,
+            self.fail("unsupported_yaml", "the list item %s is a mapping in YAML (nested mappings "
+                      "are not supported)" % _fm_excerpt(value),
                       "quote the item: - %s" % _yaml_quote(value))
         if issue:
-            self.problem(line_no, key, "the plain value %s %s; quote it: %s"
+            self.problem(key, "the plain value %s %s; quote it: %s"
                          % (_fm_excerpt(value), issue[1], _yaml_quote(value)))
         return value, "plain"
 
-    def flow_list(self, text, line_no, key, spans):
+    def flow_list(self, text, key, spans):
         """Parse '[a, "b", 'c']' at text[0] into (items, index after ']'); quoted items' (start,
         end) go to spans."""
         items, pos, n = [], _FM_BLANKS.match(text, 1).end(), len(text)
@@ -1169,28 +1164,27 @@ class _YamlSubsetParser:
                 return items, pos + 1
             if first in "\"'":
                 start = pos
-                item, pos = _fm_scan_quoted(text, pos, line_no)
+                item, pos = _fm_scan_quoted(text, pos, self.line_no)
                 spans.append((start, pos))
             elif first == "[":
-                self.fail("unsupported_yaml", "nested lists are not supported", line_no,
+                self.fail("unsupported_yaml", "nested lists are not supported",
                           "write a flat list of strings")
             elif first in "{&*!":
                 self.fail("unsupported_yaml", "%s inside a list is not supported"
-                          % _FM_INDICATORS[first], line_no, "write plain or quoted strings")
+                          % _FM_INDICATORS[first], "write plain or quoted strings")
             elif first == ",":
-                self.fail("syntax", "empty item in the flow list", line_no,
+                self.fail("syntax", "empty item in the flow list",
                           "remove the extra comma or write '' for an empty string")
             elif first in "%@`}|>#" or (first == "-" and (
                     pos + 1 == n or text[pos + 1] in " \t,]")):
-                self.fail("syntax", "a list item cannot start with %r" % first, line_no,
-                          "quote the item")
+                self.fail("syntax", "a list item cannot start with %r" % first, "quote the item")
             else:
                 stop = _FM_FLOW_PLAIN_END.search(text, pos)
                 end = stop.start() if stop else n
                 item = text[pos:end].rstrip(" \t")
                 issue = _fm_plain_issue(item, True)
                 if issue:
-                    self.problem(line_no, key, "the list item %s %s; quote it: %s"
+                    self.problem(key, "the list item %s %s; quote it: %s"
                                  % (_fm_excerpt(item), issue[1], _yaml_quote(item)))
                 pos = end
             items.append(item)
@@ -1199,91 +1193,88 @@ class _YamlSubsetParser:
                 break
             if text[pos] not in ",]":
                 self.fail("syntax", "expected ',' or ']' after a list item, found %r"
-                          % text[pos], line_no, "separate items with ', ' and quote items "
+                          % text[pos], "separate items with ', ' and quote items "
                           "that contain special characters")
             if text[pos] == ",":
                 pos = _FM_BLANKS.match(text, pos + 1).end()
-        self.fail("syntax", "the flow list is not closed on this line", line_no,
+        self.fail("syntax", "the flow list is not closed on this line",
                   "close it with ']' on the same line")
 
     # ---- block lists and nested mappings -------------------------------------------------
 
-    def list_item(self, content, indent, line_no):
+    def list_item(self, content, indent):
         if not self.seen_content:
             self.fail("not_a_mapping", "the block starts with a list item, not key: value "
-                      "fields", line_no, "write one 'key: value' per line")
+                      "fields", "write one 'key: value' per line")
         if self.owner is None:
-            self.fail("syntax", "a list item with no owning key", line_no,
+            self.fail("syntax", "a list item with no owning key",
                       "put 'key:' with nothing after it on the line before the items")
         if self.owner_kind == "map":
             if indent >= 2:
                 self.fail("unsupported_yaml", "lists inside the nested mapping %s are not "
-                          "supported" % _fm_excerpt(self.owner), line_no,
+                          "supported" % _fm_excerpt(self.owner),
                           "use a flow list on the key's line: key: [a, b]")
             self.fail("syntax", "a list item after the nested mapping %s"
-                      % _fm_excerpt(self.owner), line_no, "move the item under its own key")
+                      % _fm_excerpt(self.owner), "move the item under its own key")
         if self.item_indent is None:
             self.item_indent = indent
         elif indent > self.item_indent:
-            self.fail("unsupported_yaml", "nested lists are not supported", line_no,
+            self.fail("unsupported_yaml", "nested lists are not supported",
                       "write a flat list: every item at the same indentation")
         elif indent < self.item_indent:
-            self.fail("syntax", "list items must share one indentation", line_no,
+            self.fail("syntax", "list items must share one indentation",
                       "indent every item of the list alike")
         text = content[1:].lstrip(" \t")
         if self.tabbed and "\t" in content[1: len(content) - len(text)]:
-            self.tab_problem(line_no, self.owner)
+            self.tab_problem(self.owner)
         if not text or text[0] == "#":
-            self.fail("syntax", "an empty list item", line_no,
+            self.fail("syntax", "an empty list item",
                       "remove the line, or write '' for an empty string")
         if text[0] == "[" or (text[0] == "-" and (len(text) == 1 or text[1] in " \t")):
-            self.fail("unsupported_yaml", "nested lists are not supported", line_no,
+            self.fail("unsupported_yaml", "nested lists are not supported",
                       "write a flat list of strings")
-        value = self.scalar(text, line_no, self.owner, "item")[0]
+        value = self.scalar(text, self.owner, "item")[0]
         if self.owner_kind is None:
             self.owner_kind, self.fields[self.owner] = "list", []
         self.fields[self.owner].append(value)
 
-    def indented_line(self, content, indent, line_no):
+    def indented_line(self, content, indent):
         stop = _FM_KEY_END.search(content)
         if not (stop is not None and stop.group() == ":" and stop.start() > 0
                 and (stop.end() == len(content) or content[stop.end()] in " \t")):
-            self.fail("syntax", "an indented line that continues nothing", line_no,
-                      "multi-line values are not supported; put the value on one line, in "
-                      "double quotes if needed")
+            self.fail("syntax", "an indented line that continues nothing", "multi-line values are "
+                      "not supported; put the value on one line, in double quotes if needed")
         if self.owner is None:
-            self.fail("syntax", "an indented key outside any mapping", line_no,
-                      "start keys in column 0")
+            self.fail("syntax", "an indented key outside any mapping", "start keys in column 0")
         if not self.nested:
             self.fail("unsupported_yaml", "nested mappings are not supported (under %s)"
-                      % _fm_excerpt(self.owner), line_no,
-                      "use flat keys, e.g. %s_%s: value" % (self.owner, content[: stop.start()]))
+                      % _fm_excerpt(self.owner), "use flat keys, e.g. %s_%s: value"
+                      % (self.owner, content[: stop.start()]))
         if self.owner_kind == "list":
             self.fail("syntax", "a key among the list items of %s" % _fm_excerpt(self.owner),
-                      line_no, "start the key in column 0")
+                      "start the key in column 0")
         if indent > 2:
             self.fail("unsupported_yaml", "nesting deeper than one level is not supported",
-                      line_no, "indent nested keys by exactly two spaces, with scalar or "
-                      "[flow list] values")
+                      "indent nested keys by exactly two spaces, with scalar or [flow list] values")
         if indent != 2:
             self.fail("syntax", "a nested key must be indented by exactly two spaces",
-                      line_no, "indent it by two spaces")
+                      "indent it by two spaces")
         if content[0] in "-?&*!%{}[]|>'\",@`":
             self.fail("unsupported_yaml" if content[0] in "?&*!%{|>'\"" else "syntax",
-                      "a nested key cannot start with %r" % content[0], line_no,
+                      "a nested key cannot start with %r" % content[0],
                       "write a plain 'key: value' line")
-        key, rest = self.split_entry(content, line_no)
+        key, rest = self.split_entry(content)
         if self.owner_kind is None:
             self.owner_kind, self.fields[self.owner], self.nested_keys = "map", {}, {}
         if key in self.nested_keys:
             self.fail("duplicate_key", "the key %s appears twice under %s (first on line %d)"
                       % (_fm_excerpt(key), _fm_excerpt(self.owner), self.nested_keys[key]),
-                      line_no, "keep one of the two lines")
-        self.nested_keys[key] = line_no
+                      "keep one of the two lines")
+        self.nested_keys[key] = self.line_no
         if self.tabbed and "\t" in content[len(key) + 1: len(content) - len(rest)]:
-            self.tab_problem(line_no, self.owner + "." + key)
+            self.tab_problem(self.owner + "." + key)
         self.fields[self.owner][key] = None if not rest or rest[0] == "#" else \
-            self.value(rest, line_no, self.owner + "." + key)[0]
+            self.value(rest, self.owner + "." + key)[0]
 
 
 def _fm_expect_line_end(text, pos, line_no, what):
