@@ -876,8 +876,7 @@ def _fm_normalise(text):
 def _fm_locate(text):
     """Find the frontmatter block in normalised text (shelf-format.md § 3.1): (h1, open_line,
     block_start, block_end, close_line, body_start), open_line None when there is no block."""
-    n = len(text)
-    pos, open_line, h1 = 0, 1, None
+    n, pos, open_line, h1 = len(text), 0, 1, None
     while True:
         end = text.find("\n", pos)
         end = n if end < 0 else end
@@ -1000,8 +999,7 @@ class _YamlSubsetParser:
         if key in self.key_lines:
             self.fail("duplicate_key", "the key %s appears twice (first on line %d)"
                       % (_fm_excerpt(key), self.key_lines[key]), "keep one of the two lines")
-        self.key_lines[key] = self.line_no
-        self.last_key = key
+        self.key_lines[key], self.last_key = self.line_no, key
         if self.tabbed and "\t" in line[len(key) + 1: len(line) - len(rest)]:
             self.tab_problem(key)
         if not rest or rest[0] == "#":
@@ -1106,25 +1104,18 @@ class _YamlSubsetParser:
 
     # ---- values -------------------------------------------------------------------------
 
-    def value(self, text, key):
-        """Parse an entry's value (a scalar or a flow list) that starts at text[0]."""
+    def value(self, text, key, item=False):
+        """(value, style) of the scalar, or an entry's flow list, filling the rest of the line."""
         first = text[0]
-        if first == "[":
+        if first == "[" and not item:
             spans = []
             items, end = self.flow_list(text, key, spans)
             _fm_expect_line_end(text, end, self.line_no, "flow list")
             self.note_tabs(text, end, spans, key)
             return items, "flow"
-        if first == "-" and (len(text) == 1 or text[1] in " \t"):
+        if first == "-" and (len(text) == 1 or text[1] in " \t") and not item:
             self.fail("syntax", "a list item cannot follow the key on its line",
                       "put each item on its own line as '- item', or write [a, b]")
-        value, style = self.scalar(text, key, "value")
-        return None if style == "plain" and _YAML_IMPLICIT_TYPES[0][1].match(value) else \
-            value, style
-
-    def scalar(self, text, key, where):
-        """A plain, double-quoted or single-quoted scalar filling the rest of the line."""
-        first = text[0]
         if first in "\"'":
             value, end = _fm_scan_quoted(text, 0, self.line_no)
             _fm_expect_line_end(text, end, self.line_no, "quoted value")
@@ -1145,14 +1136,14 @@ class _YamlSubsetParser:
         value = (text[: comment.start()] if comment else text).rstrip(" \t")
         self.note_tabs(text, comment.start() if comment else len(text), [], key)
         issue = _fm_plain_issue(value, False)
-        if issue and where == "item" and issue[0] == "mapping":
+        if issue and item and issue[0] == "mapping":
             self.fail("unsupported_yaml", "the list item %s is a mapping in YAML (nested mappings "
                       "are not supported)" % _fm_excerpt(value),
                       "quote the item: - %s" % _yaml_quote(value))
         if issue:
             self.problem(key, "the plain value %s %s; quote it: %s"
                          % (_fm_excerpt(value), issue[1], _yaml_quote(value)))
-        return value, "plain"
+        return None if not item and _YAML_IMPLICIT_TYPES[0][1].match(value) else value, "plain"
 
     def flow_list(self, text, key, spans):
         """Parse '[a, "b", 'c']' at text[0] into (items, index after ']'); quoted items' (start,
@@ -1233,7 +1224,7 @@ class _YamlSubsetParser:
         if text[0] == "[" or (text[0] == "-" and (len(text) == 1 or text[1] in " \t")):
             self.fail("unsupported_yaml", "nested lists are not supported",
                       "write a flat list of strings")
-        value = self.scalar(text, self.owner, "item")[0]
+        value = self.value(text, self.owner, item=True)[0]
         if self.owner_kind is None:
             self.owner_kind, self.fields[self.owner] = "list", []
         self.fields[self.owner].append(value)
@@ -1412,8 +1403,7 @@ def parse_manifest(text):
 
 def _yaml_quote(value):
     """Write a free-text value double-quoted (shelf-format.md § 4.2): one line, valid YAML."""
-    text = " ".join(value.split())
-    text = text.replace("\\", "\\\\").replace('"', '\\"')
+    text = " ".join(value.split()).replace("\\", "\\\\").replace('"', '\\"')
     return '"' + _YAML_QUOTE_ESCAPE.sub(lambda m: "\\u%04x" % ord(m.group()), text) + '"'
 
 
