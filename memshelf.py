@@ -807,7 +807,7 @@ _FM_KEY_END = _re_lazy(r"[: \t]")
 _FM_BLANKS = _re_lazy(r"[ \t]*")
 _FM_PLAIN_COMMENT = _re_lazy(r"[ \t]#")
 _FM_FLOW_PLAIN_END = _re_lazy(r"[,\]]|[ \t]#")
-_FM_DQ_RUN = _re_lazy(r'[^"\\]+')
+_FM_DQ_RUN = _re_lazy(r'[^"\\]*')
 _FM_SINGLE_QUOTED = _re_lazy(r"'([^']*(?:''[^']*)*)'(?!')")
 _FM_HEX = _re_lazy(r"[0-9A-Fa-f]+\Z")
 _FM_SIMPLE_ESCAPES = {
@@ -844,8 +844,7 @@ _YAML_IMPLICIT_TYPES = (
 
 # First characters that keep a string from being written plain (YAML indicators, plus - ? :).
 _YAML_PLAIN_BAD_FIRST = frozenset("-?:,[]{}#&*!|>'\"%@`")
-# Characters never written plain: flow indicators, tab, controls, YAML line breaks, BOM,
-# non-characters and lone surrogates.
+# Never written plain: flow indicators, tab, controls, YAML breaks, BOM, non-characters, surrogates
 _YAML_PLAIN_BAD_CHAR = _re_lazy(
     "[,\\[\\]{}?\t\x00-\x1f\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff\ud800-\udfff]")
 # What _yaml_quote escapes as \uXXXX once whitespace runs are collapsed.
@@ -1108,8 +1107,7 @@ class _YamlSubsetParser:
         """(value, style) of the scalar, or an entry's flow list, filling the rest of the line."""
         first = text[0]
         if first == "[" and not item:
-            spans = []
-            items, end = self.flow_list(text, key, spans)
+            items, end, spans = self.flow_list(text, key)
             _fm_expect_line_end(text, end, self.line_no, "flow list")
             self.note_tabs(text, end, spans, key)
             return items, "flow"
@@ -1145,18 +1143,16 @@ class _YamlSubsetParser:
                          % (_fm_excerpt(value), issue[1], _yaml_quote(value)))
         return None if not item and _YAML_IMPLICIT_TYPES[0][1].match(value) else value, "plain"
 
-    def flow_list(self, text, key, spans):
-        """Parse '[a, "b", 'c']' at text[0] into (items, index after ']'); quoted items' (start,
-        end) go to spans."""
-        items, pos, n = [], _FM_BLANKS.match(text, 1).end(), len(text)
+    def flow_list(self, text, key):
+        """Parse '[a, "b", 'c']' at text[0]: (items, index after ']', quoted items' spans)."""
+        items, spans, pos, n = [], [], _FM_BLANKS.match(text, 1).end(), len(text)
         while pos < n:
             first = text[pos]
             if first == "]":
-                return items, pos + 1
+                return items, pos + 1, spans
             if first in "\"'":
-                start = pos
-                item, pos = _fm_scan_quoted(text, pos, self.line_no)
-                spans.append((start, pos))
+                item, end = _fm_scan_quoted(text, pos, self.line_no)
+                spans.append((pos, end))
             elif first == "[":
                 self.fail("unsupported_yaml", "nested lists are not supported",
                           "write a flat list of strings")
@@ -1177,9 +1173,8 @@ class _YamlSubsetParser:
                 if issue:
                     self.problem(key, "the list item %s %s; quote it: %s"
                                  % (_fm_excerpt(item), issue[1], _yaml_quote(item)))
-                pos = end
             items.append(item)
-            pos = _FM_BLANKS.match(text, pos).end()
+            pos = _FM_BLANKS.match(text, end).end()
             if pos >= n or text[pos] == "#":
                 break
             if text[pos] not in ",]":
@@ -1303,9 +1298,8 @@ def _fm_scan_quoted(text, pos, line_no):
     parts, n, pos = [], len(text), pos + 1
     while True:
         run = _FM_DQ_RUN.match(text, pos)
-        if run:
-            parts.append(run.group())
-            pos = run.end()
+        parts.append(run.group())
+        pos = run.end()
         if pos < n and text[pos] == '"':
             return "".join(parts), pos + 1
         code = text[pos + 1: pos + 2]
