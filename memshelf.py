@@ -681,22 +681,13 @@ _EXTRA_VERB_FACTORIES = []
 # ==========================================================================================
 
 class FrontmatterError(ValueError):
-    """A frontmatter block or manifest that the YAML subset rejects (shelf-format.md § 3.3).
-
-    `error_class` is one of unsupported_yaml, syntax, duplicate_key, control_character,
-    not_a_mapping, too_large, encoding, unterminated; `line` is 1-based in the original text.
-    """
+    """A frontmatter block or manifest that the YAML subset rejects (shelf-format.md § 3.3);
+    `error_class` is a § 3.3 class name and `line` is 1-based in the original text."""
 
     def __init__(self, error_class, detail, line=None, fix=""):
-        self.error_class = error_class
-        self.detail = detail
-        self.line = line
-        self.fix = fix
-        where = "line %d: " % line if line else ""
-        message = "%s%s (%s)" % (where, detail, error_class)
-        if fix:
-            message += ". Fix: " + fix
-        super().__init__(message)
+        self.error_class, self.detail, self.line, self.fix = error_class, detail, line, fix
+        message = "%s%s (%s)" % ("line %d: " % line if line else "", detail, error_class)
+        super().__init__(message + (". Fix: " + fix if fix else ""))
 
     def __reduce__(self):
         # Keeps the error intact across pickling (multiprocessing, caches).
@@ -708,16 +699,19 @@ _FM_MAX_LINES = 100000
 _FM_FENCE_LINE = _re_lazy(r"^---[ \t]*$", re.M)
 _FM_CONTROL = _re_lazy("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _FM_KEY_END = _re_lazy(r"[: \t]")
+_FM_BLANKS = _re_lazy(r"[ \t]*")
 _FM_PLAIN_COMMENT = _re_lazy(r"[ \t]#")
 _FM_FLOW_PLAIN_END = _re_lazy(r"[,\]]|[ \t]#")
-_FM_DQ_RUN = _re_lazy(r'[^"\\]+')
+_FM_DQ_RUN = _re_lazy(r'[^"\\]*')
+_FM_SINGLE_QUOTED = _re_lazy(r"'([^']*(?:''[^']*)*)'(?!')")
 _FM_HEX = _re_lazy(r"[0-9A-Fa-f]+\Z")
 _FM_SIMPLE_ESCAPES = {
     "\\": "\\", '"': '"', "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t",
     "0": "\x00", "a": "\x07", "e": "\x1b", "v": "\x0b", "N": "\x85", "_": "\xa0",
-    "L": "\u2028", "P": "\u2029", " ": " ",
-}
+    "L": "\u2028", "P": "\u2029", " ": " "}
 _FM_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+_FM_INDICATORS = {"&": "an anchor", "*": "an alias", "!": "a tag", "%": "a directive",
+                  "{": "a flow mapping", "|": "a block scalar", ">": "a block scalar"}
 # `key: |` or `key: >`, then chomping (- or +) and an indentation digit in either order
 _FM_BLOCK_HEADER = _re_lazy(r"([|>])(?:([-+])([1-9])?|([1-9])([-+])?)?(?:[ \t]+#.*)?[ \t]*\Z")
 # Characters a YAML 1.1 reader treats as line breaks inside a plain scalar.
@@ -727,30 +721,25 @@ _FM_YAML_BREAKS = _re_lazy("[\x85\u2028\u2029]")
 # plus the 1.1 spec's y/n booleans and the 1.2 core forms such as 1e3 and 0o7).
 _YAML_IMPLICIT_TYPES = (
     ("null", _re_lazy(r"(?:~|null|Null|NULL)\Z")),
-    ("boolean", _re_lazy(
-        r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE"
-        r"|on|On|ON|off|Off|OFF)\Z")),
-    ("integer", _re_lazy(
-        r"[-+]?(?:0b[01_]+|0o[0-7]+|0[0-7_]+|0x[0-9a-fA-F_]+|[0-9]+|[1-9][0-9_]*"
-        r"|[1-9][0-9_]*(?::[0-5]?[0-9])+)\Z")),
-    ("float", _re_lazy(
-        r"(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
-        r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
-        r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
-        r"|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*"
-        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")),
-    ("date", _re_lazy(
-        r"(?:[0-9]{4}-[0-9]{2}-[0-9]{2}"
-        r"|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)[0-9]{1,2}:[0-9]{2}:[0-9]{2}"
-        r"(?:\.[0-9]*)?(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)\Z")),
+    ("boolean", _re_lazy(r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE"
+                         r"|on|On|ON|off|Off|OFF)\Z")),
+    ("integer", _re_lazy(r"[-+]?(?:0b[01_]+|0o[0-7]+|0[0-7_]+|0x[0-9a-fA-F_]+|[0-9]+"
+                         r"|[1-9][0-9_]*|[1-9][0-9_]*(?::[0-5]?[0-9])+)\Z")),
+    ("float", _re_lazy(r"(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
+                       r"|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")),
+    ("date", _re_lazy(r"(?:[0-9]{4}-[0-9]{2}-[0-9]{2}"
+                      r"|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)[0-9]{1,2}:[0-9]{2}:[0-9]{2}"
+                      r"(?:\.[0-9]*)?(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)\Z")),
     ("merge key", _re_lazy(r"<<\Z")),
     ("value key", _re_lazy(r"=\Z")),
 )
 
 # First characters that keep a string from being written plain (YAML indicators, plus - ? :).
 _YAML_PLAIN_BAD_FIRST = frozenset("-?:,[]{}#&*!|>'\"%@`")
-# Characters never written plain: flow indicators, tab, controls, YAML line breaks, BOM,
-# non-characters and lone surrogates.
+# Never written plain: flow indicators, tab, controls, YAML breaks, BOM, non-characters, surrogates
 _YAML_PLAIN_BAD_CHAR = _re_lazy(
     "[,\\[\\]{}?\t\x00-\x1f\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff\ud800-\udfff]")
 # What _yaml_quote escapes as \uXXXX once whitespace runs are collapsed.
@@ -759,8 +748,7 @@ _YAML_QUOTE_ESCAPE = _re_lazy("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff\ufff
 
 def _fm_excerpt(text, limit=40):
     """A short printable rendering of a key or value for error messages."""
-    shown = text if len(text) <= limit else text[:limit] + "..."
-    return repr(shown)
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _fm_normalise(text):
@@ -770,58 +758,39 @@ def _fm_normalise(text):
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            prefix = data[:exc.start].decode("utf-8", "replace")
-            line = prefix.replace("\r\n", "\n").replace("\r", "\n").count("\n") + 1
+            line = _normalised(data[:exc.start].decode("utf-8", "replace")).count("\n") + 1
             raise FrontmatterError(
                 "encoding", "byte 0x%02x at offset %d is not valid UTF-8"
-                % (data[exc.start], exc.start), line,
-                "save the file as UTF-8") from None
+                % (data[exc.start], exc.start), line, "save the file as UTF-8") from None
     elif not isinstance(text, str):
         raise TypeError("expected str or bytes, got %s" % type(text).__name__)
     return _normalised(text)
 
 
-def _fm_is_fence(line):
-    return line[:3] == "---" and not line[3:].strip(" \t")
-
-
 def _fm_locate(text):
-    """Find the frontmatter block in normalised text (shelf-format.md § 3.1).
-
-    Returns (h1, open_line, block_start, block_end, close_line, body_start); open_line is
-    None when there is no block. Offsets index `text`; lines are 1-based.
-    """
-    n = len(text)
-    pos, line_no, h1, seen_h1 = 0, 1, None, False
-    while pos <= n:
+    """Find the frontmatter block in normalised text (shelf-format.md § 3.1): (h1, open_line,
+    block_start, block_end, close_line, body_start), open_line None when there is no block."""
+    n, pos, open_line, h1 = len(text), 0, 1, None
+    while True:
         end = text.find("\n", pos)
-        if end < 0:
-            end = n
+        end = n if end < 0 else end
         line = text[pos:end]
-        if not line.strip(" \t"):
-            if end >= n:
-                break
-            pos, line_no = end + 1, line_no + 1
-            continue
-        if line.startswith("# ") and not seen_h1:
-            seen_h1, h1 = True, line[2:].strip(" \t")
-            if end >= n:
-                break
-            pos, line_no = end + 1, line_no + 1
-            continue
-        if not _fm_is_fence(line):
+        if line.startswith("# ") and h1 is None:
+            h1 = line[2:].strip(" \t")
+        elif line.strip(" \t"):
             break
-        open_line = line_no
-        match = _FM_FENCE_LINE.search(text, end + 1) if end < n else None
-        if match is None:
-            raise FrontmatterError(
-                "unterminated", "the frontmatter block opened here is never closed",
-                open_line, "add a line '---' after the last field")
-        block_start, block_end = end + 1, match.start()
-        close_line = open_line + 1 + text.count("\n", block_start, block_end)
-        body_start = min(match.end() + 1, n)
-        return h1, open_line, block_start, block_end, close_line, body_start
-    return h1, None, 0, 0, None, 0
+        if end >= n:
+            return h1, None, 0, 0, None, 0
+        pos, open_line = end + 1, open_line + 1
+    if line[:3] != "---" or line[3:].strip(" \t"):
+        return h1, None, 0, 0, None, 0
+    match = _FM_FENCE_LINE.search(text, end + 1) if end < n else None
+    if match is None:
+        raise FrontmatterError(
+            "unterminated", "the frontmatter block opened here is never closed",
+            open_line, "add a line '---' after the last field")
+    close_line = open_line + 1 + text.count("\n", end + 1, match.start())
+    return h1, open_line, end + 1, match.start(), close_line, min(match.end() + 1, n)
 
 
 def _fm_check_block(block, first_line, line_count, what, where):
@@ -844,74 +813,61 @@ class _YamlSubsetParser:
     """One pass over the lines of a block: the grammar of shelf-format.md § 3.2 and § 3.4."""
 
     def __init__(self, lines, first_line, nested):
-        self.lines = lines
-        self.first_line = first_line
+        self.lines, self.first_line = lines, first_line
         self.nested = nested  # manifest mode: one level of nested block mapping
-        self.fields = {}
-        self.key_lines = {}
-        self.portability = []
+        self.fields, self.key_lines, self.nested_keys, self.portability = {}, {}, {}, []
         self.owner = None  # key of the last entry with no value on its line
         self.owner_kind = None  # None, "list" or "map"
-        self.item_indent = None
-        self.nested_keys = {}
-        self.seen_content = False
-        self.last_key = ""
-        self.tabbed = False  # the current line holds a tab
-        self.tab_noted = False
+        self.item_indent, self.seen_content, self.last_key = None, False, ""
+        self.tabbed = self.tab_noted = False  # the current line holds a tab; it is reported
         self.block = None  # [key, | or >, chomping, indentation, lines] of a block scalar
+        self.line_no = first_line  # of the line being parsed, for errors and portability notes
 
     # ---- errors -------------------------------------------------------------------------
 
-    def fail(self, error_class, detail, line_no, fix=""):
-        raise FrontmatterError(error_class, detail, line_no, fix)
+    def fail(self, error_class, detail, fix=""):
+        raise FrontmatterError(error_class, detail, self.line_no, fix)
 
-    def problem(self, line_no, key, problem):
-        self.portability.append({"line": line_no, "key": key, "problem": problem})
+    def problem(self, key, problem):
+        self.portability.append({"line": self.line_no, "key": key, "problem": problem})
 
-    def tab_problem(self, line_no, key):
+    def tab_problem(self, key):
         # PyYAML, which shelf-spec's validator uses, rejects a tab outside quotes and comments.
         if not self.tab_noted:
             self.tab_noted = True
-            self.problem(line_no, key, "a tab outside quotes and comments, which a YAML "
+            self.problem(key, "a tab outside quotes and comments, which a YAML "
                          "loader such as PyYAML rejects; replace it with spaces")
 
-    def note_tabs(self, text, end, spans, line_no, key):
+    def note_tabs(self, text, end, spans, key):
         """Flag a tab in text before its comment (which starts after `end`), outside spans."""
         if not self.tabbed or self.tab_noted:
             return
-        hash_at = text.find("#", end)
-        stop = len(text) if hash_at < 0 else hash_at
-        prev = 0
-        for start, finish in spans + [(stop, stop)]:
-            if "\t" in text[prev:min(start, stop)]:
-                self.tab_problem(line_no, key)
-                return
-            prev = finish
+        stop = text.find("#", end)
+        bounds = [0] + [i for span in spans for i in span] + [len(text) if stop < 0 else stop]
+        if any("\t" in text[a:min(b, bounds[-1])] for a, b in zip(bounds[::2], bounds[1::2])):
+            self.tab_problem(key)
 
     # ---- driver -------------------------------------------------------------------------
 
     def parse(self):
-        first = self.first_line
-        for index, line in enumerate(self.lines):
+        for self.line_no, line in enumerate(self.lines, self.first_line):
             if self.block is not None and self.block_line(line):
                 continue
             content = line.lstrip(" \t")
             self.tabbed, self.tab_noted = "\t" in line, False
             if not content or content[0] == "#":
                 if self.tabbed and "\t" in line[: len(line) - len(content)]:
-                    self.tab_problem(first + index, self.last_key)
+                    self.tab_problem(self.last_key)
                 continue
-            line_no = first + index
             indent = line[: len(line) - len(content)]
             if "\t" in indent:
-                self.fail("syntax", "this line is indented with a tab", line_no,
-                          "indent with spaces only")
+                self.fail("syntax", "this line is indented with a tab", "indent with spaces only")
             if content[0] == "-" and (len(content) == 1 or content[1] in " \t"):
-                self.list_item(content, len(indent), line_no)
+                self.list_item(content, len(indent))
             elif indent:
-                self.indented_line(content, len(indent), line_no)
+                self.indented_line(content, len(indent))
             else:
-                self.top_entry(line, line_no)
+                self.top_entry(line)
             self.seen_content = True
         if self.block is not None:
             self.end_block()
@@ -919,115 +875,100 @@ class _YamlSubsetParser:
 
     # ---- top-level entries --------------------------------------------------------------
 
-    def top_entry(self, line, line_no):
+    def top_entry(self, line):
         first = line[0]
         if line.startswith(("---", "...")) and (len(line) == 3 or line[3] in " \t"):
             self.fail("unsupported_yaml", "a YAML document marker %r inside the block"
-                      % line[:3], line_no,
-                      "delete the line; one block holds one document")
-        if first in "&*!%{|>?" or first in "'\"":
-            self.unsupported_key_start(line, line_no)
+                      % line[:3], "delete the line; one block holds one document")
+        if first in "&*!%{|>?'\"":
+            self.unsupported_key_start(line)
         if first in "-]},@`[":
             if first == "[" and not self.seen_content:
                 self.fail("not_a_mapping", "the block holds a bare list, not key: value "
-                          "fields", line_no, "write one 'key: value' per line")
-            self.fail("syntax", "a line cannot start with %r" % first, line_no,
+                          "fields", "write one 'key: value' per line")
+            self.fail("syntax", "a line cannot start with %r" % first,
                       "write 'key: value' with a key that starts with a letter or digit")
-        key, rest = self.split_entry(line, line_no)
+        key, rest = self.split_entry(line)
         self.owner = None
         if key in self.key_lines:
             self.fail("duplicate_key", "the key %s appears twice (first on line %d)"
-                      % (_fm_excerpt(key), self.key_lines[key]), line_no,
-                      "keep one of the two lines")
-        self.key_lines[key] = line_no
-        self.last_key = key
+                      % (_fm_excerpt(key), self.key_lines[key]), "keep one of the two lines")
+        self.key_lines[key], self.last_key = self.line_no, key
         if self.tabbed and "\t" in line[len(key) + 1: len(line) - len(rest)]:
-            self.tab_problem(line_no, key)
+            self.tab_problem(key)
         if not rest or rest[0] == "#":
             self.fields[key] = None
-            self.owner, self.owner_kind = key, None
-            self.item_indent = None
+            self.owner, self.owner_kind, self.item_indent = key, None, None
             return
         if rest[0] in "|>":
             m = _FM_BLOCK_HEADER.match(rest)
             if not m:
-                self.fail("syntax", "the block scalar header %s is not | or > with an optional "
-                          "- or + and an indentation digit" % _fm_excerpt(rest), line_no,
+                self.fail("syntax", "the block scalar header %s is not | or > with an optional - "
+                          "or + and an indentation digit" % _fm_excerpt(rest),
                           "write 'key: |' and the text on the lines below, indented")
             self.block = [key, m.group(1), m.group(2) or m.group(5),
                           int(m.group(3) or m.group(4) or 0), []]
             return
-        value, style = self.value(rest, line_no, key)
+        value, style = self.value(rest, key)
         self.fields[key] = value
         if key == "id" and style == "plain" and value is not None:
             kind, shown = _yaml_retyped(value)
             if kind and shown != value:
-                self.problem(line_no, key, "a YAML loader reads the id %s as %s %s%s, so it "
+                self.problem(key, "a YAML loader reads the id %s as %s %s%s, so it "
                              "no longer matches the file name; quote it: id: %s"
                              % (_fm_excerpt(value), "an" if kind[0] in "aeiou" else "a", kind,
                                 " (%s)" % _fm_excerpt(shown) if shown else "",
                                 _yaml_quote(value)))
 
-    def unsupported_key_start(self, line, line_no):
+    def unsupported_key_start(self, line):
         first = line[0]
-        names = {"&": "an anchor", "*": "an alias", "!": "a tag", "%": "a directive",
-                 "{": "a flow mapping", "|": "a block scalar", ">": "a block scalar"}
-        if first in names:
-            self.fail("unsupported_yaml", "%s (%r) is not supported" % (names[first], first),
-                      line_no, "write a plain 'key: value' line")
+        if first in _FM_INDICATORS:
+            self.fail("unsupported_yaml", "%s (%r) is not supported"
+                      % (_FM_INDICATORS[first], first), "write a plain 'key: value' line")
         if first == "?":
             if len(line) == 1 or line[1] in " \t":
                 self.fail("unsupported_yaml", "complex keys ('? ') are not supported",
-                          line_no, "write a plain 'key: value' line")
-            self.fail("syntax", "a key cannot start with '?'", line_no, "rename the key")
+                          "write a plain 'key: value' line")
+            self.fail("syntax", "a key cannot start with '?'", "rename the key")
         # A quoted scalar at the start of a line: a quoted key, or a bare scalar.
         try:
-            if first == '"':
-                _value, end = _fm_scan_double(line, 0, line_no)
-            else:
-                _value, end = _fm_scan_single(line, 0, line_no)
+            end = _fm_scan_quoted(line, 0, self.line_no)[1]
         except FrontmatterError:
             end = None
         if end is not None and line[end:].lstrip(" \t").startswith(":"):
-            self.fail("unsupported_yaml", "quoted keys are not supported", line_no,
+            self.fail("unsupported_yaml", "quoted keys are not supported",
                       "write the key without quotes")
         if not self.seen_content:
             self.fail("not_a_mapping", "the block holds a bare quoted value, not key: value "
-                      "fields", line_no, "write one 'key: value' per line")
-        self.fail("syntax", "this line is not a 'key: value' entry", line_no,
-                  "write 'key: value'")
+                      "fields", "write one 'key: value' per line")
+        self.fail("syntax", "this line is not a 'key: value' entry", "write 'key: value'")
 
-    def split_entry(self, line, line_no):
+    def split_entry(self, line):
         """Split 'key: rest' at the first colon; rest is stripped of leading whitespace."""
         stop = _FM_KEY_END.search(line)
         if stop is None or stop.group() != ":":
             colon = line.find(":")
-            spaced = colon > 0 and (colon + 1 == len(line) or line[colon + 1] in " \t")
-            if spaced:
+            if colon > 0 and (colon + 1 == len(line) or line[colon + 1] in " \t"):
                 self.fail("syntax", "a key cannot contain spaces or tabs, nor have one before "
-                          "the colon", line_no, "write the key as one word directly followed "
-                          "by ':'")
+                          "the colon", "write the key as one word directly followed by ':'")
             if not self.seen_content and colon < 0:
                 self.fail("not_a_mapping", "the block holds a bare value, not key: value "
-                          "fields", line_no, "write one 'key: value' per line")
-            self.fail("syntax", "this line has no 'key:'", line_no,
-                      "write 'key: value'; multi-line values are not supported, put the "
-                      "value on one line in double quotes")
+                          "fields", "write one 'key: value' per line")
+            self.fail("syntax", "this line has no 'key:'", "write 'key: value'; multi-line values "
+                      "are not supported, put the value on one line in double quotes")
         colon = stop.start()
         if colon == 0:
-            self.fail("syntax", "a line starts with ':' (an empty key)", line_no,
-                      "write 'key: value'")
+            self.fail("syntax", "a line starts with ':' (an empty key)", "write 'key: value'")
         if colon + 1 < len(line) and line[colon + 1] not in " \t":
             self.fail("syntax", "no space after the colon in %s" % _fm_excerpt(line),
-                      line_no, "write 'key: value' with a space after the colon")
+                      "write 'key: value' with a space after the colon")
         # keys repeat across thousands of episodes; one shared object each keeps records small
         return sys.intern(line[:colon]), line[colon + 1:].lstrip(" \t")
 
     # ---- block scalars (YAML § 8.1: literal | and folded >, chomping - and +) ----------
 
     def block_line(self, line):
-        """Take a line into the open block scalar; False (block closed) for a line indented
-        less than its first."""
+        """Take a line into the open block scalar; False once a line ends the block."""
         lead, blank = len(line) - len(line.lstrip(" ")), not line.strip(" \t")
         self.block[3] = self.block[3] or (0 if blank else lead)
         if not blank and (lead < self.block[3] or not lead):
@@ -1057,224 +998,174 @@ class _YamlSubsetParser:
 
     # ---- values -------------------------------------------------------------------------
 
-    def value(self, text, line_no, key):
-        """Parse an entry's value (a scalar or a flow list) that starts at text[0]."""
+    def value(self, text, key, item=False):
+        """(value, style) of the scalar, or an entry's flow list, filling the rest of the line."""
         first = text[0]
-        if first == "[":
-            spans = []
-            items, end = self.flow_list(text, line_no, key, spans)
-            _fm_expect_line_end(text, end, line_no, "flow list")
-            self.note_tabs(text, end, spans, line_no, key)
+        if first == "[" and not item:
+            items, end, spans = self.flow_list(text, key)
+            _fm_expect_line_end(text, end, self.line_no, "flow list")
+            self.note_tabs(text, end, spans, key)
             return items, "flow"
-        if first == "-" and (len(text) == 1 or text[1] in " \t"):
-            self.fail("syntax", "a list item cannot follow the key on its line", line_no,
+        if first == "-" and (len(text) == 1 or text[1] in " \t") and not item:
+            self.fail("syntax", "a list item cannot follow the key on its line",
                       "put each item on its own line as '- item', or write [a, b]")
-        value, style = self.scalar(text, line_no, key, "value")
-        return None if style == "plain" and _YAML_IMPLICIT_TYPES[0][1].match(value) else \
-            value, style
-
-    def scalar(self, text, line_no, key, where):
-        """A plain, double-quoted or single-quoted scalar filling the rest of the line."""
-        first = text[0]
         if first in "\"'":
-            scan = _fm_scan_double if first == '"' else _fm_scan_single
-            value, end = scan(text, 0, line_no)
-            _fm_expect_line_end(text, end, line_no, "quoted value")
-            self.note_tabs(text, end, [(0, end)], line_no, key)
+            value, end = _fm_scan_quoted(text, 0, self.line_no)
+            _fm_expect_line_end(text, end, self.line_no, "quoted value")
+            self.note_tabs(text, end, [(0, end)], key)
             return value, "double" if first == '"' else "single"
-        _fm_check_plain_start(text, line_no)
+        if first in "&*!":
+            self.fail("unsupported_yaml", "%s (%r) is not supported"
+                      % (_FM_INDICATORS[first], first), "quote the value if it is text")
+        if first == "{":
+            self.fail("unsupported_yaml", "flow mappings ({...}) are not supported",
+                      "use separate keys, or quote the value if it is text")
+        if first in "|>":
+            self.fail("unsupported_yaml", "block scalars (| and >) are not supported",
+                      "put the value on one line in double quotes")
+        if first in "%@`,]}":
+            self.fail("syntax", "a plain value cannot start with %r" % first, "quote the value")
         comment = _FM_PLAIN_COMMENT.search(text)
         value = (text[: comment.start()] if comment else text).rstrip(" \t")
-        self.note_tabs(text, comment.start() if comment else len(text), [], line_no, key)
+        self.note_tabs(text, comment.start() if comment else len(text), [], key)
         issue = _fm_plain_issue(value, False)
-        if issue and where == "item" and issue[0] == "mapping":
-            self.fail("unsupported_yaml", "the list item %s is a mapping in YAML (nested "
-                      "mappings are not supported)" % _fm_excerpt(value), line_no,
+        if issue and item and issue[0] == "mapping":
+            self.fail("unsupported_yaml", "the list item %s is a mapping in YAML (nested mappings "
+                      "are not supported)" % _fm_excerpt(value),
                       "quote the item: - %s" % _yaml_quote(value))
         if issue:
-            self.problem(line_no, key, "the plain value %s %s; quote it: %s"
+            self.problem(key, "the plain value %s %s; quote it: %s"
                          % (_fm_excerpt(value), issue[1], _yaml_quote(value)))
-        return value, "plain"
+        return None if not item and _YAML_IMPLICIT_TYPES[0][1].match(value) else value, "plain"
 
-    def flow_list(self, text, line_no, key, spans):
-        """Parse '[a, "b", 'c']' at text[0]; returns (items, index after ']').
-
-        Appends the (start, end) of every quoted item to spans.
-        """
-        items, pos, n = [], _fm_skip_ws(text, 1), len(text)
-        if pos < n and text[pos] == "]":
-            return items, pos + 1
-        while True:
-            if pos >= n:
-                break
+    def flow_list(self, text, key):
+        """Parse '[a, "b", 'c']' at text[0]: (items, index after ']', quoted items' spans)."""
+        items, spans, pos, n = [], [], _FM_BLANKS.match(text, 1).end(), len(text)
+        while pos < n:
             first = text[pos]
+            if first == "]":
+                return items, pos + 1, spans
             if first in "\"'":
-                start = pos
-                scan = _fm_scan_double if first == '"' else _fm_scan_single
-                item, pos = scan(text, pos, line_no)
-                spans.append((start, pos))
+                item, end = _fm_scan_quoted(text, pos, self.line_no)
+                spans.append((pos, end))
             elif first == "[":
-                self.fail("unsupported_yaml", "nested lists are not supported", line_no,
+                self.fail("unsupported_yaml", "nested lists are not supported",
                           "write a flat list of strings")
             elif first in "{&*!":
                 self.fail("unsupported_yaml", "%s inside a list is not supported"
-                          % {"{": "a flow mapping", "&": "an anchor", "*": "an alias",
-                             "!": "a tag"}[first], line_no, "write plain or quoted strings")
-            elif first in ",]":
-                self.fail("syntax", "empty item in the flow list", line_no,
+                          % _FM_INDICATORS[first], "write plain or quoted strings")
+            elif first == ",":
+                self.fail("syntax", "empty item in the flow list",
                           "remove the extra comma or write '' for an empty string")
             elif first in "%@`}|>#" or (first == "-" and (
                     pos + 1 == n or text[pos + 1] in " \t,]")):
-                self.fail("syntax", "a list item cannot start with %r" % first, line_no,
-                          "quote the item")
+                self.fail("syntax", "a list item cannot start with %r" % first, "quote the item")
             else:
                 stop = _FM_FLOW_PLAIN_END.search(text, pos)
                 end = stop.start() if stop else n
                 item = text[pos:end].rstrip(" \t")
                 issue = _fm_plain_issue(item, True)
                 if issue:
-                    self.problem(line_no, key, "the list item %s %s; quote it: %s"
+                    self.problem(key, "the list item %s %s; quote it: %s"
                                  % (_fm_excerpt(item), issue[1], _yaml_quote(item)))
-                pos = end
             items.append(item)
-            pos = _fm_skip_ws(text, pos)
+            pos = _FM_BLANKS.match(text, end).end()
             if pos >= n or text[pos] == "#":
                 break
-            if text[pos] == "]":
-                return items, pos + 1
-            if text[pos] != ",":
+            if text[pos] not in ",]":
                 self.fail("syntax", "expected ',' or ']' after a list item, found %r"
-                          % text[pos], line_no, "separate items with ', ' and quote items "
+                          % text[pos], "separate items with ', ' and quote items "
                           "that contain special characters")
-            pos = _fm_skip_ws(text, pos + 1)
-            if pos < n and text[pos] == "]":
-                return items, pos + 1
-        self.fail("syntax", "the flow list is not closed on this line", line_no,
+            if text[pos] == ",":
+                pos = _FM_BLANKS.match(text, pos + 1).end()
+        self.fail("syntax", "the flow list is not closed on this line",
                   "close it with ']' on the same line")
 
     # ---- block lists and nested mappings -------------------------------------------------
 
-    def list_item(self, content, indent, line_no):
+    def list_item(self, content, indent):
         if not self.seen_content:
             self.fail("not_a_mapping", "the block starts with a list item, not key: value "
-                      "fields", line_no, "write one 'key: value' per line")
+                      "fields", "write one 'key: value' per line")
         if self.owner is None:
-            self.fail("syntax", "a list item with no owning key", line_no,
+            self.fail("syntax", "a list item with no owning key",
                       "put 'key:' with nothing after it on the line before the items")
         if self.owner_kind == "map":
             if indent >= 2:
                 self.fail("unsupported_yaml", "lists inside the nested mapping %s are not "
-                          "supported" % _fm_excerpt(self.owner), line_no,
+                          "supported" % _fm_excerpt(self.owner),
                           "use a flow list on the key's line: key: [a, b]")
             self.fail("syntax", "a list item after the nested mapping %s"
-                      % _fm_excerpt(self.owner), line_no, "move the item under its own key")
+                      % _fm_excerpt(self.owner), "move the item under its own key")
         if self.item_indent is None:
             self.item_indent = indent
         elif indent > self.item_indent:
-            self.fail("unsupported_yaml", "nested lists are not supported", line_no,
+            self.fail("unsupported_yaml", "nested lists are not supported",
                       "write a flat list: every item at the same indentation")
         elif indent < self.item_indent:
-            self.fail("syntax", "list items must share one indentation", line_no,
+            self.fail("syntax", "list items must share one indentation",
                       "indent every item of the list alike")
         text = content[1:].lstrip(" \t")
         if self.tabbed and "\t" in content[1: len(content) - len(text)]:
-            self.tab_problem(line_no, self.owner)
+            self.tab_problem(self.owner)
         if not text or text[0] == "#":
-            self.fail("syntax", "an empty list item", line_no,
+            self.fail("syntax", "an empty list item",
                       "remove the line, or write '' for an empty string")
         if text[0] == "[" or (text[0] == "-" and (len(text) == 1 or text[1] in " \t")):
-            self.fail("unsupported_yaml", "nested lists are not supported", line_no,
+            self.fail("unsupported_yaml", "nested lists are not supported",
                       "write a flat list of strings")
-        value, _style = self.scalar(text, line_no, self.owner, "item")
+        value = self.value(text, self.owner, item=True)[0]
         if self.owner_kind is None:
-            self.owner_kind = "list"
-            self.fields[self.owner] = []
+            self.owner_kind, self.fields[self.owner] = "list", []
         self.fields[self.owner].append(value)
 
-    def indented_line(self, content, indent, line_no):
+    def indented_line(self, content, indent):
         stop = _FM_KEY_END.search(content)
-        is_entry = (stop is not None and stop.group() == ":" and stop.start() > 0
-                    and (stop.end() == len(content) or content[stop.end()] in " \t"))
-        if not is_entry:
-            self.fail("syntax", "an indented line that continues nothing", line_no,
-                      "multi-line values are not supported; put the value on one line, in "
-                      "double quotes if needed")
+        if not (stop is not None and stop.group() == ":" and stop.start() > 0
+                and (stop.end() == len(content) or content[stop.end()] in " \t")):
+            self.fail("syntax", "an indented line that continues nothing", "multi-line values are "
+                      "not supported; put the value on one line, in double quotes if needed")
         if self.owner is None:
-            self.fail("syntax", "an indented key outside any mapping", line_no,
-                      "start keys in column 0")
+            self.fail("syntax", "an indented key outside any mapping", "start keys in column 0")
         if not self.nested:
             self.fail("unsupported_yaml", "nested mappings are not supported (under %s)"
-                      % _fm_excerpt(self.owner), line_no,
-                      "use flat keys, e.g. %s_%s: value"
+                      % _fm_excerpt(self.owner), "use flat keys, e.g. %s_%s: value"
                       % (self.owner, content[: stop.start()]))
         if self.owner_kind == "list":
             self.fail("syntax", "a key among the list items of %s" % _fm_excerpt(self.owner),
-                      line_no, "start the key in column 0")
+                      "start the key in column 0")
         if indent > 2:
             self.fail("unsupported_yaml", "nesting deeper than one level is not supported",
-                      line_no, "indent nested keys by exactly two spaces, with scalar or "
-                      "[flow list] values")
+                      "indent nested keys by exactly two spaces, with scalar or [flow list] values")
         if indent != 2:
             self.fail("syntax", "a nested key must be indented by exactly two spaces",
-                      line_no, "indent it by two spaces")
+                      "indent it by two spaces")
         if content[0] in "-?&*!%{}[]|>'\",@`":
             self.fail("unsupported_yaml" if content[0] in "?&*!%{|>'\"" else "syntax",
-                      "a nested key cannot start with %r" % content[0], line_no,
+                      "a nested key cannot start with %r" % content[0],
                       "write a plain 'key: value' line")
-        key, rest = self.split_entry(content, line_no)
+        key, rest = self.split_entry(content)
         if self.owner_kind is None:
-            self.owner_kind = "map"
-            self.fields[self.owner] = {}
-            self.nested_keys = {}
+            self.owner_kind, self.fields[self.owner], self.nested_keys = "map", {}, {}
         if key in self.nested_keys:
             self.fail("duplicate_key", "the key %s appears twice under %s (first on line %d)"
                       % (_fm_excerpt(key), _fm_excerpt(self.owner), self.nested_keys[key]),
-                      line_no, "keep one of the two lines")
-        self.nested_keys[key] = line_no
+                      "keep one of the two lines")
+        self.nested_keys[key] = self.line_no
         if self.tabbed and "\t" in content[len(key) + 1: len(content) - len(rest)]:
-            self.tab_problem(line_no, self.owner + "." + key)
-        if not rest or rest[0] == "#":
-            value = None
-        else:
-            value, _style = self.value(rest, line_no, self.owner + "." + key)
-        self.fields[self.owner][key] = value
-
-
-def _fm_skip_ws(text, pos):
-    n = len(text)
-    while pos < n and text[pos] in " \t":
-        pos += 1
-    return pos
+            self.tab_problem(self.owner + "." + key)
+        self.fields[self.owner][key] = None if not rest or rest[0] == "#" else \
+            self.value(rest, self.owner + "." + key)[0]
 
 
 def _fm_expect_line_end(text, pos, line_no, what):
     """After a quoted value or a flow list only whitespace and a comment may follow."""
     rest = text[pos:]
-    if not rest.strip(" \t"):
-        return
-    if rest[0] in " \t" and rest.lstrip(" \t")[0] == "#":
+    if not rest.strip(" \t") or rest[0] in " \t" and rest.lstrip(" \t")[0] == "#":
         return
     raise FrontmatterError(
         "syntax", "text after the closing of the %s: %s" % (what, _fm_excerpt(rest.strip())),
         line_no, "quote the whole value, or put a space before a '#' comment")
-
-
-def _fm_check_plain_start(text, line_no):
-    first = text[0]
-    if first in "&*!":
-        raise FrontmatterError(
-            "unsupported_yaml", "%s (%r) is not supported" % (
-                {"&": "an anchor", "*": "an alias", "!": "a tag"}[first], first),
-            line_no, "quote the value if it is text")
-    if first == "{":
-        raise FrontmatterError("unsupported_yaml", "flow mappings ({...}) are not supported",
-                               line_no, "use separate keys, or quote the value if it is text")
-    if first in "|>":
-        raise FrontmatterError("unsupported_yaml", "block scalars (| and >) are not supported",
-                               line_no, "put the value on one line in double quotes")
-    if first in "%@`,]}":
-        raise FrontmatterError("syntax", "a plain value cannot start with %r" % first,
-                               line_no, "quote the value")
 
 
 def _fm_plain_issue(value, in_flow):
@@ -1290,20 +1181,21 @@ def _fm_plain_issue(value, in_flow):
     return None
 
 
-def _fm_scan_double(text, pos, line_no):
-    """Decode the double-quoted scalar at text[pos]; returns (value, index after the quote)."""
-    parts, n = [], len(text)
-    pos += 1
+def _fm_scan_quoted(text, pos, line_no):
+    """Decode the quoted scalar at text[pos]; returns (value, index after the closing quote)."""
+    if text[pos] == "'":
+        single = _FM_SINGLE_QUOTED.match(text, pos)
+        if not single:
+            raise FrontmatterError(
+                "syntax", "a single-quoted value is not closed on its line", line_no,
+                "close the quote on the same line; quoted values cannot span lines")
+        return single.group(1).replace("''", "'"), single.end()
+    parts, n, pos = [], len(text), pos + 1
     while True:
         run = _FM_DQ_RUN.match(text, pos)
-        if run:
-            parts.append(run.group())
-            pos = run.end()
-        if pos >= n:
-            raise FrontmatterError(
-                "syntax", "a double-quoted value is not closed on its line", line_no,
-                "close the quote on the same line; quoted values cannot span lines")
-        if text[pos] == '"':
+        parts.append(run.group())
+        pos = run.end()
+        if pos < n and text[pos] == '"':
             return "".join(parts), pos + 1
         code = text[pos + 1: pos + 2]
         if not code:
@@ -1336,47 +1228,19 @@ def _fm_scan_double(text, pos, line_no):
         parts.append(chr(point))
 
 
-def _fm_scan_single(text, pos, line_no):
-    """Decode the single-quoted scalar at text[pos]; returns (value, index after the quote)."""
-    parts = []
-    pos += 1
-    while True:
-        quote = text.find("'", pos)
-        if quote < 0:
-            raise FrontmatterError(
-                "syntax", "a single-quoted value is not closed on its line", line_no,
-                "close the quote on the same line; quoted values cannot span lines")
-        parts.append(text[pos:quote])
-        if text[quote + 1: quote + 2] == "'":
-            parts.append("'")
-            pos = quote + 2
-            continue
-        return "".join(parts), quote + 1
-
-
-# Whether any of them types a (non-empty) plain scalar: one match instead of one per type.
-_YAML_IMPLICIT_ANY = _re_lazy("|".join(f"(?:{p.pattern})" for _, p in _YAML_IMPLICIT_TYPES))
-
-
 def _yaml_implicit_type(text):
     """The type a YAML 1.1 (or 1.2 core) loader gives this plain scalar, or None for a string."""
     if not text:
         return "null"
-    for name, pattern in _YAML_IMPLICIT_TYPES:
-        if pattern.match(text):
-            return name
-    return None
+    return next((name for name, pattern in _YAML_IMPLICIT_TYPES if pattern.match(text)), None)
 
 
 _YAML_CANONICAL_INT = _re_lazy(r"(?:0|-?[1-9][0-9]*)\Z")
 
 
 def _yaml_retyped(text):
-    """(type, text a loader prints back) for a plain scalar a YAML loader types, else (None, None).
-
-    The printed text is what str() of the loaded value gives (shelf-spec compares str(id) with
-    the file stem); it is None for dates and other values whose text always differs in kind.
-    """
+    """(type, str() of the loaded value) for a plain scalar a YAML loader types, else (None, None);
+    the text is None for dates and other values whose text always differs in kind."""
     kind = _yaml_implicit_type(text)
     if kind is None or kind in ("date", "merge key", "value key"):
         return kind, None
@@ -1390,10 +1254,7 @@ def _yaml_retyped(text):
     plain = text.replace("_", "")
     if ":" in plain or plain.lower().lstrip("+-") in (".inf", ".nan"):
         return kind, ""
-    try:
-        return kind, repr(float(plain))
-    except ValueError:
-        return kind, ""
+    return kind, repr(float(plain))
 
 
 def _parse_frontmatter_detail(text):
@@ -1408,18 +1269,13 @@ def _parse_frontmatter_detail(text):
     _fm_check_block(block, open_line + 1, line_count, "frontmatter block", open_line)
     lines = block.split("\n")[:line_count] if line_count else []
     parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
-    fields = parser.parse()
-    portability = parser.portability
-    return {"fields": fields, "body": text[body_start:],
-            "has_block": True, "h1": h1, "block_line": open_line,
-            "body_line": close_line + 1, "portability": portability}
+    return {"fields": parser.parse(), "body": text[body_start:], "has_block": True, "h1": h1,
+            "block_line": open_line, "body_line": close_line + 1,
+            "portability": parser.portability}
 
 
 def parse_frontmatter(text):
-    """Return (fields, body) of an episode; ({}, text) when it has no frontmatter block.
-
-    Values are str, list of str or None. Raises FrontmatterError on a malformed block.
-    """
+    """Return (fields, body) of an episode; ({}, text) when it has no frontmatter block."""
     detail = _parse_frontmatter_detail(text)
     return detail["fields"], detail["body"]
 
@@ -1436,24 +1292,17 @@ def parse_manifest(text):
 
 def _yaml_quote(value):
     """Write a free-text value double-quoted (shelf-format.md § 4.2): one line, valid YAML."""
-    text = " ".join(value.split())
-    text = text.replace("\\", "\\\\").replace('"', '\\"')
-    if _YAML_QUOTE_ESCAPE.search(text):
-        text = _YAML_QUOTE_ESCAPE.sub(lambda m: "\\u%04x" % ord(m.group()), text)
-    return '"' + text + '"'
+    text = " ".join(value.split()).replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + _YAML_QUOTE_ESCAPE.sub(lambda m: "\\u%04x" % ord(m.group()), text) + '"'
 
 
 def _yaml_plain_safe(text):
     """Whether text written plain reads back as the same string here and in a YAML loader."""
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str) or not text or text[0] in _YAML_PLAIN_BAD_FIRST or (
+            text[0] == " " or text[-1] == " " or ": " in text or text.endswith(":")):
         return False
-    if text[0] in _YAML_PLAIN_BAD_FIRST or text[0] == " " or text[-1] == " ":
-        return False
-    if _YAML_PLAIN_BAD_CHAR.search(text) or _FM_YAML_BREAKS.search(text):
-        return False
-    if ": " in text or text.endswith(":") or " #" in text:
-        return False
-    return _yaml_implicit_type(text) is None
+    return not (" #" in text or _YAML_PLAIN_BAD_CHAR.search(text)
+                or _FM_YAML_BREAKS.search(text)) and _yaml_implicit_type(text) is None
 
 
 def _yaml_flow_list(items):
