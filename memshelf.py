@@ -9421,13 +9421,6 @@ def _fetch(git, remote, branch):
     return p.returncode == 0, _git_words(p)
 
 
-def _fetch_skip_reason(words, branch):
-    if "couldn't find remote ref" in words:
-        return f"remote has no {branch} yet"
-    first = next((l for l in words.splitlines() if l.strip()), "unknown error")
-    return "fetch failed: " + re.sub(r"^(fatal|error): ", "", first)
-
-
 def _behind_ahead(git, upstream):
     out = git.out("rev-list", "--left-right", "--count", f"{upstream}...HEAD", check=False,
                   read_only=True).split()
@@ -9499,8 +9492,10 @@ def _sync_preflight(root, git):
                          more, "commit or discard them, or pass --no-sync", {"paths": blocking[:5]})
     fetched, words = _fetch(git, remote, branch)
     if not fetched:
-        return _sync_report(skipped_reason=_fetch_skip_reason(words, branch), remote=remote,
-                            branch=branch)
+        first = next((l for l in words.splitlines() if l.strip()), "unknown error")
+        why = f"remote has no {branch} yet" if "couldn't find remote ref" in words else \
+            "fetch failed: " + re.sub(r"^(fatal|error): ", "", first)
+        return _sync_report(skipped_reason=why, remote=remote, branch=branch)
     upstream = f"refs/remotes/{remote}/{branch}"
     behind, ahead = _behind_ahead(git, upstream)
     if behind and ahead:
@@ -9718,21 +9713,19 @@ def _await_render(root, git, report, seconds, published):
     start = time.monotonic()
     while True:
         fetched, words = _fetch(git, remote, branch)
+        elapsed = time.monotonic() - start
+        report["render_waited_s"] = round(elapsed, 1)
         if fetched and git.ok("merge-base", "--is-ancestor", pushed, upstream, read_only=True):
             count = git.out("rev-list", "--count", f"{pushed}..{upstream}", "--", *specs,
                             check=False, read_only=True)
             if count.isdigit() and int(count) > 0:
-                report["render_waited_s"] = round(time.monotonic() - start, 1)
                 _pull_render(root, git, report, upstream)
                 return
         elif fetched:
-            report["render_waited_s"] = round(time.monotonic() - start, 1)
             report["render_note"] = (f"{remote}/{branch} no longer contains the pushed commit "
                                      "(not an ancestor); nothing was pulled")
             return
-        elapsed = time.monotonic() - start
         if elapsed + _RENDER_POLL_SECONDS > seconds:
-            report["render_waited_s"] = round(elapsed, 1)
             tail = f"; the last fetch failed: {words.splitlines()[0]}" if not fetched and words \
                 else ""
             report["render_note"] = (f"no render on {remote}/{branch} within {seconds:g} s"
@@ -10502,37 +10495,26 @@ def _import_title(text):
     return first[:80].rstrip() + ("…" if len(first) > 80 else "")
 
 
-def _claude_json_conversations(data, path):
-    convs = data
-    if isinstance(data, dict):
-        listed = isinstance(data.get("conversations"), list)
-        if not listed and "chat_messages" not in data:
-            raise _not_a_transcript(path, "a JSON object without conversations or chat_messages")
-        convs = data["conversations"] if listed else [data]
-    out = []
-    for i, raw in enumerate(convs):
-        if not isinstance(raw, dict) or not isinstance(raw.get("chat_messages"), list):
+def _claude_json_conversation(raw, i):
+    """One claude.ai conversation; None for an item without chat_messages."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("chat_messages"), list):
+        return None
+    conv = _import_conversation(raw.get("uuid") or raw.get("id") or i, None,
+                                len(json.dumps(raw, ensure_ascii=False)))
+    for msg in raw["chat_messages"]:
+        if not isinstance(msg, dict):
             continue
-        conv = _import_conversation(raw.get("uuid") or raw.get("id") or i, None,
-                                 len(json.dumps(raw, ensure_ascii=False)))
-        for msg in raw["chat_messages"]:
-            if not isinstance(msg, dict):
-                continue
-            text, stripped = _import_blocks_text(msg.get("content"))
-            conv["stripped"] += stripped
-            if not text and isinstance(msg.get("text"), str):
-                text = msg["text"].strip()   # older exports carry only the flat text
-            sender = msg.get("sender") or msg.get("role")
-            _import_add_message(conv, "assistant" if sender == "assistant" else "user", text,
-                         _import_stamp(msg.get("created_at")))
-        name = raw.get("name") or raw.get("title")
-        conv["title"] = name.strip() if isinstance(name, str) and name.strip() else \
-            (_import_title(conv["messages"][0]["text"]) if conv["messages"]
-             else f"conversation {i}")
-        out.append(conv)
-    if not out:
-        raise _not_a_transcript(path, "no conversation with chat_messages in it")
-    return out
+        text, stripped = _import_blocks_text(msg.get("content"))
+        conv["stripped"] += stripped
+        if not text and isinstance(msg.get("text"), str):
+            text = msg["text"].strip()   # older exports carry only the flat text
+        sender = msg.get("sender") or msg.get("role")
+        _import_add_message(conv, "assistant" if sender == "assistant" else "user", text,
+                            _import_stamp(msg.get("created_at")))
+    name = raw.get("name") or raw.get("title")
+    conv["title"] = name.strip() if isinstance(name, str) and name.strip() else \
+        (_import_title(conv["messages"][0]["text"]) if conv["messages"] else f"conversation {i}")
+    return conv
 
 
 def _obj(value):
@@ -10558,40 +10540,35 @@ def _chatgpt_branch(mapping, current):
     return chain[::-1] if upward else chain
 
 
-def _chatgpt_conversations(data, path):
-    convs = [data] if isinstance(data, dict) else data
-    out = []
-    for i, raw in enumerate(convs):
-        if not isinstance(raw, dict) or not isinstance(raw.get("mapping"), dict):
+def _chatgpt_conversation(raw, i):
+    """One ChatGPT conversation; None for an item without a message mapping."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("mapping"), dict):
+        return None
+    mapping = raw["mapping"]
+    conv = _import_conversation(raw.get("id") or raw.get("conversation_id") or i, None,
+                                len(json.dumps(raw, ensure_ascii=False)))
+    for node in _chatgpt_branch(mapping, raw.get("current_node")):
+        msg = _obj(_obj(mapping.get(node)).get("message"))
+        role = _obj(msg.get("author")).get("role")
+        content = _obj(msg.get("content"))
+        ctype = content.get("content_type")
+        if _obj(msg.get("metadata")).get("is_visually_hidden_from_conversation") or \
+                role == "system":
             continue
-        mapping = raw["mapping"]
-        conv = _import_conversation(raw.get("id") or raw.get("conversation_id") or i, None,
-                                 len(json.dumps(raw, ensure_ascii=False)))
-        for node in _chatgpt_branch(mapping, raw.get("current_node")):
-            msg = _obj(_obj(mapping.get(node)).get("message"))
-            role = _obj(msg.get("author")).get("role")
-            content = _obj(msg.get("content"))
-            ctype = content.get("content_type")
-            if _obj(msg.get("metadata")).get("is_visually_hidden_from_conversation") or \
-                    role == "system":
-                continue
-            parts = content.get("parts") if isinstance(content.get("parts"), list) else []
-            text = "\n\n".join(p.strip() for p in parts if isinstance(p, str) and p.strip())
-            if role == "tool" or ctype in ("code", "execution_output", "tether_browsing_display",
-                                           "tether_quote", "system_error") or \
-                    (role == "assistant" and msg.get("recipient") not in (None, "all")):
-                conv["stripped"] += 1
-                continue
-            if role not in ("user", "assistant") or ctype not in ("text", "multimodal_text"):
-                continue   # reasoning, custom instructions and similar are not the dialogue
-            _import_add_message(conv, role, text, _import_stamp(msg.get("create_time")))
-        title = raw.get("title")
-        conv["title"] = title.strip() if isinstance(title, str) and title.strip() else \
-            f"conversation {i}"
-        out.append(conv)
-    if not out:
-        raise _not_a_transcript(path, "no conversation with a message mapping in it")
-    return out
+        parts = content.get("parts") if isinstance(content.get("parts"), list) else []
+        text = "\n\n".join(p.strip() for p in parts if isinstance(p, str) and p.strip())
+        if role == "tool" or ctype in ("code", "execution_output", "tether_browsing_display",
+                                       "tether_quote", "system_error") or \
+                (role == "assistant" and msg.get("recipient") not in (None, "all")):
+            conv["stripped"] += 1
+            continue
+        if role not in ("user", "assistant") or ctype not in ("text", "multimodal_text"):
+            continue   # reasoning, custom instructions and similar are not the dialogue
+        _import_add_message(conv, role, text, _import_stamp(msg.get("create_time")))
+    title = raw.get("title")
+    conv["title"] = title.strip() if isinstance(title, str) and title.strip() else \
+        f"conversation {i}"
+    return conv
 
 
 def _markdown_conversation(text, path):
@@ -10661,7 +10638,7 @@ def _read_transcript(path, fmt, progress):
             fmt = "claude-code-jsonl"
         elif path.lower().endswith((".md", ".markdown", ".txt")) or first not in ("[", "{"):
             fmt = "markdown"
-        elif first == "{" and _import_json_line(first_line) and \
+        elif first == "{" and _json_object(first_line) is not None and \
                 not re.search(r'"(?:conversations|chat_messages|mapping)"\s*:',
                               first_line[:200000]):
             fmt = "claude-code-jsonl"
@@ -10684,22 +10661,31 @@ def _read_transcript(path, fmt, progress):
         raise _not_a_transcript(path, "the JSON is neither a list nor an object")
     if isinstance(data, list) and not data:
         raise _not_a_transcript(path, "the export holds no conversations")
-    items = data if isinstance(data, list) else [data]
+    listed = isinstance(data, dict) and isinstance(data.get("conversations"), list)
+    items = data["conversations"] if listed else data if isinstance(data, list) else [data]
     if fmt == "json":
-        if isinstance(data, dict) and isinstance(data.get("conversations"), list):
-            items = data["conversations"]
         looks_chatgpt = any(isinstance(c, dict) and "mapping" in c for c in items[:50])
         fmt = "chatgpt-json" if looks_chatgpt else "claude-json"
     if fmt == "chatgpt-json":
-        return fmt, _chatgpt_conversations(data, path)
-    return "claude-json", _claude_json_conversations(data, path)
+        read, missing = _chatgpt_conversation, "a message mapping"
+        items = [data] if isinstance(data, dict) else data
+    else:
+        read, missing = _claude_json_conversation, "chat_messages"
+        if isinstance(data, dict) and not listed and "chat_messages" not in data:
+            raise _not_a_transcript(path, "a JSON object without conversations or chat_messages")
+    convs = [c for c in (read(raw, i) for i, raw in enumerate(items)) if c]
+    if not convs:
+        raise _not_a_transcript(path, f"no conversation with {missing} in it")
+    return fmt, convs
 
 
-def _import_json_line(line):
+def _json_object(line):
+    """The JSON object a line holds, or None."""
     try:
-        return isinstance(json.loads(line), dict)
+        value = json.loads(line)
     except ValueError:
-        return False
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _import_text(conv):
