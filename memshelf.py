@@ -9059,8 +9059,7 @@ class _Git:
         return "" if rel == "." else rel + "/"
 
     def remotes(self):
-        out = self.out("remote", check=False, read_only=True)
-        return [r for r in out.split() if r]
+        return self.out("remote", check=False, read_only=True).split()
 
     def head(self):
         return self.out("rev-parse", "-q", "--verify", "HEAD", check=False, read_only=True) or None
@@ -9107,8 +9106,7 @@ class _Git:
             if present:
                 self.run("add", "-A", "--", *present, env=private)
             if gone:
-                self.run("rm", "-r", "--cached", "--ignore-unmatch", "-q", "--", *gone,
-                         env=private)
+                self.run("rm", "-r", "--cached", "--ignore-unmatch", "-q", "--", *gone, env=private)
             # --no-renames: a move must list both its paths, or the commit keeps the old one
             staged = [n for n in self.out("diff", "--cached", "--name-only", "--no-renames",
                                           "-z", "--relative", "--", *(present + gone),
@@ -9172,8 +9170,7 @@ def _git_lock_error(git):
 
 
 def _stale_git_locks(git_dir):
-    """Lock files of a git directory that no live process holds open (Linux: /proc), older
-    than a few seconds; [] where that cannot be proved."""
+    """Lock files of git_dir, older than 2 s, that no live process holds open (Linux /proc)."""
     names = [n for n in ("index.lock", "HEAD.lock") if os.path.exists(os.path.join(git_dir, n))]
     if not names or not os.path.isdir("/proc/self/fd"):
         return []
@@ -9320,14 +9317,14 @@ def _git_init_shelf(root, storage, remote, hooks, created, updated):
 
 def _install_git_hooks(git):
     """Write the local hooks that are absent (repository root only); existing ones stay."""
-    installed, skipped = [], []
     if not git.is_root():
-        return installed, skipped
+        return [], []
     if git.out("config", "--get", "core.hooksPath", check=False, read_only=True):
-        return installed, list(_HOOKS)   # a shared hooks folder is the user's; never write there
+        return [], list(_HOOKS)   # a shared hooks folder is the user's; never write there
     hooks_dir = git.out("rev-parse", "--git-path", "hooks", check=False, read_only=True)
     if not hooks_dir:
-        return installed, skipped
+        return [], []
+    installed, skipped = [], []
     hooks_dir = os.path.join(git.root, hooks_dir)
     os.makedirs(hooks_dir, exist_ok=True)
     launcher = _launcher()
@@ -9408,8 +9405,7 @@ def _catch_up_hint(root, remote, branch):
 
 
 def _dirty_tracked(git):
-    """Shelf-relative paths of tracked files that differ from HEAD, derived files and the
-    recall log aside (they never block a pull)."""
+    """Tracked shelf files that differ from HEAD, except derived files and the recall log."""
     return [rel for _, _, rel in _shelf_status(git, untracked="no", renames=True, read_only=True)
             if not _is_derived_path(rel) and rel != _RECALL_LOG]
 
@@ -9477,8 +9473,7 @@ class _SetAside:
 
 
 def _sync_preflight(root, git):
-    """Fast-forward from the upstream before writing (git-and-sync.md § 7.1): None without git
-    or remotes, a skipped report offline or detached; raises dirty-shelf / sync-diverged."""
+    """Fast-forward from the upstream before writing (git-and-sync.md § 7.1)."""
     if not git.is_repo():
         return None
     target, reason = _sync_target(git)
@@ -9522,11 +9517,9 @@ def _fast_forward(root, git, upstream):
 
 
 def _after_commit_sync(root, git, result, report, a):
-    """--push / --publish / autopush / --await-render after a committed shelve (§ 7.2-7.4);
-    never raises: the commit is in place, a failure is sync.error and status incomplete."""
+    """Push, publish or await the render after a committed shelve (§ 7.2-7.4); never raises."""
     publish = bool(a.get("publish"))
-    push = bool(a.get("push")) or (not publish and
-                                   _memshelf_config(root).get("autopush") is True)
+    push = bool(a.get("push")) or not publish and _memshelf_config(root).get("autopush") is True
     wait = a.get("await_render_seconds") or 0
     if report and (report["skipped_reason"] or "").startswith("fetch failed"):
         # offline must not cost the episode, but the writer should know it was not synced
@@ -9557,8 +9550,7 @@ def _after_commit_sync(root, git, result, report, a):
         report["error"] = exc.message
     except OSError as exc:   # the commit is made; a failure after it is reported, not raised
         report["error"] = f"{type(exc).__name__}: {exc}"
-    report["final_sha"] = git.head()
-    report["summary"] = _sync_summary(report)
+    report.update(final_sha=git.head(), summary=_sync_summary(report))
     if (push and not report["pushed"]) or (publish and not report["published_branch"]):
         return _sync_incomplete(root, result, report, (remote, branch))
     return report
@@ -9578,8 +9570,7 @@ def _sync_incomplete(root, result, report, target):
 
 
 def _push_rejected(words):
-    """A rejection that a rebase (or another branch name) can cure, not an outage. A lost race
-    for the remote's ref lock ("is at X but expected Y") means the same: the branch moved."""
+    """A rejection a rebase can cure; a lost race for the remote's ref lock means the same."""
     return any(k in words for k in ("[rejected]", "non-fast-forward", "fetch first")) or \
         ("cannot lock ref" in words and "but expected" in words)
 
@@ -9605,8 +9596,7 @@ def _push(root, git, result, report, amend=True):
 
 
 def _push_retry(root, git, remote, branch, result, report, first_words, amend):
-    """The one retry after a rejected push: fetch, rebase, re-render in auto mode (amend: into
-    the rebased, never pushed shelve commit), push. None on success, else the error."""
+    """Fetch, rebase, re-render (amend: into the unpushed commit) and push; None or the error."""
     fetched, words = _fetch(git, remote, branch)
     if not fetched:
         return f"push rejected ({first_words}); the retry's fetch failed: {words}"
@@ -9682,8 +9672,7 @@ def _publish(root, git, result, report):
 
 
 def _compare_url(remote_url, branch, published):
-    """The page that opens a pull (GitHub form) or merge request (GitLab hosts), or None when
-    the remote has no web address. Credentials never reach the link."""
+    """The web page that opens a pull or merge request, or None; credentials never reach it."""
     from urllib.parse import quote
     web = _remote_probe_base(remote_url)
     if not web or web == "local":
@@ -9695,8 +9684,7 @@ def _compare_url(remote_url, branch, published):
 
 
 def _await_render(root, git, report, seconds, published):
-    """Bot mode: wait for the renderer's commit after our push and fast-forward onto it (§ 7.4).
-    Every way this ends short of a pull is a render_note, never an error."""
+    """Wait for the renderer's commit and fast-forward onto it (§ 7.4); misses are notes."""
     report["render_awaited"] = True
     if _derived_mode(root) != "bot":
         report["render_note"] = "derived: auto renders in this clone; nothing to await"
@@ -9820,8 +9808,7 @@ def _row_key(row):
 
 
 def _union_recall_logs(ours, theirs, base=None):
-    """Multiset union of recall logs (git-and-sync.md § 6): with a base each distinct row
-    appears max(ours + theirs - base, ours, theirs) times, without one max(ours, theirs)."""
+    """Multiset union of recall logs, row counts as git-and-sync.md § 6 gives them."""
     from collections import Counter
     if _CONFLICT_START.search(ours):
         # a log already merged as text: its two sides, unioned without a base
@@ -9899,8 +9886,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("scan", scan_verb, [
 
 _EXTRA_VERB_FACTORIES.append(lambda: _Verb("merge-driver", merge_driver_verb, [
     _Param("kind", "string", positional=True, metavar="KIND", help="recall-log"),
-    _Param("files", "array", positional=True, nargs="*", metavar="FILE",
-           help="%O %A %B from git"),
+    _Param("files", "array", positional=True, nargs="*", metavar="FILE", help="%O %A %B from git"),
 ], title="git merge driver for recall-log.tsv", mcp=False, needs_shelf=False,
     text=lambda r: r["text"]))
 
@@ -10072,8 +10058,7 @@ def rollup(shelf_path=None, slug=None, digest=None, until=None, episode_ids=None
     slug = _check_slug(slug)
     if not isinstance(digest, str):
         raise _usage("a digest is required", "pass --digest TEXT: a synthesis of the period")
-    episode_ids = list(episode_ids or [])
-    kinds = list(kinds or [])
+    episode_ids, kinds = list(episode_ids or []), list(kinds or [])
     if until is not None and episode_ids:
         raise _usage("pass --until or --episode, not both", "pick one way to select")
     if until is None and not episode_ids:
@@ -10125,7 +10110,6 @@ def _rollup_locked(root, a):
         demoted += n
         if body:
             sections.append((name, body))
-    title = outs[-1]
     if demoted:
         warnings.append(f"{demoted} '## ' line(s) inside bodies were demoted to '### ' so the "
                         "section structure stays as written")
@@ -10160,7 +10144,7 @@ def _rollup_locked(root, a):
         lines.append(f"- {_index_key(rec['stem'])}" + (f" — {label}" if label else ""))
     body.append((_ROLLUP_RESERVED_SECTION, "\n".join(lines)))
     fields = {"id": slug, "kind": "topic", "span": span, "date": date,
-              "display_title": title or None, "description": description or None,
+              "display_title": outs[-1] or None, "description": description or None,
               "tags": ["rollup"], "keywords": keywords, "approx_tokens": "0",
               "approx_tokens_source": "measured", "mode": "live"}
     text = _compose_episode(fields, digest, body)
@@ -10237,8 +10221,7 @@ def _rollup_locked(root, a):
 
 
 def _journal_render(root, journal):
-    """Every derived file rendered and written through the journal: (paths written or
-    deleted, every rendered path)."""
+    """Render through the journal: (paths written or deleted, every rendered path)."""
     files = _render_derived(root)["files"]
     return [rel for rel, text in files.items() if journal.write_if_changed(rel, text)], list(files)
 
@@ -10365,8 +10348,7 @@ _TOPIC_CHANGE = _re_lazy(
     r"another question|unrelated|separate question|on another note|"
     r"новая тема|другая тема|другой вопрос|следующий вопрос|переходим к|теперь давай)\b",
     re.IGNORECASE)
-_HEADING_LIKE = _re_lazy(r"^(?:#{1,6}\s+\S|(?:topic|task|subject|тема|задача)\s*:)",
-                           re.IGNORECASE)
+_HEADING_LIKE = _re_lazy(r"^(?:#{1,6}\s+\S|(?:topic|task|subject|тема|задача)\s*:)", re.IGNORECASE)
 _MD_ROLES = {"user": "user", "human": "user", "you": "user", "me": "user",
              "assistant": "assistant", "claude": "assistant", "chatgpt": "assistant",
              "gpt": "assistant", "ai": "assistant", "model": "assistant", "bot": "assistant"}
@@ -10523,8 +10505,7 @@ def _obj(value):
 
 
 def _chatgpt_branch(mapping, current):
-    """Node ids from the root to current_node: the branch the user last saw (without one, the
-    newest child at each step from the root)."""
+    """Node ids from the root to current_node (else along the newest children)."""
     chain, seen, upward = [], set(), current in mapping
     if upward:
         node, step = current, lambda entry: entry.get("parent")
@@ -10586,11 +10567,9 @@ def _markdown_conversation(text, path):
             buf.append(line)
             continue
         sp = _MD_SPEAKER.match(line)
-        name = rest = None
-        if sp:
-            name = sp.group("h") or sp.group("b") or sp.group("p")
-            rest = sp.group("brest") or sp.group("prest") or ""
+        name = sp and (sp.group("h") or sp.group("b") or sp.group("p"))
         if name and name.casefold() in _MD_ROLES:
+            rest = sp.group("brest") or sp.group("prest")
             if role is not None:
                 _import_add_message(conv, role, "\n".join(buf).strip())
             role, buf = _MD_ROLES[name.casefold()], [rest] if rest else []
@@ -10706,11 +10685,8 @@ def _render_transcript(conv, fmt, source_name):
 
 
 def _import_cuts(conv):
-    """Topic arcs: a new arc starts at a user message after a long gap, an explicit topic
-    change, or a heading-like opening, once the current arc has at least two messages."""
+    """Topic arcs split at user messages: a long gap, a topic change or a heading."""
     msgs = conv["messages"]
-    if not msgs:
-        return []
     starts = [(0, "start")]
     for i, (prev, msg) in enumerate(zip(msgs, msgs[1:]), 1):
         if msg["role"] != "user" or i - starts[-1][0] < _CUT_MIN_MESSAGES:
@@ -10758,8 +10734,7 @@ def _redact_transcript(conv, enabled):
 
 
 def _import_output_path(out, conv):
-    """Where extract writes: (None, name) for a private new temp folder (the default, and an MCP
-    bare name); (folder, path) for a CLI path, anywhere outside .git."""
+    """(None, name) for a private new temp folder, or (folder, path) for a CLI --out path."""
     if out is None:
         slug = _slugify(conv["title"] or "")[:60].strip("-_")
         if _slug_problem(slug):
@@ -10800,8 +10775,7 @@ def import_transcript(method=None, path=None, format="auto", markers=None, limit
     markers = [m for m in (markers or []) if isinstance(m, str) and m.strip()]
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise _usage("limit must be a positive integer")
-    if select is not None and not isinstance(select, str):
-        select = str(select)
+    select = None if select is None else str(select)
     source = os.path.realpath(os.path.expanduser(path))
     if not os.path.exists(source):
         raise ShelfError("io-error", f"no such file {path}", "check the path", {"path": path})
@@ -10924,8 +10898,7 @@ def _import_extract(source, fmt, convs, markers, select, out, redact_on, name):
 # --- resolve: finish a merge of two clones (verbs.md § 1.6) ---------------------------------
 
 def resolve(shelf_path=None, commit=False):
-    """Finish a shelf merge: union the recall log, regenerate derived files from the merged
-    episodes, and report conflicting episodes without touching them (verbs.md § 1.6)."""
+    """Finish a shelf merge: recall-log union, derived files, conflicts named (verbs.md § 1.6)."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     with _ShelfLock(root):
         result = _resolve_locked(root, commit)
@@ -10947,8 +10920,7 @@ def _resolve_locked(root, commit):
                                             read_only=True), "committed": False, "commit": None}
     unmerged = _unmerged_paths(git) if in_git else {}
     rebasing = in_git and any(
-        os.path.isdir(os.path.join(root, git.out("rev-parse", "--git-path", d,
-                                                  read_only=True)))
+        os.path.isdir(os.path.join(root, git.out("rev-parse", "--git-path", d, read_only=True)))
         for d in ("rebase-merge", "rebase-apply"))
     log_path = os.path.join(root, _RECALL_LOG)
     touched, derived_pending = [], []
@@ -11033,16 +11005,12 @@ def _unmerged_paths(git):
 
 
 def _resolve_summary(r):
-    bits = []
-    if r["resolved"]:
-        bits.append("resolved " + ", ".join(r["resolved"]))
-    if r["regenerated"]:
-        bits.append(f"regenerated {len(r['regenerated'])} derived file(s)")
-    if r["unresolved"]:
-        bits.append(f"{len(r['unresolved'])} episode conflict(s) need a person or an agent: " +
-                    ", ".join(r["unresolved"]))
-    if r["committed"]:
-        bits.append("committed")
+    bits = [b for b in (
+        r["resolved"] and "resolved " + ", ".join(r["resolved"]),
+        r["regenerated"] and f"regenerated {len(r['regenerated'])} derived file(s)",
+        r["unresolved"] and f"{len(r['unresolved'])} episode conflict(s) need a person or an "
+        "agent: " + ", ".join(r["unresolved"]),
+        r["committed"] and "committed") if b]
     text = "resolve: " + ("; ".join(bits) if bits else "nothing to resolve")
     return "\n".join([text] + [f"note: {n}" for n in r["notes"]])
 
@@ -11093,9 +11061,8 @@ def sync_verb(shelf_path=None, push=False):
                     same = text is None
                 if not same:
                     lag.append(rel)
-    report["final_sha"] = after
-    report["summary"] = _sync_summary(report)
-    report.update(status="incomplete" if push and not report["pushed"] else "ok",
+    report.update(final_sha=after, summary=_sync_summary(report),
+                  status="incomplete" if push and not report["pushed"] else "ok",
                   episodes_added=added, episodes_changed=changed,
                   derived_lag=bool(lag) if lag is not None else None,
                   derived_lagging=lag or [], installed=installed)
@@ -11132,8 +11099,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("sync", sync_verb, [
 # --- repair: back to one consistent commit (docs/architecture.md § Interruptions) -----------
 
 def repair(shelf_path=None):
-    """Bring a git shelf back to one consistent commit, asking nothing (docs/architecture.md
-    § Interruptions and repair); an episode that does not parse stays put, and is named."""
+    """Bring a git shelf back to one consistent commit (docs/architecture.md § Interruptions)."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     done, left = [], []
     result = {"status": "ok", "done": done, "left": left, "committed": False, "commit": None}
