@@ -9473,7 +9473,7 @@ class _SetAside:
 
 
 def _sync_preflight(root, git):
-    """Fast-forward from the upstream before writing (git-and-sync.md § 7.1)."""
+    """Fast-forward before writing (git-and-sync.md § 7.1); None without git or a remote."""
     if not git.is_repo():
         return None
     target, reason = _sync_target(git)
@@ -9570,7 +9570,7 @@ def _sync_incomplete(root, result, report, target):
 
 
 def _push_rejected(words):
-    """A rejection a rebase can cure; a lost race for the remote's ref lock means the same."""
+    """A rejection a rebase (or another branch name) can cure, a lost ref-lock race included."""
     return any(k in words for k in ("[rejected]", "non-fast-forward", "fetch first")) or \
         ("cannot lock ref" in words and "but expected" in words)
 
@@ -9684,7 +9684,7 @@ def _compare_url(remote_url, branch, published):
 
 
 def _await_render(root, git, report, seconds, published):
-    """Wait for the renderer's commit and fast-forward onto it (§ 7.4); misses are notes."""
+    """Wait for the renderer's commit, then fast-forward onto it (§ 7.4); a miss is a note."""
     report["render_awaited"] = True
     if _derived_mode(root) != "bot":
         report["render_note"] = "derived: auto renders in this clone; nothing to await"
