@@ -9864,8 +9864,7 @@ def _split_conflict(text):
 
 def merge_driver_verb(kind=None, files=None):
     """git merge driver: `merge-driver recall-log %O %A %B` writes the union into %A."""
-    files = files or []
-    if kind != "recall-log" or len(files) != 3:
+    if kind != "recall-log" or len(files or []) != 3:
         raise _usage("usage: memshelf merge-driver recall-log BASE OURS THEIRS")
     base, ours, theirs = ([_read_text(p) if os.path.exists(p) else "" for p in files])
     merged = _union_recall_logs(ours, theirs, base)
@@ -10371,14 +10370,13 @@ def _import_stamp(value):
     """Seconds since the epoch from an ISO string or a number; None when unknown."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, str):
-        m = _ISO_STAMP.match(value.strip())
-        if m:
-            import calendar
-            try:
-                return float(calendar.timegm(tuple(int(x) for x in m.groups()) + (0, 0, 0)))
-            except (ValueError, OverflowError):
-                return None
+    m = _ISO_STAMP.match(value.strip()) if isinstance(value, str) else None
+    if m:
+        import calendar
+        try:
+            return float(calendar.timegm(tuple(int(x) for x in m.groups()) + (0, 0, 0)))
+        except (ValueError, OverflowError):
+            return None
     return None
 
 
@@ -10754,8 +10752,7 @@ def _import_output_path(out, conv):
         return None, out
     target = os.path.abspath(os.path.expanduser(out))
     parent = os.path.realpath(os.path.dirname(target))
-    parts = (parent + os.sep + os.path.basename(target)).split(os.sep)
-    if ".git" in parts:
+    if ".git" in (parent + os.sep + os.path.basename(target)).split(os.sep):
         raise _usage(f"--out {out} points inside a .git directory", "choose a path outside .git")
     if os.path.isdir(target):
         raise _usage(f"--out {out} is a directory", "name a file")
@@ -10811,7 +10808,6 @@ def _import_discover(source, fmt, convs, markers, limit, redact_on, name):
                         "messages": len(conv["messages"]),
                         "approx_tokens": tokens(_render_transcript(conv, fmt, name)),
                         "stripped_blocks": conv["stripped"], "snippet": snippet})
-    warnings = list(convs[0].get("warnings", [])) if convs else []
     lines = [f"{len(matched)} of {len(convs)} conversation(s) in {name} ({fmt})" +
              (f" match {', '.join(repr(m) for m in markers)}" if markers else "") +
              (f"; showing {len(listing)}" if len(listing) < len(matched) else "")] + [
@@ -10820,7 +10816,7 @@ def _import_discover(source, fmt, convs, markers, limit, redact_on, name):
     return {"status": "ok", "method": "discover", "format": fmt, "path": source,
             "conversations": listing, "total": len(convs), "matched": len(matched),
             "shown": len(listing), "truncated": len(listing) < len(matched),
-            "warnings": warnings,
+            "warnings": list(convs[0].get("warnings", [])) if convs else [],
             "next": "extract one conversation: memshelf import extract --path FILE --select "
                     "<id|title|index> (or the markers that match exactly one)",
             "summary": "\n".join(lines)}
