@@ -10898,8 +10898,7 @@ def resolve(shelf_path=None, commit=False):
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     with _ShelfLock(root):
         result = _resolve_locked(root, commit)
-    report = doctor(shelf_path=root)
-    result["doctor"] = report
+    result["doctor"] = report = doctor(shelf_path=root)
     if not report["healthy"]:
         result["notes"].append(f"doctor reports {report['errors']} error(s); see doctor")
     if result["unresolved"] or not report["healthy"]:
