@@ -8560,8 +8560,7 @@ class _Git:
         return "" if rel == "." else rel + "/"
 
     def remotes(self):
-        out = self.out("remote", check=False, read_only=True)
-        return [r for r in out.split() if r]
+        return self.out("remote", check=False, read_only=True).split()
 
     def head(self):
         return self.out("rev-parse", "-q", "--verify", "HEAD", check=False, read_only=True) or None
@@ -8608,8 +8607,7 @@ class _Git:
             if present:
                 self.run("add", "-A", "--", *present, env=private)
             if gone:
-                self.run("rm", "-r", "--cached", "--ignore-unmatch", "-q", "--", *gone,
-                         env=private)
+                self.run("rm", "-r", "--cached", "--ignore-unmatch", "-q", "--", *gone, env=private)
             # --no-renames: a move must list both its paths, or the commit keeps the old one
             staged = [n for n in self.out("diff", "--cached", "--name-only", "--no-renames",
                                           "-z", "--relative", "--", *(present + gone),
@@ -8673,8 +8671,7 @@ def _git_lock_error(git):
 
 
 def _stale_git_locks(git_dir):
-    """Lock files of a git directory that no live process holds open (Linux: /proc), older
-    than a few seconds; [] where that cannot be proved."""
+    """Lock files of git_dir, older than 2 s, that no live process holds open (Linux /proc)."""
     names = [n for n in ("index.lock", "HEAD.lock") if os.path.exists(os.path.join(git_dir, n))]
     if not names or not os.path.isdir("/proc/self/fd"):
         return []
@@ -8821,14 +8818,14 @@ def _git_init_shelf(root, storage, remote, hooks, created, updated):
 
 def _install_git_hooks(git):
     """Write the local hooks that are absent (repository root only); existing ones stay."""
-    installed, skipped = [], []
     if not git.is_root():
-        return installed, skipped
+        return [], []
     if git.out("config", "--get", "core.hooksPath", check=False, read_only=True):
-        return installed, list(_HOOKS)   # a shared hooks folder is the user's; never write there
+        return [], list(_HOOKS)   # a shared hooks folder is the user's; never write there
     hooks_dir = git.out("rev-parse", "--git-path", "hooks", check=False, read_only=True)
     if not hooks_dir:
-        return installed, skipped
+        return [], []
+    installed, skipped = [], []
     hooks_dir = os.path.join(git.root, hooks_dir)
     os.makedirs(hooks_dir, exist_ok=True)
     launcher = _launcher()
@@ -8909,8 +8906,7 @@ def _catch_up_hint(root, remote, branch):
 
 
 def _dirty_tracked(git):
-    """Shelf-relative paths of tracked files that differ from HEAD, derived files and the
-    recall log aside (they never block a pull)."""
+    """Tracked shelf files that differ from HEAD, except derived files and the recall log."""
     return [rel for _, _, rel in _shelf_status(git, untracked="no", renames=True, read_only=True)
             if not _is_derived_path(rel) and rel != _RECALL_LOG]
 
@@ -8920,13 +8916,6 @@ def _fetch(git, remote, branch):
     p = git.run("fetch", "-q", "--no-tags", remote,
                 f"+refs/heads/{branch}:refs/remotes/{remote}/{branch}", check=False)
     return p.returncode == 0, _git_words(p)
-
-
-def _fetch_skip_reason(words, branch):
-    if "couldn't find remote ref" in words:
-        return f"remote has no {branch} yet"
-    first = next((l for l in words.splitlines() if l.strip()), "unknown error")
-    return "fetch failed: " + re.sub(r"^(fatal|error): ", "", first)
 
 
 def _behind_ahead(git, upstream):
@@ -8985,8 +8974,7 @@ class _SetAside:
 
 
 def _sync_preflight(root, git):
-    """Fast-forward from the upstream before writing (git-and-sync.md § 7.1): None without git
-    or remotes, a skipped report offline or detached; raises dirty-shelf / sync-diverged."""
+    """Fast-forward before writing (git-and-sync.md § 7.1); None without git or a remote."""
     if not git.is_repo():
         return None
     target, reason = _sync_target(git)
@@ -9000,8 +8988,10 @@ def _sync_preflight(root, git):
                          more, "commit or discard them, or pass --no-sync", {"paths": blocking[:5]})
     fetched, words = _fetch(git, remote, branch)
     if not fetched:
-        return _sync_report(skipped_reason=_fetch_skip_reason(words, branch), remote=remote,
-                            branch=branch)
+        first = next((l for l in words.splitlines() if l.strip()), "unknown error")
+        why = f"remote has no {branch} yet" if "couldn't find remote ref" in words else \
+            "fetch failed: " + re.sub(r"^(fatal|error): ", "", first)
+        return _sync_report(skipped_reason=why, remote=remote, branch=branch)
     upstream = f"refs/remotes/{remote}/{branch}"
     behind, ahead = _behind_ahead(git, upstream)
     if behind and ahead:
@@ -9028,11 +9018,9 @@ def _fast_forward(root, git, upstream):
 
 
 def _after_commit_sync(root, git, result, report, a):
-    """--push / --publish / autopush / --await-render after a committed shelve (§ 7.2-7.4);
-    never raises: the commit is in place, a failure is sync.error and status incomplete."""
+    """Push, publish or await the render after a committed shelve (§ 7.2-7.4); never raises."""
     publish = bool(a.get("publish"))
-    push = bool(a.get("push")) or (not publish and
-                                   _memshelf_config(root).get("autopush") is True)
+    push = bool(a.get("push")) or not publish and _memshelf_config(root).get("autopush") is True
     wait = a.get("await_render_seconds") or 0
     if report and (report["skipped_reason"] or "").startswith("fetch failed"):
         # offline must not cost the episode, but the writer should know it was not synced
@@ -9063,8 +9051,7 @@ def _after_commit_sync(root, git, result, report, a):
         report["error"] = exc.message
     except OSError as exc:   # the commit is made; a failure after it is reported, not raised
         report["error"] = f"{type(exc).__name__}: {exc}"
-    report["final_sha"] = git.head()
-    report["summary"] = _sync_summary(report)
+    report.update(final_sha=git.head(), summary=_sync_summary(report))
     if (push and not report["pushed"]) or (publish and not report["published_branch"]):
         return _sync_incomplete(root, result, report, (remote, branch))
     return report
@@ -9084,8 +9071,7 @@ def _sync_incomplete(root, result, report, target):
 
 
 def _push_rejected(words):
-    """A rejection that a rebase (or another branch name) can cure, not an outage. A lost race
-    for the remote's ref lock ("is at X but expected Y") means the same: the branch moved."""
+    """A rejection a rebase (or another branch name) can cure, a lost ref-lock race included."""
     return any(k in words for k in ("[rejected]", "non-fast-forward", "fetch first")) or \
         ("cannot lock ref" in words and "but expected" in words)
 
@@ -9111,8 +9097,7 @@ def _push(root, git, result, report, amend=True):
 
 
 def _push_retry(root, git, remote, branch, result, report, first_words, amend):
-    """The one retry after a rejected push: fetch, rebase, re-render in auto mode (amend: into
-    the rebased, never pushed shelve commit), push. None on success, else the error."""
+    """Fetch, rebase, re-render (amend: into the unpushed commit) and push; None or the error."""
     fetched, words = _fetch(git, remote, branch)
     if not fetched:
         return f"push rejected ({first_words}); the retry's fetch failed: {words}"
@@ -9188,8 +9173,7 @@ def _publish(root, git, result, report):
 
 
 def _compare_url(remote_url, branch, published):
-    """The page that opens a pull (GitHub form) or merge request (GitLab hosts), or None when
-    the remote has no web address. Credentials never reach the link."""
+    """The web page that opens a pull or merge request, or None; credentials never reach it."""
     from urllib.parse import quote
     web = _remote_probe_base(remote_url)
     if not web or web == "local":
@@ -9201,8 +9185,7 @@ def _compare_url(remote_url, branch, published):
 
 
 def _await_render(root, git, report, seconds, published):
-    """Bot mode: wait for the renderer's commit after our push and fast-forward onto it (§ 7.4).
-    Every way this ends short of a pull is a render_note, never an error."""
+    """Wait for the renderer's commit, then fast-forward onto it (§ 7.4); a miss is a note."""
     report["render_awaited"] = True
     if _derived_mode(root) != "bot":
         report["render_note"] = "derived: auto renders in this clone; nothing to await"
@@ -9219,21 +9202,19 @@ def _await_render(root, git, report, seconds, published):
     start = time.monotonic()
     while True:
         fetched, words = _fetch(git, remote, branch)
+        elapsed = time.monotonic() - start
+        report["render_waited_s"] = round(elapsed, 1)
         if fetched and git.ok("merge-base", "--is-ancestor", pushed, upstream, read_only=True):
             count = git.out("rev-list", "--count", f"{pushed}..{upstream}", "--", *specs,
                             check=False, read_only=True)
             if count.isdigit() and int(count) > 0:
-                report["render_waited_s"] = round(time.monotonic() - start, 1)
                 _pull_render(root, git, report, upstream)
                 return
         elif fetched:
-            report["render_waited_s"] = round(time.monotonic() - start, 1)
             report["render_note"] = (f"{remote}/{branch} no longer contains the pushed commit "
                                      "(not an ancestor); nothing was pulled")
             return
-        elapsed = time.monotonic() - start
         if elapsed + _RENDER_POLL_SECONDS > seconds:
-            report["render_waited_s"] = round(elapsed, 1)
             tail = f"; the last fetch failed: {words.splitlines()[0]}" if not fetched and words \
                 else ""
             report["render_note"] = (f"no render on {remote}/{branch} within {seconds:g} s"
@@ -9328,8 +9309,7 @@ def _row_key(row):
 
 
 def _union_recall_logs(ours, theirs, base=None):
-    """Multiset union of recall logs (git-and-sync.md § 6): with a base each distinct row
-    appears max(ours + theirs - base, ours, theirs) times, without one max(ours, theirs)."""
+    """Multiset union of recall logs, row counts as git-and-sync.md § 6 gives them."""
     from collections import Counter
     if _CONFLICT_START.search(ours):
         # a log already merged as text: its two sides, unioned without a base
@@ -9385,8 +9365,7 @@ def _split_conflict(text):
 
 def merge_driver_verb(kind=None, files=None):
     """git merge driver: `merge-driver recall-log %O %A %B` writes the union into %A."""
-    files = files or []
-    if kind != "recall-log" or len(files) != 3:
+    if kind != "recall-log" or len(files or []) != 3:
         raise _usage("usage: memshelf merge-driver recall-log BASE OURS THEIRS")
     base, ours, theirs = ([_read_text(p) if os.path.exists(p) else "" for p in files])
     merged = _union_recall_logs(ours, theirs, base)
@@ -9407,8 +9386,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("scan", scan_verb, [
 
 _EXTRA_VERB_FACTORIES.append(lambda: _Verb("merge-driver", merge_driver_verb, [
     _Param("kind", "string", positional=True, metavar="KIND", help="recall-log"),
-    _Param("files", "array", positional=True, nargs="*", metavar="FILE",
-           help="%O %A %B from git"),
+    _Param("files", "array", positional=True, nargs="*", metavar="FILE", help="%O %A %B from git"),
 ], title="git merge driver for recall-log.tsv", mcp=False, needs_shelf=False,
     text=lambda r: r["text"]))
 
@@ -9580,8 +9558,7 @@ def rollup(shelf_path=None, slug=None, digest=None, until=None, episode_ids=None
     slug = _check_slug(slug)
     if not isinstance(digest, str):
         raise _usage("a digest is required", "pass --digest TEXT: a synthesis of the period")
-    episode_ids = list(episode_ids or [])
-    kinds = list(kinds or [])
+    episode_ids, kinds = list(episode_ids or []), list(kinds or [])
     if until is not None and episode_ids:
         raise _usage("pass --until or --episode, not both", "pick one way to select")
     if until is None and not episode_ids:
@@ -9633,7 +9610,6 @@ def _rollup_locked(root, a):
         demoted += n
         if body:
             sections.append((name, body))
-    title = outs[-1]
     if demoted:
         warnings.append(f"{demoted} '## ' line(s) inside bodies were demoted to '### ' so the "
                         "section structure stays as written")
@@ -9668,7 +9644,7 @@ def _rollup_locked(root, a):
         lines.append(f"- {_index_key(rec['stem'])}" + (f" — {label}" if label else ""))
     body.append((_ROLLUP_RESERVED_SECTION, "\n".join(lines)))
     fields = {"id": slug, "kind": "topic", "span": span, "date": date,
-              "display_title": title or None, "description": description or None,
+              "display_title": outs[-1] or None, "description": description or None,
               "tags": ["rollup"], "keywords": keywords, "approx_tokens": "0",
               "approx_tokens_source": "measured", "mode": "live"}
     text = _compose_episode(fields, digest, body)
@@ -9745,8 +9721,7 @@ def _rollup_locked(root, a):
 
 
 def _journal_render(root, journal):
-    """Every derived file rendered and written through the journal: (paths written or
-    deleted, every rendered path)."""
+    """Render through the journal: (paths written or deleted, every rendered path)."""
     files = _render_derived(root)["files"]
     return [rel for rel, text in files.items() if journal.write_if_changed(rel, text)], list(files)
 
@@ -9873,8 +9848,7 @@ _TOPIC_CHANGE = _re_lazy(
     r"another question|unrelated|separate question|on another note|"
     r"новая тема|другая тема|другой вопрос|следующий вопрос|переходим к|теперь давай)\b",
     re.IGNORECASE)
-_HEADING_LIKE = _re_lazy(r"^(?:#{1,6}\s+\S|(?:topic|task|subject|тема|задача)\s*:)",
-                           re.IGNORECASE)
+_HEADING_LIKE = _re_lazy(r"^(?:#{1,6}\s+\S|(?:topic|task|subject|тема|задача)\s*:)", re.IGNORECASE)
 _MD_ROLES = {"user": "user", "human": "user", "you": "user", "me": "user",
              "assistant": "assistant", "claude": "assistant", "chatgpt": "assistant",
              "gpt": "assistant", "ai": "assistant", "model": "assistant", "bot": "assistant"}
@@ -9897,14 +9871,13 @@ def _import_stamp(value):
     """Seconds since the epoch from an ISO string or a number; None when unknown."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, str):
-        m = _ISO_STAMP.match(value.strip())
-        if m:
-            import calendar
-            try:
-                return float(calendar.timegm(tuple(int(x) for x in m.groups()) + (0, 0, 0)))
-            except (ValueError, OverflowError):
-                return None
+    m = _ISO_STAMP.match(value.strip()) if isinstance(value, str) else None
+    if m:
+        import calendar
+        try:
+            return float(calendar.timegm(tuple(int(x) for x in m.groups()) + (0, 0, 0)))
+        except (ValueError, OverflowError):
+            return None
     return None
 
 
@@ -10003,37 +9976,26 @@ def _import_title(text):
     return first[:80].rstrip() + ("…" if len(first) > 80 else "")
 
 
-def _claude_json_conversations(data, path):
-    convs = data
-    if isinstance(data, dict):
-        listed = isinstance(data.get("conversations"), list)
-        if not listed and "chat_messages" not in data:
-            raise _not_a_transcript(path, "a JSON object without conversations or chat_messages")
-        convs = data["conversations"] if listed else [data]
-    out = []
-    for i, raw in enumerate(convs):
-        if not isinstance(raw, dict) or not isinstance(raw.get("chat_messages"), list):
+def _claude_json_conversation(raw, i):
+    """One claude.ai conversation; None for an item without chat_messages."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("chat_messages"), list):
+        return None
+    conv = _import_conversation(raw.get("uuid") or raw.get("id") or i, None,
+                                len(json.dumps(raw, ensure_ascii=False)))
+    for msg in raw["chat_messages"]:
+        if not isinstance(msg, dict):
             continue
-        conv = _import_conversation(raw.get("uuid") or raw.get("id") or i, None,
-                                 len(json.dumps(raw, ensure_ascii=False)))
-        for msg in raw["chat_messages"]:
-            if not isinstance(msg, dict):
-                continue
-            text, stripped = _import_blocks_text(msg.get("content"))
-            conv["stripped"] += stripped
-            if not text and isinstance(msg.get("text"), str):
-                text = msg["text"].strip()   # older exports carry only the flat text
-            sender = msg.get("sender") or msg.get("role")
-            _import_add_message(conv, "assistant" if sender == "assistant" else "user", text,
-                         _import_stamp(msg.get("created_at")))
-        name = raw.get("name") or raw.get("title")
-        conv["title"] = name.strip() if isinstance(name, str) and name.strip() else \
-            (_import_title(conv["messages"][0]["text"]) if conv["messages"]
-             else f"conversation {i}")
-        out.append(conv)
-    if not out:
-        raise _not_a_transcript(path, "no conversation with chat_messages in it")
-    return out
+        text, stripped = _import_blocks_text(msg.get("content"))
+        conv["stripped"] += stripped
+        if not text and isinstance(msg.get("text"), str):
+            text = msg["text"].strip()   # older exports carry only the flat text
+        sender = msg.get("sender") or msg.get("role")
+        _import_add_message(conv, "assistant" if sender == "assistant" else "user", text,
+                            _import_stamp(msg.get("created_at")))
+    name = raw.get("name") or raw.get("title")
+    conv["title"] = name.strip() if isinstance(name, str) and name.strip() else \
+        (_import_title(conv["messages"][0]["text"]) if conv["messages"] else f"conversation {i}")
+    return conv
 
 
 def _obj(value):
@@ -10042,8 +10004,7 @@ def _obj(value):
 
 
 def _chatgpt_branch(mapping, current):
-    """Node ids from the root to current_node: the branch the user last saw (without one, the
-    newest child at each step from the root)."""
+    """Node ids from the root to current_node (else along the newest children)."""
     chain, seen, upward = [], set(), current in mapping
     if upward:
         node, step = current, lambda entry: entry.get("parent")
@@ -10059,40 +10020,35 @@ def _chatgpt_branch(mapping, current):
     return chain[::-1] if upward else chain
 
 
-def _chatgpt_conversations(data, path):
-    convs = [data] if isinstance(data, dict) else data
-    out = []
-    for i, raw in enumerate(convs):
-        if not isinstance(raw, dict) or not isinstance(raw.get("mapping"), dict):
+def _chatgpt_conversation(raw, i):
+    """One ChatGPT conversation; None for an item without a message mapping."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("mapping"), dict):
+        return None
+    mapping = raw["mapping"]
+    conv = _import_conversation(raw.get("id") or raw.get("conversation_id") or i, None,
+                                len(json.dumps(raw, ensure_ascii=False)))
+    for node in _chatgpt_branch(mapping, raw.get("current_node")):
+        msg = _obj(_obj(mapping.get(node)).get("message"))
+        role = _obj(msg.get("author")).get("role")
+        content = _obj(msg.get("content"))
+        ctype = content.get("content_type")
+        if _obj(msg.get("metadata")).get("is_visually_hidden_from_conversation") or \
+                role == "system":
             continue
-        mapping = raw["mapping"]
-        conv = _import_conversation(raw.get("id") or raw.get("conversation_id") or i, None,
-                                 len(json.dumps(raw, ensure_ascii=False)))
-        for node in _chatgpt_branch(mapping, raw.get("current_node")):
-            msg = _obj(_obj(mapping.get(node)).get("message"))
-            role = _obj(msg.get("author")).get("role")
-            content = _obj(msg.get("content"))
-            ctype = content.get("content_type")
-            if _obj(msg.get("metadata")).get("is_visually_hidden_from_conversation") or \
-                    role == "system":
-                continue
-            parts = content.get("parts") if isinstance(content.get("parts"), list) else []
-            text = "\n\n".join(p.strip() for p in parts if isinstance(p, str) and p.strip())
-            if role == "tool" or ctype in ("code", "execution_output", "tether_browsing_display",
-                                           "tether_quote", "system_error") or \
-                    (role == "assistant" and msg.get("recipient") not in (None, "all")):
-                conv["stripped"] += 1
-                continue
-            if role not in ("user", "assistant") or ctype not in ("text", "multimodal_text"):
-                continue   # reasoning, custom instructions and similar are not the dialogue
-            _import_add_message(conv, role, text, _import_stamp(msg.get("create_time")))
-        title = raw.get("title")
-        conv["title"] = title.strip() if isinstance(title, str) and title.strip() else \
-            f"conversation {i}"
-        out.append(conv)
-    if not out:
-        raise _not_a_transcript(path, "no conversation with a message mapping in it")
-    return out
+        parts = content.get("parts") if isinstance(content.get("parts"), list) else []
+        text = "\n\n".join(p.strip() for p in parts if isinstance(p, str) and p.strip())
+        if role == "tool" or ctype in ("code", "execution_output", "tether_browsing_display",
+                                       "tether_quote", "system_error") or \
+                (role == "assistant" and msg.get("recipient") not in (None, "all")):
+            conv["stripped"] += 1
+            continue
+        if role not in ("user", "assistant") or ctype not in ("text", "multimodal_text"):
+            continue   # reasoning, custom instructions and similar are not the dialogue
+        _import_add_message(conv, role, text, _import_stamp(msg.get("create_time")))
+    title = raw.get("title")
+    conv["title"] = title.strip() if isinstance(title, str) and title.strip() else \
+        f"conversation {i}"
+    return conv
 
 
 def _markdown_conversation(text, path):
@@ -10110,11 +10066,9 @@ def _markdown_conversation(text, path):
             buf.append(line)
             continue
         sp = _MD_SPEAKER.match(line)
-        name = rest = None
-        if sp:
-            name = sp.group("h") or sp.group("b") or sp.group("p")
-            rest = sp.group("brest") or sp.group("prest") or ""
+        name = sp and (sp.group("h") or sp.group("b") or sp.group("p"))
         if name and name.casefold() in _MD_ROLES:
+            rest = sp.group("brest") or sp.group("prest")
             if role is not None:
                 _import_add_message(conv, role, "\n".join(buf).strip())
             role, buf = _MD_ROLES[name.casefold()], [rest] if rest else []
@@ -10162,7 +10116,7 @@ def _read_transcript(path, fmt, progress):
             fmt = "claude-code-jsonl"
         elif path.lower().endswith((".md", ".markdown", ".txt")) or first not in ("[", "{"):
             fmt = "markdown"
-        elif first == "{" and _import_json_line(first_line) and \
+        elif first == "{" and _json_object(first_line) is not None and \
                 not re.search(r'"(?:conversations|chat_messages|mapping)"\s*:',
                               first_line[:200000]):
             fmt = "claude-code-jsonl"
@@ -10185,22 +10139,31 @@ def _read_transcript(path, fmt, progress):
         raise _not_a_transcript(path, "the JSON is neither a list nor an object")
     if isinstance(data, list) and not data:
         raise _not_a_transcript(path, "the export holds no conversations")
-    items = data if isinstance(data, list) else [data]
+    listed = isinstance(data, dict) and isinstance(data.get("conversations"), list)
+    items = data["conversations"] if listed else data if isinstance(data, list) else [data]
     if fmt == "json":
-        if isinstance(data, dict) and isinstance(data.get("conversations"), list):
-            items = data["conversations"]
         looks_chatgpt = any(isinstance(c, dict) and "mapping" in c for c in items[:50])
         fmt = "chatgpt-json" if looks_chatgpt else "claude-json"
     if fmt == "chatgpt-json":
-        return fmt, _chatgpt_conversations(data, path)
-    return "claude-json", _claude_json_conversations(data, path)
+        read, missing = _chatgpt_conversation, "a message mapping"
+        items = [data] if isinstance(data, dict) else data
+    else:
+        read, missing = _claude_json_conversation, "chat_messages"
+        if isinstance(data, dict) and not listed and "chat_messages" not in data:
+            raise _not_a_transcript(path, "a JSON object without conversations or chat_messages")
+    convs = [c for c in (read(raw, i) for i, raw in enumerate(items)) if c]
+    if not convs:
+        raise _not_a_transcript(path, f"no conversation with {missing} in it")
+    return fmt, convs
 
 
-def _import_json_line(line):
+def _json_object(line):
+    """The JSON object a line holds, or None."""
     try:
-        return isinstance(json.loads(line), dict)
+        value = json.loads(line)
     except ValueError:
-        return False
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _import_text(conv):
@@ -10221,11 +10184,8 @@ def _render_transcript(conv, fmt, source_name):
 
 
 def _import_cuts(conv):
-    """Topic arcs: a new arc starts at a user message after a long gap, an explicit topic
-    change, or a heading-like opening, once the current arc has at least two messages."""
+    """Topic arcs split at user messages: a long gap, a topic change or a heading."""
     msgs = conv["messages"]
-    if not msgs:
-        return []
     starts = [(0, "start")]
     for i, (prev, msg) in enumerate(zip(msgs, msgs[1:]), 1):
         if msg["role"] != "user" or i - starts[-1][0] < _CUT_MIN_MESSAGES:
@@ -10273,8 +10233,7 @@ def _redact_transcript(conv, enabled):
 
 
 def _import_output_path(out, conv):
-    """Where extract writes: (None, name) for a private new temp folder (the default, and an MCP
-    bare name); (folder, path) for a CLI path, anywhere outside .git."""
+    """(None, name) for a private new temp folder, or (folder, path) for a CLI --out path."""
     if out is None:
         slug = _slugify(conv["title"] or "")[:60].strip("-_")
         if _slug_problem(slug):
@@ -10294,8 +10253,7 @@ def _import_output_path(out, conv):
         return None, out
     target = os.path.abspath(os.path.expanduser(out))
     parent = os.path.realpath(os.path.dirname(target))
-    parts = (parent + os.sep + os.path.basename(target)).split(os.sep)
-    if ".git" in parts:
+    if ".git" in (parent + os.sep + os.path.basename(target)).split(os.sep):
         raise _usage(f"--out {out} points inside a .git directory", "choose a path outside .git")
     if os.path.isdir(target):
         raise _usage(f"--out {out} is a directory", "name a file")
@@ -10315,8 +10273,7 @@ def import_transcript(method=None, path=None, format="auto", markers=None, limit
     markers = [m for m in (markers or []) if isinstance(m, str) and m.strip()]
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise _usage("limit must be a positive integer")
-    if select is not None and not isinstance(select, str):
-        select = str(select)
+    select = None if select is None else str(select)
     source = os.path.realpath(os.path.expanduser(path))
     if not os.path.exists(source):
         raise ShelfError("io-error", f"no such file {path}", "check the path", {"path": path})
@@ -10352,7 +10309,6 @@ def _import_discover(source, fmt, convs, markers, limit, redact_on, name):
                         "messages": len(conv["messages"]),
                         "approx_tokens": tokens(_render_transcript(conv, fmt, name)),
                         "stripped_blocks": conv["stripped"], "snippet": snippet})
-    warnings = list(convs[0].get("warnings", [])) if convs else []
     lines = [f"{len(matched)} of {len(convs)} conversation(s) in {name} ({fmt})" +
              (f" match {', '.join(repr(m) for m in markers)}" if markers else "") +
              (f"; showing {len(listing)}" if len(listing) < len(matched) else "")] + [
@@ -10361,7 +10317,7 @@ def _import_discover(source, fmt, convs, markers, limit, redact_on, name):
     return {"status": "ok", "method": "discover", "format": fmt, "path": source,
             "conversations": listing, "total": len(convs), "matched": len(matched),
             "shown": len(listing), "truncated": len(listing) < len(matched),
-            "warnings": warnings,
+            "warnings": list(convs[0].get("warnings", [])) if convs else [],
             "next": "extract one conversation: memshelf import extract --path FILE --select "
                     "<id|title|index> (or the markers that match exactly one)",
             "summary": "\n".join(lines)}
@@ -10439,13 +10395,11 @@ def _import_extract(source, fmt, convs, markers, select, out, redact_on, name):
 # --- resolve: finish a merge of two clones (verbs.md § 1.6) ---------------------------------
 
 def resolve(shelf_path=None, commit=False):
-    """Finish a shelf merge: union the recall log, regenerate derived files from the merged
-    episodes, and report conflicting episodes without touching them (verbs.md § 1.6)."""
+    """Finish a shelf merge: recall-log union, derived files, conflicts named (verbs.md § 1.6)."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     with _ShelfLock(root):
         result = _resolve_locked(root, commit)
-    report = doctor(shelf_path=root)
-    result["doctor"] = report
+    result["doctor"] = report = doctor(shelf_path=root)
     if not report["healthy"]:
         result["notes"].append(f"doctor reports {report['errors']} error(s); see doctor")
     if result["unresolved"] or not report["healthy"]:
@@ -10462,8 +10416,7 @@ def _resolve_locked(root, commit):
                                             read_only=True), "committed": False, "commit": None}
     unmerged = _unmerged_paths(git) if in_git else {}
     rebasing = in_git and any(
-        os.path.isdir(os.path.join(root, git.out("rev-parse", "--git-path", d,
-                                                  read_only=True)))
+        os.path.isdir(os.path.join(root, git.out("rev-parse", "--git-path", d, read_only=True)))
         for d in ("rebase-merge", "rebase-apply"))
     log_path = os.path.join(root, _RECALL_LOG)
     touched, derived_pending = [], []
@@ -10548,16 +10501,12 @@ def _unmerged_paths(git):
 
 
 def _resolve_summary(r):
-    bits = []
-    if r["resolved"]:
-        bits.append("resolved " + ", ".join(r["resolved"]))
-    if r["regenerated"]:
-        bits.append(f"regenerated {len(r['regenerated'])} derived file(s)")
-    if r["unresolved"]:
-        bits.append(f"{len(r['unresolved'])} episode conflict(s) need a person or an agent: " +
-                    ", ".join(r["unresolved"]))
-    if r["committed"]:
-        bits.append("committed")
+    bits = [b for b in (
+        r["resolved"] and "resolved " + ", ".join(r["resolved"]),
+        r["regenerated"] and f"regenerated {len(r['regenerated'])} derived file(s)",
+        r["unresolved"] and f"{len(r['unresolved'])} episode conflict(s) need a person or an "
+        "agent: " + ", ".join(r["unresolved"]),
+        r["committed"] and "committed") if b]
     text = "resolve: " + ("; ".join(bits) if bits else "nothing to resolve")
     return "\n".join([text] + [f"note: {n}" for n in r["notes"]])
 
@@ -10608,9 +10557,8 @@ def sync_verb(shelf_path=None, push=False):
                     same = text is None
                 if not same:
                     lag.append(rel)
-    report["final_sha"] = after
-    report["summary"] = _sync_summary(report)
-    report.update(status="incomplete" if push and not report["pushed"] else "ok",
+    report.update(final_sha=after, summary=_sync_summary(report),
+                  status="incomplete" if push and not report["pushed"] else "ok",
                   episodes_added=added, episodes_changed=changed,
                   derived_lag=bool(lag) if lag is not None else None,
                   derived_lagging=lag or [], installed=installed)
@@ -10647,8 +10595,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("sync", sync_verb, [
 # --- repair: back to one consistent commit (docs/architecture.md § Interruptions) -----------
 
 def repair(shelf_path=None):
-    """Bring a git shelf back to one consistent commit, asking nothing (docs/architecture.md
-    § Interruptions and repair); an episode that does not parse stays put, and is named."""
+    """Bring a git shelf back to one consistent commit (docs/architecture.md § Interruptions)."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     done, left = [], []
     result = {"status": "ok", "done": done, "left": left, "committed": False, "commit": None}
