@@ -6427,6 +6427,8 @@ def _meta_entry(rec):
 
     The text is what json.dumps(..., indent=2, ensure_ascii=False) writes for the entry, made
     with the C string encoder: the pure-Python indenting encoder costs seconds at 100k."""
+    if "meta_entry" in rec:   # a render record brings its own, formatted when parsed
+        return rec["meta_entry"], rec["meta_warning"]
     title = rec.get("display_title") or ""
     desc_raw = rec.get("description") or ""
     if not title and not desc_raw:
@@ -6442,8 +6444,7 @@ def _render_meta(records):
     """docs/<category>/.meta.json text, or None when it would be empty; plus cap warnings."""
     entries, warnings = {}, []
     for r in sorted(records, key=lambda r: (r["date"], r.get("id") or "")):
-        entry, warn = (r["meta_entry"], r["meta_warning"]) if "meta_entry" in r else \
-            _meta_entry(r)
+        entry, warn = _meta_entry(r)
         if warn:
             warnings.append(f"{r['stem']}.md: {warn}")
         if entry is not None:
