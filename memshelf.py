@@ -6806,8 +6806,7 @@ def _index_key(stem):
 
 def _index_entry(rec):
     """An episode's compact INDEX line, but for the superseded note (other episodes make it).
-    Cached (a cache column), like _meta_entry's answer: a change to what either writes needs a
-    _CACHE_SCHEMA bump."""
+    Cached like _meta_entry's answer: a change to what either writes needs a _CACHE_SCHEMA bump."""
     line = "- " + _index_key(rec["stem"])
     title = rec.get("display_title") or ""
     if title and title != rec["stem"]:
@@ -6837,12 +6836,9 @@ def _render_compact(name, preamble, records, superseded):
     if not any(groups.values()):
         out += ["_No episodes yet._", ""]
     for cat in CATEGORIES:
-        eps = sorted(groups[cat], key=lambda r: (r["date"], r["stem"]))
-        if not eps:
-            continue
-        out += [f"## {_HEADINGS[cat]}", ""]
-        out += [_compact_entry(r, superseded) for r in eps]
-        out.append("")
+        if groups[cat]:
+            eps = sorted(groups[cat], key=lambda r: (r["date"], r["stem"]))
+            out += [f"## {_HEADINGS[cat]}", ""] + [_compact_entry(r, superseded) for r in eps] + [""]
     out.append(_COMPACT_FOOTER)   # joined once: at 100k entries a second copy is 20 MB
     return "\n".join(out)
 
@@ -6850,10 +6846,6 @@ def _render_compact(name, preamble, records, superseded):
 def _title_from_stem(stem):
     parts = [p for p in re.split(r"[-_]+", stem) if p]
     return " ".join(p.capitalize() if p.islower() else p for p in parts)
-
-
-def _docshelf_heading(directory):
-    return re.sub(r"[-_]", " ", directory).strip().title()
 
 
 def _render_docshelf(cfg, records, metas, root, base):
@@ -6869,44 +6861,39 @@ def _render_docshelf(cfg, records, metas, root, base):
         groups.setdefault(r["category"], []).append(r)
     order = [c for c in cfg.get("category_order") or [] if c in groups]
     order += sorted(c for c in groups if c not in order)
+    style = cfg.get("index_style") or "auto"
+    threshold = cfg.get("subindex_threshold_sections") or 10
     for cat in order:
         meta = metas.get(cat) or {}
         entries = []
         for r in groups[cat]:
             m = meta.get(r["stem"] + ".md") or {}
             title = m.get("title") or _title_from_stem(r["stem"])
-            desc = (m.get("description") or "").strip()
-            entries.append((title, desc, r))
+            entries.append((title, (m.get("description") or "").strip(), r))
         entries.sort(key=lambda e: e[0].lower())
-        out += [f"## {_docshelf_heading(cat)}", ""]
+        out += [f"## {re.sub(r'[-_]', ' ', cat).strip().title()}", ""]
         for title, desc, r in entries:
             d = f" — {desc}" if desc else ""
             fname = r["stem"] + ".md"
-            split = _legacy_split_sections(root, base, cat, r["stem"])
-            if split:
-                size_kb = r["size"] // 1024
-                out += [f"### {title}{d}", "",
-                        f"Full document: `{fname}` (~{size_kb} KB — prefer pulling individual "
-                        "sections below).", ""]
-                style = cfg.get("index_style") or "auto"
-                threshold = cfg.get("subindex_threshold_sections") or 10
-                if style == "subindex" or (style == "auto" and len(split) > threshold):
-                    out += [f"Sections ({len(split)}): see the [SUBINDEX]"
-                            f"({base}/{cat}/{r['stem']}/SUBINDEX.md) for the per-chapter list.",
-                            ""]
-                else:
-                    for sec in split:
-                        out.append(f"- {_split_label(sec)} (`{base}/{cat}/{r['stem']}/{sec}`)")
-                    out += ["", f"  *(sections: {len(split)})*", ""]
-            else:
+            folder = f"{base}/{cat}/{r['stem']}"
+            split = _legacy_split_sections(os.path.join(root, folder))
+            if not split:
                 out.append(f"- **{title}**{d} — `{fname}`")
+                continue
+            out += [f"### {title}{d}", "", f"Full document: `{fname}` (~{r['size'] // 1024} KB — "
+                    "prefer pulling individual sections below).", ""]
+            if style == "subindex" or (style == "auto" and len(split) > threshold):
+                out += [f"Sections ({len(split)}): see the [SUBINDEX]({folder}/SUBINDEX.md) for "
+                        "the per-chapter list.", ""]
+            else:
+                out += [f"- {_split_label(sec)} (`{folder}/{sec}`)" for sec in split]
+                out += ["", f"  *(sections: {len(split)})*", ""]
         out.append("")
     out.append(_DOCSHELF_FOOTER)
     return "\n".join(out)
 
 
-def _legacy_split_sections(root, base, cat, stem):
-    d = os.path.join(root, base, cat, stem)
+def _legacy_split_sections(d):
     if not os.path.isdir(d) or os.path.islink(d):
         return []
     return sorted(n for n in os.listdir(d) if re.match(r"\d{3}-.*\.md\Z", n))
@@ -6921,11 +6908,8 @@ def _split_label(name):
 
 
 def _meta_entry(rec):
-    """(an episode's entry in its category's .meta.json as JSON text, None when it has neither
-    title nor description; the description cap's warning or None).
-
-    The text is what json.dumps(..., indent=2, ensure_ascii=False) writes for the entry, made
-    with the C string encoder: the pure-Python indenting encoder costs seconds at 100k."""
+    """(an episode's .meta.json entry as json.dumps(indent=2) would write it, or None; the
+    description cap's warning or None). The C string encoder: the indenting one is slow at 100k."""
     title = rec.get("display_title") or ""
     desc_raw = rec.get("description") or ""
     if not title and not desc_raw:
@@ -6968,30 +6952,19 @@ def _ledger_rows(records):
     return rows, warnings
 
 
-def _render_ledger(rows):
-    return _LEDGER_HEADER + "".join([_ledger_row(r) + "\n" for r in rows])
-
-
 def _render_chart(rows):
-    """stats.svg from the ledger's rows: cumulative expected vs actual tokens per date, log
-    scale (shelf-format.md § 10)."""
-    import math
+    """stats.svg from the ledger's rows (shelf-format.md § 10)."""
+    from itertools import accumulate
     per_date = {}
     for r in rows:
-        e = per_date.get(r["date"])
-        if e is None:
-            e = per_date[r["date"]] = [0, 0]
+        e = per_date.setdefault(r["date"], [0, 0])
         e[0] += _ledger_expected(r)
         e[1] += r["digest_tokens"]
     if not per_date:
         return None
     dates = sorted(per_date)
-    expected, actual, ce, ca = [], [], 0, 0
-    for d in dates:
-        ce += per_date[d][0]
-        ca += per_date[d][1]
-        expected.append(ce)
-        actual.append(ca)
+    expected = list(accumulate(per_date[d][0] for d in dates))
+    actual = list(accumulate(per_date[d][1] for d in dates))
     positive = [v for v in actual if v > 0]
     lo = math.log10(max(1, min(min(positive), 100))) if positive else math.log10(100)
     hi = math.log10(max(max(expected), 10 ** lo * 10))
@@ -7003,26 +6976,23 @@ def _render_chart(rows):
     def y(v):
         return 290 - (math.log10(max(v, 1)) - lo) / (hi - lo) * 250
 
+    grid = [(y(10 ** p), _human_count(10 ** p))
+            for p in range(math.ceil(lo - 1e-9), math.floor(hi + 1e-9) + 1)]
     out = ['<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 800 340" '
-           'font-family="system-ui, sans-serif">']
-    out.append("  <title>memshelf token economy — cumulative, log scale</title>")
-    out.append('  <text x="64" y="20" font-size="14" font-weight="600" fill="#666666">'
-               "Token economy — cumulative (log scale)</text>")
-    grid = []
-    p = math.ceil(lo - 1e-9)
-    while p <= hi + 1e-9:
-        yy = y(10 ** p)
-        grid.append(f'<line x1="64" x2="640" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#d8d6cc" '
-                    f'stroke-width="1"/><text x="56" y="{yy + 4:.1f}" text-anchor="end" '
-                    f'font-size="11" fill="#666666">{_human_count(10 ** p)}</text>')
-        p += 1
-    out.append("  " + "".join(grid))
-    out.append('  <line x1="64" x2="640" y1="290" y2="290" stroke="#9a978c" stroke-width="1"/>')
+           'font-family="system-ui, sans-serif">',
+           "  <title>memshelf token economy — cumulative, log scale</title>",
+           '  <text x="64" y="20" font-size="14" font-weight="600" fill="#666666">'
+           "Token economy — cumulative (log scale)</text>",
+           "  " + "".join(f'<line x1="64" x2="640" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#d8d6cc" '
+                          f'stroke-width="1"/><text x="56" y="{yy + 4:.1f}" text-anchor="end" '
+                          f'font-size="11" fill="#666666">{label}</text>' for yy, label in grid),
+           '  <line x1="64" x2="640" y1="290" y2="290" stroke="#9a978c" stroke-width="1"/>']
     for series, colour in ((expected, "#9a978c"), (actual, "#2a78d6")):
         pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(series))
-        out.append(f'  <polyline points="{pts}" fill="none" stroke="{colour}" '
-                   'stroke-width="2" stroke-linejoin="round"/>' + "".join(f'<circle cx="{x(i):.1f}" cy="{y(v):.1f}" r="3" '
-                                  f'fill="{colour}"/>' for i, v in enumerate(series)))
+        out.append(f'  <polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2" '
+                   'stroke-linejoin="round"/>' + "".join(
+                       f'<circle cx="{x(i):.1f}" cy="{y(v):.1f}" r="3" fill="{colour}"/>'
+                       for i, v in enumerate(series)))
     ye, ya = y(expected[-1]), y(actual[-1])
     ratio = repr(round(expected[-1] / actual[-1], 1)) if actual[-1] else "0.0"
     out.append(f'  <text x="648" y="{ye + 4:.1f}" font-size="12" fill="#9a978c">without '
@@ -7089,7 +7059,7 @@ def _render_records(root, records, fmt, index_only, key):
     if not index_only:
         rows, w = _ledger_rows(records)
         warnings += w
-        files["ledger.tsv"] = _render_ledger(rows)
+        files["ledger.tsv"] = _LEDGER_HEADER + "".join([_ledger_row(r) + "\n" for r in rows])
         chart = _render_chart(rows)
         if chart is not None:
             files["stats.svg"] = chart
