@@ -6838,7 +6838,8 @@ def _render_compact(name, preamble, records, superseded):
     for cat in CATEGORIES:
         if groups[cat]:
             eps = sorted(groups[cat], key=lambda r: (r["date"], r["stem"]))
-            out += [f"## {_HEADINGS[cat]}", ""] + [_compact_entry(r, superseded) for r in eps] + [""]
+            out += [f"## {_HEADINGS[cat]}", ""] + [_compact_entry(r, superseded) for r in eps]
+            out.append("")
     out.append(_COMPACT_FOOTER)   # joined once: at 100k entries a second copy is 20 MB
     return "\n".join(out)
 
