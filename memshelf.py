@@ -7023,25 +7023,18 @@ def _superseded_map(records):
 
 def _render_derived(root, records=None, fmt=None, progress=None, index_only=False,
                     verify=False):
-    """Every derived file of the shelf as {relative path: text or None (delete)}.
-
-    Without `records`, the whole shelf is read; when nothing a render reads has changed since
-    the last render known to be on disk, the files on disk are the answer (records: None).
-    index_only: the caller reads INDEX.md and archive/INDEX.md alone (a memo hit reads only
-    those; given records, only those are rendered). verify: every episode parsed again, no memo
-    and no cached row trusted (index --verify)."""
+    """Every derived file of the shelf as {relative path: text or None (delete)}; without
+    `records` the whole shelf is read, or the remembered render on disk is the answer (records:
+    None). index_only: only the INDEX files are wanted. verify: no memo, no cached row trusted."""
     fmt = fmt or _index_format(root)
     key = None
     if records is None:
         remembered = None if verify else _state(root).get("render_memo")
-        remembered = remembered if isinstance(remembered, dict) else None
-        if remembered:
-            key, scanned = _render_key(root, fmt)
+        key, scanned = _render_key(root, fmt)
+        if remembered and isinstance(remembered, dict):
             memo = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
             if memo is not None:
                 return memo
-        if not remembered:
-            key, scanned = _render_key(root, fmt)
         with _Store(root, use_cache=not verify) as store:
             records = store.render_records(progress=progress, files=scanned)
         del scanned   # a few hundred bytes per episode, not needed while rendering
@@ -7064,7 +7057,7 @@ def _render_records(root, records, fmt, index_only, key):
         chart = _render_chart(rows)
         if chart is not None:
             files["stats.svg"] = chart
-    for base, recs in (("docs", live), ("archive/docs", archived)):
+    for base, prefix, recs in (("docs", "", live), ("archive/docs", "archive/", archived)):
         metas = {}
         for cat in CATEGORIES:
             if not os.path.isdir(os.path.join(root, base, cat)) or \
@@ -7076,24 +7069,20 @@ def _render_records(root, records, fmt, index_only, key):
                 files[f"{base}/{cat}/.meta.json"] = text
             if fmt == "docshelf":
                 metas[cat] = json.loads(text) if text else {}
-        prefix = "" if base == "docs" else "archive/"
-        if base == "archive/docs" and (not os.path.isdir(os.path.join(root, "archive")) or
-                                       _linked(root, "archive")):
-            continue
-        if fmt == "manual" and base == "docs":
-            continue
         c = dict(cfg)
-        if base == "archive/docs":
+        if prefix:
+            if not os.path.isdir(os.path.join(root, "archive")) or _linked(root, "archive"):
+                continue
             ac, _ = _load_json_object(os.path.join(root, "archive", ".docshelf.json"))
             c.update({k: v for k, v in (ac or {}).items() if k in ("name", "preamble")})
-        if fmt == "docshelf":
-            files[prefix + "INDEX.md"] = _render_docshelf(c, recs, metas, root, base)
-        else:
-            files[prefix + "INDEX.md"] = _render_compact(c["name"], c["preamble"], recs,
-                                                         superseded)
+        elif fmt == "manual":
+            continue
+        files[prefix + "INDEX.md"] = (_render_docshelf(c, recs, metas, root, base)
+                                      if fmt == "docshelf" else
+                                      _render_compact(c["name"], c["preamble"], recs, superseded))
     return {"files": files, "warnings": warnings, "records": records,
             "key": None if index_only else key,   # a partial render is never remembered
-            "episodes": len([r for r in records if r.get("id")])}
+            "episodes": sum(1 for r in records if r.get("id"))}
 
 
 def _render_one_change(root, memo, records, new_rel, old, key):
@@ -7107,57 +7096,44 @@ def _render_one_change(root, memo, records, new_rel, old, key):
             not new["id"] or new["fields"].get("date") != new["date"] or \
             (old and old["id"] and old["fields"].get("date") != old["date"]):
         return None
-    others = [r for r in records if r is not new]
     files = dict(memo["files"])
     superseded = _superseded_map(records)
-    index, meta = [], {}
-    for base_rec, add in ((old, False), (new, True)):
-        if base_rec is None:
-            continue
-        entry, warning = _meta_entry(base_rec)
-        if warning:
-            return None
-        cat = base_rec["category"]
-        live = [r for r in others if r["category"] == cat and not r["archived"]]
-        index.append((cat, _compact_entry(base_rec, superseded), add,
-                      [(r["date"], r["stem"]) for r in live], (new["date"], new["stem"])))
-        if entry is not None:
-            meta.setdefault(cat, []).append((entry, add, [
-                (r["date"], r["id"] or "") for r in live if r["meta_entry"] is not None],
-                (new["date"], new["id"])))
-    text = files.get("INDEX.md")
-    if not isinstance(text, str):
+    index = (files.get("INDEX.md") or "").split("\n")
+    ledger = (files.get("ledger.tsv") or "").split("\n")
+    if ledger[0] + "\n" != _LEDGER_HEADER or ledger[-1]:
         return None
-    lines = text.split("\n")
-    for cat, line, add, keys, mine in index:
-        heading = f"## {_HEADINGS[cat]}"
-        if lines.count(heading) != 1:
-            return None
-        start = lines.index(heading) + 2
-        end = lines.index("", start)
-        if not _splice_sorted(lines, start, end, line, add, keys, mine):
-            return None
-    files["INDEX.md"] = "\n".join(lines)
-    for cat, changes in meta.items():
-        rel = f"docs/{cat}/.meta.json"
-        text = files.get(rel)
-        if not isinstance(text, str) or not text.startswith("{\n") or \
-                not text.endswith("\n}\n"):
-            return None
-        entries = re.split(r",\n(?=  \S)", text[2:-3])
-        for entry, add, keys, mine in changes:
-            if not _splice_sorted(entries, 0, len(entries), entry, add, keys, mine):
-                return None
-        files[rel] = "{\n" + ",\n".join(entries) + "\n}\n"
     rows = [r for r in records if r["id"]]
-    lines = (files.get("ledger.tsv") or "").split("\n")
-    keys = [(r["date"], r["id"]) for r in rows if r is not new]
-    if lines[0] + "\n" != _LEDGER_HEADER or lines[-1] or (old and old["id"] and not _splice_sorted(
-            lines, 1, len(lines) - 1, _ledger_row(old), False, keys, None)) or \
-            not _splice_sorted(lines, 1, len(lines) - 1, _ledger_row(new), True, keys,
-                               (new["date"], new["id"])):
-        return None
-    files["ledger.tsv"] = "\n".join(lines)
+    ledger_keys = [(r["date"], r["id"]) for r in rows if r is not new]
+    for rec, add in ((old, False), (new, True)):
+        if rec is None:
+            continue
+        entry, warning = _meta_entry(rec)
+        heading = f"## {_HEADINGS[rec['category']]}"
+        if warning or index.count(heading) != 1:
+            return None
+        live = [r for r in records if r is not new and r["category"] == rec["category"] and
+                not r["archived"]]
+        start = index.index(heading) + 2
+        end = index.index("", start)
+        if not _splice_sorted(index, start, end, _compact_entry(rec, superseded), add,
+                              [(r["date"], r["stem"]) for r in live], (new["date"], new["stem"])):
+            return None
+        if entry is not None:
+            rel = f"docs/{rec['category']}/.meta.json"
+            text = files.get(rel) or ""
+            if not (text.startswith("{\n") and text.endswith("\n}\n")):
+                return None
+            entries = re.split(r",\n(?=  \S)", text[2:-3])
+            if not _splice_sorted(entries, 0, len(entries), entry, add, [
+                    (r["date"], r["id"] or "") for r in live if r["meta_entry"] is not None],
+                    (new["date"], new["id"])):
+                return None
+            files[rel] = "{\n" + ",\n".join(entries) + "\n}\n"
+        if rec["id"] and not _splice_sorted(ledger, 1, len(ledger) - 1, _ledger_row(rec), add,
+                                            ledger_keys, (new["date"], new["id"])):
+            return None
+    files["INDEX.md"] = "\n".join(index)
+    files["ledger.tsv"] = "\n".join(ledger)
     files["stats.svg"] = _render_chart(rows)
     return {"files": files, "warnings": memo["warnings"], "records": records, "key": key,
             "episodes": len(rows)}
