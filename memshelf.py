@@ -6799,9 +6799,7 @@ _RUN_OF_STARS = _re_lazy(r"\*{2,}")
 
 
 def _index_key(stem):
-    if _INDEX_KEY_QUOTED.search(stem):
-        return "`" + stem + "`"
-    return stem
+    return "`" + stem + "`" if _INDEX_KEY_QUOTED.search(stem) else stem
 
 
 def _index_entry(rec):
@@ -6901,11 +6899,8 @@ def _legacy_split_sections(d):
 
 
 def _split_label(name):
-    label = re.sub(r"^\d{3}-", "", name[:-3])
-    label = re.sub(r"[-_]", " ", label)
-    if label and re.fullmatch(r"[ivxlcdm]+", label, re.IGNORECASE):
-        return label.upper()
-    return label.capitalize()
+    label = re.sub(r"[-_]", " ", name[4:-3])   # name is NNN-<label>.md
+    return label.upper() if re.fullmatch(r"[ivxlcdm]+", label, re.I) else label.capitalize()
 
 
 def _meta_entry(rec):
@@ -7154,29 +7149,32 @@ def _splice_sorted(lines, start, end, line, add, keys, mine):
     return True
 
 
+def _disk_bytes(path):
+    """A file's bytes, None when it cannot be read."""
+    try:
+        return _file_bytes(path)
+    except OSError:
+        return None
+
+
 def _write_derived(root, files, rendered=None, journal=None):
     """Write what differs; with the full render it came from, remember that render."""
     written, unchanged, deleted = [], [], []
     for rel, content in sorted(files.items()):
         path = _shelf_join(root, *rel.split("/"))
-        if content is None:
-            if os.path.exists(path):
-                if journal is not None:
-                    journal._remember(rel)
-                os.unlink(path)
-                deleted.append(rel)
+        data = None if content is None else content.encode("utf-8")
+        if content is None and not os.path.exists(path):
             continue
-        data = content.encode("utf-8")
-        try:
-            with open(path, "rb") as f:
-                if f.read() == data:
-                    unchanged.append(rel)
-                    continue
-        except OSError:
-            pass
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if data is not None and _disk_bytes(path) == data:
+            unchanged.append(rel)
+            continue
         if journal is not None:
             journal._remember(rel)
+        if data is None:
+            os.unlink(path)
+            deleted.append(rel)
+            continue
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         _atomic_write(path, data)
         written.append(rel)
     if rendered is not None:
@@ -7191,10 +7189,8 @@ def _leftover_temps(root):
         if rel.split(os.sep)[0] in (".git", ".memshelf"):
             dirnames[:] = []
             continue
-        for n in filenames:
-            if _TEMP_MARK in n:
-                path = os.path.join(rel, n).replace(os.sep, "/")
-                found.append(path[2:] if path.startswith("./") else path)
+        found += [os.path.normpath(os.path.join(rel, n)).replace(os.sep, "/")
+                  for n in filenames if _TEMP_MARK in n]
     return sorted(found)
 
 
@@ -7213,9 +7209,8 @@ def rebuild(shelf_path=None, check=False, adopt=False, commit=False, index_forma
 def _rebuild_locked(root, check, adopt, commit, index_format, full):
     progress = _Progress("rebuilding")
     changed_sources = []
-    if index_format and not check:
-        if _set_index_format(root, index_format):
-            changed_sources.append("shelf.yml")
+    if index_format and not check and _set_index_format(root, index_format):
+        changed_sources.append("shelf.yml")
     adoption = None
     if adopt:
         adoption = _adopt(root)
@@ -7246,18 +7241,14 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
         result["adoption"] = adoption
     if check:
         for rel, content in sorted(files.items()):
-            path = os.path.join(root, rel)
-            try:
-                with open(path, "rb") as f:
-                    same = content is not None and f.read() == content.encode("utf-8")
-            except OSError:
-                same = content is None
+            data = None if content is None else content.encode("utf-8")
+            same = _disk_bytes(os.path.join(root, rel)) == data
             (result["unchanged"] if same else result["drifted"]).append(rel)
-        if not result["drifted"]:
-            _remember_render(root, rendered, files)
         if result["drifted"]:
             result.update(status="drift", ok=False)
             _note("derived files diverge from the episodes: " + ", ".join(result["drifted"]))
+        else:
+            _remember_render(root, rendered, files)
         result["summary"] = ("derived files match the episodes" if result["ok"] else
                              "drift: " + ", ".join(result["drifted"]) +
                              " — run memshelf rebuild")
@@ -7332,17 +7323,14 @@ def _adopt(root):
         if not r["fm_ok"] or not r.get("id"):
             skipped.append(r["path"])
             continue
-        meta_path = os.path.join(root, "docs", r["category"], ".meta.json")
-        meta, _ = _load_json_object(meta_path)
+        meta, _ = _load_json_object(os.path.join(root, "docs", r["category"], ".meta.json"))
         m = (meta or {}).get(r["stem"] + ".md") or {}
         row = old_ledger.get(r["id"])
         add = {}
         f = r["fields"]
-        if "date" not in f:
-            d = row[0] if row and _is_iso_date(row[0]) else (
-                r["id"][:10] if _is_iso_date(r["id"][:10]) else None)
-            if d:
-                add["date"] = d
+        date = next((d for d in (row or [])[:1] + [r["id"][:10]] if _is_iso_date(d)), None)
+        if "date" not in f and date:
+            add["date"] = date
         if "notes" not in f and row and len(row) >= 6 and row[5]:
             add["notes"] = _yaml_quote(row[5])
         if "display_title" not in f and isinstance(m.get("title"), str) and m["title"] and \
@@ -7356,14 +7344,12 @@ def _adopt(root):
             skipped.append(r["path"])
             continue
         path = os.path.join(root, r["path"])
-        text = _read_text(path)
-        lines = text.split("\n")
+        lines = _read_text(path).split("\n")
         fences = [i for i, l in enumerate(lines) if re.match(r"---[ \t]*$", l)]
         if len(fences) < 2:
             skipped.append(r["path"])
             continue
-        close = fences[1]
-        lines[close:close] = [f"{k}: {v}" for k, v in add.items()]
+        lines[fences[1]:fences[1]] = [f"{k}: {v}" for k, v in add.items()]
         _atomic_write(path, "\n".join(lines))
         adopted.append(r["id"])
         written.append({"path": r["path"]})
@@ -7401,24 +7387,24 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     fmt = _index_format(root)
     rel = "archive/INDEX.md" if archive else "INDEX.md"
-    path = os.path.join(root, rel)
     lag = 0
     rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
                                index_only=True, verify=verify)
-    if rendered["records"] is None and rendered["files"].get(rel) is not None:
-        on_disk_text = rendered["files"][rel]   # a memo hit has just read and checked the file
+    fresh = rendered["files"].get(rel)
+    if rendered["records"] is None and fresh is not None:
+        on_disk_text = fresh   # a memo hit has just read and checked the file
     else:
         on_disk_text = None
         try:
-            on_disk_text = _read_text(path)
+            on_disk_text = _read_text(os.path.join(root, rel))
         except (OSError, ShelfError):
             pass
         if rendered["records"] is not None and not verify:
             _remember_if_on_disk(root, rendered)   # the next reader is answered from the memo
-    fresh = rendered["files"].get(rel)
     if fresh is None:
+        cfg = _docshelf_config(root)
         fresh = on_disk_text if on_disk_text is not None else _render_compact(
-            _docshelf_config(root)["name"], _docshelf_config(root)["preamble"], [], {})
+            cfg["name"], cfg["preamble"], [], {})
     if on_disk_text is None:
         on_disk = "missing"
     elif on_disk_text == fresh:
@@ -7430,7 +7416,6 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
         lag = len([r for r in rendered["records"] or [] if r["archived"] == archive and
                    r["stem"] not in listed and fmt == "compact"])
     text = fresh
-    source = "file" if on_disk == "current" else "rendered"
     total = shown = _entry_count(text)
     if category or since:
         text = _filter_index(text.split("\n"), category, since)
@@ -7440,8 +7425,8 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
         lines = text.split("\n")
         entry_idx = [i for i, l in enumerate(lines) if l.startswith("- ")]
         text, shown, truncated, next_offset = _cap_index(lines, entry_idx, max_chars, offset)
-    return {"status": "ok", "index": text, "format": fmt if fmt != "manual" else "manual",
-            "source": source, "on_disk": on_disk, "lag_episodes": lag,
+    return {"status": "ok", "index": text, "format": fmt,
+            "source": "file" if on_disk == "current" else "rendered", "on_disk": on_disk, "lag_episodes": lag,
             "entries_total": total, "entries_shown": shown, "truncated": truncated,
             "next_offset": next_offset, "tokens": tokens(text)}
 
@@ -7465,9 +7450,7 @@ def _filter_index(lines, category, since):
             if since and not (_is_iso_date(key[:10]) and key[:10] >= since):
                 continue
         out.append(line)
-    # drop headings left without entries
-    text = "\n".join(out)
-    return re.sub(r"## [^\n]+\n\n(?=## |---)", "", text)
+    return re.sub(r"## [^\n]+\n\n(?=## |---)", "", "\n".join(out))   # headings left empty
 
 
 def _cap_index(lines, entry_idx, max_chars, offset):
@@ -7476,8 +7459,7 @@ def _cap_index(lines, entry_idx, max_chars, offset):
         m = _ENTRY_LINE.match(lines[i])
         k = (m.group(1) or m.group(2)) if m else lines[i]
         return (k[:10] if _is_iso_date(k[:10]) else "", i)
-    newest_first = sorted(entry_idx, key=key_of, reverse=True)
-    candidates = newest_first[offset:]
+    candidates = sorted(entry_idx, key=key_of, reverse=True)[offset:]
     head_end = entry_idx[0] if entry_idx else len(lines)
     header = [l for l in lines[:head_end] if not l.startswith("## ")]
     while header and header[-1] == "":
