@@ -6927,9 +6927,7 @@ def _render_meta(records):
             warnings.append(f"{r['stem']}.md: {warn}")
         if entry is not None:
             entries[r["stem"]] = entry
-    if not entries:
-        return None, warnings
-    return "{\n" + ",\n".join(entries.values()) + "\n}\n", warnings
+    return ("{\n" + ",\n".join(entries.values()) + "\n}\n" if entries else None), warnings
 
 
 def _ledger_rows(records):
@@ -7325,20 +7323,14 @@ def _adopt(root):
             continue
         meta, _ = _load_json_object(os.path.join(root, "docs", r["category"], ".meta.json"))
         m = (meta or {}).get(r["stem"] + ".md") or {}
-        row = old_ledger.get(r["id"])
-        add = {}
-        f = r["fields"]
-        date = next((d for d in (row or [])[:1] + [r["id"][:10]] if _is_iso_date(d)), None)
-        if "date" not in f and date:
-            add["date"] = date
-        if "notes" not in f and row and len(row) >= 6 and row[5]:
-            add["notes"] = _yaml_quote(row[5])
-        if "display_title" not in f and isinstance(m.get("title"), str) and m["title"] and \
-                m["title"] != r["id"]:
-            add["display_title"] = _yaml_quote(m["title"])
-        if "description" not in f and isinstance(m.get("description"), str) and m["description"]:
-            add["description"] = _yaml_quote(m["description"])
-        if row and len(row) >= 5 and row[4].isdigit() and int(row[4]) != r["digest_tokens"]:
+        row = old_ledger.get(r["id"]) or []
+        found = {"date": next((d for d in row[:1] + [r["id"][:10]] if _is_iso_date(d)), None),
+                 "notes": row[5] if len(row) >= 6 else None,
+                 "display_title": m.get("title") if m.get("title") != r["id"] else None,
+                 "description": m.get("description")}
+        add = {k: v if k == "date" else _yaml_quote(v) for k, v in found.items()
+               if k not in r["fields"] and isinstance(v, str) and v}
+        if len(row) >= 5 and row[4].isdigit() and int(row[4]) != r["digest_tokens"]:
             restated.append({"id": r["id"], "from": int(row[4]), "to": r["digest_tokens"]})
         if not add:
             skipped.append(r["path"])
