@@ -7079,11 +7079,9 @@ def _render_records(root, records, fmt, index_only, key):
 
 
 def _render_one_change(root, memo, records, new_rel, old, key):
-    """The derived files after one shelve: the last full render (memo, taken just before the
-    episode at new_rel was written in place of `old`, a record or None) with that episode's
-    INDEX line, ledger row and .meta.json entry moved, the chart redrawn. Byte-identical to a
-    full render (tests/test_store.py fuzzes both against rebuild); None when the change reaches
-    other episodes' lines or a heading (then the caller renders everything)."""
+    """The last full render (memo, taken before the episode at new_rel replaced `old`, a record
+    or None) with that episode's lines moved: byte-identical to a full render (fuzzed in
+    tests/test_store.py), or None when the change reaches other lines or a heading."""
     new = next((r for r in records if r["path"] == new_rel), None)
     if memo is None or new is None or new["supersedes"] or (old and old["supersedes"]) or \
             not new["id"] or new["fields"].get("date") != new["date"] or \
@@ -7133,9 +7131,8 @@ def _render_one_change(root, memo, records, new_rel, old, key):
 
 
 def _splice_sorted(lines, start, end, line, add, keys, mine):
-    """Take `line` out of lines[start:end] (add False) or put it in its sorted place (add True),
-    where `keys` are the sort keys of the block's other lines: False when the block is not
-    what they describe, or the place is not unique."""
+    """Take `line` out of lines[start:end] or put it (add) in its place among the other lines'
+    sort `keys`: False when the block is not what they describe, or the place is not unique."""
     if add:
         if end - start != len(keys) or mine in keys:
             return False
@@ -7209,9 +7206,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     changed_sources = []
     if index_format and not check and _set_index_format(root, index_format):
         changed_sources.append("shelf.yml")
-    adoption = None
+    adoption = _adopt(root) if adopt else None
     if adopt:
-        adoption = _adopt(root)
         changed_sources += [a["path"] for a in adoption.pop("_written")]
     if full:
         db = _cache_db(root)
@@ -7219,16 +7215,13 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
             with db:
                 db.execute("DELETE FROM episodes")
             db.close()
-    fmt = index_format if (index_format and check) else None
-    rendered = _render_derived(root, fmt=fmt, progress=progress)
+    rendered = _render_derived(root, fmt=index_format if check else None, progress=progress)
     files = rendered["files"]
     # stale derived files that should not exist (e.g. a .meta.json of an emptied category)
-    for base in ("docs", "archive/docs"):
-        for cat in CATEGORIES:
-            rel = f"{base}/{cat}/.meta.json"
-            if rel not in files and os.path.exists(os.path.join(root, rel)) and \
-                    not _linked(root, rel):
-                files[rel] = None
+    for rel in [f"{base}/{cat}/.meta.json" for base in ("docs", "archive/docs")
+                for cat in CATEGORIES]:
+        if rel not in files and os.path.exists(os.path.join(root, rel)) and not _linked(root, rel):
+            files[rel] = None
     if "stats.svg" not in files and os.path.exists(os.path.join(root, "stats.svg")):
         files["stats.svg"] = None
     episodes = rendered["episodes"]
@@ -7430,16 +7423,14 @@ def _entry_count(text):
 
 def _filter_index(lines, category, since):
     out, current = [], None
-    heading_for = {_HEADINGS[c]: c for c in CATEGORIES}
     for line in lines:
         if line.startswith("## "):
-            current = heading_for.get(line[3:].strip(), line[3:].strip().lower())
+            current = line[3:].strip().lower()   # each _HEADINGS title is its category's name
         if line.startswith("- "):
-            if category and current != category:
-                continue
             m = _ENTRY_LINE.match(line)
             key = (m.group(1) or m.group(2)) if m else ""
-            if since and not (_is_iso_date(key[:10]) and key[:10] >= since):
+            if category and current != category or \
+                    since and not (_is_iso_date(key[:10]) and key[:10] >= since):
                 continue
         out.append(line)
     return re.sub(r"## [^\n]+\n\n(?=## |---)", "", "\n".join(out))   # headings left empty
