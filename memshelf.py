@@ -7372,48 +7372,38 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     fmt = _index_format(root)
     rel = "archive/INDEX.md" if archive else "INDEX.md"
-    lag = 0
     rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
                                index_only=True, verify=verify)
-    fresh = rendered["files"].get(rel)
-    if rendered["records"] is None and fresh is not None:
-        on_disk_text = fresh   # a memo hit has just read and checked the file
-    else:
-        on_disk_text = None
+    text = on_disk_text = rendered["files"].get(rel)   # a memo hit has just read the file
+    if rendered["records"] is not None or text is None:
         try:
             on_disk_text = _read_text(os.path.join(root, rel))
         except (OSError, ShelfError):
-            pass
+            on_disk_text = None
         if rendered["records"] is not None and not verify:
             _remember_if_on_disk(root, rendered)   # the next reader is answered from the memo
-    if fresh is None:
+    if text is None:
         cfg = _docshelf_config(root)
-        fresh = on_disk_text if on_disk_text is not None else _render_compact(
+        text = on_disk_text if on_disk_text is not None else _render_compact(
             cfg["name"], cfg["preamble"], [], {})
-    if on_disk_text is None:
-        on_disk = "missing"
-    elif on_disk_text == fresh:
-        on_disk = "current"
-    else:
-        on_disk = "stale"
+    on_disk = "missing" if on_disk_text is None else "current" if on_disk_text == text else "stale"
+    lag = 0
+    if on_disk == "stale":
         listed = {m.group(1) or m.group(2) for m in
                   (_ENTRY_LINE.match(l) for l in on_disk_text.split("\n")) if m}
         lag = len([r for r in rendered["records"] or [] if r["archived"] == archive and
                    r["stem"] not in listed and fmt == "compact"])
-    text = fresh
     total = shown = _entry_count(text)
     if category or since:
         text = _filter_index(text.split("\n"), category, since)
         shown = _entry_count(text)
     truncated, next_offset = False, None
     if offset or (max_chars and len(text) > max_chars):
-        lines = text.split("\n")
-        entry_idx = [i for i, l in enumerate(lines) if l.startswith("- ")]
-        text, shown, truncated, next_offset = _cap_index(lines, entry_idx, max_chars, offset)
+        text, shown, truncated, next_offset = _cap_index(text.split("\n"), max_chars, offset)
     return {"status": "ok", "index": text, "format": fmt,
-            "source": "file" if on_disk == "current" else "rendered", "on_disk": on_disk, "lag_episodes": lag,
-            "entries_total": total, "entries_shown": shown, "truncated": truncated,
-            "next_offset": next_offset, "tokens": tokens(text)}
+            "source": "file" if on_disk == "current" else "rendered", "on_disk": on_disk,
+            "lag_episodes": lag, "entries_total": total, "entries_shown": shown,
+            "truncated": truncated, "next_offset": next_offset, "tokens": tokens(text)}
 
 
 def _entry_count(text):
@@ -7436,8 +7426,9 @@ def _filter_index(lines, category, since):
     return re.sub(r"## [^\n]+\n\n(?=## |---)", "", "\n".join(out))   # headings left empty
 
 
-def _cap_index(lines, entry_idx, max_chars, offset):
+def _cap_index(lines, max_chars, offset):
     """Keep header and preamble, then the newest entries that fit (older ones dropped first)."""
+    entry_idx = [i for i, l in enumerate(lines) if l.startswith("- ")]
     def key_of(i):   # newest first: by the key's date prefix, then position
         m = _ENTRY_LINE.match(lines[i])
         k = (m.group(1) or m.group(2)) if m else lines[i]
