@@ -6843,8 +6843,7 @@ def _render_compact(name, preamble, records, superseded):
 
 
 def _title_from_stem(stem):
-    parts = [p for p in re.split(r"[-_]+", stem) if p]
-    return " ".join(p.capitalize() if p.islower() else p for p in parts)
+    return " ".join(p.capitalize() if p.islower() else p for p in re.split(r"[-_]+", stem) if p)
 
 
 def _render_docshelf(cfg, records, metas, root, base):
@@ -6942,8 +6941,7 @@ def _ledger_rows(records):
             warnings.append(f"{r['path']}: no date field; the ledger uses the id's date prefix "
                             "(add date: or run memshelf rebuild --adopt)")
         rows.append(r)
-    rows.sort(key=operator.itemgetter("date", "id"))
-    return rows, warnings
+    return sorted(rows, key=operator.itemgetter("date", "id")), warnings
 
 
 def _render_chart(rows):
@@ -7241,8 +7239,7 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
         else:
             _remember_render(root, rendered, files)
         result["summary"] = ("derived files match the episodes" if result["ok"] else
-                             "drift: " + ", ".join(result["drifted"]) +
-                             " — run memshelf rebuild")
+                             "drift: " + ", ".join(result["drifted"]) + " — run memshelf rebuild")
         progress.done()
         return result
     git = _Git(root)
@@ -7251,8 +7248,7 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     try:
         written, unchanged, deleted = _write_derived(root, files, rendered, journal)
         if journal is not None:
-            # every derived file and source, so that drift an earlier run left uncommitted
-            # is committed too
+            # every derived file and source: drift an earlier run left uncommitted goes in too
             message = ("rebuild: adopt derived fields into episodes" if adopt
                        else "rebuild: regenerate derived files")
             result["commit"] = git.commit(sorted(files) + changed_sources, message)
@@ -7293,20 +7289,16 @@ def _set_index_format(root, fmt):
                 f"index:\n  path: INDEX.md\n  generated_by: {value}\n"
     if new != text:
         _atomic_write(path, new)
-        return True
-    return False
+    return new != text
 
 
 def _adopt(root):
     """One-shot migration: copy legacy ledger/meta fields into episodes where missing."""
-    old_ledger = {}
     try:
-        for line in _read_text(os.path.join(root, "ledger.tsv")).split("\n")[1:]:
-            cells = line.split("\t")
-            if len(cells) >= 2 and cells[1]:
-                old_ledger[cells[1]] = cells
+        lines = _read_text(os.path.join(root, "ledger.tsv")).split("\n")[1:]
     except (OSError, ShelfError):
-        pass
+        lines = []
+    old_ledger = {c[1]: c for c in (line.split("\t") for line in lines) if len(c) >= 2 and c[1]}
     adopted, skipped, written, restated = [], [], [], []
     with _Store(root, use_cache=False) as store:
         records = store.records(archive=False)
@@ -7325,11 +7317,8 @@ def _adopt(root):
                if k not in r["fields"] and isinstance(v, str) and v}
         if len(row) >= 5 and row[4].isdigit() and int(row[4]) != r["digest_tokens"]:
             restated.append({"id": r["id"], "from": int(row[4]), "to": r["digest_tokens"]})
-        if not add:
-            skipped.append(r["path"])
-            continue
         path = os.path.join(root, r["path"])
-        lines = _read_text(path).split("\n")
+        lines = _read_text(path).split("\n") if add else []   # nothing to add: skipped
         fences = [i for i, l in enumerate(lines) if re.match(r"---[ \t]*$", l)]
         if len(fences) < 2:
             skipped.append(r["path"])
@@ -7428,23 +7417,22 @@ def _filter_index(lines, category, since):
 
 def _cap_index(lines, max_chars, offset):
     """Keep header and preamble, then the newest entries that fit (older ones dropped first)."""
-    entry_idx = [i for i, l in enumerate(lines) if l.startswith("- ")]
     def key_of(i):   # newest first: by the key's date prefix, then position
         m = _ENTRY_LINE.match(lines[i])
         k = (m.group(1) or m.group(2)) if m else lines[i]
         return (k[:10] if _is_iso_date(k[:10]) else "", i)
+    entry_idx = [i for i, l in enumerate(lines) if l.startswith("- ")]
     candidates = sorted(entry_idx, key=key_of, reverse=True)[offset:]
     head_end = entry_idx[0] if entry_idx else len(lines)
     header = [l for l in lines[:head_end] if not l.startswith("## ")]
     while header and header[-1] == "":
         header.pop()
     keep = set()
-    budget = max_chars or 10 ** 12
     # header + the headings and the "older entries" line that may follow
     used = sum(len(l) + 1 for l in header) + 120
     for i in candidates:
         cost = len(lines[i]) + 1
-        if used + cost > budget and keep:
+        if used + cost > (max_chars or 10 ** 12) and keep:
             break
         keep.add(i)   # at least one entry per page, so paging always advances
         used += cost
