@@ -6829,13 +6829,12 @@ def _render_compact(name, preamble, records, superseded):
     if preamble:
         out += [preamble, ""]
     groups = {c: [] for c in CATEGORIES}
-    for r in records:
+    for r in sorted(records, key=lambda r: (r["date"], r["stem"])):
         groups[r["category"]].append(r)
-    if not any(groups.values()):
+    if not records:
         out += ["_No episodes yet._", ""]
-    for cat in CATEGORIES:
-        if groups[cat]:
-            eps = sorted(groups[cat], key=lambda r: (r["date"], r["stem"]))
+    for cat, eps in groups.items():
+        if eps:
             out += [f"## {_HEADINGS[cat]}", ""] + [_compact_entry(r, superseded) for r in eps]
             out.append("")
     out.append(_COMPACT_FOOTER)   # joined once: at 100k entries a second copy is 20 MB
@@ -6997,10 +6996,9 @@ def _render_chart(rows):
     out.append("  " + "".join(f'<text x="{x(i):.1f}" y="308" text-anchor="middle" '
                               f'font-size="10" fill="#666666">{dates[i][5:]}</text>'
                               for i in idx))
-    out.append('  <text x="64" y="330" font-size="10" fill="#9a978c">digests only; INDEX adds a '
-               'small flat cost per session · chars/4 estimate · redrawn by memshelf rebuild · '
-               f'as of {dates[-1]}</text>')
-    out.append("</svg>")
+    out += ['  <text x="64" y="330" font-size="10" fill="#9a978c">digests only; INDEX adds a '
+            'small flat cost per session · chars/4 estimate · redrawn by memshelf rebuild · '
+            f'as of {dates[-1]}</text>', "</svg>"]
     return "\n".join(out) + "\n"
 
 
@@ -7014,11 +7012,9 @@ def _superseded_map(records):
 
 def _render_derived(root, records=None, fmt=None, progress=None, index_only=False,
                     verify=False):
-    """Every derived file of the shelf as {relative path: text or None (delete)}; without
-    `records` the whole shelf is read, or the remembered render on disk is the answer (records:
-    None). index_only: only the INDEX files are wanted. verify: no memo, no cached row trusted."""
+    """{derived path: text or None (delete)}, from `records` or the whole shelf, or the render
+    remembered on disk (records: None). verify: no memo, no cached row trusted (index --verify)."""
     fmt = fmt or _index_format(root)
-    key = None
     if records is None:
         remembered = None if verify else _state(root).get("render_memo")
         key, scanned = _render_key(root, fmt)
@@ -7031,7 +7027,7 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
         del scanned   # a few hundred bytes per episode, not needed while rendering
         # a whole render, even for a reader of INDEX alone: it can be remembered
         return _render_records(root, records, fmt, False, key)
-    return _render_records(root, records, fmt, index_only, key)
+    return _render_records(root, records, fmt, index_only, None)
 
 
 def _render_records(root, records, fmt, index_only, key):
@@ -7222,9 +7218,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
             files[rel] = None
     if "stats.svg" not in files and os.path.exists(os.path.join(root, "stats.svg")):
         files["stats.svg"] = None
-    episodes = rendered["episodes"]
-    result = {"status": "ok", "ok": True, "episodes": episodes, "written": [], "unchanged": [],
-              "drifted": [], "deleted": [], "warnings": rendered["warnings"],
+    result = {"status": "ok", "ok": True, "episodes": rendered["episodes"], "written": [],
+              "unchanged": [], "drifted": [], "deleted": [], "warnings": rendered["warnings"],
               "committed": False, "commit": None}
     if adoption is not None:
         result["adoption"] = adoption
@@ -7265,9 +7260,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
             pass
     result.update(written=written, unchanged=unchanged, deleted=deleted)
     progress.done()
-    result["summary"] = (f"rebuilt {episodes} episodes: wrote {len(written)}, "
-                         f"unchanged {len(unchanged)}" +
-                         (f", deleted {len(deleted)}" if deleted else "") +
+    result["summary"] = (f"rebuilt {result['episodes']} episodes: wrote {len(written)}, unchanged "
+                         f"{len(unchanged)}" + (f", deleted {len(deleted)}" if deleted else "") +
                          (", committed" if result["committed"] else ""))
     return result
 
@@ -7282,11 +7276,10 @@ def _set_index_format(root, fmt):
     new, n = re.subn(r"(?m)^(\s+generated_by:\s*)\S.*$", lambda m: m.group(1) + value, text,
                      count=1)
     if not n:
-        if re.search(r"(?m)^index:\s*$", text):
-            new = re.sub(r"(?m)^index:\s*$", f"index:\n  generated_by: {value}", text, count=1)
-        else:
-            new = text + ("" if text.endswith("\n") else "\n") + \
-                f"index:\n  path: INDEX.md\n  generated_by: {value}\n"
+        new, n = re.subn(r"(?m)^index:\s*$", f"index:\n  generated_by: {value}", text, count=1)
+    if not n:
+        new = text + ("" if text.endswith("\n") else "\n") + \
+            f"index:\n  path: INDEX.md\n  generated_by: {value}\n"
     if new != text:
         _atomic_write(path, new)
     return new != text
