@@ -6861,15 +6861,13 @@ def _render_docshelf(cfg, records, metas, root, base):
     style = cfg.get("index_style") or "auto"
     threshold = cfg.get("subindex_threshold_sections") or 10
     for cat in order:
-        meta = metas.get(cat) or {}
         entries = []
         for r in groups[cat]:
-            m = meta.get(r["stem"] + ".md") or {}
+            m = metas.get(cat, {}).get(r["stem"] + ".md") or {}
             title = m.get("title") or _title_from_stem(r["stem"])
             entries.append((title, (m.get("description") or "").strip(), r))
-        entries.sort(key=lambda e: e[0].lower())
         out += [f"## {re.sub(r'[-_]', ' ', cat).strip().title()}", ""]
-        for title, desc, r in entries:
+        for title, desc, r in sorted(entries, key=lambda e: e[0].lower()):
             d = f" — {desc}" if desc else ""
             fname = r["stem"] + ".md"
             folder = f"{base}/{cat}/{r['stem']}"
@@ -6954,8 +6952,7 @@ def _render_chart(rows):
     if not per_date:
         return None
     dates = sorted(per_date)
-    expected = list(accumulate(per_date[d][0] for d in dates))
-    actual = list(accumulate(per_date[d][1] for d in dates))
+    expected, actual = (list(accumulate(per_date[d][k] for d in dates)) for k in (0, 1))
     positive = [v for v in actual if v > 0]
     lo = math.log10(max(1, min(min(positive), 100))) if positive else math.log10(100)
     hi = math.log10(max(max(expected), 10 ** lo * 10))
@@ -7201,8 +7198,7 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     if index_format and not check and _set_index_format(root, index_format):
         changed_sources.append("shelf.yml")
     adoption = _adopt(root) if adopt else None
-    if adopt:
-        changed_sources += [a["path"] for a in adoption.pop("_written")]
+    changed_sources += [a["path"] for a in adoption.pop("_written")] if adopt else []
     if full:
         db = _cache_db(root)
         if db is not None:
