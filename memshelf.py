@@ -6300,15 +6300,12 @@ _RUN_OF_STARS = _re_lazy(r"\*{2,}")
 
 
 def _index_key(stem):
-    if _INDEX_KEY_QUOTED.search(stem):
-        return "`" + stem + "`"
-    return stem
+    return "`" + stem + "`" if _INDEX_KEY_QUOTED.search(stem) else stem
 
 
 def _index_entry(rec):
     """An episode's compact INDEX line, but for the superseded note (other episodes make it).
-    Cached (a cache column), like _meta_entry's answer: a change to what either writes needs a
-    _CACHE_SCHEMA bump."""
+    Cached like _meta_entry's answer: a change to what either writes needs a _CACHE_SCHEMA bump."""
     line = "- " + _index_key(rec["stem"])
     title = rec.get("display_title") or ""
     if title and title != rec["stem"]:
@@ -6333,28 +6330,20 @@ def _render_compact(name, preamble, records, superseded):
     if preamble:
         out += [preamble, ""]
     groups = {c: [] for c in CATEGORIES}
-    for r in records:
+    for r in sorted(records, key=lambda r: (r["date"], r["stem"])):
         groups[r["category"]].append(r)
-    if not any(groups.values()):
+    if not records:
         out += ["_No episodes yet._", ""]
-    for cat in CATEGORIES:
-        eps = sorted(groups[cat], key=lambda r: (r["date"], r["stem"]))
-        if not eps:
-            continue
-        out += [f"## {_HEADINGS[cat]}", ""]
-        out += [_compact_entry(r, superseded) for r in eps]
-        out.append("")
+    for cat, eps in groups.items():
+        if eps:
+            out += [f"## {_HEADINGS[cat]}", ""] + [_compact_entry(r, superseded) for r in eps]
+            out.append("")
     out.append(_COMPACT_FOOTER)   # joined once: at 100k entries a second copy is 20 MB
     return "\n".join(out)
 
 
 def _title_from_stem(stem):
-    parts = [p for p in re.split(r"[-_]+", stem) if p]
-    return " ".join(p.capitalize() if p.islower() else p for p in parts)
-
-
-def _docshelf_heading(directory):
-    return re.sub(r"[-_]", " ", directory).strip().title()
+    return " ".join(p.capitalize() if p.islower() else p for p in re.split(r"[-_]+", stem) if p)
 
 
 def _render_docshelf(cfg, records, metas, root, base):
@@ -6370,63 +6359,50 @@ def _render_docshelf(cfg, records, metas, root, base):
         groups.setdefault(r["category"], []).append(r)
     order = [c for c in cfg.get("category_order") or [] if c in groups]
     order += sorted(c for c in groups if c not in order)
+    style = cfg.get("index_style") or "auto"
+    threshold = cfg.get("subindex_threshold_sections") or 10
     for cat in order:
-        meta = metas.get(cat) or {}
         entries = []
         for r in groups[cat]:
-            m = meta.get(r["stem"] + ".md") or {}
+            m = metas.get(cat, {}).get(r["stem"] + ".md") or {}
             title = m.get("title") or _title_from_stem(r["stem"])
-            desc = (m.get("description") or "").strip()
-            entries.append((title, desc, r))
-        entries.sort(key=lambda e: e[0].lower())
-        out += [f"## {_docshelf_heading(cat)}", ""]
-        for title, desc, r in entries:
+            entries.append((title, (m.get("description") or "").strip(), r))
+        out += [f"## {re.sub(r'[-_]', ' ', cat).strip().title()}", ""]
+        for title, desc, r in sorted(entries, key=lambda e: e[0].lower()):
             d = f" — {desc}" if desc else ""
             fname = r["stem"] + ".md"
-            split = _legacy_split_sections(root, base, cat, r["stem"])
-            if split:
-                size_kb = r["size"] // 1024
-                out += [f"### {title}{d}", "",
-                        f"Full document: `{fname}` (~{size_kb} KB — prefer pulling individual "
-                        "sections below).", ""]
-                style = cfg.get("index_style") or "auto"
-                threshold = cfg.get("subindex_threshold_sections") or 10
-                if style == "subindex" or (style == "auto" and len(split) > threshold):
-                    out += [f"Sections ({len(split)}): see the [SUBINDEX]"
-                            f"({base}/{cat}/{r['stem']}/SUBINDEX.md) for the per-chapter list.",
-                            ""]
-                else:
-                    for sec in split:
-                        out.append(f"- {_split_label(sec)} (`{base}/{cat}/{r['stem']}/{sec}`)")
-                    out += ["", f"  *(sections: {len(split)})*", ""]
-            else:
+            folder = f"{base}/{cat}/{r['stem']}"
+            split = _legacy_split_sections(os.path.join(root, folder))
+            if not split:
                 out.append(f"- **{title}**{d} — `{fname}`")
+                continue
+            out += [f"### {title}{d}", "", f"Full document: `{fname}` (~{r['size'] // 1024} KB — "
+                    "prefer pulling individual sections below).", ""]
+            if style == "subindex" or (style == "auto" and len(split) > threshold):
+                out += [f"Sections ({len(split)}): see the [SUBINDEX]({folder}/SUBINDEX.md) for "
+                        "the per-chapter list.", ""]
+            else:
+                out += [f"- {_split_label(sec)} (`{folder}/{sec}`)" for sec in split]
+                out += ["", f"  *(sections: {len(split)})*", ""]
         out.append("")
     out.append(_DOCSHELF_FOOTER)
     return "\n".join(out)
 
 
-def _legacy_split_sections(root, base, cat, stem):
-    d = os.path.join(root, base, cat, stem)
+def _legacy_split_sections(d):
     if not os.path.isdir(d) or os.path.islink(d):
         return []
     return sorted(n for n in os.listdir(d) if re.match(r"\d{3}-.*\.md\Z", n))
 
 
 def _split_label(name):
-    label = re.sub(r"^\d{3}-", "", name[:-3])
-    label = re.sub(r"[-_]", " ", label)
-    if label and re.fullmatch(r"[ivxlcdm]+", label, re.IGNORECASE):
-        return label.upper()
-    return label.capitalize()
+    label = re.sub(r"[-_]", " ", name[4:-3])   # name is NNN-<label>.md
+    return label.upper() if re.fullmatch(r"[ivxlcdm]+", label, re.I) else label.capitalize()
 
 
 def _meta_entry(rec):
-    """(an episode's entry in its category's .meta.json as JSON text, None when it has neither
-    title nor description; the description cap's warning or None).
-
-    The text is what json.dumps(..., indent=2, ensure_ascii=False) writes for the entry, made
-    with the C string encoder: the pure-Python indenting encoder costs seconds at 100k."""
+    """(an episode's .meta.json entry as json.dumps(indent=2) would write it, or None; the
+    description cap's warning or None). The C string encoder: the indenting one is slow at 100k."""
     if "meta_entry" in rec:   # a render record brings its own, formatted when parsed
         return rec["meta_entry"], rec["meta_warning"]
     title = rec.get("display_title") or ""
@@ -6449,9 +6425,7 @@ def _render_meta(records):
             warnings.append(f"{r['stem']}.md: {warn}")
         if entry is not None:
             entries[r["stem"]] = entry
-    if not entries:
-        return None, warnings
-    return "{\n" + ",\n".join(entries.values()) + "\n}\n", warnings
+    return ("{\n" + ",\n".join(entries.values()) + "\n}\n" if entries else None), warnings
 
 
 def _ledger_rows(records):
@@ -6466,34 +6440,21 @@ def _ledger_rows(records):
             warnings.append(f"{r['path']}: no date field; the ledger uses the id's date prefix "
                             "(add date: or run memshelf rebuild --adopt)")
         rows.append(r)
-    rows.sort(key=operator.itemgetter("date", "id"))
-    return rows, warnings
-
-
-def _render_ledger(rows):
-    return _LEDGER_HEADER + "".join([_ledger_row(r) + "\n" for r in rows])
+    return sorted(rows, key=operator.itemgetter("date", "id")), warnings
 
 
 def _render_chart(rows):
-    """stats.svg from the ledger's rows: cumulative expected vs actual tokens per date, log
-    scale (shelf-format.md § 10)."""
-    import math
+    """stats.svg from the ledger's rows (shelf-format.md § 10)."""
+    from itertools import accumulate
     per_date = {}
     for r in rows:
-        e = per_date.get(r["date"])
-        if e is None:
-            e = per_date[r["date"]] = [0, 0]
+        e = per_date.setdefault(r["date"], [0, 0])
         e[0] += _ledger_expected(r)
         e[1] += r["digest_tokens"]
     if not per_date:
         return None
     dates = sorted(per_date)
-    expected, actual, ce, ca = [], [], 0, 0
-    for d in dates:
-        ce += per_date[d][0]
-        ca += per_date[d][1]
-        expected.append(ce)
-        actual.append(ca)
+    expected, actual = (list(accumulate(per_date[d][k] for d in dates)) for k in (0, 1))
     positive = [v for v in actual if v > 0]
     lo = math.log10(max(1, min(min(positive), 100))) if positive else math.log10(100)
     hi = math.log10(max(max(expected), 10 ** lo * 10))
@@ -6505,26 +6466,23 @@ def _render_chart(rows):
     def y(v):
         return 290 - (math.log10(max(v, 1)) - lo) / (hi - lo) * 250
 
+    grid = [(y(10 ** p), _human_count(10 ** p))
+            for p in range(math.ceil(lo - 1e-9), math.floor(hi + 1e-9) + 1)]
     out = ['<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 800 340" '
-           'font-family="system-ui, sans-serif">']
-    out.append("  <title>memshelf token economy — cumulative, log scale</title>")
-    out.append('  <text x="64" y="20" font-size="14" font-weight="600" fill="#666666">'
-               "Token economy — cumulative (log scale)</text>")
-    grid = []
-    p = math.ceil(lo - 1e-9)
-    while p <= hi + 1e-9:
-        yy = y(10 ** p)
-        grid.append(f'<line x1="64" x2="640" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#d8d6cc" '
-                    f'stroke-width="1"/><text x="56" y="{yy + 4:.1f}" text-anchor="end" '
-                    f'font-size="11" fill="#666666">{_human_count(10 ** p)}</text>')
-        p += 1
-    out.append("  " + "".join(grid))
-    out.append('  <line x1="64" x2="640" y1="290" y2="290" stroke="#9a978c" stroke-width="1"/>')
+           'font-family="system-ui, sans-serif">',
+           "  <title>memshelf token economy — cumulative, log scale</title>",
+           '  <text x="64" y="20" font-size="14" font-weight="600" fill="#666666">'
+           "Token economy — cumulative (log scale)</text>",
+           "  " + "".join(f'<line x1="64" x2="640" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#d8d6cc" '
+                          f'stroke-width="1"/><text x="56" y="{yy + 4:.1f}" text-anchor="end" '
+                          f'font-size="11" fill="#666666">{label}</text>' for yy, label in grid),
+           '  <line x1="64" x2="640" y1="290" y2="290" stroke="#9a978c" stroke-width="1"/>']
     for series, colour in ((expected, "#9a978c"), (actual, "#2a78d6")):
         pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(series))
-        out.append(f'  <polyline points="{pts}" fill="none" stroke="{colour}" '
-                   'stroke-width="2" stroke-linejoin="round"/>' + "".join(f'<circle cx="{x(i):.1f}" cy="{y(v):.1f}" r="3" '
-                                  f'fill="{colour}"/>' for i, v in enumerate(series)))
+        out.append(f'  <polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2" '
+                   'stroke-linejoin="round"/>' + "".join(
+                       f'<circle cx="{x(i):.1f}" cy="{y(v):.1f}" r="3" fill="{colour}"/>'
+                       for i, v in enumerate(series)))
     ye, ya = y(expected[-1]), y(actual[-1])
     ratio = repr(round(expected[-1] / actual[-1], 1)) if actual[-1] else "0.0"
     out.append(f'  <text x="648" y="{ye + 4:.1f}" font-size="12" fill="#9a978c">without '
@@ -6537,10 +6495,9 @@ def _render_chart(rows):
     out.append("  " + "".join(f'<text x="{x(i):.1f}" y="308" text-anchor="middle" '
                               f'font-size="10" fill="#666666">{dates[i][5:]}</text>'
                               for i in idx))
-    out.append('  <text x="64" y="330" font-size="10" fill="#9a978c">digests only; INDEX adds a '
-               'small flat cost per session · chars/4 estimate · redrawn by memshelf rebuild · '
-               f'as of {dates[-1]}</text>')
-    out.append("</svg>")
+    out += ['  <text x="64" y="330" font-size="10" fill="#9a978c">digests only; INDEX adds a '
+            'small flat cost per session · chars/4 estimate · redrawn by memshelf rebuild · '
+            f'as of {dates[-1]}</text>', "</svg>"]
     return "\n".join(out) + "\n"
 
 
@@ -6554,31 +6511,22 @@ def _superseded_map(records):
 
 def _render_derived(root, records=None, fmt=None, progress=None, index_only=False,
                     verify=False):
-    """Every derived file of the shelf as {relative path: text or None (delete)}.
-
-    Without `records`, the whole shelf is read; when nothing a render reads has changed since
-    the last render known to be on disk, the files on disk are the answer (records: None).
-    index_only: the caller reads INDEX.md and archive/INDEX.md alone (a memo hit reads only
-    those; given records, only those are rendered). verify: every episode parsed again, no memo
-    and no cached row trusted (index --verify)."""
+    """{derived path: text or None (delete)}, from `records` or the whole shelf, or the render
+    remembered on disk (records: None). verify: no memo, no cached row trusted (index --verify)."""
     fmt = fmt or _index_format(root)
-    key = None
     if records is None:
         remembered = None if verify else _state(root).get("render_memo")
-        remembered = remembered if isinstance(remembered, dict) else None
-        if remembered:
-            key, scanned = _render_key(root, fmt)
+        key, scanned = _render_key(root, fmt)
+        if remembered and isinstance(remembered, dict):
             memo = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
             if memo is not None:
                 return memo
-        if not remembered:
-            key, scanned = _render_key(root, fmt)
         with _Store(root, use_cache=not verify) as store:
             records = store.render_records(progress=progress, files=scanned)
         del scanned   # a few hundred bytes per episode, not needed while rendering
         # a whole render, even for a reader of INDEX alone: it can be remembered
         return _render_records(root, records, fmt, False, key)
-    return _render_records(root, records, fmt, index_only, key)
+    return _render_records(root, records, fmt, index_only, None)
 
 
 def _render_records(root, records, fmt, index_only, key):
@@ -6591,11 +6539,11 @@ def _render_records(root, records, fmt, index_only, key):
     if not index_only:
         rows, w = _ledger_rows(records)
         warnings += w
-        files["ledger.tsv"] = _render_ledger(rows)
+        files["ledger.tsv"] = _LEDGER_HEADER + "".join([_ledger_row(r) + "\n" for r in rows])
         chart = _render_chart(rows)
         if chart is not None:
             files["stats.svg"] = chart
-    for base, recs in (("docs", live), ("archive/docs", archived)):
+    for base, prefix, recs in (("docs", "", live), ("archive/docs", "archive/", archived)):
         metas = {}
         for cat in CATEGORIES:
             if not os.path.isdir(os.path.join(root, base, cat)) or \
@@ -6607,97 +6555,77 @@ def _render_records(root, records, fmt, index_only, key):
                 files[f"{base}/{cat}/.meta.json"] = text
             if fmt == "docshelf":
                 metas[cat] = json.loads(text) if text else {}
-        prefix = "" if base == "docs" else "archive/"
-        if base == "archive/docs" and (not os.path.isdir(os.path.join(root, "archive")) or
-                                       _linked(root, "archive")):
-            continue
-        if fmt == "manual" and base == "docs":
-            continue
         c = dict(cfg)
-        if base == "archive/docs":
+        if prefix:
+            if not os.path.isdir(os.path.join(root, "archive")) or _linked(root, "archive"):
+                continue
             ac, _ = _load_json_object(os.path.join(root, "archive", ".docshelf.json"))
             c.update({k: v for k, v in (ac or {}).items() if k in ("name", "preamble")})
-        if fmt == "docshelf":
-            files[prefix + "INDEX.md"] = _render_docshelf(c, recs, metas, root, base)
-        else:
-            files[prefix + "INDEX.md"] = _render_compact(c["name"], c["preamble"], recs,
-                                                         superseded)
+        elif fmt == "manual":
+            continue
+        files[prefix + "INDEX.md"] = (_render_docshelf(c, recs, metas, root, base)
+                                      if fmt == "docshelf" else
+                                      _render_compact(c["name"], c["preamble"], recs, superseded))
     return {"files": files, "warnings": warnings, "records": records,
             "key": None if index_only else key,   # a partial render is never remembered
-            "episodes": len([r for r in records if r.get("id")])}
+            "episodes": sum(1 for r in records if r.get("id"))}
 
 
 def _render_one_change(root, memo, records, new_rel, old, key):
-    """The derived files after one shelve: the last full render (memo, taken just before the
-    episode at new_rel was written in place of `old`, a record or None) with that episode's
-    INDEX line, ledger row and .meta.json entry moved, the chart redrawn. Byte-identical to a
-    full render (tests/test_store.py fuzzes both against rebuild); None when the change reaches
-    other episodes' lines or a heading (then the caller renders everything)."""
+    """The last full render (memo, taken before the episode at new_rel replaced `old`, a record
+    or None) with that episode's lines moved: byte-identical to a full render (fuzzed in
+    tests/test_store.py), or None when the change reaches other lines or a heading."""
     new = next((r for r in records if r["path"] == new_rel), None)
     if memo is None or new is None or new["supersedes"] or (old and old["supersedes"]) or \
             not new["id"] or new["fields"].get("date") != new["date"] or \
             (old and old["id"] and old["fields"].get("date") != old["date"]):
         return None
-    others = [r for r in records if r is not new]
     files = dict(memo["files"])
     superseded = _superseded_map(records)
-    index, meta = [], {}
-    for base_rec, add in ((old, False), (new, True)):
-        if base_rec is None:
-            continue
-        entry, warning = _meta_entry(base_rec)
-        if warning:
-            return None
-        cat = base_rec["category"]
-        live = [r for r in others if r["category"] == cat and not r["archived"]]
-        index.append((cat, _compact_entry(base_rec, superseded), add,
-                      [(r["date"], r["stem"]) for r in live], (new["date"], new["stem"])))
-        if entry is not None:
-            meta.setdefault(cat, []).append((entry, add, [
-                (r["date"], r["id"] or "") for r in live if r["meta_entry"] is not None],
-                (new["date"], new["id"])))
-    text = files.get("INDEX.md")
-    if not isinstance(text, str):
+    index = (files.get("INDEX.md") or "").split("\n")
+    ledger = (files.get("ledger.tsv") or "").split("\n")
+    if ledger[0] + "\n" != _LEDGER_HEADER or ledger[-1]:
         return None
-    lines = text.split("\n")
-    for cat, line, add, keys, mine in index:
-        heading = f"## {_HEADINGS[cat]}"
-        if lines.count(heading) != 1:
-            return None
-        start = lines.index(heading) + 2
-        end = lines.index("", start)
-        if not _splice_sorted(lines, start, end, line, add, keys, mine):
-            return None
-    files["INDEX.md"] = "\n".join(lines)
-    for cat, changes in meta.items():
-        rel = f"docs/{cat}/.meta.json"
-        text = files.get(rel)
-        if not isinstance(text, str) or not text.startswith("{\n") or \
-                not text.endswith("\n}\n"):
-            return None
-        entries = re.split(r",\n(?=  \S)", text[2:-3])
-        for entry, add, keys, mine in changes:
-            if not _splice_sorted(entries, 0, len(entries), entry, add, keys, mine):
-                return None
-        files[rel] = "{\n" + ",\n".join(entries) + "\n}\n"
     rows = [r for r in records if r["id"]]
-    lines = (files.get("ledger.tsv") or "").split("\n")
-    keys = [(r["date"], r["id"]) for r in rows if r is not new]
-    if lines[0] + "\n" != _LEDGER_HEADER or lines[-1] or (old and old["id"] and not _splice_sorted(
-            lines, 1, len(lines) - 1, _ledger_row(old), False, keys, None)) or \
-            not _splice_sorted(lines, 1, len(lines) - 1, _ledger_row(new), True, keys,
-                               (new["date"], new["id"])):
-        return None
-    files["ledger.tsv"] = "\n".join(lines)
+    ledger_keys = [(r["date"], r["id"]) for r in rows if r is not new]
+    for rec, add in ((old, False), (new, True)):
+        if rec is None:
+            continue
+        entry, warning = _meta_entry(rec)
+        heading = f"## {_HEADINGS[rec['category']]}"
+        if warning or index.count(heading) != 1:
+            return None
+        live = [r for r in records if r is not new and r["category"] == rec["category"] and
+                not r["archived"]]
+        start = index.index(heading) + 2
+        end = index.index("", start)
+        if not _splice_sorted(index, start, end, _compact_entry(rec, superseded), add,
+                              [(r["date"], r["stem"]) for r in live], (new["date"], new["stem"])):
+            return None
+        if entry is not None:
+            rel = f"docs/{rec['category']}/.meta.json"
+            text = files.get(rel) or ""
+            if not (text.startswith("{\n") and text.endswith("\n}\n")):
+                return None
+            entries = re.split(r",\n(?=  \S)", text[2:-3])
+            if not _splice_sorted(entries, 0, len(entries), entry, add, [
+                    (r["date"], r["id"] or "") for r in live if r["meta_entry"] is not None],
+                    (new["date"], new["id"])):
+                return None
+            files[rel] = "{\n" + ",\n".join(entries) + "\n}\n"
+        if rec["id"] and not _splice_sorted(ledger, 1, len(ledger) - 1, _ledger_row(rec), add,
+                                            ledger_keys, (new["date"], new["id"])):
+            return None
+    files["INDEX.md"] = "\n".join(index)
+    files["ledger.tsv"] = "\n".join(ledger)
     files["stats.svg"] = _render_chart(rows)
     return {"files": files, "warnings": memo["warnings"], "records": records, "key": key,
             "episodes": len(rows)}
 
 
 def _splice_sorted(lines, start, end, line, add, keys, mine):
-    """Take `line` out of lines[start:end] (add False) or put it in its sorted place (add True),
-    where `keys` are the sort keys of the block's other lines: False when the block is not
-    what they describe, or the place is not unique."""
+    """Take `line` out of lines[start:end] or put it (add) in its place among the other lines'
+    sort `keys`: False when the block is not what they describe, or the place is not unique."""
     if add:
         if end - start != len(keys) or mine in keys:
             return False
@@ -6709,29 +6637,32 @@ def _splice_sorted(lines, start, end, line, add, keys, mine):
     return True
 
 
+def _disk_bytes(path):
+    """A file's bytes, None when it cannot be read."""
+    try:
+        return _file_bytes(path)
+    except OSError:
+        return None
+
+
 def _write_derived(root, files, rendered=None, journal=None):
     """Write what differs; with the full render it came from, remember that render."""
     written, unchanged, deleted = [], [], []
     for rel, content in sorted(files.items()):
         path = _shelf_join(root, *rel.split("/"))
-        if content is None:
-            if os.path.exists(path):
-                if journal is not None:
-                    journal._remember(rel)
-                os.unlink(path)
-                deleted.append(rel)
+        data = None if content is None else content.encode("utf-8")
+        if content is None and not os.path.exists(path):
             continue
-        data = content.encode("utf-8")
-        try:
-            with open(path, "rb") as f:
-                if f.read() == data:
-                    unchanged.append(rel)
-                    continue
-        except OSError:
-            pass
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if data is not None and _disk_bytes(path) == data:
+            unchanged.append(rel)
+            continue
         if journal is not None:
             journal._remember(rel)
+        if data is None:
+            os.unlink(path)
+            deleted.append(rel)
+            continue
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         _atomic_write(path, data)
         written.append(rel)
     if rendered is not None:
@@ -6746,10 +6677,8 @@ def _leftover_temps(root):
         if rel.split(os.sep)[0] in (".git", ".memshelf"):
             dirnames[:] = []
             continue
-        for n in filenames:
-            if _TEMP_MARK in n:
-                path = os.path.join(rel, n).replace(os.sep, "/")
-                found.append(path[2:] if path.startswith("./") else path)
+        found += [os.path.normpath(os.path.join(rel, n)).replace(os.sep, "/")
+                  for n in filenames if _TEMP_MARK in n]
     return sorted(found)
 
 
@@ -6768,54 +6697,42 @@ def rebuild(shelf_path=None, check=False, adopt=False, commit=False, index_forma
 def _rebuild_locked(root, check, adopt, commit, index_format, full):
     progress = _Progress("rebuilding")
     changed_sources = []
-    if index_format and not check:
-        if _set_index_format(root, index_format):
-            changed_sources.append("shelf.yml")
-    adoption = None
-    if adopt:
-        adoption = _adopt(root)
-        changed_sources += [a["path"] for a in adoption.pop("_written")]
+    if index_format and not check and _set_index_format(root, index_format):
+        changed_sources.append("shelf.yml")
+    adoption = _adopt(root) if adopt else None
+    changed_sources += [a["path"] for a in adoption.pop("_written")] if adopt else []
     if full:
         db = _cache_db(root)
         if db is not None:
             with db:
                 db.execute("DELETE FROM episodes")
             db.close()
-    fmt = index_format if (index_format and check) else None
-    rendered = _render_derived(root, fmt=fmt, progress=progress)
+    rendered = _render_derived(root, fmt=index_format if check else None, progress=progress)
     files = rendered["files"]
     # stale derived files that should not exist (e.g. a .meta.json of an emptied category)
-    for base in ("docs", "archive/docs"):
-        for cat in CATEGORIES:
-            rel = f"{base}/{cat}/.meta.json"
-            if rel not in files and os.path.exists(os.path.join(root, rel)) and \
-                    not _linked(root, rel):
-                files[rel] = None
+    for rel in [f"{base}/{cat}/.meta.json" for base in ("docs", "archive/docs")
+                for cat in CATEGORIES]:
+        if rel not in files and os.path.exists(os.path.join(root, rel)) and not _linked(root, rel):
+            files[rel] = None
     if "stats.svg" not in files and os.path.exists(os.path.join(root, "stats.svg")):
         files["stats.svg"] = None
-    episodes = rendered["episodes"]
-    result = {"status": "ok", "ok": True, "episodes": episodes, "written": [], "unchanged": [],
-              "drifted": [], "deleted": [], "warnings": rendered["warnings"],
+    result = {"status": "ok", "ok": True, "episodes": rendered["episodes"], "written": [],
+              "unchanged": [], "drifted": [], "deleted": [], "warnings": rendered["warnings"],
               "committed": False, "commit": None}
     if adoption is not None:
         result["adoption"] = adoption
     if check:
         for rel, content in sorted(files.items()):
-            path = os.path.join(root, rel)
-            try:
-                with open(path, "rb") as f:
-                    same = content is not None and f.read() == content.encode("utf-8")
-            except OSError:
-                same = content is None
+            data = None if content is None else content.encode("utf-8")
+            same = _disk_bytes(os.path.join(root, rel)) == data
             (result["unchanged"] if same else result["drifted"]).append(rel)
-        if not result["drifted"]:
-            _remember_render(root, rendered, files)
         if result["drifted"]:
             result.update(status="drift", ok=False)
             _note("derived files diverge from the episodes: " + ", ".join(result["drifted"]))
+        else:
+            _remember_render(root, rendered, files)
         result["summary"] = ("derived files match the episodes" if result["ok"] else
-                             "drift: " + ", ".join(result["drifted"]) +
-                             " — run memshelf rebuild")
+                             "drift: " + ", ".join(result["drifted"]) + " — run memshelf rebuild")
         progress.done()
         return result
     git = _Git(root)
@@ -6824,8 +6741,7 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     try:
         written, unchanged, deleted = _write_derived(root, files, rendered, journal)
         if journal is not None:
-            # every derived file and source, so that drift an earlier run left uncommitted
-            # is committed too
+            # every derived file and source: drift an earlier run left uncommitted goes in too
             message = ("rebuild: adopt derived fields into episodes" if adopt
                        else "rebuild: regenerate derived files")
             result["commit"] = git.commit(sorted(files) + changed_sources, message)
@@ -6842,9 +6758,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
             pass
     result.update(written=written, unchanged=unchanged, deleted=deleted)
     progress.done()
-    result["summary"] = (f"rebuilt {episodes} episodes: wrote {len(written)}, "
-                         f"unchanged {len(unchanged)}" +
-                         (f", deleted {len(deleted)}" if deleted else "") +
+    result["summary"] = (f"rebuilt {result['episodes']} episodes: wrote {len(written)}, unchanged "
+                         f"{len(unchanged)}" + (f", deleted {len(deleted)}" if deleted else "") +
                          (", committed" if result["committed"] else ""))
     return result
 
@@ -6859,27 +6774,22 @@ def _set_index_format(root, fmt):
     new, n = re.subn(r"(?m)^(\s+generated_by:\s*)\S.*$", lambda m: m.group(1) + value, text,
                      count=1)
     if not n:
-        if re.search(r"(?m)^index:\s*$", text):
-            new = re.sub(r"(?m)^index:\s*$", f"index:\n  generated_by: {value}", text, count=1)
-        else:
-            new = text + ("" if text.endswith("\n") else "\n") + \
-                f"index:\n  path: INDEX.md\n  generated_by: {value}\n"
+        new, n = re.subn(r"(?m)^index:\s*$", f"index:\n  generated_by: {value}", text, count=1)
+    if not n:
+        new = text + ("" if text.endswith("\n") else "\n") + \
+            f"index:\n  path: INDEX.md\n  generated_by: {value}\n"
     if new != text:
         _atomic_write(path, new)
-        return True
-    return False
+    return new != text
 
 
 def _adopt(root):
     """One-shot migration: copy legacy ledger/meta fields into episodes where missing."""
-    old_ledger = {}
     try:
-        for line in _read_text(os.path.join(root, "ledger.tsv")).split("\n")[1:]:
-            cells = line.split("\t")
-            if len(cells) >= 2 and cells[1]:
-                old_ledger[cells[1]] = cells
+        lines = _read_text(os.path.join(root, "ledger.tsv")).split("\n")[1:]
     except (OSError, ShelfError):
-        pass
+        lines = []
+    old_ledger = {c[1]: c for c in (line.split("\t") for line in lines) if len(c) >= 2 and c[1]}
     adopted, skipped, written, restated = [], [], [], []
     with _Store(root, use_cache=False) as store:
         records = store.records(archive=False)
@@ -6887,38 +6797,24 @@ def _adopt(root):
         if not r["fm_ok"] or not r.get("id"):
             skipped.append(r["path"])
             continue
-        meta_path = os.path.join(root, "docs", r["category"], ".meta.json")
-        meta, _ = _load_json_object(meta_path)
+        meta, _ = _load_json_object(os.path.join(root, "docs", r["category"], ".meta.json"))
         m = (meta or {}).get(r["stem"] + ".md") or {}
-        row = old_ledger.get(r["id"])
-        add = {}
-        f = r["fields"]
-        if "date" not in f:
-            d = row[0] if row and _is_iso_date(row[0]) else (
-                r["id"][:10] if _is_iso_date(r["id"][:10]) else None)
-            if d:
-                add["date"] = d
-        if "notes" not in f and row and len(row) >= 6 and row[5]:
-            add["notes"] = _yaml_quote(row[5])
-        if "display_title" not in f and isinstance(m.get("title"), str) and m["title"] and \
-                m["title"] != r["id"]:
-            add["display_title"] = _yaml_quote(m["title"])
-        if "description" not in f and isinstance(m.get("description"), str) and m["description"]:
-            add["description"] = _yaml_quote(m["description"])
-        if row and len(row) >= 5 and row[4].isdigit() and int(row[4]) != r["digest_tokens"]:
+        row = old_ledger.get(r["id"]) or []
+        found = {"date": next((d for d in row[:1] + [r["id"][:10]] if _is_iso_date(d)), None),
+                 "notes": row[5] if len(row) >= 6 else None,
+                 "display_title": m.get("title") if m.get("title") != r["id"] else None,
+                 "description": m.get("description")}
+        add = {k: v if k == "date" else _yaml_quote(v) for k, v in found.items()
+               if k not in r["fields"] and isinstance(v, str) and v}
+        if len(row) >= 5 and row[4].isdigit() and int(row[4]) != r["digest_tokens"]:
             restated.append({"id": r["id"], "from": int(row[4]), "to": r["digest_tokens"]})
-        if not add:
-            skipped.append(r["path"])
-            continue
         path = os.path.join(root, r["path"])
-        text = _read_text(path)
-        lines = text.split("\n")
+        lines = _read_text(path).split("\n") if add else []   # nothing to add: skipped
         fences = [i for i, l in enumerate(lines) if re.match(r"---[ \t]*$", l)]
         if len(fences) < 2:
             skipped.append(r["path"])
             continue
-        close = fences[1]
-        lines[close:close] = [f"{k}: {v}" for k, v in add.items()]
+        lines[fences[1]:fences[1]] = [f"{k}: {v}" for k, v in add.items()]
         _atomic_write(path, "\n".join(lines))
         adopted.append(r["id"])
         written.append({"path": r["path"]})
@@ -6956,49 +6852,38 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     fmt = _index_format(root)
     rel = "archive/INDEX.md" if archive else "INDEX.md"
-    path = os.path.join(root, rel)
-    lag = 0
     rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
                                index_only=True, verify=verify)
-    if rendered["records"] is None and rendered["files"].get(rel) is not None:
-        on_disk_text = rendered["files"][rel]   # a memo hit has just read and checked the file
-    else:
-        on_disk_text = None
+    text = on_disk_text = rendered["files"].get(rel)   # a memo hit has just read the file
+    if rendered["records"] is not None or text is None:
         try:
-            on_disk_text = _read_text(path)
+            on_disk_text = _read_text(os.path.join(root, rel))
         except (OSError, ShelfError):
-            pass
+            on_disk_text = None
         if rendered["records"] is not None and not verify:
             _remember_if_on_disk(root, rendered)   # the next reader is answered from the memo
-    fresh = rendered["files"].get(rel)
-    if fresh is None:
-        fresh = on_disk_text if on_disk_text is not None else _render_compact(
-            _docshelf_config(root)["name"], _docshelf_config(root)["preamble"], [], {})
-    if on_disk_text is None:
-        on_disk = "missing"
-    elif on_disk_text == fresh:
-        on_disk = "current"
-    else:
-        on_disk = "stale"
+    if text is None:
+        cfg = _docshelf_config(root)
+        text = on_disk_text if on_disk_text is not None else _render_compact(
+            cfg["name"], cfg["preamble"], [], {})
+    on_disk = "missing" if on_disk_text is None else "current" if on_disk_text == text else "stale"
+    lag = 0
+    if on_disk == "stale":
         listed = {m.group(1) or m.group(2) for m in
                   (_ENTRY_LINE.match(l) for l in on_disk_text.split("\n")) if m}
         lag = len([r for r in rendered["records"] or [] if r["archived"] == archive and
                    r["stem"] not in listed and fmt == "compact"])
-    text = fresh
-    source = "file" if on_disk == "current" else "rendered"
     total = shown = _entry_count(text)
     if category or since:
         text = _filter_index(text.split("\n"), category, since)
         shown = _entry_count(text)
     truncated, next_offset = False, None
     if offset or (max_chars and len(text) > max_chars):
-        lines = text.split("\n")
-        entry_idx = [i for i, l in enumerate(lines) if l.startswith("- ")]
-        text, shown, truncated, next_offset = _cap_index(lines, entry_idx, max_chars, offset)
-    return {"status": "ok", "index": text, "format": fmt if fmt != "manual" else "manual",
-            "source": source, "on_disk": on_disk, "lag_episodes": lag,
-            "entries_total": total, "entries_shown": shown, "truncated": truncated,
-            "next_offset": next_offset, "tokens": tokens(text)}
+        text, shown, truncated, next_offset = _cap_index(text.split("\n"), max_chars, offset)
+    return {"status": "ok", "index": text, "format": fmt,
+            "source": "file" if on_disk == "current" else "rendered", "on_disk": on_disk,
+            "lag_episodes": lag, "entries_total": total, "entries_shown": shown,
+            "truncated": truncated, "next_offset": next_offset, "tokens": tokens(text)}
 
 
 def _entry_count(text):
@@ -7008,42 +6893,37 @@ def _entry_count(text):
 
 def _filter_index(lines, category, since):
     out, current = [], None
-    heading_for = {_HEADINGS[c]: c for c in CATEGORIES}
     for line in lines:
         if line.startswith("## "):
-            current = heading_for.get(line[3:].strip(), line[3:].strip().lower())
+            current = line[3:].strip().lower()   # each _HEADINGS title is its category's name
         if line.startswith("- "):
-            if category and current != category:
-                continue
             m = _ENTRY_LINE.match(line)
             key = (m.group(1) or m.group(2)) if m else ""
-            if since and not (_is_iso_date(key[:10]) and key[:10] >= since):
+            if category and current != category or \
+                    since and not (_is_iso_date(key[:10]) and key[:10] >= since):
                 continue
         out.append(line)
-    # drop headings left without entries
-    text = "\n".join(out)
-    return re.sub(r"## [^\n]+\n\n(?=## |---)", "", text)
+    return re.sub(r"## [^\n]+\n\n(?=## |---)", "", "\n".join(out))   # headings left empty
 
 
-def _cap_index(lines, entry_idx, max_chars, offset):
+def _cap_index(lines, max_chars, offset):
     """Keep header and preamble, then the newest entries that fit (older ones dropped first)."""
     def key_of(i):   # newest first: by the key's date prefix, then position
         m = _ENTRY_LINE.match(lines[i])
         k = (m.group(1) or m.group(2)) if m else lines[i]
         return (k[:10] if _is_iso_date(k[:10]) else "", i)
-    newest_first = sorted(entry_idx, key=key_of, reverse=True)
-    candidates = newest_first[offset:]
+    entry_idx = [i for i, l in enumerate(lines) if l.startswith("- ")]
+    candidates = sorted(entry_idx, key=key_of, reverse=True)[offset:]
     head_end = entry_idx[0] if entry_idx else len(lines)
     header = [l for l in lines[:head_end] if not l.startswith("## ")]
     while header and header[-1] == "":
         header.pop()
     keep = set()
-    budget = max_chars or 10 ** 12
     # header + the headings and the "older entries" line that may follow
     used = sum(len(l) + 1 for l in header) + 120
     for i in candidates:
         cost = len(lines[i]) + 1
-        if used + cost > budget and keep:
+        if used + cost > (max_chars or 10 ** 12) and keep:
             break
         keep.add(i)   # at least one entry per page, so paging always advances
         used += cost
