@@ -12309,11 +12309,10 @@ class _DoctorRun:
         upstream = git.out("rev-parse", "--symbolic-full-name", "@{u}", check=False,
                            read_only=True)
         if not upstream.startswith("refs/remotes/"):
-            return [_finding("upstream-unknown", "",
-                             f"{len(self.uncounted)} episode(s) have no ledger row "
-                             f"({_id_list(self.uncounted)}), but this checkout tracks no "
-                             "upstream branch, so the renderer cannot be judged; falling back "
-                             "to the ledger's age")] + self.ledger_age_verdict()
+            return [_finding("upstream-unknown", "", f"{_no_row(self.uncounted)}, but this "
+                             "checkout tracks no upstream branch, so the renderer cannot be "
+                             "judged; falling back to the ledger's age"),
+                    *self.ledger_age_verdict()]
         render = self.render_branch(upstream)
         prefix = self.git_prefix()
         full = {r["path"]: prefix + r["path"] for r in self.uncounted}
@@ -12406,17 +12405,16 @@ class _DoctorRun:
             else:
                 unknown.append(rec)
         if proven:
+            longest = max(s for _, s in proven)
             return [_finding("derived-stale", "ledger.tsv",
-                             f"{len(proven)} episode(s) on {short_render} have no ledger row "
-                             f"({_id_list([r for r, _ in proven])}); the renderer has had them "
-                             f"for at least {_hours_text(max(s for _, s in proven))} (threshold "
+                             f"{_no_row([r for r, _ in proven], short_render)}; the renderer has "
+                             f"had them for at least {_hours_text(longest)} (threshold "
                              f"{self.stale_hours:g} h)", self.derived_fix("derived-stale"))]
         if unknown:
             return [_finding("renderer-wait-unknown", "ledger.tsv",
-                             f"{len(unknown)} episode(s) on {short_render} have no ledger row "
-                             f"({_id_list(unknown)}), and this clone holds no record of when "
-                             f"they arrived there, so it cannot tell how long the renderer "
-                             "has had them")]
+                             f"{_no_row(unknown, short_render)}, and this clone holds no record "
+                             "of when they arrived there, so it cannot tell how long the "
+                             "renderer has had them")]
         return []
 
     def ledger_age_verdict(self):
@@ -12425,7 +12423,7 @@ class _DoctorRun:
         if when is None:
             return []
         hours = (time.time() - when) / 3600
-        rows = f"{len(self.uncounted)} episode(s) have no ledger row ({_id_list(self.uncounted)})"
+        rows = _no_row(self.uncounted)
         if hours >= self.stale_hours:
             # a lower bound that reaches the threshold still proves staleness
             return [_finding("derived-stale", "ledger.tsv",
@@ -12721,9 +12719,10 @@ def _hours_text(seconds):
     return f"{hours:.0f} h" if hours >= 1 else f"{seconds / 60:.0f} min"
 
 
-def _id_list(records, limit=5):
-    ids = ", ".join(r["stem"] for r in records[:limit])
-    return ids + (", …" if len(records) > limit else "")
+def _no_row(records, branch=None, limit=5):
+    ids = ", ".join(r["stem"] for r in records[:limit]) + (", …" if len(records) > limit else "")
+    where = f" on {branch}" if branch else ""
+    return f"{len(records)} episode(s){where} have no ledger row ({ids})"
 
 
 def _shallow_commits(git):
@@ -12913,22 +12912,18 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
             recent += 1
     realized = sum(entry[2] for entry in per_id.values())
     ledger_ids = set(_read_ledger(root)[2])
+    per_entry = (index_tokens - _INDEX_BASE_TOKENS) / index_entries if index_entries else 0.0
     result = {"status": "ok", "episodes": len(eps),
               "episodes_archived": sum(1 for r in eps if r["archived"]),
               "index_tokens": index_tokens, "index_entries": index_entries,
-              "index_tokens_per_entry": round((index_tokens - _INDEX_BASE_TOKENS) /
-                                              index_entries, 1) if index_entries else 0.0,
-              "digest_tokens": digest_tokens, "standing_cost": standing,
-              "work_volume": sum(sizes.values()), "shelved_mass": shelved_mass,
-              "capped_episodes": capped, "context_window": window,
-              "unmeasured_episodes": len(unmeasured),
-              "unmeasured_digest_tokens": unmeasured_digest,
-              "compression_ratio": ratio, "recalls": len(rows),
-              "episodes_recalled": len(per_id), "fetched_tokens": sum(row[2] for row in rows),
-              "realized_savings": realized,
+              "index_tokens_per_entry": round(per_entry, 1), "digest_tokens": digest_tokens,
+              "standing_cost": standing, "work_volume": sum(sizes.values()),
+              "shelved_mass": shelved_mass, "capped_episodes": capped, "context_window": window,
+              "unmeasured_episodes": len(unmeasured), "unmeasured_digest_tokens": unmeasured_digest,
+              "compression_ratio": ratio, "recalls": len(rows), "episodes_recalled": len(per_id),
+              "fetched_tokens": sum(row[2] for row in rows), "realized_savings": realized,
               "recall_cost_per_question": index_tokens + _median([row[2] for row in rows])
-              if rows else None,
-              "recalls_30d": recent,
+              if rows else None, "recalls_30d": recent,
               "ledger_lag": sum(1 for r in eps if r["id"] not in ledger_ids)}
     if not rows:
         result["note"] = ("no recalls logged yet: realized numbers need logged recalls "
