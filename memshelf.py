@@ -11242,18 +11242,16 @@ _DOCTOR_CODES = {
     "merge-driver-missing": ("info", "git", "run memshelf sync (or memshelf init) to install them"),
     # 2. tree structure
     "docs-root-missing": ("error", "structure", "create it with: memshelf init"),
-    "category-undeclared": ("error", "structure",
-                            "move the directory out of docs/, or declare it in shelf.yml "
-                            "categories"),
+    "category-undeclared": ("error", "structure", "move the directory out of docs/, or declare it "
+                            "in shelf.yml categories"),
     "unknown-category": ("warning", "structure",
                          "move the directory out of docs/; memshelf never reads it"),
     "empty-category": ("info", "structure", "none needed"),
     "corrupt-meta": ("error", "derived", "regenerate it: memshelf rebuild"),
     "meta-shape": ("error", "derived", "regenerate it: memshelf rebuild"),
     "stale-meta-entry": ("warning", "derived", "regenerate it: memshelf rebuild"),
-    "orphaned-split-dir": ("warning", "structure",
-                           "delete the directory if it holds only NNN-*.md and SUBINDEX.md files; "
-                           "otherwise move it out of docs/"),
+    "orphaned-split-dir": ("warning", "structure", "delete the directory if it holds only NNN-*.md "
+                           "and SUBINDEX.md files; otherwise move it out of docs/"),
     "local-split-dir": ("warning", "structure", "remove it: memshelf prune-splits --apply"),
     "split-out-of-sync": ("warning", "structure",
                           "remove it: memshelf prune-splits --apply --tracked"),
@@ -11262,9 +11260,8 @@ _DOCTOR_CODES = {
     "symlink-ignored": ("warning", "structure",
                         "replace the link with the file itself; memshelf never follows it"),
     "leftover-temp-file": ("info", "structure", "memshelf rebuild removes it"),
-    "derived-not-file": ("error", "derived",
-                         "move it out of the shelf (a generated file belongs there), then "
-                         "memshelf rebuild"),
+    "derived-not-file": ("error", "derived", "move it out of the shelf (a generated file belongs "
+                         "there), then memshelf rebuild"),
     # 3. POLICY.patterns
     "no-policy": ("info", "config", "memshelf init writes one"),
     "policy-pattern-invalid": ("warning", "config",
@@ -11273,9 +11270,8 @@ _DOCTOR_CODES = {
     "no-ledger": ("info", "derived", "write it: memshelf rebuild"),
     "ledger-malformed": ("error", "derived", "regenerate it: memshelf rebuild"),
     # 5. episodes: format
-    "no-frontmatter": ("error", "format",
-                       "add a frontmatter block; memshelf shelve --amend --file <path> writes a "
-                       "valid one"),
+    "no-frontmatter": ("error", "format", "add a frontmatter block; memshelf shelve --amend --file "
+                       "<path> writes a valid one"),
     "frontmatter-invalid": ("error", "format", "fix the named line of the frontmatter block"),
     "frontmatter-not-portable": ("error", "format", "quote the value, or re-shelve: " + _AMEND),
     "frontmatter-missing-field": ("error", "format", "add the field to the frontmatter"),
@@ -11283,9 +11279,8 @@ _DOCTOR_CODES = {
     "bad-kind": ("error", "format", "set kind: topic, research or session"),
     "bad-mode": ("error", "format", "set mode: live or import"),
     "bad-tags": ("error", "format", "write tags as a list: tags: [a, b]"),
-    "bad-approx-tokens": ("error", "format",
-                          "set approx_tokens to an unquoted integer (the in-window estimate, "
-                          "chars/4)"),
+    "bad-approx-tokens": ("error", "format", "set approx_tokens to an unquoted integer (the "
+                          "in-window estimate, chars/4)"),
     "bad-approx-tokens-source": ("warning", "format",
                                  "set approx_tokens_source to estimate, measured or unmeasured"),
     "bad-date": ("warning", "format", "correct the date to YYYY-MM-DD"),
@@ -11296,9 +11291,8 @@ _DOCTOR_CODES = {
     "episode-binary": ("error", "format",
                        "remove the bytes or restore the last good copy from git, then amend it: "
                        "memshelf shelve --amend --file <path> (views skip it until then)"),
-    "episode-oversize": ("error", "format",
-                         "trim it under 8 MiB (move raw material out of the shelf) or split it; "
-                         "shelve refuses larger episodes"),
+    "episode-oversize": ("error", "format", "trim it under 8 MiB (move raw material out of the "
+                         "shelf) or split it; shelve refuses larger episodes"),
     # 5. episodes: content
     "digest-empty": ("error", "content", "write the digest, then amend: " + _AMEND),
     "digest-too-long": ("error", "content", "cut the digest, then amend: " + _AMEND),
@@ -11306,9 +11300,8 @@ _DOCTOR_CODES = {
                            "name the actor in the digest, then amend: " + _AMEND),
     "digest-secret": ("error", "content",
                       "describe the secret instead of quoting it, then amend: " + _AMEND),
-    "digest-body-mismatch": ("warning", "content",
-                             "rewrite the digest from the body, or confirm the episode is "
-                             "complete"),
+    "digest-body-mismatch": ("warning", "content", "rewrite the digest from the body, or confirm "
+                             "the episode is complete"),
     "secret-at-rest": ("error", "content", "redact the value and amend the episode: " + _AMEND),
     "policy-pattern-at-rest": ("error", "content",
                                "redact the match per POLICY.md and amend: " + _AMEND),
@@ -11322,21 +11315,17 @@ _DOCTOR_CODES = {
     "derived-stale": ("error", "derived", "memshelf rebuild --commit"),
     "derived-age-unknown": ("unknown", "derived",
                             "deepen the clone (git fetch --deepen=200) and rerun doctor"),
-    "renderer-wait-unknown": ("unknown", "derived",
-                              "judge the renderer by its own job runs, or rerun doctor from a "
-                              "long-lived clone"),
-    "upstream-not-rendered": ("warning", "derived",
-                              "merge it; the renderer renders the render branch only (do not "
-                              "render on this branch)"),
+    "renderer-wait-unknown": ("unknown", "derived", "judge the renderer by its own job runs, or "
+                              "rerun doctor from a long-lived clone"),
+    "upstream-not-rendered": ("warning", "derived", "merge it; the renderer renders the render "
+                              "branch only (do not render on this branch)"),
     "episode-unpushed": ("warning", "derived", "push (or publish) it, then fetch and rerun"),
-    "upstream-unknown": ("warning", "derived",
-                         "check out a tracking branch; derived-stale then falls back to the "
-                         "ledger's own age"),
+    "upstream-unknown": ("warning", "derived", "check out a tracking branch; derived-stale then "
+                         "falls back to the ledger's own age"),
     "recall-log-malformed": ("warning", "derived",
                              "fix or drop the rows in recall-log.tsv; stats ignores them"),
-    "uncommitted-episode": ("warning", "git",
-                            "review it, then commit it: memshelf repair --shelf <shelf> (or "
-                            "delete it)"),
+    "uncommitted-episode": ("warning", "git", "review it, then commit it: memshelf repair --shelf "
+                            "<shelf> (or delete it)"),
     # 6. the tree, the git index and HEAD (git shelves): all repaired by one command
     "git-staged": ("error", "git", _REPAIR),
     "committed-missing": ("error", "git", _REPAIR),
@@ -11346,28 +11335,23 @@ _DOCTOR_CODES = {
     "git-lock-stale": ("error", "git", _REPAIR),
     # 8. INDEX
     "stale-index": ("warning", "derived", "memshelf rebuild --commit"),
-    "index-hand-edited": ("error", "derived",
-                          "memshelf rebuild, or switch formats: memshelf rebuild --index-format "
-                          "compact"),
+    "index-hand-edited": ("error", "derived", "memshelf rebuild, or switch formats: memshelf "
+                          "rebuild --index-format compact"),
     "index-bloat": ("warning", "derived", "memshelf rebuild"),
     "index-injection-cap": ("info", "derived",
                             "roll up older periods: memshelf rollup --until <date> …"),
-    "index-links-unsupported": ("info", "derived",
-                                "links are omitted; set provider none in .docshelf.json, or use "
-                                "the compact format"),
+    "index-links-unsupported": ("info", "derived", "links are omitted; set provider none in "
+                                ".docshelf.json, or use the compact format"),
     # 9. remotes
     "no-remote": ("info", "remote", "none needed: a shelf without a remote stays private"),
     "remote-private": ("info", "remote", "none needed"),
-    "public-remote": ("error", "remote",
-                      "make the repository private, or remove the remote: git remote remove "
-                      "<name>"),
-    "remote-unverified": ("warning", "remote",
-                          "check the repository's visibility by hand, then rerun with "
-                          "--check-remote"),
+    "public-remote": ("error", "remote", "make the repository private, or remove the remote: git "
+                      "remote remove <name>"),
+    "remote-unverified": ("warning", "remote", "check the repository's visibility by hand, then "
+                          "rerun with --check-remote"),
     # 10. served code
-    "served-code-differs": ("error", "config",
-                            "reinstall or refresh the extension; memshelf freshness lists every "
-                            "copy"),
+    "served-code-differs": ("error", "config", "reinstall or refresh the extension; memshelf "
+                            "freshness lists every copy"),
 }
 _DOCTOR_RANK = {"info": 0, "warning": 1, "error": 2, "unknown": 0}
 _DOCTOR_STALE_HOURS = 24.0
