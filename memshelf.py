@@ -11355,15 +11355,15 @@ _DOCTOR_CODES = {
 }
 _DOCTOR_RANK = {"info": 0, "warning": 1, "error": 2, "unknown": 0}
 _DOCTOR_STALE_HOURS = 24.0
+_GIT_READ = {"check": False, "read_only": True}   # doctor's git calls: reads, failure an answer
 _DOCTOR_CACHE_SCHEMA = "2"   # bump when a per-file check changes, so cached verdicts are redone
 _INDEX_BASE_TOKENS = 200
 _INDEX_ALLOWANCE = {"compact": {"key": 10, "title": 20, "description": 30, "markup": 4},
                     "docshelf": {"title": 20, "link": 27, "description": 30, "markup": 3}}
 _MANIFEST_KEYS = ("spec_version", "mode", "name", "profile", "docs_root", "categories", "index",
                   "ledger", "policy", "extra_dirs", "agents", "provenance")
-_MANIFEST_BLOCKS = {"index": ("path", "generated_by"), "ledger": ("path",),
-                    "policy": ("path", "patterns"), "agents": ("path",),
-                    "provenance": ("dir", "required")}
+_MANIFEST_BLOCKS = {"index": ("path", "generated_by"), "ledger": ("path",), "agents": ("path",),
+                    "policy": ("path", "patterns"), "provenance": ("dir", "required")}
 _MANIFEST_LINE = _re_lazy(r"^( *)(?:- +|([^\s:#][^:]*):[ \t]+)(.*)$")
 _MEMSHELF_JSON_KEYS = ("derived", "autopush", "redaction", "export_exclude_tags",
                        "context_window", "derived_stale_hours", "hook_index_chars")
@@ -11571,9 +11571,9 @@ def _content_findings(rec, parsed, policy):
         measured = _grounding(digest, parsed.preamble + "\n" + rest, _GROUNDING_OPENING)
         if measured is not None and measured[0] < 0.2:
             share, total, grounded = measured
-            out.append(_finding("digest-body-mismatch", path,
-                                f"the digest shares {round(share * 100)}% of its content words "
-                                f"with the body ({grounded} of {total})"))
+            out.append(_finding("digest-body-mismatch", path, f"the digest shares "
+                                f"{round(share * 100)}% of its content words with the body "
+                                f"({grounded} of {total})"))
     builtin = find_secrets(text, None, **switches) if hits and rules else hits
     if builtin:
         out.append(_finding("secret-at-rest", path,
@@ -12006,9 +12006,8 @@ class _DoctorRun:
         m = self.manifest
         name = docshelf.get("name")
         if isinstance(m.get("name"), str) and isinstance(name, str) and m["name"] != name:
-            yield _finding("docshelf-config-conflict", ".docshelf.json",
-                           f"shelf.yml name {m['name']!r} differs from .docshelf.json name "
-                           f"{name!r}")
+            yield _finding("docshelf-config-conflict", ".docshelf.json", f"shelf.yml name "
+                           f"{m['name']!r} differs from .docshelf.json name {name!r}")
         declared = m.get("categories") if isinstance(m.get("categories"), list) else []
         order = docshelf.get("category_order")
         extra = [c for c in order if isinstance(c, str) and c not in declared] \
@@ -12052,15 +12051,13 @@ class _DoctorRun:
             attrs = _read_text(os.path.join(self.root, ".gitattributes"))
         except (OSError, ShelfError):
             attrs = ""
-        config = self.git.out("config", "--get-regexp", r"^merge\.memshelf-", check=False,
-                              read_only=True)
+        config = self.git.out("config", "--get-regexp", r"^merge\.memshelf-", **_GIT_READ)
         drivers = ("memshelf-derived", "memshelf-recall-log")
         missing = [f".gitattributes merge={d}" for d in drivers if f"merge={d}" not in attrs]
         missing += [f"git config merge.{d}.driver" for d in drivers
                     if f"merge.{d}.driver" not in config]
         if self.git.is_root():
-            hooks = self.git.out("rev-parse", "--git-path", "hooks", check=False,
-                                 read_only=True)
+            hooks = self.git.out("rev-parse", "--git-path", "hooks", **_GIT_READ)
             hooks = os.path.join(self.root, hooks) if hooks else ""
             missing += [f"the {name} hook" for name in ("post-merge", "post-rewrite")
                         if not hooks or not os.path.isfile(os.path.join(hooks, name))]
@@ -12159,8 +12156,7 @@ class _DoctorRun:
         listed = []
         if self.in_git and split_dirs:
             # ls-files prints paths relative to the shelf (git runs with -C root)
-            listed = self.git.out("ls-files", "-z", "--", *split_dirs, check=False,
-                                  read_only=True).split("\x00")
+            listed = self.git.out("ls-files", "-z", "--", *split_dirs, **_GIT_READ).split("\x00")
         for rel in split_dirs:
             if not any(name.startswith(rel + "/") for name in listed):
                 yield _finding("local-split-dir", rel,
@@ -12290,8 +12286,7 @@ class _DoctorRun:
         if self.mode != "bot" or not self.in_git or not self.git.remotes():
             return self.ledger_age_verdict()
         git = self.git
-        upstream = git.out("rev-parse", "--symbolic-full-name", "@{u}", check=False,
-                           read_only=True)
+        upstream = git.out("rev-parse", "--symbolic-full-name", "@{u}", **_GIT_READ)
         if not upstream.startswith("refs/remotes/"):
             return [_finding("upstream-unknown", "", f"{_no_row(self.uncounted)}, but this "
                              "checkout tracks no upstream branch, so the renderer cannot be "
@@ -12311,14 +12306,12 @@ class _DoctorRun:
             if path in on_render:
                 visible.append(rec)
             elif path in on_upstream:
-                out.append(_finding("upstream-not-rendered", rec["path"],
-                                    f"{rec['stem']} is on {short_upstream} but not on the render "
-                                    f"branch {short_render}; the renderer renders "
-                                    f"{short_render} only"))
+                out.append(_finding("upstream-not-rendered", rec["path"], f"{rec['stem']} is on "
+                                    f"{short_upstream} but not on the render branch "
+                                    f"{short_render}; the renderer renders {short_render} only"))
             else:
-                out.append(_finding("episode-unpushed", rec["path"],
-                                    f"{rec['stem']} exists only in this checkout (not on "
-                                    f"{short_upstream})"))
+                out.append(_finding("episode-unpushed", rec["path"], f"{rec['stem']} exists "
+                                    f"only in this checkout (not on {short_upstream})"))
         if visible:
             # the oldest work carries the verdict; a cap keeps a long outage cheap to judge
             visible = sorted(visible, key=lambda r: (r.get("date") or "", r["path"]))[:200]
@@ -12328,8 +12321,7 @@ class _DoctorRun:
     def render_branch(self, upstream):
         """The remote's default branch (<remote>/HEAD, main, master), else the upstream."""
         remote = upstream[len("refs/remotes/"):].split("/", 1)[0]
-        head = self.git.out("symbolic-ref", "-q", f"refs/remotes/{remote}/HEAD", check=False,
-                            read_only=True)
+        head = self.git.out("symbolic-ref", "-q", f"refs/remotes/{remote}/HEAD", **_GIT_READ)
         for ref in ([head] if head else []) + [f"refs/remotes/{remote}/main",
                                                f"refs/remotes/{remote}/master"]:
             if self.git.ok("rev-parse", "-q", "--verify", ref + "^{commit}", read_only=True):
@@ -12346,8 +12338,7 @@ class _DoctorRun:
         # arrive before it is written); a shallow boundary commit proves nothing
         added = {}
         log = git.run("log", render, "--format=%x01%H %ct", "--name-only", "--relative",
-                      "--diff-filter=A", "--", *[r["path"] for r in visible], check=False,
-                      read_only=True)
+                      "--diff-filter=A", "--", *[r["path"] for r in visible], **_GIT_READ)
         sha, when = None, None
         for line in log.stdout.decode("utf-8", "replace").splitlines():
             if line.startswith("\x01"):
@@ -12359,7 +12350,7 @@ class _DoctorRun:
         # a lower bound (exact when it was our own push); the move before it an upper bound
         moves = []
         reflog = git.run("log", "-g", "--date=unix", "--format=%H%x09%gd%x09%gs", "-n", "500",
-                         render, check=False, read_only=True)
+                         render, **_GIT_READ)
         for line in reflog.stdout.decode("utf-8", "replace").splitlines():
             parts = line.split("\t", 2)
             m = re.search(r"@\{(\d+)\}", parts[1]) if len(parts) == 3 else None
@@ -12410,22 +12401,20 @@ class _DoctorRun:
         rows = _no_row(self.uncounted)
         if hours >= self.stale_hours:
             # a lower bound that reaches the threshold still proves staleness
-            return [_finding("derived-stale", "ledger.tsv",
-                             f"{rows} and the ledger was last written {hours:.0f} h ago "
-                             f"({source}; threshold {self.stale_hours:g} h)",
-                             self.derived_fix("derived-stale"))]
+            return [_finding("derived-stale", "ledger.tsv", f"{rows} and the ledger was last "
+                             f"written {hours:.0f} h ago ({source}; threshold "
+                             f"{self.stale_hours:g} h)", self.derived_fix("derived-stale"))]
         # a shallow-boundary commit makes the age a lower bound that proves nothing here
         if sha and sha in _shallow_commits(self.git):
-            return [_finding("derived-age-unknown", "ledger.tsv",
-                             f"{rows}; the ledger's last commit is the boundary of a shallow "
-                             f"clone, so its age ({hours:.0f} h) is only a lower bound")]
+            return [_finding("derived-age-unknown", "ledger.tsv", f"{rows}; the ledger's last "
+                             f"commit is the boundary of a shallow clone, so its age "
+                             f"({hours:.0f} h) is only a lower bound")]
         return []
 
     def ledger_time(self):
         """(time, source, commit sha or None) of the ledger's last write."""
         if self.in_git:
-            stamp = self.git.out("log", "-1", "--format=%H %cI", "--", "ledger.tsv",
-                                 check=False, read_only=True)
+            stamp = self.git.out("log", "-1", "--format=%H %cI", "--", "ledger.tsv", **_GIT_READ)
             sha, _, iso = stamp.partition(" ")
             when = _parse_git_time(iso)
             if when is not None:
@@ -12451,8 +12440,8 @@ class _DoctorRun:
             out.append(_finding(code, rel, detail, _DOCTOR_CODES[code][2].replace("<shelf>",
                                                                                   shelf), level))
 
-        for lock in _stale_git_locks(self.git.out("rev-parse", "--absolute-git-dir",
-                                                  check=False, read_only=True) or self.root):
+        git_dir = self.git.out("rev-parse", "--absolute-git-dir", **_GIT_READ)
+        for lock in _stale_git_locks(git_dir or self.root):
             add("git-lock-stale", os.path.basename(lock), f"{lock} is left from a killed git "
                 "command; no process holds it, and every commit fails while it exists")
         not_in_head = set()
@@ -12544,9 +12533,9 @@ class _DoctorRun:
         if not (isinstance(limit, int) and _positive_number(limit)):
             limit = _HOOK_INDEX_CHARS
         if len(on_disk) > limit:
-            yield _finding("index-injection-cap", "INDEX.md",
-                           f"INDEX.md has {len(on_disk)} characters; session-start hooks "
-                           f"inject only the newest entries within {limit}")
+            yield _finding("index-injection-cap", "INDEX.md", f"INDEX.md has {len(on_disk)} "
+                           f"characters; session-start hooks inject only the newest entries "
+                           f"within {limit}")
         cfg = _docshelf_config(root) if self.fmt == "docshelf" else {}
         if cfg.get("remote") and cfg.get("provider") != "none":
             yield _finding("index-links-unsupported", "INDEX.md", f"provider "
@@ -12564,10 +12553,10 @@ class _DoctorRun:
         budget = _INDEX_BASE_TOKENS + per_entry * listed
         if cost <= budget:
             return []
-        detail = (f"INDEX is ~{cost} tokens against a budget of {budget} "
-                  f"({_INDEX_BASE_TOKENS} + {per_entry}×{listed} listed), over by "
-                  f"{cost - budget}: ~{(cost - _INDEX_BASE_TOKENS) / listed:.1f} tokens per "
-                  f"entry, allowance {per_entry}.")
+        detail = (f"INDEX is ~{cost} tokens against a budget of {budget} ({_INDEX_BASE_TOKENS} "
+                  f"+ {per_entry}×{listed} listed), over by {cost - budget}: "
+                  f"~{(cost - _INDEX_BASE_TOKENS) / listed:.1f} tokens per entry, allowance "
+                  f"{per_entry}.")
         overage = {term: sum(e[term] for e in entries) // 4 - allowance[term] * listed
                    for term in allowance if term != "markup"}
         term, worst = max(sorted(overage.items()), key=lambda t: t[1])
@@ -12591,7 +12580,7 @@ class _DoctorRun:
     def remotes(self):
         if not self.in_git:
             return [_finding("no-remote", "", "not a git shelf: nothing is pushed anywhere")]
-        listing = self.git.out("remote", "-v", check=False, read_only=True)
+        listing = self.git.out("remote", "-v", **_GIT_READ)
         pairs = (line.split()[:2] for line in listing.splitlines())
         urls = list(dict.fromkeys(tuple(p) for p in pairs if len(p) == 2))
         if not urls:
@@ -12605,11 +12594,10 @@ class _DoctorRun:
             verdicts.append(probed[base])
             shown = _strip_url_credentials(url)
             if probed[base] == "public":
-                out.append(_finding("public-remote", "",
-                                    f"remote {name} ({shown}) answers an anonymous read: a "
-                                    "memory shelf must never push to a public repository",
-                                    f"make the repository private, or remove the remote: git "
-                                    f"remote remove {name}"))
+                out.append(_finding("public-remote", "", f"remote {name} ({shown}) answers an "
+                                    "anonymous read: a memory shelf must never push to a public "
+                                    "repository", "make the repository private, or remove the "
+                                    f"remote: git remote remove {name}"))
             elif probed[base] == "unverified":
                 out.append(_finding("remote-unverified", "",
                                     f"remote {name} ({shown}): the probe could not decide"))
@@ -12633,9 +12621,8 @@ class _DoctorRun:
             return [_finding("served-code-differs", "",
                              f"MEMSHELF_CHECKOUT={checkout} holds no readable memshelf.py")]
         if ours != theirs:
-            return [_finding("served-code-differs", "",
-                             f"the code answering this call ({ours[:12]}) differs from the "
-                             f"checkout {checkout} ({theirs[:12]})")]
+            return [_finding("served-code-differs", "", f"the code answering this call "
+                             f"({ours[:12]}) differs from the checkout {checkout} ({theirs[:12]})")]
         return []
 
 
@@ -12711,7 +12698,7 @@ def _no_row(records, branch=None, limit=5):
 
 def _shallow_commits(git):
     """Boundary commits of a shallow clone (empty for a full one)."""
-    path = git.out("rev-parse", "--git-path", "shallow", check=False, read_only=True)
+    path = git.out("rev-parse", "--git-path", "shallow", **_GIT_READ)
     try:
         with open(os.path.join(git.root, path), encoding="ascii") as f:
             return set(f.read().split())
@@ -12730,8 +12717,8 @@ def _present_pairs(git, pairs):
     if not pairs:
         return set()
     query = "".join(f"{rev}:{p}\n" for rev, p in pairs).encode("utf-8")
-    proc = git.run("cat-file", "--batch-check=%(objecttype)", input=query, check=False,
-                   read_only=True, timeout=60)
+    proc = git.run("cat-file", "--batch-check=%(objecttype)", input=query, timeout=60,
+                   **_GIT_READ)
     answers = proc.stdout.decode("utf-8", "replace").splitlines()
     return {pair for pair, answer in zip(pairs, answers) if answer == "blob"}
 
@@ -12827,9 +12814,8 @@ def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, 
     findings = [f for f in findings if (not only or f["code"] in only) and
                 (f["level"] == "unknown" or _DOCTOR_RANK[f["level"]] >= floor)]
     counts = collections.Counter(f["level"] for f in findings)
-    return {"status": "ok", "healthy": counts["error"] == 0,
-            "episodes_checked": len(run.records), "errors": counts["error"],
-            "warnings": counts["warning"], "infos": counts["info"],
+    return {"status": "ok", "healthy": counts["error"] == 0, "episodes_checked": len(run.records),
+            "errors": counts["error"], "warnings": counts["warning"], "infos": counts["info"],
             "unknowns": counts["unknown"], "findings": findings}
 
 # ==========================================================================================
