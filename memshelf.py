@@ -11639,6 +11639,8 @@ class _DoctorFileCache:
     """Per-file doctor results in the shelf cache: trusted while the file is unchanged by the
     one freshness rule (_unchanged), else while its content hash is the same."""
 
+    _INSERT = "INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?, ?, ?)"
+
     def __init__(self, root, fingerprint, enabled):
         self.db = _cache_db(root) if enabled else None
         self.fresh = []
@@ -11679,7 +11681,8 @@ class _DoctorFileCache:
                     todo.append(rec)
                     continue
                 self.fresh.append((path, *stamp, seen, digest, cached))
-            known[rec["path"]] = _decode_findings(cached)
+            # the usual empty answer is one shared empty tuple, not a list each
+            known[rec["path"]] = () if cached == "[]" else json.loads(cached)
         return known, todo
 
     def store(self, rec, digest, findings, seen=None):
@@ -11689,8 +11692,7 @@ class _DoctorFileCache:
             self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], rec.get("ino"), seen,
                                digest, json.dumps(findings, ensure_ascii=False)))
             if len(self.fresh) >= 1000:   # written in batches: memory stays flat on big shelves
-                self._write("INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?, ?, ?)",
-                            self.fresh)
+                self._write(self._INSERT, self.fresh)
 
     def _write(self, sql, rows):
         try:
@@ -11702,17 +11704,11 @@ class _DoctorFileCache:
 
     def finish(self):
         if self.db is not None:
-            self._write("INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        self.fresh)
+            self._write(self._INSERT, self.fresh)
             self._write("DELETE FROM doctor_files WHERE path = ?", [(p,) for p in self.gone])
 
     def close(self):
         self.db = _close_db(self.db)
-
-
-def _decode_findings(text):
-    """Cached findings; the usual empty answer is one shared empty tuple, not a list each."""
-    return () if text == "[]" else json.loads(text)
 
 
 def _read_bytes(root, rel):
@@ -12207,7 +12203,10 @@ class _DoctorRun:
     # 5. every episode -------------------------------------------------------------------
 
     def episodes(self, live, archived):
-        fingerprint = _doctor_fingerprint(self.root, self.policy[1])
+        # what per-file verdicts depend on besides the file: the rules, the switches, the code
+        fingerprint = f"{__version__}/{_self_hash()}|{_DOCTOR_CACHE_SCHEMA}|" \
+            f"{json.dumps(self.policy[1], sort_keys=True)}|" + \
+            _content_hash(_read_bytes(self.root, "POLICY.patterns"))
         cache = _DoctorFileCache(self.root, fingerprint, self.use_cache)
         ids = {r["stem"] for r in self.records} | {r["id"] for r in self.records if r.get("id")}
         row_fix = self.derived_fix("no-ledger-row")
@@ -12592,7 +12591,7 @@ class _DoctorRun:
                 probed[base] = "private" if base == "local" else \
                     "unverified" if base is None else _probe_remote(base)
             verdicts.append(probed[base])
-            shown = _strip_url_credentials(url)
+            shown = re.sub(r"^([a-z][a-z0-9+.-]*://)[^@/]*@", r"\1", url.strip(), flags=re.I)
             if probed[base] == "public":
                 out.append(_finding("public-remote", "", f"remote {name} ({shown}) answers an "
                                     "anonymous read: a memory shelf must never push to a public "
@@ -12723,13 +12722,6 @@ def _present_pairs(git, pairs):
     return {pair for pair, answer in zip(pairs, answers) if answer == "blob"}
 
 
-def _doctor_fingerprint(root, switches):
-    """What per-file verdicts depend on besides the file: the rules, the switches, the code."""
-    patterns = _read_bytes(root, "POLICY.patterns")
-    return f"{__version__}/{_self_hash()}|{_DOCTOR_CACHE_SCHEMA}|" \
-        f"{json.dumps(switches, sort_keys=True)}|" + _content_hash(patterns)
-
-
 def _code_pair_hash(main_path, server_path):
     import hashlib
     try:
@@ -12741,10 +12733,6 @@ def _code_pair_hash(main_path, server_path):
     except OSError:
         pass
     return digest.hexdigest()
-
-
-def _strip_url_credentials(url):
-    return re.sub(r"^([a-z][a-z0-9+.-]*://)[^@/]*@", r"\1", url.strip(), flags=re.I)
 
 
 def _remote_probe_base(url):
@@ -13051,15 +13039,6 @@ def _advise_index_lines(text, fmt):
     return costs
 
 
-def _advise_standing_cost(line_costs, eps):
-    """Per-episode standing cost: mean INDEX line + mean digest (flat 200 on a young shelf)."""
-    if len(eps) < _ADVISE_MEASURE_FROM or not line_costs:
-        return _ADVISE_FLAT_COST, "flat"
-    mean_line = sum(line_costs.values()) / len(line_costs)
-    mean_digest = sum(r["digest_tokens"] for r in eps) / len(eps)
-    return max(1, int(round(mean_line + mean_digest))), "measured"
-
-
 def _advise_rollup(root, live, index_tokens, budget, line_costs, over_entry_budget,
                    listed, entry_tokens, allowance, proposals, notes):
     """Propose a rollup when INDEX rides above 3 % of the window, oldest episodes first."""
@@ -13128,7 +13107,12 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     index_budget = _INDEX_BASE_TOKENS + allowance * listed
     entry_tokens = round((index_tokens - _INDEX_BASE_TOKENS) / listed) if listed else 0
     standing = index_tokens + sum(r["digest_tokens"] for r in eps)
-    cost, cost_source = _advise_standing_cost(line_costs, eps)
+    # per-episode standing cost: mean INDEX line + mean digest (flat on a young shelf)
+    cost, cost_source = _ADVISE_FLAT_COST, "flat"
+    if len(eps) >= _ADVISE_MEASURE_FROM and line_costs:
+        mean_line = sum(line_costs.values()) / len(line_costs)
+        mean_digest = sum(r["digest_tokens"] for r in eps) / len(eps)
+        cost, cost_source = max(1, int(round(mean_line + mean_digest))), "measured"
     min_tokens = _ADVISE_PROPOSAL_FACTOR * cost
     memory = standing if include_memory_overhead else 0
     known, titles = {}, {}
