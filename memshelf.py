@@ -11418,8 +11418,7 @@ _WORD_OR_WIDE_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 1
 
 
 def _content_words(text):
-    """Grounding vocabulary: lower-cased 4+ character words (no digits, no stop words); CJK
-    runs contribute their character bigrams (doctor.md § 3.3)."""
+    """Grounding vocabulary of a text (doctor.md § 3.3): content words and CJK bigrams."""
     # Lower-casing goes character by character but for these (İ and K lower to ASCII, Σ by
     # context); without them the ASCII is lowered as bytes and the rest piece by piece.
     if "\u0130" in text or "\u212a" in text or "\u03a3" in text:
@@ -11731,8 +11730,7 @@ _DOCSHELF_LINK_ENTRY = _re_lazy(r"^- \[\*\*(.+?)\*\*\]\(([^)]*)\)(?: — (.*))?$
 
 
 def _index_entries(text, fmt):
-    """Entry lines of an INDEX text, each as chars per term (key, title, description, link,
-    markup); lines count only inside category (H2) sections."""
+    """Entry lines of an INDEX text's category (H2) sections, each as chars per term."""
     entries = []
     in_section = False
     for line in text.split("\n"):
@@ -11821,8 +11819,7 @@ def _read_ledger(root):
             problems.append(f"line {number}: mode {mode!r} is not live or import")
         for name, value in (("approx_tokens_in", tokens_in), ("digest_tokens", digest_tokens)):
             if not (value.isascii() and value.isdigit()):
-                problems.append(f"line {number}: {name} {value!r} is not a non-negative "
-                                "integer")
+                problems.append(f"line {number}: {name} {value!r} is not a non-negative integer")
     return text, problems, ids
 
 
@@ -11940,9 +11937,7 @@ class _DoctorRun:
 
     def manifest_rules(self, m, text):
         bad = functools.partial(_finding, "manifest-invalid", "shelf.yml")
-        for key in m:
-            if key not in _MANIFEST_KEYS:
-                yield bad(f"unknown top-level key {key!r}")
+        yield from (bad(f"unknown top-level key {key!r}") for key in m if key not in _MANIFEST_KEYS)
         version = m.get("spec_version")
         if "spec_version" not in m:
             yield bad("spec_version is missing")
@@ -12235,8 +12230,7 @@ class _DoctorRun:
         return steps
 
     def cached_verdicts(self, records, cache, progress):
-        """{path: findings} of every episode file: cached, else checked (in parallel when it
-        pays; the content checks are most of an empty-cache doctor run)."""
+        """{path: findings} of every episode file: cached, else checked (in parallel if it pays)."""
         root, policy = self.root, self.policy
         known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec["path"]))
         for rec in todo:
@@ -12279,8 +12273,7 @@ class _DoctorRun:
         yield from self.uncommitted()
 
     def judge_renderer(self):
-        """Is the renderer stopped, or has it simply not seen the uncounted episodes yet?
-        (doctor.md § 3.4) Only the clone's own evidence counts, never a proxy."""
+        """Is the renderer stopped, or has it not seen the uncounted episodes yet (§ 3.4)?"""
         # In auto mode every writer renders; only the ledger's own age can say it lags.
         if self.mode != "bot" or not self.in_git or not self.git.remotes():
             return self.ledger_age_verdict()
@@ -12295,8 +12288,7 @@ class _DoctorRun:
         prefix = self.git_prefix()
         full = {r["path"]: prefix + r["path"] for r in self.uncounted}
         on_render = _present_in(git, render, full.values())
-        on_upstream = on_render if render == upstream else _present_in(git, upstream,
-                                                                       full.values())
+        on_upstream = on_render if render == upstream else _present_in(git, upstream, full.values())
         out, visible = [], []
         short_render = render[len("refs/remotes/"):]
         short_upstream = upstream[len("refs/remotes/"):]
@@ -12716,8 +12708,7 @@ def _present_pairs(git, pairs):
     if not pairs:
         return set()
     query = "".join(f"{rev}:{p}\n" for rev, p in pairs).encode("utf-8")
-    proc = git.run("cat-file", "--batch-check=%(objecttype)", input=query, timeout=60,
-                   **_GIT_READ)
+    proc = git.run("cat-file", "--batch-check=%(objecttype)", input=query, timeout=60, **_GIT_READ)
     answers = proc.stdout.decode("utf-8", "replace").splitlines()
     return {pair for pair, answer in zip(pairs, answers) if answer == "blob"}
 
