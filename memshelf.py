@@ -12078,8 +12078,7 @@ class _DoctorRun:
                 else:
                     yield _finding("unknown-category", rel,
                                    f"docs/{entry.name} is not topics, research or sessions")
-        for rel in ("docs", "archive", "archive/docs") + tuple(f"archive/docs/{c}"
-                                                               for c in CATEGORIES):
+        for rel in ("docs", "archive", "archive/docs", *(f"archive/docs/{c}" for c in CATEGORIES)):
             if os.path.islink(os.path.join(root, rel)):
                 yield _finding("symlink-ignored", rel, "a symlinked folder of the shelf")
         live = {r["category"] for r in self.records if not r["archived"]}
@@ -12285,7 +12284,8 @@ class _DoctorRun:
                              "judged; falling back to the ledger's age"),
                     *self.ledger_age_verdict()]
         render = self.render_branch(upstream)
-        prefix = self.git_prefix()
+        rel = os.path.relpath(os.path.realpath(self.root), git.toplevel()).replace(os.sep, "/")
+        prefix = "" if rel == "." else rel + "/"
         full = {r["path"]: prefix + r["path"] for r in self.uncounted}
         on_render = _present_in(git, render, full.values())
         on_upstream = on_render if render == upstream else _present_in(git, upstream, full.values())
@@ -12385,9 +12385,22 @@ class _DoctorRun:
 
     def ledger_age_verdict(self):
         """Step 2 of § 3.4: without an upstream the clock is the ledger's age."""
-        when, source, sha = self.ledger_time()
+        import datetime
+        sha, when, source = None, None, "its last commit"
+        if self.in_git:
+            stamp = self.git.out("log", "-1", "--format=%H %cI", "--", "ledger.tsv", **_GIT_READ)
+            sha, _, iso = stamp.partition(" ")
+            iso = re.sub(r"Z\Z", "+00:00", iso.strip())   # Python 3.9's fromisoformat reads no Z
+            try:
+                when = datetime.datetime.fromisoformat(iso).timestamp()
+            except ValueError:
+                pass
         if when is None:
-            return []
+            try:
+                when = os.stat(os.path.join(self.root, "ledger.tsv")).st_mtime
+            except OSError:
+                return []
+            sha, source = None, "its mtime"
         hours = (time.time() - when) / 3600
         rows = _no_row(self.uncounted)
         if hours >= self.stale_hours:
@@ -12401,24 +12414,6 @@ class _DoctorRun:
                              f"commit is the boundary of a shallow clone, so its age "
                              f"({hours:.0f} h) is only a lower bound")]
         return []
-
-    def ledger_time(self):
-        """(time, source, commit sha or None) of the ledger's last write."""
-        if self.in_git:
-            stamp = self.git.out("log", "-1", "--format=%H %cI", "--", "ledger.tsv", **_GIT_READ)
-            sha, _, iso = stamp.partition(" ")
-            when = _parse_git_time(iso)
-            if when is not None:
-                return when, "its last commit", sha
-        try:
-            return os.stat(os.path.join(self.root, "ledger.tsv")).st_mtime, "its mtime", None
-        except OSError:
-            return None, None, None
-
-    def git_prefix(self):
-        top = self.git.toplevel()
-        rel = os.path.relpath(os.path.realpath(self.root), top).replace(os.sep, "/")
-        return "" if rel == "." else rel + "/"
 
     def uncommitted(self):
         """The tree, the git index and HEAD compared for every shelf file: one git status."""
@@ -12551,19 +12546,15 @@ class _DoctorRun:
         overage = {term: sum(e[term] for e in entries) // 4 - allowance[term] * listed
                    for term in allowance if term != "markup"}
         term, worst = max(sorted(overage.items()), key=lambda t: t[1])
-        fixes = {
-            "title": "shorten display_title on the longest titles (the one uncapped field), "
-                     "then memshelf rebuild",
-            "description": "memshelf rebuild (descriptions are capped on render, so over-long "
-                           "ones mean a stale render)",
-            "key": "prefer slugs of 40 characters or fewer for new episodes",
-            "link": "switch to the compact format: memshelf rebuild --index-format compact",
-        }
-        if worst > 0:
-            fix = f"{term} is over its allowance by ~{worst} tokens: {fixes[term]}"
-        else:
-            fix = ("the excess is in the preamble or markup: shorten the .docshelf.json "
-                   "preamble, then memshelf rebuild")
+        fixes = {"title": "shorten display_title on the longest titles (the one uncapped "
+                          "field), then memshelf rebuild",
+                 "description": "memshelf rebuild (descriptions are capped on render, so "
+                                "over-long ones mean a stale render)",
+                 "key": "prefer slugs of 40 characters or fewer for new episodes",
+                 "link": "switch to the compact format: memshelf rebuild --index-format compact"}
+        fix = f"{term} is over its allowance by ~{worst} tokens: {fixes[term]}" if worst > 0 \
+            else "the excess is in the preamble or markup: shorten the .docshelf.json " \
+            "preamble, then memshelf rebuild"
         return [_finding("index-bloat", "INDEX.md", detail, fix)]
 
     # 9. remotes -------------------------------------------------------------------------
@@ -12663,17 +12654,6 @@ def _manifest_typing(text):
             what = f"{key.strip()}: {value}" if key else f"- {value}"
             yield _finding("manifest-invalid", "shelf.yml", f"line {number}: a YAML loader "
                            f"reads {what!r} as a {kind}, not a string; quote it")
-
-
-def _parse_git_time(stamp):
-    import datetime
-    text = stamp.strip()
-    if text.endswith("Z"):
-        text = text[:-1] + "+00:00"
-    try:
-        return datetime.datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return None
 
 
 def _hours_text(seconds):
