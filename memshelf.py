@@ -12290,8 +12290,7 @@ class _DoctorRun:
         on_render = _present_in(git, render, full.values())
         on_upstream = on_render if render == upstream else _present_in(git, upstream, full.values())
         out, visible = [], []
-        short_render = render[len("refs/remotes/"):]
-        short_upstream = upstream[len("refs/remotes/"):]
+        short_render, short_upstream = (ref[len("refs/remotes/"):] for ref in (render, upstream))
         for rec in self.uncounted:
             path = full[rec["path"]]
             if path in on_render:
@@ -12725,12 +12724,8 @@ def _remote_probe_base(url):
         host, port, path = m.group(1), None, "/" + m.group(2).lstrip("/")
     if "." not in host:
         return None
-    path = path.rstrip("/")
-    if path.endswith(".git"):
-        path = path[:-4]
-    if not path.strip("/"):
-        return None
-    return f"https://{host}{':' + port if port else ''}{path}"
+    path = re.sub(r"\.git\Z", "", path.rstrip("/"))
+    return f"https://{host}{':' + port if port else ''}{path}" if path.strip("/") else None
 
 
 def _probe_remote(base):
@@ -12768,10 +12763,8 @@ def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, 
         value = _memshelf_config(root).get("derived_stale_hours")
         hours = value if _positive_number(value) else _DOCTOR_STALE_HOURS
     run = _DoctorRun(root, check_remote, float(hours), not no_cache)
-    findings = run.run()
-    floor = _DOCTOR_RANK[min_level]
-    findings = [f for f in findings if (not only or f["code"] in only) and
-                (f["level"] == "unknown" or _DOCTOR_RANK[f["level"]] >= floor)]
+    findings = [f for f in run.run() if (not only or f["code"] in only) and
+                (f["level"] == "unknown" or _DOCTOR_RANK[f["level"]] >= _DOCTOR_RANK[min_level])]
     counts = collections.Counter(f["level"] for f in findings)
     return {"status": "ok", "healthy": counts["error"] == 0, "episodes_checked": len(run.records),
             "errors": counts["error"], "warnings": counts["warning"], "infos": counts["info"],
