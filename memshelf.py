@@ -11362,8 +11362,9 @@ _INDEX_ALLOWANCE = {"compact": {"key": 10, "title": 20, "description": 30, "mark
                     "docshelf": {"title": 20, "link": 27, "description": 30, "markup": 3}}
 _MANIFEST_KEYS = ("spec_version", "mode", "name", "profile", "docs_root", "categories", "index",
                   "ledger", "policy", "extra_dirs", "agents", "provenance")
-_MANIFEST_BLOCKS = {"index": ("path", "generated_by"), "ledger": ("path",), "agents": ("path",),
-                    "policy": ("path", "patterns"), "provenance": ("dir", "required")}
+_MANIFEST_BLOCKS = {"index": ("path", "generated_by"), "ledger": ("path",),
+                    "policy": ("path", "patterns"), "agents": ("path",),
+                    "provenance": ("dir", "required")}
 _MANIFEST_LINE = _re_lazy(r"^( *)(?:- +|([^\s:#][^:]*):[ \t]+)(.*)$")
 _MEMSHELF_JSON_KEYS = ("derived", "autopush", "redaction", "export_exclude_tags",
                        "context_window", "derived_stale_hours", "hook_index_chars")
