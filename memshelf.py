@@ -11643,8 +11643,7 @@ class _DoctorFileCache:
 
     def __init__(self, root, fingerprint, enabled):
         self.db = _cache_db(root) if enabled else None
-        self.fresh = []
-        self.gone = []
+        self.fresh, self.gone = [], []
         if self.db is None:
             return
         try:
@@ -11732,8 +11731,7 @@ _DOCSHELF_LINK_ENTRY = _re_lazy(r"^- \[\*\*(.+?)\*\*\]\(([^)]*)\)(?: — (.*))?$
 
 def _index_entries(text, fmt):
     """Entry lines of an INDEX text's category (H2) sections, each as chars per term."""
-    entries = []
-    in_section = False
+    entries, in_section = [], False
     for line in text.split("\n"):
         if line.startswith(("## ", "# ")) or line == "---":
             in_section = line.startswith("## ")
@@ -12092,8 +12090,7 @@ class _DoctorRun:
                     continue
                 if base == "docs" and cat not in live:
                     yield _finding("empty-category", rel_dir, "no episodes")
-                names = set()
-                subdirs = []
+                names, subdirs = set(), []
                 for e in os.scandir(d):
                     names.add(e.name)
                     if e.is_symlink():
@@ -12419,8 +12416,7 @@ class _DoctorRun:
         """The tree, the git index and HEAD compared for every shelf file: one git status."""
         if not self.in_git:
             return []
-        out = []
-        shelf = _shell_quote(self.root)
+        out, shelf = [], _shell_quote(self.root)
 
         def add(code, rel, detail, level=None):
             out.append(_finding(code, rel, detail, _DOCTOR_CODES[code][2].replace("<shelf>",
@@ -12430,8 +12426,7 @@ class _DoctorRun:
         for lock in _stale_git_locks(git_dir or self.root):
             add("git-lock-stale", os.path.basename(lock), f"{lock} is left from a killed git "
                 "command; no process holds it, and every commit fails while it exists")
-        not_in_head = set()
-        clean = {"ledger.tsv", "INDEX.md"}
+        not_in_head, clean = set(), {"ledger.tsv", "INDEX.md"}
         for x, y, rel in _shelf_status(self.git):
             episode = bool(_EPISODE_REL.match(rel))
             if rel == _RECALL_LOG or _TEMP_MARK in rel or not (episode or _is_derived_path(rel)):
@@ -13004,8 +12999,8 @@ def _advise_index_lines(text, fmt):
     return costs
 
 
-def _advise_rollup(root, live, index_tokens, budget, line_costs, over_entry_budget,
-                   listed, entry_tokens, allowance, proposals, notes):
+def _advise_rollup(root, live, index_tokens, budget, line_costs, listed, entry_tokens, allowance,
+                   proposals, notes):
     """Propose a rollup when INDEX rides above 3 % of the window, oldest episodes first."""
     target = int(budget * _ADVISE_INDEX_SHARE)
     if index_tokens <= target:
@@ -13013,7 +13008,7 @@ def _advise_rollup(root, live, index_tokens, budget, line_costs, over_entry_budg
     dated = sorted([r for r in live if _rollup_date(r)], key=lambda r: (_rollup_date(r), r["stem"]))
     if len(dated) < 2:
         return
-    if over_entry_budget:
+    if listed and index_tokens > _INDEX_BASE_TOKENS + allowance * listed:
         notes.append(f"INDEX is also over its per-entry budget (~{entry_tokens} tokens per "
                      f"entry against an allowance of {allowance}): that is doctor's index-bloat, "
                      "and a rollup does not fix it — shorten titles and descriptions, run "
@@ -13141,8 +13136,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
         breakdown["live"] += size
         if occ["state"] == "unknown" and idle is None:
             unstated += 1
-    _advise_rollup(root, live, index_tokens, budget, line_costs,
-                   listed and index_tokens > index_budget, listed, entry_tokens, allowance,
+    _advise_rollup(root, live, index_tokens, budget, line_costs, listed, entry_tokens, allowance,
                    proposals, notes)
     if not reported:
         notes.insert(0, "no occupants reported: this covers the shelf side only; pass what is "
