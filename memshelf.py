@@ -10571,18 +10571,16 @@ _DOCTOR_CODES = {
     "merge-driver-missing": ("info", "git", "run memshelf sync (or memshelf init) to install them"),
     # 2. tree structure
     "docs-root-missing": ("error", "structure", "create it with: memshelf init"),
-    "category-undeclared": ("error", "structure",
-                            "move the directory out of docs/, or declare it in shelf.yml "
-                            "categories"),
+    "category-undeclared": ("error", "structure", "move the directory out of docs/, or declare it "
+                            "in shelf.yml categories"),
     "unknown-category": ("warning", "structure",
                          "move the directory out of docs/; memshelf never reads it"),
     "empty-category": ("info", "structure", "none needed"),
     "corrupt-meta": ("error", "derived", "regenerate it: memshelf rebuild"),
     "meta-shape": ("error", "derived", "regenerate it: memshelf rebuild"),
     "stale-meta-entry": ("warning", "derived", "regenerate it: memshelf rebuild"),
-    "orphaned-split-dir": ("warning", "structure",
-                           "delete the directory if it holds only NNN-*.md and SUBINDEX.md files; "
-                           "otherwise move it out of docs/"),
+    "orphaned-split-dir": ("warning", "structure", "delete the directory if it holds only NNN-*.md "
+                           "and SUBINDEX.md files; otherwise move it out of docs/"),
     "local-split-dir": ("warning", "structure", "remove it: memshelf prune-splits --apply"),
     "split-out-of-sync": ("warning", "structure",
                           "remove it: memshelf prune-splits --apply --tracked"),
@@ -10591,9 +10589,8 @@ _DOCTOR_CODES = {
     "symlink-ignored": ("warning", "structure",
                         "replace the link with the file itself; memshelf never follows it"),
     "leftover-temp-file": ("info", "structure", "memshelf rebuild removes it"),
-    "derived-not-file": ("error", "derived",
-                         "move it out of the shelf (a generated file belongs there), then "
-                         "memshelf rebuild"),
+    "derived-not-file": ("error", "derived", "move it out of the shelf (a generated file belongs "
+                         "there), then memshelf rebuild"),
     # 3. POLICY.patterns
     "no-policy": ("info", "config", "memshelf init writes one"),
     "policy-pattern-invalid": ("warning", "config",
@@ -10602,9 +10599,8 @@ _DOCTOR_CODES = {
     "no-ledger": ("info", "derived", "write it: memshelf rebuild"),
     "ledger-malformed": ("error", "derived", "regenerate it: memshelf rebuild"),
     # 5. episodes: format
-    "no-frontmatter": ("error", "format",
-                       "add a frontmatter block; memshelf shelve --amend --file <path> writes a "
-                       "valid one"),
+    "no-frontmatter": ("error", "format", "add a frontmatter block; memshelf shelve --amend --file "
+                       "<path> writes a valid one"),
     "frontmatter-invalid": ("error", "format", "fix the named line of the frontmatter block"),
     "frontmatter-not-portable": ("error", "format", "quote the value, or re-shelve: " + _AMEND),
     "frontmatter-missing-field": ("error", "format", "add the field to the frontmatter"),
@@ -10612,9 +10608,8 @@ _DOCTOR_CODES = {
     "bad-kind": ("error", "format", "set kind: topic, research or session"),
     "bad-mode": ("error", "format", "set mode: live or import"),
     "bad-tags": ("error", "format", "write tags as a list: tags: [a, b]"),
-    "bad-approx-tokens": ("error", "format",
-                          "set approx_tokens to an unquoted integer (the in-window estimate, "
-                          "chars/4)"),
+    "bad-approx-tokens": ("error", "format", "set approx_tokens to an unquoted integer (the "
+                          "in-window estimate, chars/4)"),
     "bad-approx-tokens-source": ("warning", "format",
                                  "set approx_tokens_source to estimate, measured or unmeasured"),
     "bad-date": ("warning", "format", "correct the date to YYYY-MM-DD"),
@@ -10625,9 +10620,8 @@ _DOCTOR_CODES = {
     "episode-binary": ("error", "format",
                        "remove the bytes or restore the last good copy from git, then amend it: "
                        "memshelf shelve --amend --file <path> (views skip it until then)"),
-    "episode-oversize": ("error", "format",
-                         "trim it under 8 MiB (move raw material out of the shelf) or split it; "
-                         "shelve refuses larger episodes"),
+    "episode-oversize": ("error", "format", "trim it under 8 MiB (move raw material out of the "
+                         "shelf) or split it; shelve refuses larger episodes"),
     # 5. episodes: content
     "digest-empty": ("error", "content", "write the digest, then amend: " + _AMEND),
     "digest-too-long": ("error", "content", "cut the digest, then amend: " + _AMEND),
@@ -10635,9 +10629,8 @@ _DOCTOR_CODES = {
                            "name the actor in the digest, then amend: " + _AMEND),
     "digest-secret": ("error", "content",
                       "describe the secret instead of quoting it, then amend: " + _AMEND),
-    "digest-body-mismatch": ("warning", "content",
-                             "rewrite the digest from the body, or confirm the episode is "
-                             "complete"),
+    "digest-body-mismatch": ("warning", "content", "rewrite the digest from the body, or confirm "
+                             "the episode is complete"),
     "secret-at-rest": ("error", "content", "redact the value and amend the episode: " + _AMEND),
     "policy-pattern-at-rest": ("error", "content",
                                "redact the match per POLICY.md and amend: " + _AMEND),
@@ -10651,21 +10644,17 @@ _DOCTOR_CODES = {
     "derived-stale": ("error", "derived", "memshelf rebuild --commit"),
     "derived-age-unknown": ("unknown", "derived",
                             "deepen the clone (git fetch --deepen=200) and rerun doctor"),
-    "renderer-wait-unknown": ("unknown", "derived",
-                              "judge the renderer by its own job runs, or rerun doctor from a "
-                              "long-lived clone"),
-    "upstream-not-rendered": ("warning", "derived",
-                              "merge it; the renderer renders the render branch only (do not "
-                              "render on this branch)"),
+    "renderer-wait-unknown": ("unknown", "derived", "judge the renderer by its own job runs, or "
+                              "rerun doctor from a long-lived clone"),
+    "upstream-not-rendered": ("warning", "derived", "merge it; the renderer renders the render "
+                              "branch only (do not render on this branch)"),
     "episode-unpushed": ("warning", "derived", "push (or publish) it, then fetch and rerun"),
-    "upstream-unknown": ("warning", "derived",
-                         "check out a tracking branch; derived-stale then falls back to the "
-                         "ledger's own age"),
+    "upstream-unknown": ("warning", "derived", "check out a tracking branch; derived-stale then "
+                         "falls back to the ledger's own age"),
     "recall-log-malformed": ("warning", "derived",
                              "fix or drop the rows in recall-log.tsv; stats ignores them"),
-    "uncommitted-episode": ("warning", "git",
-                            "review it, then commit it: memshelf repair --shelf <shelf> (or "
-                            "delete it)"),
+    "uncommitted-episode": ("warning", "git", "review it, then commit it: memshelf repair --shelf "
+                            "<shelf> (or delete it)"),
     # 6. the tree, the git index and HEAD (git shelves): all repaired by one command
     "git-staged": ("error", "git", _REPAIR),
     "committed-missing": ("error", "git", _REPAIR),
@@ -10675,31 +10664,27 @@ _DOCTOR_CODES = {
     "git-lock-stale": ("error", "git", _REPAIR),
     # 8. INDEX
     "stale-index": ("warning", "derived", "memshelf rebuild --commit"),
-    "index-hand-edited": ("error", "derived",
-                          "memshelf rebuild, or switch formats: memshelf rebuild --index-format "
-                          "compact"),
+    "index-hand-edited": ("error", "derived", "memshelf rebuild, or switch formats: memshelf "
+                          "rebuild --index-format compact"),
     "index-bloat": ("warning", "derived", "memshelf rebuild"),
     "index-injection-cap": ("info", "derived",
                             "roll up older periods: memshelf rollup --until <date> …"),
-    "index-links-unsupported": ("info", "derived",
-                                "links are omitted; set provider none in .docshelf.json, or use "
-                                "the compact format"),
+    "index-links-unsupported": ("info", "derived", "links are omitted; set provider none in "
+                                ".docshelf.json, or use the compact format"),
     # 9. remotes
     "no-remote": ("info", "remote", "none needed: a shelf without a remote stays private"),
     "remote-private": ("info", "remote", "none needed"),
-    "public-remote": ("error", "remote",
-                      "make the repository private, or remove the remote: git remote remove "
-                      "<name>"),
-    "remote-unverified": ("warning", "remote",
-                          "check the repository's visibility by hand, then rerun with "
-                          "--check-remote"),
+    "public-remote": ("error", "remote", "make the repository private, or remove the remote: git "
+                      "remote remove <name>"),
+    "remote-unverified": ("warning", "remote", "check the repository's visibility by hand, then "
+                          "rerun with --check-remote"),
     # 10. served code
-    "served-code-differs": ("error", "config",
-                            "reinstall or refresh the extension; memshelf freshness lists every "
-                            "copy"),
+    "served-code-differs": ("error", "config", "reinstall or refresh the extension; memshelf "
+                            "freshness lists every copy"),
 }
 _DOCTOR_RANK = {"info": 0, "warning": 1, "error": 2, "unknown": 0}
 _DOCTOR_STALE_HOURS = 24.0
+_GIT_READ = {"check": False, "read_only": True}   # doctor's git calls: reads, failure an answer
 _DOCTOR_CACHE_SCHEMA = "2"   # bump when a per-file check changes, so cached verdicts are redone
 _INDEX_BASE_TOKENS = 200
 _INDEX_ALLOWANCE = {"compact": {"key": 10, "title": 20, "description": 30, "markup": 4},
@@ -10763,8 +10748,7 @@ _WORD_OR_WIDE_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 1
 
 
 def _content_words(text):
-    """Grounding vocabulary: lower-cased 4+ character words (no digits, no stop words); CJK
-    runs contribute their character bigrams (doctor.md § 3.3)."""
+    """Grounding vocabulary of a text (doctor.md § 3.3): content words and CJK bigrams."""
     # Lower-casing goes character by character but for these (İ and K lower to ASCII, Σ by
     # context); without them the ASCII is lowered as bytes and the rest piece by piece.
     if "\u0130" in text or "\u212a" in text or "\u03a3" in text:
@@ -10916,9 +10900,9 @@ def _content_findings(rec, parsed, policy):
         measured = _grounding(digest, parsed.preamble + "\n" + rest, _GROUNDING_OPENING)
         if measured is not None and measured[0] < 0.2:
             share, total, grounded = measured
-            out.append(_finding("digest-body-mismatch", path,
-                                f"the digest shares {round(share * 100)}% of its content words "
-                                f"with the body ({grounded} of {total})"))
+            out.append(_finding("digest-body-mismatch", path, f"the digest shares "
+                                f"{round(share * 100)}% of its content words with the body "
+                                f"({grounded} of {total})"))
     builtin = find_secrets(text, None, **switches) if hits and rules else hits
     if builtin:
         out.append(_finding("secret-at-rest", path,
@@ -10984,10 +10968,11 @@ class _DoctorFileCache:
     """Per-file doctor results in the shelf cache: trusted while the file is unchanged by the
     one freshness rule (_unchanged), else while its content hash is the same."""
 
+    _INSERT = "INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?, ?, ?)"
+
     def __init__(self, root, fingerprint, enabled):
         self.db = _cache_db(root) if enabled else None
-        self.fresh = []
-        self.gone = []
+        self.fresh, self.gone = [], []
         if self.db is None:
             return
         try:
@@ -11024,7 +11009,8 @@ class _DoctorFileCache:
                     todo.append(rec)
                     continue
                 self.fresh.append((path, *stamp, seen, digest, cached))
-            known[rec["path"]] = _decode_findings(cached)
+            # the usual empty answer is one shared empty tuple, not a list each
+            known[rec["path"]] = () if cached == "[]" else json.loads(cached)
         return known, todo
 
     def store(self, rec, digest, findings, seen=None):
@@ -11034,8 +11020,7 @@ class _DoctorFileCache:
             self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], rec.get("ino"), seen,
                                digest, json.dumps(findings, ensure_ascii=False)))
             if len(self.fresh) >= 1000:   # written in batches: memory stays flat on big shelves
-                self._write("INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?, ?, ?)",
-                            self.fresh)
+                self._write(self._INSERT, self.fresh)
 
     def _write(self, sql, rows):
         try:
@@ -11047,17 +11032,11 @@ class _DoctorFileCache:
 
     def finish(self):
         if self.db is not None:
-            self._write("INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        self.fresh)
+            self._write(self._INSERT, self.fresh)
             self._write("DELETE FROM doctor_files WHERE path = ?", [(p,) for p in self.gone])
 
     def close(self):
         self.db = _close_db(self.db)
-
-
-def _decode_findings(text):
-    """Cached findings; the usual empty answer is one shared empty tuple, not a list each."""
-    return () if text == "[]" else json.loads(text)
 
 
 def _read_bytes(root, rel):
@@ -11080,10 +11059,8 @@ _DOCSHELF_LINK_ENTRY = _re_lazy(r"^- \[\*\*(.+?)\*\*\]\(([^)]*)\)(?: — (.*))?$
 
 
 def _index_entries(text, fmt):
-    """Entry lines of an INDEX text, each as chars per term (key, title, description, link,
-    markup); lines count only inside category (H2) sections."""
-    entries = []
-    in_section = False
+    """Entry lines of an INDEX text's category (H2) sections, each as chars per term."""
+    entries, in_section = [], False
     for line in text.split("\n"):
         if line.startswith(("## ", "# ")) or line == "---":
             in_section = line.startswith("## ")
@@ -11170,8 +11147,7 @@ def _read_ledger(root):
             problems.append(f"line {number}: mode {mode!r} is not live or import")
         for name, value in (("approx_tokens_in", tokens_in), ("digest_tokens", digest_tokens)):
             if not (value.isascii() and value.isdigit()):
-                problems.append(f"line {number}: {name} {value!r} is not a non-negative "
-                                "integer")
+                problems.append(f"line {number}: {name} {value!r} is not a non-negative integer")
     return text, problems, ids
 
 
@@ -11289,9 +11265,7 @@ class _DoctorRun:
 
     def manifest_rules(self, m, text):
         bad = functools.partial(_finding, "manifest-invalid", "shelf.yml")
-        for key in m:
-            if key not in _MANIFEST_KEYS:
-                yield bad(f"unknown top-level key {key!r}")
+        yield from (bad(f"unknown top-level key {key!r}") for key in m if key not in _MANIFEST_KEYS)
         version = m.get("spec_version")
         if "spec_version" not in m:
             yield bad("spec_version is missing")
@@ -11351,9 +11325,8 @@ class _DoctorRun:
         m = self.manifest
         name = docshelf.get("name")
         if isinstance(m.get("name"), str) and isinstance(name, str) and m["name"] != name:
-            yield _finding("docshelf-config-conflict", ".docshelf.json",
-                           f"shelf.yml name {m['name']!r} differs from .docshelf.json name "
-                           f"{name!r}")
+            yield _finding("docshelf-config-conflict", ".docshelf.json", f"shelf.yml name "
+                           f"{m['name']!r} differs from .docshelf.json name {name!r}")
         declared = m.get("categories") if isinstance(m.get("categories"), list) else []
         order = docshelf.get("category_order")
         extra = [c for c in order if isinstance(c, str) and c not in declared] \
@@ -11397,15 +11370,13 @@ class _DoctorRun:
             attrs = _read_text(os.path.join(self.root, ".gitattributes"))
         except (OSError, ShelfError):
             attrs = ""
-        config = self.git.out("config", "--get-regexp", r"^merge\.memshelf-", check=False,
-                              read_only=True)
+        config = self.git.out("config", "--get-regexp", r"^merge\.memshelf-", **_GIT_READ)
         drivers = ("memshelf-derived", "memshelf-recall-log")
         missing = [f".gitattributes merge={d}" for d in drivers if f"merge={d}" not in attrs]
         missing += [f"git config merge.{d}.driver" for d in drivers
                     if f"merge.{d}.driver" not in config]
         if self.git.is_root():
-            hooks = self.git.out("rev-parse", "--git-path", "hooks", check=False,
-                                 read_only=True)
+            hooks = self.git.out("rev-parse", "--git-path", "hooks", **_GIT_READ)
             hooks = os.path.join(self.root, hooks) if hooks else ""
             missing += [f"the {name} hook" for name in ("post-merge", "post-rewrite")
                         if not hooks or not os.path.isfile(os.path.join(hooks, name))]
@@ -11435,8 +11406,7 @@ class _DoctorRun:
                 else:
                     yield _finding("unknown-category", rel,
                                    f"docs/{entry.name} is not topics, research or sessions")
-        for rel in ("docs", "archive", "archive/docs") + tuple(f"archive/docs/{c}"
-                                                               for c in CATEGORIES):
+        for rel in ("docs", "archive", "archive/docs", *(f"archive/docs/{c}" for c in CATEGORIES)):
             if os.path.islink(os.path.join(root, rel)):
                 yield _finding("symlink-ignored", rel, "a symlinked folder of the shelf")
         live = {r["category"] for r in self.records if not r["archived"]}
@@ -11449,8 +11419,7 @@ class _DoctorRun:
                     continue
                 if base == "docs" and cat not in live:
                     yield _finding("empty-category", rel_dir, "no episodes")
-                names = set()
-                subdirs = []
+                names, subdirs = set(), []
                 for e in os.scandir(d):
                     names.add(e.name)
                     if e.is_symlink():
@@ -11504,8 +11473,7 @@ class _DoctorRun:
         listed = []
         if self.in_git and split_dirs:
             # ls-files prints paths relative to the shelf (git runs with -C root)
-            listed = self.git.out("ls-files", "-z", "--", *split_dirs, check=False,
-                                  read_only=True).split("\x00")
+            listed = self.git.out("ls-files", "-z", "--", *split_dirs, **_GIT_READ).split("\x00")
         for rel in split_dirs:
             if not any(name.startswith(rel + "/") for name in listed):
                 yield _finding("local-split-dir", rel,
@@ -11556,7 +11524,10 @@ class _DoctorRun:
     # 5. every episode -------------------------------------------------------------------
 
     def episodes(self, live, archived):
-        fingerprint = _doctor_fingerprint(self.root, self.policy[1])
+        # what per-file verdicts depend on besides the file: the rules, the switches, the code
+        fingerprint = f"{__version__}/{_self_hash()}|{_DOCTOR_CACHE_SCHEMA}|" \
+            f"{json.dumps(self.policy[1], sort_keys=True)}|" + \
+            _content_hash(_read_bytes(self.root, "POLICY.patterns"))
         cache = _DoctorFileCache(self.root, fingerprint, self.use_cache)
         ids = {r["stem"] for r in self.records} | {r["id"] for r in self.records if r.get("id")}
         row_fix = self.derived_fix("no-ledger-row")
@@ -11585,8 +11556,7 @@ class _DoctorRun:
         return steps
 
     def cached_verdicts(self, records, cache, progress):
-        """{path: findings} of every episode file: cached, else checked (in parallel when it
-        pays; the content checks are most of an empty-cache doctor run)."""
+        """{path: findings} of every episode file: cached, else checked (in parallel if it pays)."""
         root, policy = self.root, self.policy
         known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec["path"]))
         for rec in todo:
@@ -11629,42 +11599,36 @@ class _DoctorRun:
         yield from self.uncommitted()
 
     def judge_renderer(self):
-        """Is the renderer stopped, or has it simply not seen the uncounted episodes yet?
-        (doctor.md § 3.4) Only the clone's own evidence counts, never a proxy."""
+        """Is the renderer stopped, or has it not seen the uncounted episodes yet (§ 3.4)?"""
         # In auto mode every writer renders; only the ledger's own age can say it lags.
         if self.mode != "bot" or not self.in_git or not self.git.remotes():
             return self.ledger_age_verdict()
         git = self.git
-        upstream = git.out("rev-parse", "--symbolic-full-name", "@{u}", check=False,
-                           read_only=True)
+        upstream = git.out("rev-parse", "--symbolic-full-name", "@{u}", **_GIT_READ)
         if not upstream.startswith("refs/remotes/"):
-            return [_finding("upstream-unknown", "",
-                             f"{len(self.uncounted)} episode(s) have no ledger row "
-                             f"({_id_list(self.uncounted)}), but this checkout tracks no "
-                             "upstream branch, so the renderer cannot be judged; falling back "
-                             "to the ledger's age")] + self.ledger_age_verdict()
+            return [_finding("upstream-unknown", "", f"{_no_row(self.uncounted)}, but this "
+                             "checkout tracks no upstream branch, so the renderer cannot be "
+                             "judged; falling back to the ledger's age"),
+                    *self.ledger_age_verdict()]
         render = self.render_branch(upstream)
-        prefix = self.git_prefix()
+        rel = os.path.relpath(os.path.realpath(self.root), git.toplevel()).replace(os.sep, "/")
+        prefix = "" if rel == "." else rel + "/"
         full = {r["path"]: prefix + r["path"] for r in self.uncounted}
         on_render = _present_in(git, render, full.values())
-        on_upstream = on_render if render == upstream else _present_in(git, upstream,
-                                                                       full.values())
+        on_upstream = on_render if render == upstream else _present_in(git, upstream, full.values())
         out, visible = [], []
-        short_render = render[len("refs/remotes/"):]
-        short_upstream = upstream[len("refs/remotes/"):]
+        short_render, short_upstream = (ref[len("refs/remotes/"):] for ref in (render, upstream))
         for rec in self.uncounted:
             path = full[rec["path"]]
             if path in on_render:
                 visible.append(rec)
             elif path in on_upstream:
-                out.append(_finding("upstream-not-rendered", rec["path"],
-                                    f"{rec['stem']} is on {short_upstream} but not on the render "
-                                    f"branch {short_render}; the renderer renders "
-                                    f"{short_render} only"))
+                out.append(_finding("upstream-not-rendered", rec["path"], f"{rec['stem']} is on "
+                                    f"{short_upstream} but not on the render branch "
+                                    f"{short_render}; the renderer renders {short_render} only"))
             else:
-                out.append(_finding("episode-unpushed", rec["path"],
-                                    f"{rec['stem']} exists only in this checkout (not on "
-                                    f"{short_upstream})"))
+                out.append(_finding("episode-unpushed", rec["path"], f"{rec['stem']} exists "
+                                    f"only in this checkout (not on {short_upstream})"))
         if visible:
             # the oldest work carries the verdict; a cap keeps a long outage cheap to judge
             visible = sorted(visible, key=lambda r: (r.get("date") or "", r["path"]))[:200]
@@ -11674,8 +11638,7 @@ class _DoctorRun:
     def render_branch(self, upstream):
         """The remote's default branch (<remote>/HEAD, main, master), else the upstream."""
         remote = upstream[len("refs/remotes/"):].split("/", 1)[0]
-        head = self.git.out("symbolic-ref", "-q", f"refs/remotes/{remote}/HEAD", check=False,
-                            read_only=True)
+        head = self.git.out("symbolic-ref", "-q", f"refs/remotes/{remote}/HEAD", **_GIT_READ)
         for ref in ([head] if head else []) + [f"refs/remotes/{remote}/main",
                                                f"refs/remotes/{remote}/master"]:
             if self.git.ok("rev-parse", "-q", "--verify", ref + "^{commit}", read_only=True):
@@ -11692,8 +11655,7 @@ class _DoctorRun:
         # arrive before it is written); a shallow boundary commit proves nothing
         added = {}
         log = git.run("log", render, "--format=%x01%H %ct", "--name-only", "--relative",
-                      "--diff-filter=A", "--", *[r["path"] for r in visible], check=False,
-                      read_only=True)
+                      "--diff-filter=A", "--", *[r["path"] for r in visible], **_GIT_READ)
         sha, when = None, None
         for line in log.stdout.decode("utf-8", "replace").splitlines():
             if line.startswith("\x01"):
@@ -11705,7 +11667,7 @@ class _DoctorRun:
         # a lower bound (exact when it was our own push); the move before it an upper bound
         moves = []
         reflog = git.run("log", "-g", "--date=unix", "--format=%H%x09%gd%x09%gs", "-n", "500",
-                         render, check=False, read_only=True)
+                         render, **_GIT_READ)
         for line in reflog.stdout.decode("utf-8", "replace").splitlines():
             parts = line.split("\t", 2)
             m = re.search(r"@\{(\d+)\}", parts[1]) if len(parts) == 3 else None
@@ -11735,75 +11697,65 @@ class _DoctorRun:
             else:
                 unknown.append(rec)
         if proven:
+            longest = max(s for _, s in proven)
             return [_finding("derived-stale", "ledger.tsv",
-                             f"{len(proven)} episode(s) on {short_render} have no ledger row "
-                             f"({_id_list([r for r, _ in proven])}); the renderer has had them "
-                             f"for at least {_hours_text(max(s for _, s in proven))} (threshold "
+                             f"{_no_row([r for r, _ in proven], short_render)}; the renderer has "
+                             f"had them for at least {_hours_text(longest)} (threshold "
                              f"{self.stale_hours:g} h)", self.derived_fix("derived-stale"))]
         if unknown:
             return [_finding("renderer-wait-unknown", "ledger.tsv",
-                             f"{len(unknown)} episode(s) on {short_render} have no ledger row "
-                             f"({_id_list(unknown)}), and this clone holds no record of when "
-                             f"they arrived there, so it cannot tell how long the renderer "
-                             "has had them")]
+                             f"{_no_row(unknown, short_render)}, and this clone holds no record "
+                             "of when they arrived there, so it cannot tell how long the "
+                             "renderer has had them")]
         return []
 
     def ledger_age_verdict(self):
         """Step 2 of § 3.4: without an upstream the clock is the ledger's age."""
-        when, source, sha = self.ledger_time()
+        import datetime
+        sha, when, source = None, None, "its last commit"
+        if self.in_git:
+            stamp = self.git.out("log", "-1", "--format=%H %cI", "--", "ledger.tsv", **_GIT_READ)
+            sha, _, iso = stamp.partition(" ")
+            iso = re.sub(r"Z\Z", "+00:00", iso.strip())   # Python 3.9's fromisoformat reads no Z
+            try:
+                when = datetime.datetime.fromisoformat(iso).timestamp()
+            except ValueError:
+                pass
         if when is None:
-            return []
+            try:
+                when = os.stat(os.path.join(self.root, "ledger.tsv")).st_mtime
+            except OSError:
+                return []
+            sha, source = None, "its mtime"
         hours = (time.time() - when) / 3600
-        rows = f"{len(self.uncounted)} episode(s) have no ledger row ({_id_list(self.uncounted)})"
+        rows = _no_row(self.uncounted)
         if hours >= self.stale_hours:
             # a lower bound that reaches the threshold still proves staleness
-            return [_finding("derived-stale", "ledger.tsv",
-                             f"{rows} and the ledger was last written {hours:.0f} h ago "
-                             f"({source}; threshold {self.stale_hours:g} h)",
-                             self.derived_fix("derived-stale"))]
+            return [_finding("derived-stale", "ledger.tsv", f"{rows} and the ledger was last "
+                             f"written {hours:.0f} h ago ({source}; threshold "
+                             f"{self.stale_hours:g} h)", self.derived_fix("derived-stale"))]
         # a shallow-boundary commit makes the age a lower bound that proves nothing here
         if sha and sha in _shallow_commits(self.git):
-            return [_finding("derived-age-unknown", "ledger.tsv",
-                             f"{rows}; the ledger's last commit is the boundary of a shallow "
-                             f"clone, so its age ({hours:.0f} h) is only a lower bound")]
+            return [_finding("derived-age-unknown", "ledger.tsv", f"{rows}; the ledger's last "
+                             f"commit is the boundary of a shallow clone, so its age "
+                             f"({hours:.0f} h) is only a lower bound")]
         return []
-
-    def ledger_time(self):
-        """(time, source, commit sha or None) of the ledger's last write."""
-        if self.in_git:
-            stamp = self.git.out("log", "-1", "--format=%H %cI", "--", "ledger.tsv",
-                                 check=False, read_only=True)
-            sha, _, iso = stamp.partition(" ")
-            when = _parse_git_time(iso)
-            if when is not None:
-                return when, "its last commit", sha
-        try:
-            return os.stat(os.path.join(self.root, "ledger.tsv")).st_mtime, "its mtime", None
-        except OSError:
-            return None, None, None
-
-    def git_prefix(self):
-        top = self.git.toplevel()
-        rel = os.path.relpath(os.path.realpath(self.root), top).replace(os.sep, "/")
-        return "" if rel == "." else rel + "/"
 
     def uncommitted(self):
         """The tree, the git index and HEAD compared for every shelf file: one git status."""
         if not self.in_git:
             return []
-        out = []
-        shelf = _shell_quote(self.root)
+        out, shelf = [], _shell_quote(self.root)
 
         def add(code, rel, detail, level=None):
             out.append(_finding(code, rel, detail, _DOCTOR_CODES[code][2].replace("<shelf>",
                                                                                   shelf), level))
 
-        for lock in _stale_git_locks(self.git.out("rev-parse", "--absolute-git-dir",
-                                                  check=False, read_only=True) or self.root):
+        git_dir = self.git.out("rev-parse", "--absolute-git-dir", **_GIT_READ)
+        for lock in _stale_git_locks(git_dir or self.root):
             add("git-lock-stale", os.path.basename(lock), f"{lock} is left from a killed git "
                 "command; no process holds it, and every commit fails while it exists")
-        not_in_head = set()
-        clean = {"ledger.tsv", "INDEX.md"}
+        not_in_head, clean = set(), {"ledger.tsv", "INDEX.md"}
         for x, y, rel in _shelf_status(self.git):
             episode = bool(_EPISODE_REL.match(rel))
             if rel == _RECALL_LOG or _TEMP_MARK in rel or not (episode or _is_derived_path(rel)):
@@ -11891,9 +11843,9 @@ class _DoctorRun:
         if not (isinstance(limit, int) and _positive_number(limit)):
             limit = _HOOK_INDEX_CHARS
         if len(on_disk) > limit:
-            yield _finding("index-injection-cap", "INDEX.md",
-                           f"INDEX.md has {len(on_disk)} characters; session-start hooks "
-                           f"inject only the newest entries within {limit}")
+            yield _finding("index-injection-cap", "INDEX.md", f"INDEX.md has {len(on_disk)} "
+                           f"characters; session-start hooks inject only the newest entries "
+                           f"within {limit}")
         cfg = _docshelf_config(root) if self.fmt == "docshelf" else {}
         if cfg.get("remote") and cfg.get("provider") != "none":
             yield _finding("index-links-unsupported", "INDEX.md", f"provider "
@@ -11911,26 +11863,22 @@ class _DoctorRun:
         budget = _INDEX_BASE_TOKENS + per_entry * listed
         if cost <= budget:
             return []
-        detail = (f"INDEX is ~{cost} tokens against a budget of {budget} "
-                  f"({_INDEX_BASE_TOKENS} + {per_entry}×{listed} listed), over by "
-                  f"{cost - budget}: ~{(cost - _INDEX_BASE_TOKENS) / listed:.1f} tokens per "
-                  f"entry, allowance {per_entry}.")
+        detail = (f"INDEX is ~{cost} tokens against a budget of {budget} ({_INDEX_BASE_TOKENS} "
+                  f"+ {per_entry}×{listed} listed), over by {cost - budget}: "
+                  f"~{(cost - _INDEX_BASE_TOKENS) / listed:.1f} tokens per entry, allowance "
+                  f"{per_entry}.")
         overage = {term: sum(e[term] for e in entries) // 4 - allowance[term] * listed
                    for term in allowance if term != "markup"}
         term, worst = max(sorted(overage.items()), key=lambda t: t[1])
-        fixes = {
-            "title": "shorten display_title on the longest titles (the one uncapped field), "
-                     "then memshelf rebuild",
-            "description": "memshelf rebuild (descriptions are capped on render, so over-long "
-                           "ones mean a stale render)",
-            "key": "prefer slugs of 40 characters or fewer for new episodes",
-            "link": "switch to the compact format: memshelf rebuild --index-format compact",
-        }
-        if worst > 0:
-            fix = f"{term} is over its allowance by ~{worst} tokens: {fixes[term]}"
-        else:
-            fix = ("the excess is in the preamble or markup: shorten the .docshelf.json "
-                   "preamble, then memshelf rebuild")
+        fixes = {"title": "shorten display_title on the longest titles (the one uncapped "
+                          "field), then memshelf rebuild",
+                 "description": "memshelf rebuild (descriptions are capped on render, so "
+                                "over-long ones mean a stale render)",
+                 "key": "prefer slugs of 40 characters or fewer for new episodes",
+                 "link": "switch to the compact format: memshelf rebuild --index-format compact"}
+        fix = f"{term} is over its allowance by ~{worst} tokens: {fixes[term]}" if worst > 0 \
+            else "the excess is in the preamble or markup: shorten the .docshelf.json " \
+            "preamble, then memshelf rebuild"
         return [_finding("index-bloat", "INDEX.md", detail, fix)]
 
     # 9. remotes -------------------------------------------------------------------------
@@ -11938,7 +11886,7 @@ class _DoctorRun:
     def remotes(self):
         if not self.in_git:
             return [_finding("no-remote", "", "not a git shelf: nothing is pushed anywhere")]
-        listing = self.git.out("remote", "-v", check=False, read_only=True)
+        listing = self.git.out("remote", "-v", **_GIT_READ)
         pairs = (line.split()[:2] for line in listing.splitlines())
         urls = list(dict.fromkeys(tuple(p) for p in pairs if len(p) == 2))
         if not urls:
@@ -11950,13 +11898,12 @@ class _DoctorRun:
                 probed[base] = "private" if base == "local" else \
                     "unverified" if base is None else _probe_remote(base)
             verdicts.append(probed[base])
-            shown = _strip_url_credentials(url)
+            shown = re.sub(r"^([a-z][a-z0-9+.-]*://)[^@/]*@", r"\1", url.strip(), flags=re.I)
             if probed[base] == "public":
-                out.append(_finding("public-remote", "",
-                                    f"remote {name} ({shown}) answers an anonymous read: a "
-                                    "memory shelf must never push to a public repository",
-                                    f"make the repository private, or remove the remote: git "
-                                    f"remote remove {name}"))
+                out.append(_finding("public-remote", "", f"remote {name} ({shown}) answers an "
+                                    "anonymous read: a memory shelf must never push to a public "
+                                    "repository", "make the repository private, or remove the "
+                                    f"remote: git remote remove {name}"))
             elif probed[base] == "unverified":
                 out.append(_finding("remote-unverified", "",
                                     f"remote {name} ({shown}): the probe could not decide"))
@@ -11980,9 +11927,8 @@ class _DoctorRun:
             return [_finding("served-code-differs", "",
                              f"MEMSHELF_CHECKOUT={checkout} holds no readable memshelf.py")]
         if ours != theirs:
-            return [_finding("served-code-differs", "",
-                             f"the code answering this call ({ours[:12]}) differs from the "
-                             f"checkout {checkout} ({theirs[:12]})")]
+            return [_finding("served-code-differs", "", f"the code answering this call "
+                             f"({ours[:12]}) differs from the checkout {checkout} ({theirs[:12]})")]
         return []
 
 
@@ -12034,30 +11980,20 @@ def _manifest_typing(text):
                            f"reads {what!r} as a {kind}, not a string; quote it")
 
 
-def _parse_git_time(stamp):
-    import datetime
-    text = stamp.strip()
-    if text.endswith("Z"):
-        text = text[:-1] + "+00:00"
-    try:
-        return datetime.datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return None
-
-
 def _hours_text(seconds):
     hours = seconds / 3600
     return f"{hours:.0f} h" if hours >= 1 else f"{seconds / 60:.0f} min"
 
 
-def _id_list(records, limit=5):
-    ids = ", ".join(r["stem"] for r in records[:limit])
-    return ids + (", …" if len(records) > limit else "")
+def _no_row(records, branch=None, limit=5):
+    ids = ", ".join(r["stem"] for r in records[:limit]) + (", …" if len(records) > limit else "")
+    where = f" on {branch}" if branch else ""
+    return f"{len(records)} episode(s){where} have no ledger row ({ids})"
 
 
 def _shallow_commits(git):
     """Boundary commits of a shallow clone (empty for a full one)."""
-    path = git.out("rev-parse", "--git-path", "shallow", check=False, read_only=True)
+    path = git.out("rev-parse", "--git-path", "shallow", **_GIT_READ)
     try:
         with open(os.path.join(git.root, path), encoding="ascii") as f:
             return set(f.read().split())
@@ -12076,17 +12012,9 @@ def _present_pairs(git, pairs):
     if not pairs:
         return set()
     query = "".join(f"{rev}:{p}\n" for rev, p in pairs).encode("utf-8")
-    proc = git.run("cat-file", "--batch-check=%(objecttype)", input=query, check=False,
-                   read_only=True, timeout=60)
+    proc = git.run("cat-file", "--batch-check=%(objecttype)", input=query, timeout=60, **_GIT_READ)
     answers = proc.stdout.decode("utf-8", "replace").splitlines()
     return {pair for pair, answer in zip(pairs, answers) if answer == "blob"}
-
-
-def _doctor_fingerprint(root, switches):
-    """What per-file verdicts depend on besides the file: the rules, the switches, the code."""
-    patterns = _read_bytes(root, "POLICY.patterns")
-    return f"{__version__}/{_self_hash()}|{_DOCTOR_CACHE_SCHEMA}|" \
-        f"{json.dumps(switches, sort_keys=True)}|" + _content_hash(patterns)
 
 
 def _code_pair_hash(main_path, server_path):
@@ -12100,10 +12028,6 @@ def _code_pair_hash(main_path, server_path):
     except OSError:
         pass
     return digest.hexdigest()
-
-
-def _strip_url_credentials(url):
-    return re.sub(r"^([a-z][a-z0-9+.-]*://)[^@/]*@", r"\1", url.strip(), flags=re.I)
 
 
 def _remote_probe_base(url):
@@ -12125,12 +12049,8 @@ def _remote_probe_base(url):
         host, port, path = m.group(1), None, "/" + m.group(2).lstrip("/")
     if "." not in host:
         return None
-    path = path.rstrip("/")
-    if path.endswith(".git"):
-        path = path[:-4]
-    if not path.strip("/"):
-        return None
-    return f"https://{host}{':' + port if port else ''}{path}"
+    path = re.sub(r"\.git\Z", "", path.rstrip("/"))
+    return f"https://{host}{':' + port if port else ''}{path}" if path.strip("/") else None
 
 
 def _probe_remote(base):
@@ -12168,14 +12088,11 @@ def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, 
         value = _memshelf_config(root).get("derived_stale_hours")
         hours = value if _positive_number(value) else _DOCTOR_STALE_HOURS
     run = _DoctorRun(root, check_remote, float(hours), not no_cache)
-    findings = run.run()
-    floor = _DOCTOR_RANK[min_level]
-    findings = [f for f in findings if (not only or f["code"] in only) and
-                (f["level"] == "unknown" or _DOCTOR_RANK[f["level"]] >= floor)]
+    findings = [f for f in run.run() if (not only or f["code"] in only) and
+                (f["level"] == "unknown" or _DOCTOR_RANK[f["level"]] >= _DOCTOR_RANK[min_level])]
     counts = collections.Counter(f["level"] for f in findings)
-    return {"status": "ok", "healthy": counts["error"] == 0,
-            "episodes_checked": len(run.records), "errors": counts["error"],
-            "warnings": counts["warning"], "infos": counts["info"],
+    return {"status": "ok", "healthy": counts["error"] == 0, "episodes_checked": len(run.records),
+            "errors": counts["error"], "warnings": counts["warning"], "infos": counts["info"],
             "unknowns": counts["unknown"], "findings": findings}
 
 # ==========================================================================================
@@ -12242,22 +12159,18 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
             recent += 1
     realized = sum(entry[2] for entry in per_id.values())
     ledger_ids = set(_read_ledger(root)[2])
+    per_entry = (index_tokens - _INDEX_BASE_TOKENS) / index_entries if index_entries else 0.0
     result = {"status": "ok", "episodes": len(eps),
               "episodes_archived": sum(1 for r in eps if r["archived"]),
               "index_tokens": index_tokens, "index_entries": index_entries,
-              "index_tokens_per_entry": round((index_tokens - _INDEX_BASE_TOKENS) /
-                                              index_entries, 1) if index_entries else 0.0,
-              "digest_tokens": digest_tokens, "standing_cost": standing,
-              "work_volume": sum(sizes.values()), "shelved_mass": shelved_mass,
-              "capped_episodes": capped, "context_window": window,
-              "unmeasured_episodes": len(unmeasured),
-              "unmeasured_digest_tokens": unmeasured_digest,
-              "compression_ratio": ratio, "recalls": len(rows),
-              "episodes_recalled": len(per_id), "fetched_tokens": sum(row[2] for row in rows),
-              "realized_savings": realized,
+              "index_tokens_per_entry": round(per_entry, 1), "digest_tokens": digest_tokens,
+              "standing_cost": standing, "work_volume": sum(sizes.values()),
+              "shelved_mass": shelved_mass, "capped_episodes": capped, "context_window": window,
+              "unmeasured_episodes": len(unmeasured), "unmeasured_digest_tokens": unmeasured_digest,
+              "compression_ratio": ratio, "recalls": len(rows), "episodes_recalled": len(per_id),
+              "fetched_tokens": sum(row[2] for row in rows), "realized_savings": realized,
               "recall_cost_per_question": index_tokens + _median([row[2] for row in rows])
-              if rows else None,
-              "recalls_30d": recent,
+              if rows else None, "recalls_30d": recent,
               "ledger_lag": sum(1 for r in eps if r["id"] not in ledger_ids)}
     if not rows:
         result["note"] = ("no recalls logged yet: realized numbers need logged recalls "
@@ -12415,17 +12328,8 @@ def _advise_index_lines(text, fmt):
     return costs
 
 
-def _advise_standing_cost(line_costs, eps):
-    """Per-episode standing cost: mean INDEX line + mean digest (flat 200 on a young shelf)."""
-    if len(eps) < _ADVISE_MEASURE_FROM or not line_costs:
-        return _ADVISE_FLAT_COST, "flat"
-    mean_line = sum(line_costs.values()) / len(line_costs)
-    mean_digest = sum(r["digest_tokens"] for r in eps) / len(eps)
-    return max(1, int(round(mean_line + mean_digest))), "measured"
-
-
-def _advise_rollup(root, live, index_tokens, budget, line_costs, over_entry_budget,
-                   listed, entry_tokens, allowance, proposals, notes):
+def _advise_rollup(root, live, index_tokens, budget, line_costs, listed, entry_tokens, allowance,
+                   proposals, notes):
     """Propose a rollup when INDEX rides above 3 % of the window, oldest episodes first."""
     target = int(budget * _ADVISE_INDEX_SHARE)
     if index_tokens <= target:
@@ -12433,7 +12337,7 @@ def _advise_rollup(root, live, index_tokens, budget, line_costs, over_entry_budg
     dated = sorted([r for r in live if _rollup_date(r)], key=lambda r: (_rollup_date(r), r["stem"]))
     if len(dated) < 2:
         return
-    if over_entry_budget:
+    if listed and index_tokens > _INDEX_BASE_TOKENS + allowance * listed:
         notes.append(f"INDEX is also over its per-entry budget (~{entry_tokens} tokens per "
                      f"entry against an allowance of {allowance}): that is doctor's index-bloat, "
                      "and a rollup does not fix it — shorten titles and descriptions, run "
@@ -12492,7 +12396,12 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     index_budget = _INDEX_BASE_TOKENS + allowance * listed
     entry_tokens = round((index_tokens - _INDEX_BASE_TOKENS) / listed) if listed else 0
     standing = index_tokens + sum(r["digest_tokens"] for r in eps)
-    cost, cost_source = _advise_standing_cost(line_costs, eps)
+    # per-episode standing cost: mean INDEX line + mean digest (flat on a young shelf)
+    cost, cost_source = _ADVISE_FLAT_COST, "flat"
+    if len(eps) >= _ADVISE_MEASURE_FROM and line_costs:
+        mean_line = sum(line_costs.values()) / len(line_costs)
+        mean_digest = sum(r["digest_tokens"] for r in eps) / len(eps)
+        cost, cost_source = max(1, int(round(mean_line + mean_digest))), "measured"
     min_tokens = _ADVISE_PROPOSAL_FACTOR * cost
     memory = standing if include_memory_overhead else 0
     known, titles = {}, {}
@@ -12556,8 +12465,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
         breakdown["live"] += size
         if occ["state"] == "unknown" and idle is None:
             unstated += 1
-    _advise_rollup(root, live, index_tokens, budget, line_costs,
-                   listed and index_tokens > index_budget, listed, entry_tokens, allowance,
+    _advise_rollup(root, live, index_tokens, budget, line_costs, listed, entry_tokens, allowance,
                    proposals, notes)
     if not reported:
         notes.insert(0, "no occupants reported: this covers the shelf side only; pass what is "
