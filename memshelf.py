@@ -3838,7 +3838,6 @@ def merge_redaction_reports(reports):
 
 _HIDDEN_CHAR_CLASS = "\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069\U000e0000-\U000e007f"
 _HIDDEN_CHAR_RE = _LazyPattern("[" + _HIDDEN_CHAR_CLASS + "]")
-_INSTRUCTION_RULES = None  # compiled on first use: the tables below cost a few milliseconds
 
 
 def _harmless_hidden(text, at):
@@ -3971,8 +3970,7 @@ def _trigger_words(alternation):
 
 
 def _instruction_rule_table():
-    """(kind, triggers, pattern, check, flags, also) rows. A trigger word must be a whole token
-    of the text (CJK, Hangul, Arabic or punctuation: a substring); "a+b" needs both."""
+    """(kind, triggers, pattern, check, flags, also) rows; trigger "a+b" needs both words."""
     rows = []
 
     def add(kind, triggers, source, check=None, flags=re.IGNORECASE, lead=False, also=""):
@@ -4625,8 +4623,7 @@ _ARABIC_LEADS = (b"\xd8", b"\xd9", b"\xda", b"\xdb")
 
 
 def _trigger_part(word):
-    """(kind, byte forms, key): "token" (a whole word of a spaced script), "wide" (a CJK, kana or
-    Hangul substring, key the word), "arabic" (Arabic glues prefixes on) or "piece" (markup)."""
+    """(kind, byte forms, key); kind: "token" (a whole word), "wide" (CJK), "arabic" or "piece"."""
     encoded = word.encode()
     if "\u3040" <= word[0] <= "\u30ff" or "\u3130" <= word[0] <= "\u318f" \
             or "\u3400" <= word[0] <= "\u9fff" or "\uac00" <= word[0] <= "\ud7af":
@@ -4639,32 +4636,30 @@ def _trigger_part(word):
     return ("piece", (word.lower().encode(),), None)
 
 
+@functools.lru_cache(maxsize=None)   # built on first use: the tables cost a few milliseconds
 def _instruction_rules():
     """(token index, wide-piece index by first character, other pieces, rules, Arabic pieces)."""
-    global _INSTRUCTION_RULES
-    if _INSTRUCTION_RULES is None:
-        rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
-        for number, (kind, triggers, source, check, flags, also) in enumerate(
-                _instruction_rule_table()):
-            entries = [tuple(_trigger_part(w) for w in entry.split("+")) for entry in also.split()]
-            one_word = [e for e in entries if len(e) == 1 and e[0][0] == "token"]
-            # (the forms of the one-word entries, for one set lookup; the other entries)
-            gate = (frozenset(f for e in one_word for f in e[0][1]),
-                    tuple(e for e in entries if e not in one_word)) if entries else None
-            # Compiled when a text first needs the rule: most texts fire a handful of rules.
-            rules.append((kind, _LazyPattern(source, flags | re.MULTILINE), check, gate))
-            for entry in triggers.split():
-                parts = [_trigger_part(w) for w in entry.split("+")]
-                first, rest = parts[0], tuple(parts[1:])
-                if first[0] == "token":
-                    for form in first[1]:
-                        tokens.setdefault(form, []).append((number, rest, form))
-                elif first[0] == "wide":
-                    wide.setdefault(first[2][0], []).append((first, number, rest))
-                else:
-                    (arabic if first[0] == "arabic" else pieces).append((first, number, rest))
-        _INSTRUCTION_RULES = (tokens, wide, pieces, rules, arabic)
-    return _INSTRUCTION_RULES
+    rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
+    for number, (kind, triggers, source, check, flags, also) in enumerate(
+            _instruction_rule_table()):
+        entries = [tuple(_trigger_part(w) for w in entry.split("+")) for entry in also.split()]
+        one_word = [e for e in entries if len(e) == 1 and e[0][0] == "token"]
+        # (the forms of the one-word entries, for one set lookup; the other entries)
+        gate = (frozenset(f for e in one_word for f in e[0][1]),
+                tuple(e for e in entries if e not in one_word)) if entries else None
+        # Compiled when a text first needs the rule: most texts fire a handful of rules.
+        rules.append((kind, _LazyPattern(source, flags | re.MULTILINE), check, gate))
+        for entry in triggers.split():
+            parts = [_trigger_part(w) for w in entry.split("+")]
+            first, rest = parts[0], tuple(parts[1:])
+            if first[0] == "token":
+                for form in first[1]:
+                    tokens.setdefault(form, []).append((number, rest, form))
+            elif first[0] == "wide":
+                wide.setdefault(first[2][0], []).append((first, number, rest))
+            else:
+                (arabic if first[0] == "arabic" else pieces).append((first, number, rest))
+    return tokens, wide, pieces, rules, arabic
 
 
 class _TriggerScan:
@@ -4721,8 +4716,7 @@ class _TriggerScan:
             all(self.has(part) for part in entry) for entry in gate[1])
 
     def spans(self, forms):
-        """Offset ranges of the text around each occurrence of the forms; None when lower-casing
-        moves offsets (then the caller reads everything)."""
+        """Offset ranges around each occurrence of the forms; None if lower-casing moves offsets."""
         if self.lowered is None:
             # ASCII text: byte offsets are character offsets, so the bytes serve directly.
             self.lowered = self.low if self.ascii else self.text.lower()
@@ -4986,9 +4980,7 @@ def _finding_excerpt(line, column):
 
 
 def _instruction_rule_hits(text, skip=(), scan=None):
-    """Yield (kind, offset) for every rule match in text.
-
-    A rule runs only when a trigger word occurs, and on longer texts only around it."""
+    """Yield (kind, offset) for every rule match; a rule runs only around its trigger words."""
     scan = scan or _TriggerScan(text)
     rules = _instruction_rules()[3]
     whole = [(0, len(text))]
@@ -5043,8 +5035,7 @@ _HIDDEN_ELEMENT = _LazyPattern(
 
 
 def _hidden_markup(text, low, offset_in_code):
-    """Offsets of HTML comments with injection phrases and of hidden elements that hold text
-    (in code, only with injection phrases: there it is documented markup); low: lower UTF-8."""
+    """Offsets of HTML comments with injection phrases and of hidden elements holding text."""
     hits = []
     for m in re.finditer(r"<!--(.*?)(?:-->|\Z)", text, re.DOTALL) if b"<!--" in low else ():
         if any(True for _ in _instruction_rule_hits(m.group(1)[:20_000], ("hidden-text",))):
@@ -5201,8 +5192,7 @@ _HIDDEN_BYTES = _LazyPattern(
 
 
 def _holds_hidden(text):
-    """Whether _HIDDEN_CHAR_RE matches in text. Its byte form is looked for in the text's
-    UTF-8 without the ASCII: a match lies in one character, and the regex is fast over few."""
+    """Whether _HIDDEN_CHAR_RE matches, searched in the UTF-8 bytes with the ASCII dropped."""
     if text.isascii():
         return False
     return bool(_HIDDEN_BYTES.search(text.encode("utf-8", "surrogatepass")
@@ -5213,8 +5203,7 @@ def _holds_hidden(text):
 
 
 def scan_instructions(text):
-    """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4), by
-    line then kind, one per kind and section; code is exempt except for hidden-text."""
+    """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4)."""
     if not text:
         return []
     import bisect
@@ -5310,8 +5299,7 @@ def is_instruction_shaped(text):
 
 
 def _hidden_characters(text):
-    """Zero-width, bidi-control and tag characters: [{line, codepoint: "U+XXXX"}], one per
-    distinct character and line, for doctor's hidden-characters."""
+    """Hidden characters for doctor's hidden-characters: [{line, codepoint: "U+XXXX"}]."""
     found, line, position = {}, 1, 0
     for m in _HIDDEN_CHAR_RE.finditer(text) if _holds_hidden(text) else ():
         if not _harmless_hidden(text, m.start()):
