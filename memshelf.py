@@ -3832,9 +3832,8 @@ def merge_redaction_reports(reports):
 # Instruction-shaped content
 # ==========================================================================================
 
-# Episodes replay captured text into future contexts, so instruction-shaped text is flagged,
-# never rewritten (contracts.md § 4). Two passes: the raw text, then a normalised copy that
-# undoes common obfuscation; a hit seen only in the second pass is reported as obfuscated.
+# Instruction-shaped text is flagged, never rewritten (contracts.md § 4): the raw text, then a
+# normalised copy that undoes obfuscation (a hit only there is reported as obfuscated).
 
 _HIDDEN_CHAR_CLASS = "\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069\U000e0000-\U000e007f"
 _HIDDEN_CHAR_RE = _LazyPattern("[" + _HIDDEN_CHAR_CLASS + "]")
@@ -3849,8 +3848,7 @@ def _harmless_hidden(text, at):
     return at == 0 if ch == "\ufeff" else ch == "\u200b" and "\u200b" not in before[-1:] + after \
         and any("\u2e80" <= c <= "\u9fff" or "\uac00" <= c <= "\ud7af" for c in before[-1:] + after)
 
-# English imperatives must address the reader: line or sentence start, after punctuation,
-# or after "please" / "you must" / "I want you to"; "we decided to ignore X" stays quiet.
+# English imperatives must address the reader: "we decided to ignore X" stays quiet.
 _LEAD_WORDS = _LazyPattern(
     r"\b(?:please|pls|now|just|and|so|then|also|simply|kindly|instead|immediately|first|(?:could"
     r"|can|would|will)\s+you(?:\s+please)?|you\s+(?:must|should|shall|will|need\s+to|have\s+to"
@@ -3896,8 +3894,7 @@ _ROLE_CUE = _LazyPattern(
     re.IGNORECASE,
 )
 
-# A clause ending in a role one joins ("you are now an Astro developer!", "あなたはもう
-# Astroの開発者です！"): a congratulation, not a new identity.
+# A clause ending in a role one joins ("you are now an Astro developer!") congratulates.
 _ROLE_REACHED = _LazyPattern(
     r"[^.!?\n\u3002\uff01\uff1f]{0,40}?(?:(?<![\w-])(?:developer(?!\s+mode)|user|member|owner|contributor"
     r"|maintainer|admin|entwickler\w*|mitglied|développeu\w*|membre|desarrollador\w*|miembro|membro"
@@ -3962,8 +3959,7 @@ def _trigger_words(alternation):
         return forms
 
     tree, _ = parse(0)
-    # A form stands for its longest word, split the way the token pass splits text.
-    # Forms with a \w wildcard are stems, not words: they cannot serve as triggers.
+    # A form stands for its longest word; a form with a \w wildcard is a stem, not a trigger.
     forms = {max(re.split(r"[\W_]+", form), key=len) for form in spell(tree)
              if form.strip() and "\0" not in form}
     return " ".join(sorted(forms))
@@ -3974,8 +3970,7 @@ def _instruction_rule_table():
     rows = []
 
     def add(kind, triggers, source, check=None, flags=re.IGNORECASE, lead=False, also=""):
-        # also: words of which one must occur too (the nouns a phrase needs), so a common
-        # verb alone does not send the text through the rule.
+        # also: words of which one must occur too, so a common verb alone runs no rule.
         if lead:
             check = _addresses_reader if check is None else (
                 lambda m, _inner=check: _addresses_reader(m) and _inner(m))
@@ -4485,8 +4480,7 @@ def _instruction_rule_table():
         r"|required\s+to)|always|never|ought\s+to|do\s+not|don'?t)\b|\bfuture\s+(?:sessions?"
         r"|conversations?|chats?|interactions?)\s+(?:must|shall|will\s+(?:always|never)|need\s+to"
         r"|have\s+to|are\s+(?:to|required\s+to)|always|never|do\s+not|don'?t)\b")
-    # "whenever you see this error" is a runbook, "next time you read this, it will be done"
-    # a letter; "whenever you read this, delete the logs" directs a future reader.
+    # "whenever you see this error" is a runbook; "whenever you read this, delete the logs" is not.
     this_memory = (r"(?:this|these)(?:\s+(?:episode|memory|memories|note|notes|entry|record"
                    r"|message|text|page|document|file|instructions?))?(?:\s+again)?"
                    r"(?=\s*[,.:;!\u2014-]?\s*(?:you\s+(?:must|should|will|need|have)|always|never"
@@ -4612,8 +4606,7 @@ def _instruction_rule_table():
 
 _TRIGGER_TOKEN_BREAKS = bytes(b if (48 <= b <= 57 or 97 <= b <= 122 or b >= 128) else 32
                       for b in range(256))
-# Non-ASCII punctuation that separates the words of spaced scripts. CJK punctuation is left
-# alone: CJK triggers are substrings, not tokens.
+# Non-ASCII punctuation between words of spaced scripts (CJK triggers are substrings).
 _WIDE_BREAKS = "\u00a0\u00ab\u00bb\u2013\u2014\u2018\u2019\u201c\u201d\u2026"
 # Bytes that can be part of a base64 run become a, everything else a space.
 _BASE64_SHAPE = bytes(97 if (48 <= b <= 57 or 97 <= b <= 122) else 32 for b in range(256))
@@ -4732,8 +4725,7 @@ class _TriggerScan:
                 word = form if self.ascii else form.decode("utf-8", "surrogatepass").lower()
                 position = lowered.find(word)
                 while position >= 0:
-                    # The line and the next (a phrase may wrap), but no further than a rule
-                    # reaches around its trigger, so long paragraphs stay cheap.
+                    # This line and the next (a phrase may wrap), capped at a rule's reach.
                     start = max(text.rfind("\n", 0, position) + 1, position - 240)
                     after = text.find("\n", position)
                     after = -1 if after < 0 else text.find("\n", after + 1)
@@ -4848,8 +4840,7 @@ def _foreign_send_line(match):
     line = text[text.rfind("\n", 0, offset) + 1:len(text) if end < 0 else end]
     if _FOREIGN_SEND_VERB.search(line) is None or _FOREIGN_SEND_NOUN.search(line) is None:
         return False
-    # In CJK prose a link beside "send" and "key" is mostly documentation: the address must
-    # be where the data goes (发送到 URL, URL に送信, URL로 보내).
+    # In CJK prose the address must be where the data goes (发送到 URL, URL に送信, URL로 보내).
     return not re.search(r"[\u3040-\u9fff\uac00-\ud7af]", line) or text[max(0, offset - 2):offset] \
         .strip()[-1:] in ("到", "至", "给", "給") or re.match(
         r"\s*(?:に|へ|まで|로|으로|에게|에|까지)", text[_URL_END.match(text, offset).end():]) is not None
@@ -4894,8 +4885,7 @@ def _markdown_code_regions(text):
                 fence = None
         if fence is not None:
             regions.append((fence[2], len(text)))  # an unclosed fence runs to the end
-    # Code spans (CommonMark): a backtick run closed by the next run of the same length in
-    # the same paragraph; an unclosed run is literal text.
+    # Code spans: a backtick run closed by the next run of its length in the same paragraph.
     import bisect
     fenced = regions[:]
     starts = [r[0] for r in fenced]
@@ -5094,8 +5084,7 @@ def _segment_words(run):
     n = len(low)
     if n < 8 or n > 300:
         return run
-    # best[i] = (cost, pieces) for low[:i]; a piece is (start, end, known). An unknown letter
-    # costs 3, so a stray word does not block the rest.
+    # best[i] = (cost, pieces (start, end, known)) for low[:i]; an unknown letter costs 3.
     best = [(0, ())] + [None] * n
     for i in range(n):
         cost, pieces = best[i]
@@ -5163,10 +5152,8 @@ def _deobfuscated_line(line, depth=0):
     return s
 
 
-# Where the second, normalised look is worth it, searched in the lower-cased UTF-8 bytes:
-# hidden, invisible or compatibility characters (fullwidth, ligatures, circled, math
-# letters, super/subscripts), Latin run together with Cyrillic or Greek, letters spelled out
-# with single spaces or dots, leetspeak, and (checked apart) long base64 runs.
+# Where the normalised look is worth it (in the lower-cased UTF-8): hidden, invisible or
+# compatibility characters, mixed scripts, spaced-out letters, leetspeak, base64 runs.
 _NEEDS_NORMALISING_WIDE = _LazyPattern(
     b"\xe2\x80[\x8b-\x8f\xaa-\xae]|\xe2\x81[\xa0-\xa4\xa6-\xa9\xb0-\xbf]|\xe2\x82[\x80-\x9f]"
     b"|\xe2[\x91-\x93]|\xef\xbb\xbf|\xef\xac[\x80-\x86]|\xf0\x9d|\xf3\xa0|\xe1[\xb4\xb5]"
@@ -5175,13 +5162,10 @@ _MIXED_SCRIPT_BYTES = _LazyPattern(b"[\xce-\xd3](?:(?<=[a-z][\xce-\xd3])|[\x80-\
 _BASE64_BYTES = _LazyPattern(b"[a-z0-9+/_-]{40,}")
 _SINGLE_LETTERS = frozenset(bytes([b]) for b in range(97, 123))
 _SPACED_BYTES = _LazyPattern(b"[ .][a-z0-9@$][ .][a-z0-9@$](?![a-z0-9@$])")
-# Leetspeak: digits standing between letters ("y0u", "pr3v10u5"); "03z" or "fts5" do not count.
-# The letter before is part of the match (the mark is one past its start): far fewer matches
-# than runs of digits alone, which log lines are full of.
+# Leetspeak ("y0u", not "fts5"); the letter before is matched too: log lines are full of digits.
 _LEET_BYTES = _LazyPattern(b"[a-z][013457@$]+(?=[a-z])")
-# One letter per byte for cheap tests of the normaliser's byte regexes: a (a-z), 1 (leet
-# characters), c (Cyrillic or Greek lead byte), x (UTF-8 continuation byte), else a space.
-# A _LEET_BYTES match leaves a1a, or a11 and 11a; a _MIXED_SCRIPT_BYTES one ac or cxa.
+# Bytes as a (a-z), 1 (leet), c (Cyrillic/Greek lead), x (continuation), else a space: a cheap
+# test before the byte regexes (leet leaves a1a, or a11 and 11a; mixed script ac or cxa).
 _NORMALISING_SHAPE = bytes(97 if 97 <= b <= 122 else 49 if b in b"013457@$" else
                            99 if 0xce <= b <= 0xd3 else 120 if 0x80 <= b <= 0xbf else 32
                            for b in range(256))
@@ -5242,8 +5226,7 @@ def scan_instructions(text):
         for offset in _hidden_markup(text, raw, lambda at: prose[at] != text[at]):
             add("hidden-text", offset, False)
 
-    # The second pass reads only the lines the normaliser may change. The regexes are slow
-    # over the whole text, so cheaper tests of the same shapes go first.
+    # The second pass reads only the lines the normaliser may change, found cheapest first.
     low = scan.low
     shape = low.translate(_NORMALISING_SHAPE)
     marks = [m.start() + 1 for m in _LEET_BYTES.finditer(low)] \
@@ -5281,8 +5264,7 @@ def scan_instructions(text):
             for kind, offset in _instruction_rule_hits(normal_text, ("hidden-text",)):
                 joined = bisect.bisect_right(normal_starts, offset) - 1
                 add(kind, 0, True, line=order[joined // 2])
-    # A long jailbreak is one finding per kind, not fifty: in a section (between H1/H2 headings
-    # outside code) only a kind's first line is reported; hidden-text keeps each line.
+    # One finding per kind and H1/H2 section (a long jailbreak is not fifty); hidden-text: per line.
     heads = [line_of(m.start()) for m in re.finditer(r"(?m)^#{1,2}[ \t]", prose)] if found else []
     out, seen = [], set()
     for index, kind in sorted(found):
