@@ -3876,14 +3876,10 @@ _PERSONA = (
     r"|人工智能|助手|アシスタント|어시스턴트|مساعد\w*)"
 )
 
-# "Act as an SNMP agent" is networking prose, so "act as" takes only unmistakable personas.
-_PERSONA_STRICT = (
-    r"(?:assistants?|ais?|(?:large\s+)?language\s+models?|llms?|chat-?bots?|personas?|dan"
-    r"|stan|jailbr(?:oken|eak)|unrestricted|unfiltered|uncensored|evil|malicious|hackers?"
-    r"|developer\s+mode|god\s+mode|dev\s+mode|gpt|chatgpt|claude|gemini|linux\s+terminal"
-    r"|villains?|pirates?|ki|ia|ии|ассистент\w*|помощник\w*|asistente|assistente"
-    r"|assistent(?:in)?|assistante|人工智能|助手|アシスタント|어시스턴트|مساعد\w*)"
-)
+# "Act as an SNMP agent" is networking prose: "act as" takes _PERSONA without its loose words.
+_PERSONA_STRICT = "(?:" + "|".join(word for word in _PERSONA[3:-1].split("|") if word not in (
+    "models?", "bots?", "agents?", "dude", "unlimited", "llama", r"модел\w*", r"бот\w*", "modelo",
+    "modèle", "modell")) + ")"
 
 # Words that make a "System:" line read as a command rather than a spec sheet entry.
 _ROLE_CUE = _LazyPattern(
@@ -4465,11 +4461,7 @@ def _instruction_rule_table():
         r"\b(?:curl|wget)\b[^\n]*(?:\.env\b|id_rsa|id_ed25519|\.ssh/|\.aws/credentials"
         r"|\$\((?:env|printenv|cat)\b|\$\{?[A-Z_]*(?:TOKEN|SECRET|API_KEY|PASSWORD)[A-Z_]*\}?)"
         r"[^\n]*", _mentions_url, re.IGNORECASE)
-    add("exfiltration", "envía envia envíe envie manda mande sube suba reenvía transmite envoie "
-                        "envoyez transmets transmettez téléverse sende senden schicke schick "
-                        "übermittle lade отправь отправьте перешли перешлите загрузи загрузите "
-                        "передай передайте أرسل ارسل ارفع انقل 发送 发到 发给 上传 傳送 發送 送信 "
-                        "送って アップロード 転送 보내 전송 업로드",
+    add("exfiltration", _trigger_words(_FOREIGN_SEND_WORDS + "|" + _FOREIGN_SEND_CJK),
         r"https?://|(?<![\w.+-])[\w.+-]{1,64}@[\w-]+\.[a-z]{2,}", _foreign_send_line)
 
     # --- memory-poisoning ----------------------------------------------------------------
@@ -4816,12 +4808,13 @@ def _mentions_url(match):
                      match.group(0)) is not None
 
 
+_FOREIGN_SEND_WORDS = (
+    r"envía|envia|envíe|envie|manda|mande|sube|suba|reenvía|transmite|envoie|envoyez|transmets"
+    r"|transmettez|téléverse|sende|senden\s+sie|schicke|schick|übermittle|lade|отправь(?:те)?"
+    r"|перешли(?:те)?|загрузи(?:те)?|передай(?:те)?|أرسل|ارسل|ارفع|انقل")
+_FOREIGN_SEND_CJK = r"发送|发到|发给|上传|傳送|發送|送信|送って|アップロード|転送|보내|전송|업로드"
 _FOREIGN_SEND_VERB = _LazyPattern(
-    r"\b(?:envía|envia|envíe|envie|manda|mande|sube|suba|reenvía|transmite|envoie"
-    r"|envoyez|transmets|transmettez|téléverse|sende|senden\s+sie|schicke|schick"
-    r"|übermittle|lade|отправь(?:те)?|перешли(?:те)?|загрузи(?:те)?|передай(?:те)?|أرسل"
-    r"|ارسل|ارفع|انقل)\b|发送|发到|发给|上传|傳送|發送|送信|送って|アップロード|転送"
-    r"|보내|전송|업로드", re.IGNORECASE)
+    r"\b(?:" + _FOREIGN_SEND_WORDS + r")\b|" + _FOREIGN_SEND_CJK, re.IGNORECASE)
 _FOREIGN_SEND_NOUN = _LazyPattern(
     r"\b(?:claves?|contraseñas?|secretos?|conversación|historial|chaves?|senhas?"
     r"|segredos?|conversa|clés?|cles?|jetons?|mots?\s+de\s+passe|conversation"
