@@ -4765,24 +4765,19 @@ def _base64_payload_text(value):
                                    validate=True).decode("utf-8")
     except (binascii.Error, ValueError):
         return None
-    if len(decoded) < 8:
-        return None
     readable = sum(1 for ch in decoded if ch.isprintable() or ch in "\n\t\r")
     letters = sum(1 for ch in decoded if ch.isalpha())
-    if readable >= 0.95 * len(decoded) and letters >= 0.5 * len(decoded.replace(" ", "")):
-        return decoded
-    return None
+    return decoded if len(decoded) >= 8 and readable >= 0.95 * len(decoded) \
+        and letters >= 0.5 * len(decoded.replace(" ", "")) else None
 
 
 def _link_carries_payload(match):
     url = match.group("url") or match.group("src")
     is_image = bool(match.group("src")) or bool(match.group("img"))
     parts = _LINK_URL_PARTS.match(url)
-    if not parts:
+    if not parts or parts.group(1).lower().split(":")[0] in _LOOPBACK_HOSTS:
         return False
-    host, path, query = parts.group(1).lower(), parts.group(2), parts.group(3) or ""
-    if host.split(":")[0] in _LOOPBACK_HOSTS:
-        return False
+    path, query = parts.group(2), parts.group(3) or ""
     if _URL_PLACEHOLDER.search(path) or _URL_PLACEHOLDER.search(query):
         return True
     if any(len(segment) >= 24 and re.fullmatch(r"[A-Za-z0-9+_=-]+", segment)
@@ -4794,11 +4789,9 @@ def _link_carries_payload(match):
                 and _base64_payload_text(value.replace("%3D", "=").replace("%2F", "/")):
             return True
         # A shown image sends its query: words (letter runs joined by + or %20) or a payload key.
-        if not is_image:
-            continue
         words = re.split(r"\+|%20|%2[0Bb]", value)
-        if sum(1 for w in words if re.search(r"[A-Za-z]{2,}", w)) >= 3 or (
-                key.lower() in _PAYLOAD_KEYS and len(value) >= 8):
+        if is_image and (key.lower() in _PAYLOAD_KEYS and len(value) >= 8
+                         or sum(1 for w in words if re.search(r"[A-Za-z]{2,}", w)) >= 3):
             return True
     return False
 
@@ -5087,18 +5080,13 @@ def _segment_words(run):
         for j, new_cost, known in steps:
             if best[j] is None or new_cost < best[j][0]:
                 best[j] = (new_cost, pieces + ((i, j, known),))
-    words, known_chars = [], 0
-    for start, end, known in best[n][1]:
-        if known:
-            words.append(run[start:end])
-            known_chars += end - start
-        elif words and words[-1][-1:] == "\0":
-            words[-1] = words[-1][:-1] + run[start:end] + "\0"
-        else:
-            words.append(run[start:end] + "\0")
-    if known_chars < 0.7 * n or len(words) < 2:
-        return run
-    return " ".join(w.rstrip("\0") for w in words)
+    import itertools
+    pieces, words = best[n][1], []
+    for known, group in itertools.groupby(pieces, key=operator.itemgetter(2)):
+        spans = [run[start:end] for start, end, _ in group]
+        words += spans if known else ["".join(spans)]   # unknown letters glue into one word
+    known_chars = sum(end - start for start, end, known in pieces if known)
+    return run if known_chars < 0.7 * n or len(words) < 2 else " ".join(words)
 
 
 def _fold_token(m):
