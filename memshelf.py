@@ -4872,38 +4872,31 @@ def _markdown_code_regions(text):
         if fence is not None:
             regions.append((fence[2], len(text)))  # an unclosed fence runs to the end
     # Code spans: a backtick run closed by the next run of its length in the same paragraph.
-    import bisect
-    fenced = regions[:]
-    starts = [r[0] for r in fenced]
-
-    def in_fence(offset):
-        k = bisect.bisect_right(starts, offset) - 1
-        return k >= 0 and offset < fenced[k][1]
-
-    runs = []
+    runs, fences = [], collections.deque(regions)
     position = text.find("`")
     while position >= 0:
+        while fences and fences[0][1] <= position:
+            fences.popleft()
+        if fences and fences[0][0] <= position:
+            position = text.find("`", fences[0][1])   # backticks in a fence are its text
+            continue
         end = position + 1
         while end < len(text) and text[end] == "`":
             end += 1
-        if not in_fence(position):
-            runs.append((position, end))
+        runs.append((position, end))
         position = text.find("`", end)
-    by_length = {}
-    for index, (start, end) in enumerate(runs):
-        by_length.setdefault(end - start, []).append(index)
+    following, last = [None] * len(runs), {}
+    for index in range(len(runs) - 1, -1, -1):
+        length = runs[index][1] - runs[index][0]
+        following[index], last[length] = last.get(length), index
     index = 0
     while index < len(runs):
-        start, end = runs[index]
-        same = by_length[end - start]
-        k = bisect.bisect_right(same, index)
-        if k < len(same):
-            closer = runs[same[k]]
-            if not _PARAGRAPH_BREAK.search(text, end, closer[0]):
-                regions.append((start, closer[1]))
-                index = same[k] + 1
-                continue
-        index += 1
+        (start, end), closer = runs[index], following[index]
+        if closer is not None and not _PARAGRAPH_BREAK.search(text, end, runs[closer][0]):
+            regions.append((start, runs[closer][1]))
+            index = closer + 1
+        else:
+            index += 1
     regions.sort()
     return regions
 
