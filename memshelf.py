@@ -4919,15 +4919,12 @@ def _text_outside_code(text):
 def _escape_hidden(text):
     """Text with hidden and control characters spelled as \\uXXXX (excerpts, messages)."""
     out = []
-    for ch in text:
+    for ch in text.replace("\t", " "):
         code = ord(ch)
-        if ch == "\t":
-            out.append(" ")
-        elif code < 0x20 or code == 0x7f or (code > 0x7f and (
+        if code < 0x20 or code == 0x7f or (code > 0x7f and (
                 _HIDDEN_CHAR_RE.match(ch) or unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"))):
-            out.append("\\u%04X" % code if code <= 0xFFFF else "\\U%08X" % code)
-        else:
-            out.append(ch)
+            ch = "\\u%04X" % code if code <= 0xFFFF else "\\U%08X" % code
+        out.append(ch)
     return "".join(out)
 
 
@@ -4952,12 +4949,11 @@ def _instruction_rule_hits(text, skip=(), scan=None):
     """Yield (kind, offset) for every rule match; a rule runs only around its trigger words."""
     scan = scan or _TriggerScan(text)
     rules = _instruction_rules()[3]
-    whole = [(0, len(text))]
     for number, forms in sorted(scan.fired().items()):
         kind, regex, check, _ = rules[number]
         if kind in skip:
             continue
-        spans = (scan.spans(forms) if len(text) > 512 else None) or whole
+        spans = (scan.spans(forms) if len(text) > 512 else None) or [(0, len(text))]
         seen = set()
         for start, end in spans:
             for m in regex.finditer(text, start, end):
@@ -4979,8 +4975,7 @@ def _fake_frontmatter(text, prose):
         if closing is None:
             return []
         after = rules[0][1] + closing.end()
-        while index < len(rules) and rules[index][0] < after:
-            index += 1
+        index = sum(1 for start, _ in rules if start < after)
     hits = []
     while index < len(rules) - 1:
         opening, closing = rules[index], rules[index + 1]
@@ -5005,10 +5000,9 @@ _HIDDEN_ELEMENT = _LazyPattern(
 
 def _hidden_markup(text, low, offset_in_code):
     """Offsets of HTML comments with injection phrases and of hidden elements holding text."""
-    hits = []
-    for m in re.finditer(r"<!--(.*?)(?:-->|\Z)", text, re.DOTALL) if b"<!--" in low else ():
-        if any(True for _ in _instruction_rule_hits(m.group(1)[:20_000], ("hidden-text",))):
-            hits.append(m.start())
+    comments = re.finditer(r"<!--(.*?)(?:-->|\Z)", text, re.DOTALL) if b"<!--" in low else ()
+    hits = [m.start() for m in comments
+            if any(True for _ in _instruction_rule_hits(m.group(1)[:20_000], ("hidden-text",)))]
     if not any(w in low for w in (b"hidden", b"display", b"font-size", b"opacity", b"width",
                                   b"height")):
         return hits
@@ -5176,29 +5170,28 @@ def scan_instructions(text):
             starts.extend([0] + [m.end() for m in _EOL.finditer(text)] + [len(text) + 1])
         return bisect.bisect_right(starts, offset) - 1
 
-    def add(kind, offset, obfuscated, line=None):
+    def add(kind, offset, line=None):
+        # An obfuscated hit comes with its line: its offset lies in the normalised copy.
         index = line_of(offset) if line is None else line
         if (index, kind) not in found:
             column = 0 if line is not None else offset - starts[index]
             excerpt = _finding_excerpt(text[starts[index]:starts[index + 1] - 1], column)
             found[(index, kind)] = {"kind": kind, "line": index + 1, "excerpt": excerpt,
-                                    "obfuscated": obfuscated}
+                                    "obfuscated": line is not None}
 
     for kind, offset in _instruction_rule_hits(prose, ("hidden-text",), scan):
-        add(kind, offset, False)
-    if "---" in prose:
-        for offset in _fake_frontmatter(text, prose):
-            add("context-escape", offset, False)
+        add(kind, offset)
+    for offset in _fake_frontmatter(text, prose):
+        add("context-escape", offset)
 
     # hidden-text reads everything, code included.
-    if _holds_hidden(text):
-        for m in _HIDDEN_CHAR_RE.finditer(text):
-            if not _harmless_hidden(text, m.start()):
-                add("hidden-text", m.start(), False)
+    for m in _HIDDEN_CHAR_RE.finditer(text) if _holds_hidden(text) else ():
+        if not _harmless_hidden(text, m.start()):
+            add("hidden-text", m.start())
     if "<" in text:
         raw = scan.low if prose is text else text.encode("utf-8", "surrogatepass").lower()
         for offset in _hidden_markup(text, raw, lambda at: prose[at] != text[at]):
-            add("hidden-text", offset, False)
+            add("hidden-text", offset)
 
     # The second pass reads only the lines the normaliser may change, found cheapest first.
     low = scan.low
@@ -5217,8 +5210,7 @@ def scan_instructions(text):
     if b"a" * 20 in low.translate(_BASE64_SHAPE):
         marks.extend(m.start() for m in _BASE64_BYTES.finditer(low))
     if marks:
-        lines = set()
-        previous, line = 0, 0
+        lines, previous, line = set(), 0, 0
         for mark in sorted(marks):
             line += low.count(b"\n", previous, mark)
             previous = mark
@@ -5227,17 +5219,13 @@ def scan_instructions(text):
         normal = {}
         for index in sorted(lines):
             original = prose[starts[index]:starts[index + 1] - 1]
-            changed = _deobfuscated_line(original)
-            if changed != original:
+            if (changed := _deobfuscated_line(original)) != original:
                 normal[index] = changed
-        if normal:
-            # A "." line between the changed lines keeps a phrase from spanning two of them.
-            order = sorted(normal)
-            normal_text = "\n.\n".join(normal[index] for index in order)
-            normal_starts = [0] + [m.end() for m in _EOL.finditer(normal_text)]
-            for kind, offset in _instruction_rule_hits(normal_text, ("hidden-text",)):
-                joined = bisect.bisect_right(normal_starts, offset) - 1
-                add(kind, 0, True, line=order[joined // 2])
+        # A "." line between the changed lines keeps a phrase from spanning two of them.
+        order, normal_text = list(normal), "\n.\n".join(normal.values())
+        normal_starts = [0] + [m.end() for m in _EOL.finditer(normal_text)]
+        for kind, offset in _instruction_rule_hits(normal_text, ("hidden-text",)):
+            add(kind, 0, line=order[(bisect.bisect_right(normal_starts, offset) - 1) // 2])
     # One finding per kind and H1/H2 section (a long jailbreak is not fifty); hidden-text: per line.
     heads = [line_of(m.start()) for m in re.finditer(r"(?m)^#{1,2}[ \t]", prose)] if found else []
     out, seen = [], set()
