@@ -4222,10 +4222,8 @@ def _instruction_rule_table():
 
     def role_heading(m):
         # "## System" over a design section is prose; over "You must ..." it is a turn.
-        if ":" in m.group(0):
-            return True
-        following = m.string[m.end():m.end() + 400].lstrip()
-        return _ROLE_CUE.search(following.split("\n", 1)[0]) is not None
+        following = m.string[m.end():m.end() + 400].lstrip().split("\n", 1)[0]
+        return ":" in m.group(0) or _ROLE_CUE.search(following) is not None
 
     add("role-hijack", "system developer",
         r"^[ \t]*#{1,6}[ \t]*(?:system|developer)(?:[ \t]+(?:message|prompt|instructions?|note"
@@ -4656,12 +4654,8 @@ class _TriggerScan:
         self.ascii = len(self.low) == len(text)
         words, self.wide, self.arabic = self.low, set(), False
         if not self.ascii:
-            # Finding one character in the str is C speed; regexes over the UTF-8 are not.
-            spaced = text
-            for ch in _WIDE_BREAKS:
-                spaced = spaced.replace(ch, " ")
-            if spaced is not text:   # str.replace hands back the text itself when none occurs
-                words = spaced.encode("utf-8", "surrogatepass").lower()
+            for ch in _WIDE_BREAKS:   # bytes.replace is C speed; a regex over the UTF-8 is not
+                words = words.replace(ch.encode(), b" ")
             self.wide = {key for key in _instruction_rules()[1] if key in text}
             self.arabic = any(lead in self.low for lead in _ARABIC_LEADS)
         self.tokens = set(words.translate(_TRIGGER_TOKEN_BREAKS).split())
@@ -4704,8 +4698,7 @@ class _TriggerScan:
         """Offset ranges around each occurrence of the forms; None if lower-casing moves offsets."""
         if self.lowered is None:
             # ASCII text: byte offsets are character offsets, so the bytes serve directly.
-            self.lowered = self.low if self.ascii else self.text.lower()
-            self.form_spans = {}
+            self.lowered, self.form_spans = self.low if self.ascii else self.text.lower(), {}
         text, lowered = self.text, self.lowered
         if len(lowered) != len(text):
             return None
@@ -4933,16 +4926,12 @@ def _finding_excerpt(line, column):
     stripped = line.lstrip()
     column = max(0, column - (len(line) - len(stripped)))
     stripped = stripped.rstrip()
-    long = len(stripped) > 80 or len(_escape_hidden(stripped)) > 80
-    start = max(0, column - 20) if long else 0
-    pieces, size = [], 0
-    for ch in stripped[start:start + 80]:
-        piece = _escape_hidden(ch)
-        if size + len(piece) > 80:
-            break  # never cut an escape like \u200B in half
-        pieces.append(piece)
-        size += len(piece)
-    return "".join(pieces).strip()
+    start = max(0, column - 20) if len(_escape_hidden(stripped)) > 80 else 0
+    import itertools
+    pieces = [_escape_hidden(ch) for ch in stripped[start:start + 80]]
+    # Whole pieces up to 80 characters: never cut an escape like \u200B in half.
+    ends = itertools.accumulate(len(piece) for piece in pieces)
+    return "".join(piece for piece, end in zip(pieces, ends) if end <= 80).strip()
 
 
 def _instruction_rule_hits(text, skip=(), scan=None):
@@ -5112,11 +5101,10 @@ def _deobfuscated_line(line, depth=0):
         s = _SPACED_PAIR.sub(_rejoin, s)
     if _LEET_NEAR_LETTER.search(s):
         s = _LEET_TOKEN.sub(_leet_token, s)
-    if depth == 0 and len(line) >= 40 and _BASE64_RUN.search(line):
+    if depth == 0 and len(line) >= 40:
         decoded = [_base64_payload_text(m.group(0)) for m in _BASE64_RUN.finditer(line)]
-        extra = [_deobfuscated_line(re.sub(r"\s*\n\s*", ". ", t), depth=1) for t in decoded if t]
-        if extra:
-            s = s + " . " + " . ".join(extra)
+        s = " . ".join([s] + [_deobfuscated_line(re.sub(r"\s*\n\s*", ". ", t), depth=1)
+                              for t in decoded if t])
     return s
 
 
