@@ -3873,8 +3873,7 @@ _PERSONA = (
     r"|unlimited|evil|malicious|hackers?|developer\s+mode|god\s+mode|dev\s+mode|gpt|chatgpt"
     r"|claude|gemini|llama|linux\s+terminal|villains?|pirates?|ki|ia|ии|ассистент\w*|помощник\w*"
     r"|модел\w*|бот\w*|asistente|assistente|assistent(?:in)?|assistante|modelo|modèle|modell"
-    r"|人工智能|助手|アシスタント|어시스턴트|مساعد\w*)"
-)
+    r"|人工智能|助手|アシスタント|어시스턴트|مساعد\w*)")
 
 # "Act as an SNMP agent" is networking prose: "act as" takes _PERSONA without its loose words.
 _PERSONA_STRICT = "(?:" + "|".join(word for word in _PERSONA[3:-1].split("|") if word not in (
@@ -3886,9 +3885,7 @@ _ROLE_CUE = _LazyPattern(
     r"\b(?:you|your|must|always|never|ignore|disregard|forget|do\s+not|don'?t|from\s+now"
     r"|assistant|respond|reply|answer|obey|override|reveal|pretend|act\s+as|instructions?"
     r"|rules?|priority|du|dein\w*|tu|vous|debes|você|deve|ты|вы|должен|должны)\b"
-    r"|你|您|必须|忽略|あなた|必ず|너|당신|반드시|أنت|يجب",
-    re.IGNORECASE,
-)
+    r"|你|您|必须|忽略|あなた|必ず|너|당신|반드시|أنت|يجب", re.IGNORECASE)
 
 # A clause ending in a role one joins ("you are now an Astro developer!") congratulates.
 _ROLE_REACHED = _LazyPattern(
@@ -3931,9 +3928,8 @@ def _trigger_words(alternation):
                 end = alternation.index("]", i)
                 options, i = list(alternation[i + 1:end]), end + 1
             elif ch == "\\":
-                escaped = alternation[i + 1]
-                options = [" " if escaped == "s" else "\0" if escaped in "wWdD" else escaped]
-                i += 2
+                esc = alternation[i + 1]
+                options, i = [" " if esc == "s" else "\0" if esc in "wWdD" else esc], i + 2
             else:
                 options, i = [ch], i + 1
             if i < len(alternation) and alternation[i] in "+*":
@@ -4737,11 +4733,9 @@ _URL_PLACEHOLDER = _LazyPattern(
     r"|REPLACE)[A-Z_]*|=(?:[A-Z_]*_)?(?:DATA|SECRETS?|TOKEN|API_?KEY|KEY|PASSWORD|CONVERSATION|CHAT"
     r"|HISTORY|SUMMARY|MEMORY|CONTEXT|PROMPT|INPUT|MESSAGES?|INFO|PAYLOAD|CONTENT|ENV|CREDENTIALS"
     r"|EMAIL)(?:_[A-Z_]*)?(?:&|$)")
-_PAYLOAD_KEYS = frozenset((
-    "data", "payload", "secret", "secrets", "conversation", "convo", "chat", "history",
-    "prompt", "msg", "message", "messages", "memory", "memories", "leak", "exfil", "content",
-    "summary", "creds", "credentials", "password", "pass", "pwd",
-))
+_PAYLOAD_KEYS = frozenset("""data payload secret secrets conversation convo chat history prompt msg
+message messages memory memories leak exfil content summary creds credentials password pass pwd
+""".split())
 _LOOPBACK_HOSTS = frozenset(("localhost", "127.0.0.1", "[::1]", "0.0.0.0"))
 
 
@@ -5133,10 +5127,8 @@ _HIDDEN_BYTES = _LazyPattern(
 
 def _holds_hidden(text):
     """Whether _HIDDEN_CHAR_RE matches, searched in the UTF-8 bytes with the ASCII dropped."""
-    if text.isascii():
-        return False
-    return bool(_HIDDEN_BYTES.search(text.encode("utf-8", "surrogatepass")
-                                     .translate(None, _ASCII_BYTES)))
+    return not text.isascii() and bool(_HIDDEN_BYTES.search(
+        text.encode("utf-8", "surrogatepass").translate(None, _ASCII_BYTES)))
 
 
 # --- public API ----------------------------------------------------------------------------
