@@ -3986,11 +3986,9 @@ def _instruction_rule_table():
     all_noun = _LazyPattern(r"\b(?:all|any|every)\s+(?:(?:of\s+)?the\s+)?(?:" + en_nouns + r")\b",
                           re.IGNORECASE)
 
-    def check(m):
-        # "ignore all lint rules" is a build note; "ignore all rules" or "all previous" is not.
-        return strong.search(m.group(0)) is not None or all_noun.search(m.group(0)) is not None
-
-    add("override", triggers, source, check, lead=True, also=_trigger_words(en_nouns))
+    # "ignore all lint rules" is a build note; "ignore all rules" or "all previous" is not.
+    add("override", triggers, source, lambda m: strong.search(m.group(0)) is not None
+        or all_noun.search(m.group(0)) is not None, lead=True, also=_trigger_words(en_nouns))
     add("override", "ignore disregard forget drop",
         r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard"
         r"|forget)\s+(?:(?:everything|all|anything|whatever)\s+(?:(?:that\s+)?(?:was\s+)?(?:above"
@@ -4937,11 +4935,9 @@ def _instruction_rule_hits(text, skip=(), scan=None):
         if kind in skip:
             continue
         spans = (scan.spans(forms) if len(text) > 512 else None) or [(0, len(text))]
-        seen = set()
-        for start, end in spans:
+        for start, end in spans:   # merged spans: no match is found twice
             for m in regex.finditer(text, start, end):
-                if m.start() not in seen and (check is None or check(m)):
-                    seen.add(m.start())
+                if check is None or check(m):
                     yield kind, m.start()
 
 
@@ -4986,19 +4982,16 @@ def _hidden_markup(text, low, offset_in_code):
     comments = re.finditer(r"<!--(.*?)(?:-->|\Z)", text, re.DOTALL) if b"<!--" in low else ()
     hits = [m.start() for m in comments
             if any(True for _ in _instruction_rule_hits(m.group(1)[:20_000], ("hidden-text",)))]
-    if not any(w in low for w in (b"hidden", b"display", b"font-size", b"opacity", b"width",
-                                  b"height")):
+    if not any(w in low for w in b"hidden display font-size opacity width height".split()):
         return hits
     for m in _HIDDEN_ELEMENT.finditer(text):
         close = re.compile("</" + re.escape(m.group(1)), re.IGNORECASE).search(
             text, m.end(), m.end() + 10_000)
         inner = text[m.end():close.start()] if close else ""
-        if not re.sub(r"<[^>]*>", " ", inner).strip():
-            continue
-        if offset_in_code(m.start()) and not any(
-                True for _ in _instruction_rule_hits(inner, ("hidden-text",))):
-            continue
-        hits.append(m.start())
+        # In code a hidden element is documented markup unless it holds an injection phrase.
+        if re.sub(r"<[^>]*>", " ", inner).strip() and (not offset_in_code(m.start()) or any(
+                True for _ in _instruction_rule_hits(inner, ("hidden-text",)))):
+            hits.append(m.start())
     return hits
 
 
