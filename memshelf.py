@@ -3912,18 +3912,18 @@ def _phrase_rule(verbs, nouns, quals, gap=4, after=2):
 
 def _trigger_words(alternation):
     r"""The trigger words an alternation spells: literals, \s, (?:a|b), [ab], ?; + and * ignored."""
-    def parse(i):
-        # One alternation level: branches of items; an item lists options (strings or levels).
-        branches, seq = [], []
+    def spell(i):
+        # The spellings of one alternation level from i, and the index of its closing ")".
+        forms, partial = [], [""]
         while i < len(alternation) and alternation[i] != ")":
             ch = alternation[i]
             if ch == "|":
-                branches.append(seq)
-                seq, i = [], i + 1
+                forms += partial
+                partial, i = [""], i + 1
                 continue
             if alternation.startswith("(?:", i):
-                inner, i = parse(i + 3)
-                options, i = [inner], i + 1
+                options, i = spell(i + 3)
+                i += 1
             elif ch == "[":
                 end = alternation.index("]", i)
                 options, i = list(alternation[i + 1:end]), end + 1
@@ -3936,23 +3936,11 @@ def _trigger_words(alternation):
                 i += 1
             if i < len(alternation) and alternation[i] == "?":
                 options, i = options + [""], i + 1
-            seq.append(options)
-        branches.append(seq)
-        return branches, i
+            partial = [p + o for p in partial for o in options][:256]
+        return forms + partial, i
 
-    def spell(branches):
-        forms = []
-        for seq in branches:
-            partial = [""]
-            for options in seq:
-                spelled = [s for o in options for s in (spell(o) if isinstance(o, list) else [o])]
-                partial = [p + o for p in partial for o in spelled][:256]
-            forms.extend(partial)
-        return forms
-
-    tree, _ = parse(0)
     # A form stands for its longest word; a form with a \w wildcard is a stem, not a trigger.
-    forms = {max(re.split(r"[\W_]+", form), key=len) for form in spell(tree)
+    forms = {max(re.split(r"[\W_]+", form), key=len) for form in spell(0)[0]
              if form.strip() and "\0" not in form}
     return " ".join(sorted(forms))
 
