@@ -4933,10 +4933,8 @@ def _fake_frontmatter(text, prose):
     """Offsets of role/instruction keys inside a --- block that is not the file's front matter."""
     rules = [(start, end) for start, end in _lines_holding(prose, "---")
              if prose[start:end].strip(" \t\ufeff") == "---"]
-    if len(rules) < 2:
-        return []
     index = 0
-    if rules[0][0] == 0:
+    if rules and rules[0][0] == 0:
         # The file's own front matter: skip to the line after its closing --- (or ...).
         closing = re.search(r"^(?:---|\.\.\.)[ \t]*$", text[rules[0][1]:], re.MULTILINE)
         if closing is None:
