@@ -3681,13 +3681,11 @@ def merge_redaction_reports(reports):
 # Instruction-shaped content
 # ==========================================================================================
 
-# Episodes replay captured text into future contexts, so instruction-shaped text is flagged,
-# never rewritten (contracts.md § 4). Two passes: the raw text, then a normalised copy that
-# undoes common obfuscation; a hit seen only in the second pass is reported as obfuscated.
+# Instruction-shaped text is flagged, never rewritten (contracts.md § 4): the raw text, then a
+# normalised copy that undoes obfuscation (a hit only there is reported as obfuscated).
 
 _HIDDEN_CHAR_CLASS = "\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069\U000e0000-\U000e007f"
 _HIDDEN_CHAR_RE = _LazyPattern("[" + _HIDDEN_CHAR_CLASS + "]")
-_INSTRUCTION_RULES = None  # compiled on first use: the tables below cost a few milliseconds
 
 
 def _harmless_hidden(text, at):
@@ -3699,8 +3697,7 @@ def _harmless_hidden(text, at):
     return at == 0 if ch == "\ufeff" else ch == "\u200b" and "\u200b" not in before[-1:] + after \
         and any("\u2e80" <= c <= "\u9fff" or "\uac00" <= c <= "\ud7af" for c in before[-1:] + after)
 
-# English imperatives must address the reader: line or sentence start, after punctuation,
-# or after "please" / "you must" / "I want you to"; "we decided to ignore X" stays quiet.
+# English imperatives must address the reader: "we decided to ignore X" stays quiet.
 _LEAD_WORDS = _LazyPattern(
     r"\b(?:please|pls|now|just|and|so|then|also|simply|kindly|instead|immediately|first|(?:could"
     r"|can|would|will)\s+you(?:\s+please)?|you\s+(?:must|should|shall|will|need\s+to|have\s+to"
@@ -3725,29 +3722,21 @@ _PERSONA = (
     r"|unlimited|evil|malicious|hackers?|developer\s+mode|god\s+mode|dev\s+mode|gpt|chatgpt"
     r"|claude|gemini|llama|linux\s+terminal|villains?|pirates?|ki|ia|ии|ассистент\w*|помощник\w*"
     r"|модел\w*|бот\w*|asistente|assistente|assistent(?:in)?|assistante|modelo|modèle|modell"
-    r"|人工智能|助手|アシスタント|어시스턴트|مساعد\w*)"
-)
+    r"|人工智能|助手|アシスタント|어시스턴트|مساعد\w*)")
 
-# "Act as an SNMP agent" is networking prose, so "act as" takes only unmistakable personas.
-_PERSONA_STRICT = (
-    r"(?:assistants?|ais?|(?:large\s+)?language\s+models?|llms?|chat-?bots?|personas?|dan"
-    r"|stan|jailbr(?:oken|eak)|unrestricted|unfiltered|uncensored|evil|malicious|hackers?"
-    r"|developer\s+mode|god\s+mode|dev\s+mode|gpt|chatgpt|claude|gemini|linux\s+terminal"
-    r"|villains?|pirates?|ki|ia|ии|ассистент\w*|помощник\w*|asistente|assistente"
-    r"|assistent(?:in)?|assistante|人工智能|助手|アシスタント|어시스턴트|مساعد\w*)"
-)
+# "Act as an SNMP agent" is networking prose: "act as" takes _PERSONA without its loose words.
+_PERSONA_STRICT = "(?:" + "|".join(word for word in _PERSONA[3:-1].split("|") if word not in (
+    "models?", "bots?", "agents?", "dude", "unlimited", "llama", r"модел\w*", r"бот\w*", "modelo",
+    "modèle", "modell")) + ")"
 
 # Words that make a "System:" line read as a command rather than a spec sheet entry.
 _ROLE_CUE = _LazyPattern(
     r"\b(?:you|your|must|always|never|ignore|disregard|forget|do\s+not|don'?t|from\s+now"
     r"|assistant|respond|reply|answer|obey|override|reveal|pretend|act\s+as|instructions?"
     r"|rules?|priority|du|dein\w*|tu|vous|debes|você|deve|ты|вы|должен|должны)\b"
-    r"|你|您|必须|忽略|あなた|必ず|너|당신|반드시|أنت|يجب",
-    re.IGNORECASE,
-)
+    r"|你|您|必须|忽略|あなた|必ず|너|당신|반드시|أنت|يجب", re.IGNORECASE)
 
-# A clause ending in a role one joins ("you are now an Astro developer!", "あなたはもう
-# Astroの開発者です！"): a congratulation, not a new identity.
+# A clause ending in a role one joins ("you are now an Astro developer!") congratulates.
 _ROLE_REACHED = _LazyPattern(
     r"[^.!?\n\u3002\uff01\uff1f]{0,40}?(?:(?<![\w-])(?:developer(?!\s+mode)|user|member|owner|contributor"
     r"|maintainer|admin|entwickler\w*|mitglied|développeu\w*|membre|desarrollador\w*|miembro|membro"
@@ -3772,61 +3761,45 @@ def _phrase_rule(verbs, nouns, quals, gap=4, after=2):
 
 def _trigger_words(alternation):
     r"""The trigger words an alternation spells: literals, \s, (?:a|b), [ab], ?; + and * ignored."""
-    def parse(i):
-        # One alternation level: branches of items; an item lists options (strings or levels).
-        branches, seq = [], []
+    def spell(i):
+        # The spellings of one alternation level from i, and the index of its closing ")".
+        forms, partial = [], [""]
         while i < len(alternation) and alternation[i] != ")":
             ch = alternation[i]
             if ch == "|":
-                branches.append(seq)
-                seq, i = [], i + 1
+                forms += partial
+                partial, i = [""], i + 1
                 continue
             if alternation.startswith("(?:", i):
-                inner, i = parse(i + 3)
-                options, i = [inner], i + 1
+                options, i = spell(i + 3)
+                i += 1
             elif ch == "[":
                 end = alternation.index("]", i)
                 options, i = list(alternation[i + 1:end]), end + 1
             elif ch == "\\":
-                escaped = alternation[i + 1]
-                options = [" " if escaped == "s" else "\0" if escaped in "wWdD" else escaped]
-                i += 2
+                esc = alternation[i + 1]
+                options, i = [" " if esc == "s" else "\0" if esc in "wWdD" else esc], i + 2
             else:
                 options, i = [ch], i + 1
             if i < len(alternation) and alternation[i] in "+*":
                 i += 1
             if i < len(alternation) and alternation[i] == "?":
                 options, i = options + [""], i + 1
-            seq.append(options)
-        branches.append(seq)
-        return branches, i
+            partial = [p + o for p in partial for o in options][:256]
+        return forms + partial, i
 
-    def spell(branches):
-        forms = []
-        for seq in branches:
-            partial = [""]
-            for options in seq:
-                spelled = [s for o in options for s in (spell(o) if isinstance(o, list) else [o])]
-                partial = [p + o for p in partial for o in spelled][:256]
-            forms.extend(partial)
-        return forms
-
-    tree, _ = parse(0)
-    # A form stands for its longest word, split the way the token pass splits text.
-    # Forms with a \w wildcard are stems, not words: they cannot serve as triggers.
-    forms = {max(re.split(r"[\W_]+", form), key=len) for form in spell(tree)
+    # A form stands for its longest word; a form with a \w wildcard is a stem, not a trigger.
+    forms = {max(re.split(r"[\W_]+", form), key=len) for form in spell(0)[0]
              if form.strip() and "\0" not in form}
     return " ".join(sorted(forms))
 
 
 def _instruction_rule_table():
-    """(kind, triggers, pattern, check, flags, also) rows. A trigger word must be a whole token
-    of the text (CJK, Hangul, Arabic or punctuation: a substring); "a+b" needs both."""
+    """(kind, triggers, pattern, check, flags, also) rows; trigger "a+b" needs both words."""
     rows = []
 
     def add(kind, triggers, source, check=None, flags=re.IGNORECASE, lead=False, also=""):
-        # also: words of which one must occur too (the nouns a phrase needs), so a common
-        # verb alone does not send the text through the rule.
+        # also: words of which one must occur too, so a common verb alone runs no rule.
         if lead:
             check = _addresses_reader if check is None else (
                 lambda m, _inner=check: _addresses_reader(m) and _inner(m))
@@ -3850,11 +3823,9 @@ def _instruction_rule_table():
     all_noun = _LazyPattern(r"\b(?:all|any|every)\s+(?:(?:of\s+)?the\s+)?(?:" + en_nouns + r")\b",
                           re.IGNORECASE)
 
-    def check(m):
-        # "ignore all lint rules" is a build note; "ignore all rules" or "all previous" is not.
-        return strong.search(m.group(0)) is not None or all_noun.search(m.group(0)) is not None
-
-    add("override", triggers, source, check, lead=True, also=_trigger_words(en_nouns))
+    # "ignore all lint rules" is a build note; "ignore all rules" or "all previous" is not.
+    add("override", triggers, source, lambda m: strong.search(m.group(0)) is not None
+        or all_noun.search(m.group(0)) is not None, lead=True, also=_trigger_words(en_nouns))
     add("override", "ignore disregard forget drop",
         r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard"
         r"|forget)\s+(?:(?:everything|all|anything|whatever)\s+(?:(?:that\s+)?(?:was\s+)?(?:above"
@@ -4082,10 +4053,8 @@ def _instruction_rule_table():
 
     def role_heading(m):
         # "## System" over a design section is prose; over "You must ..." it is a turn.
-        if ":" in m.group(0):
-            return True
-        following = m.string[m.end():m.end() + 400].lstrip()
-        return _ROLE_CUE.search(following.split("\n", 1)[0]) is not None
+        following = m.string[m.end():m.end() + 400].lstrip().split("\n", 1)[0]
+        return ":" in m.group(0) or _ROLE_CUE.search(following) is not None
 
     add("role-hijack", "system developer",
         r"^[ \t]*#{1,6}[ \t]*(?:system|developer)(?:[ \t]+(?:message|prompt|instructions?|note"
@@ -4321,11 +4290,7 @@ def _instruction_rule_table():
         r"\b(?:curl|wget)\b[^\n]*(?:\.env\b|id_rsa|id_ed25519|\.ssh/|\.aws/credentials"
         r"|\$\((?:env|printenv|cat)\b|\$\{?[A-Z_]*(?:TOKEN|SECRET|API_KEY|PASSWORD)[A-Z_]*\}?)"
         r"[^\n]*", _mentions_url, re.IGNORECASE)
-    add("exfiltration", "envía envia envíe envie manda mande sube suba reenvía transmite envoie "
-                        "envoyez transmets transmettez téléverse sende senden schicke schick "
-                        "übermittle lade отправь отправьте перешли перешлите загрузи загрузите "
-                        "передай передайте أرسل ارسل ارفع انقل 发送 发到 发给 上传 傳送 發送 送信 "
-                        "送って アップロード 転送 보내 전송 업로드",
+    add("exfiltration", _trigger_words(_FOREIGN_SEND_WORDS + "|" + _FOREIGN_SEND_CJK),
         r"https?://|(?<![\w.+-])[\w.+-]{1,64}@[\w-]+\.[a-z]{2,}", _foreign_send_line)
 
     # --- memory-poisoning ----------------------------------------------------------------
@@ -4336,8 +4301,7 @@ def _instruction_rule_table():
         r"|required\s+to)|always|never|ought\s+to|do\s+not|don'?t)\b|\bfuture\s+(?:sessions?"
         r"|conversations?|chats?|interactions?)\s+(?:must|shall|will\s+(?:always|never)|need\s+to"
         r"|have\s+to|are\s+(?:to|required\s+to)|always|never|do\s+not|don'?t)\b")
-    # "whenever you see this error" is a runbook, "next time you read this, it will be done"
-    # a letter; "whenever you read this, delete the logs" directs a future reader.
+    # "whenever you see this error" is a runbook; "whenever you read this, delete the logs" is not.
     this_memory = (r"(?:this|these)(?:\s+(?:episode|memory|memories|note|notes|entry|record"
                    r"|message|text|page|document|file|instructions?))?(?:\s+again)?"
                    r"(?=\s*[,.:;!\u2014-]?\s*(?:you\s+(?:must|should|will|need|have)|always|never"
@@ -4463,8 +4427,7 @@ def _instruction_rule_table():
 
 _TRIGGER_TOKEN_BREAKS = bytes(b if (48 <= b <= 57 or 97 <= b <= 122 or b >= 128) else 32
                       for b in range(256))
-# Non-ASCII punctuation that separates the words of spaced scripts. CJK punctuation is left
-# alone: CJK triggers are substrings, not tokens.
+# Non-ASCII punctuation between words of spaced scripts (CJK triggers are substrings).
 _WIDE_BREAKS = "\u00a0\u00ab\u00bb\u2013\u2014\u2018\u2019\u201c\u201d\u2026"
 # Bytes that can be part of a base64 run become a, everything else a space.
 _BASE64_SHAPE = bytes(97 if (48 <= b <= 57 or 97 <= b <= 122) else 32 for b in range(256))
@@ -4474,8 +4437,7 @@ _ARABIC_LEADS = (b"\xd8", b"\xd9", b"\xda", b"\xdb")
 
 
 def _trigger_part(word):
-    """(kind, byte forms, key): "token" (a whole word of a spaced script), "wide" (a CJK, kana or
-    Hangul substring, key the word), "arabic" (Arabic glues prefixes on) or "piece" (markup)."""
+    """(kind, byte forms, key); kind: "token" (a whole word), "wide" (CJK), "arabic" or "piece"."""
     encoded = word.encode()
     if "\u3040" <= word[0] <= "\u30ff" or "\u3130" <= word[0] <= "\u318f" \
             or "\u3400" <= word[0] <= "\u9fff" or "\uac00" <= word[0] <= "\ud7af":
@@ -4488,32 +4450,30 @@ def _trigger_part(word):
     return ("piece", (word.lower().encode(),), None)
 
 
+@functools.lru_cache(maxsize=None)   # built on first use: the tables cost a few milliseconds
 def _instruction_rules():
     """(token index, wide-piece index by first character, other pieces, rules, Arabic pieces)."""
-    global _INSTRUCTION_RULES
-    if _INSTRUCTION_RULES is None:
-        rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
-        for number, (kind, triggers, source, check, flags, also) in enumerate(
-                _instruction_rule_table()):
-            entries = [tuple(_trigger_part(w) for w in entry.split("+")) for entry in also.split()]
-            one_word = [e for e in entries if len(e) == 1 and e[0][0] == "token"]
-            # (the forms of the one-word entries, for one set lookup; the other entries)
-            gate = (frozenset(f for e in one_word for f in e[0][1]),
-                    tuple(e for e in entries if e not in one_word)) if entries else None
-            # Compiled when a text first needs the rule: most texts fire a handful of rules.
-            rules.append((kind, _LazyPattern(source, flags | re.MULTILINE), check, gate))
-            for entry in triggers.split():
-                parts = [_trigger_part(w) for w in entry.split("+")]
-                first, rest = parts[0], tuple(parts[1:])
-                if first[0] == "token":
-                    for form in first[1]:
-                        tokens.setdefault(form, []).append((number, rest, form))
-                elif first[0] == "wide":
-                    wide.setdefault(first[2][0], []).append((first, number, rest))
-                else:
-                    (arabic if first[0] == "arabic" else pieces).append((first, number, rest))
-        _INSTRUCTION_RULES = (tokens, wide, pieces, rules, arabic)
-    return _INSTRUCTION_RULES
+    rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
+    for number, (kind, triggers, source, check, flags, also) in enumerate(
+            _instruction_rule_table()):
+        entries = [tuple(_trigger_part(w) for w in entry.split("+")) for entry in also.split()]
+        one_word = [e for e in entries if len(e) == 1 and e[0][0] == "token"]
+        # (the forms of the one-word entries, for one set lookup; the other entries)
+        gate = (frozenset(f for e in one_word for f in e[0][1]),
+                tuple(e for e in entries if e not in one_word)) if entries else None
+        # Compiled when a text first needs the rule: most texts fire a handful of rules.
+        rules.append((kind, _LazyPattern(source, flags | re.MULTILINE), check, gate))
+        for entry in triggers.split():
+            parts = [_trigger_part(w) for w in entry.split("+")]
+            first, rest = parts[0], tuple(parts[1:])
+            if first[0] == "token":
+                for form in first[1]:
+                    tokens.setdefault(form, []).append((number, rest, form))
+            elif first[0] == "wide":
+                wide.setdefault(first[2][0], []).append((first, number, rest))
+            else:
+                (arabic if first[0] == "arabic" else pieces).append((first, number, rest))
+    return tokens, wide, pieces, rules, arabic
 
 
 class _TriggerScan:
@@ -4525,12 +4485,8 @@ class _TriggerScan:
         self.ascii = len(self.low) == len(text)
         words, self.wide, self.arabic = self.low, set(), False
         if not self.ascii:
-            # Finding one character in the str is C speed; regexes over the UTF-8 are not.
-            spaced = text
-            for ch in _WIDE_BREAKS:
-                spaced = spaced.replace(ch, " ")
-            if spaced is not text:   # str.replace hands back the text itself when none occurs
-                words = spaced.encode("utf-8", "surrogatepass").lower()
+            for ch in _WIDE_BREAKS:   # bytes.replace is C speed; a regex over the UTF-8 is not
+                words = words.replace(ch.encode(), b" ")
             self.wide = {key for key in _instruction_rules()[1] if key in text}
             self.arabic = any(lead in self.low for lead in _ARABIC_LEADS)
         self.tokens = set(words.translate(_TRIGGER_TOKEN_BREAKS).split())
@@ -4570,12 +4526,10 @@ class _TriggerScan:
             all(self.has(part) for part in entry) for entry in gate[1])
 
     def spans(self, forms):
-        """Offset ranges of the text around each occurrence of the forms; None when lower-casing
-        moves offsets (then the caller reads everything)."""
+        """Offset ranges around each occurrence of the forms; None if lower-casing moves offsets."""
         if self.lowered is None:
             # ASCII text: byte offsets are character offsets, so the bytes serve directly.
-            self.lowered = self.low if self.ascii else self.text.lower()
-            self.form_spans = {}
+            self.lowered, self.form_spans = self.low if self.ascii else self.text.lower(), {}
         text, lowered = self.text, self.lowered
         if len(lowered) != len(text):
             return None
@@ -4587,8 +4541,7 @@ class _TriggerScan:
                 word = form if self.ascii else form.decode("utf-8", "surrogatepass").lower()
                 position = lowered.find(word)
                 while position >= 0:
-                    # The line and the next (a phrase may wrap), but no further than a rule
-                    # reaches around its trigger, so long paragraphs stay cheap.
+                    # This line and the next (a phrase may wrap), capped at a rule's reach.
                     start = max(text.rfind("\n", 0, position) + 1, position - 240)
                     after = text.find("\n", position)
                     after = -1 if after < 0 else text.find("\n", after + 1)
@@ -4615,11 +4568,9 @@ _URL_PLACEHOLDER = _LazyPattern(
     r"|REPLACE)[A-Z_]*|=(?:[A-Z_]*_)?(?:DATA|SECRETS?|TOKEN|API_?KEY|KEY|PASSWORD|CONVERSATION|CHAT"
     r"|HISTORY|SUMMARY|MEMORY|CONTEXT|PROMPT|INPUT|MESSAGES?|INFO|PAYLOAD|CONTENT|ENV|CREDENTIALS"
     r"|EMAIL)(?:_[A-Z_]*)?(?:&|$)")
-_PAYLOAD_KEYS = frozenset((
-    "data", "payload", "secret", "secrets", "conversation", "convo", "chat", "history",
-    "prompt", "msg", "message", "messages", "memory", "memories", "leak", "exfil", "content",
-    "summary", "creds", "credentials", "password", "pass", "pwd",
-))
+_PAYLOAD_KEYS = frozenset("""data payload secret secrets conversation convo chat history prompt msg
+message messages memory memories leak exfil content summary creds credentials password pass pwd
+""".split())
 _LOOPBACK_HOSTS = frozenset(("localhost", "127.0.0.1", "[::1]", "0.0.0.0"))
 
 
@@ -4636,24 +4587,19 @@ def _base64_payload_text(value):
                                    validate=True).decode("utf-8")
     except (binascii.Error, ValueError):
         return None
-    if len(decoded) < 8:
-        return None
     readable = sum(1 for ch in decoded if ch.isprintable() or ch in "\n\t\r")
     letters = sum(1 for ch in decoded if ch.isalpha())
-    if readable >= 0.95 * len(decoded) and letters >= 0.5 * len(decoded.replace(" ", "")):
-        return decoded
-    return None
+    return decoded if len(decoded) >= 8 and readable >= 0.95 * len(decoded) \
+        and letters >= 0.5 * len(decoded.replace(" ", "")) else None
 
 
 def _link_carries_payload(match):
     url = match.group("url") or match.group("src")
     is_image = bool(match.group("src")) or bool(match.group("img"))
     parts = _LINK_URL_PARTS.match(url)
-    if not parts:
+    if not parts or parts.group(1).lower().split(":")[0] in _LOOPBACK_HOSTS:
         return False
-    host, path, query = parts.group(1).lower(), parts.group(2), parts.group(3) or ""
-    if host.split(":")[0] in _LOOPBACK_HOSTS:
-        return False
+    path, query = parts.group(2), parts.group(3) or ""
     if _URL_PLACEHOLDER.search(path) or _URL_PLACEHOLDER.search(query):
         return True
     if any(len(segment) >= 24 and re.fullmatch(r"[A-Za-z0-9+_=-]+", segment)
@@ -4665,11 +4611,9 @@ def _link_carries_payload(match):
                 and _base64_payload_text(value.replace("%3D", "=").replace("%2F", "/")):
             return True
         # A shown image sends its query: words (letter runs joined by + or %20) or a payload key.
-        if not is_image:
-            continue
         words = re.split(r"\+|%20|%2[0Bb]", value)
-        if sum(1 for w in words if re.search(r"[A-Za-z]{2,}", w)) >= 3 or (
-                key.lower() in _PAYLOAD_KEYS and len(value) >= 8):
+        if is_image and (key.lower() in _PAYLOAD_KEYS and len(value) >= 8
+                         or sum(1 for w in words if re.search(r"[A-Za-z]{2,}", w)) >= 3):
             return True
     return False
 
@@ -4679,12 +4623,13 @@ def _mentions_url(match):
                      match.group(0)) is not None
 
 
+_FOREIGN_SEND_WORDS = (
+    r"envía|envia|envíe|envie|manda|mande|sube|suba|reenvía|transmite|envoie|envoyez|transmets"
+    r"|transmettez|téléverse|sende|senden\s+sie|schicke|schick|übermittle|lade|отправь(?:те)?"
+    r"|перешли(?:те)?|загрузи(?:те)?|передай(?:те)?|أرسل|ارسل|ارفع|انقل")
+_FOREIGN_SEND_CJK = r"发送|发到|发给|上传|傳送|發送|送信|送って|アップロード|転送|보내|전송|업로드"
 _FOREIGN_SEND_VERB = _LazyPattern(
-    r"\b(?:envía|envia|envíe|envie|manda|mande|sube|suba|reenvía|transmite|envoie"
-    r"|envoyez|transmets|transmettez|téléverse|sende|senden\s+sie|schicke|schick"
-    r"|übermittle|lade|отправь(?:те)?|перешли(?:те)?|загрузи(?:те)?|передай(?:те)?|أرسل"
-    r"|ارسل|ارفع|انقل)\b|发送|发到|发给|上传|傳送|發送|送信|送って|アップロード|転送"
-    r"|보내|전송|업로드", re.IGNORECASE)
+    r"\b(?:" + _FOREIGN_SEND_WORDS + r")\b|" + _FOREIGN_SEND_CJK, re.IGNORECASE)
 _FOREIGN_SEND_NOUN = _LazyPattern(
     r"\b(?:claves?|contraseñas?|secretos?|conversación|historial|chaves?|senhas?"
     r"|segredos?|conversa|clés?|cles?|jetons?|mots?\s+de\s+passe|conversation"
@@ -4703,8 +4648,7 @@ def _foreign_send_line(match):
     line = text[text.rfind("\n", 0, offset) + 1:len(text) if end < 0 else end]
     if _FOREIGN_SEND_VERB.search(line) is None or _FOREIGN_SEND_NOUN.search(line) is None:
         return False
-    # In CJK prose a link beside "send" and "key" is mostly documentation: the address must
-    # be where the data goes (发送到 URL, URL に送信, URL로 보내).
+    # In CJK prose the address must be where the data goes (发送到 URL, URL に送信, URL로 보내).
     return not re.search(r"[\u3040-\u9fff\uac00-\ud7af]", line) or text[max(0, offset - 2):offset] \
         .strip()[-1:] in ("到", "至", "给", "給") or re.match(
         r"\s*(?:に|へ|まで|로|으로|에게|에|까지)", text[_URL_END.match(text, offset).end():]) is not None
@@ -4749,40 +4693,32 @@ def _markdown_code_regions(text):
                 fence = None
         if fence is not None:
             regions.append((fence[2], len(text)))  # an unclosed fence runs to the end
-    # Code spans (CommonMark): a backtick run closed by the next run of the same length in
-    # the same paragraph; an unclosed run is literal text.
-    import bisect
-    fenced = regions[:]
-    starts = [r[0] for r in fenced]
-
-    def in_fence(offset):
-        k = bisect.bisect_right(starts, offset) - 1
-        return k >= 0 and offset < fenced[k][1]
-
-    runs = []
+    # Code spans: a backtick run closed by the next run of its length in the same paragraph.
+    runs, fences = [], collections.deque(regions)
     position = text.find("`")
     while position >= 0:
+        while fences and fences[0][1] <= position:
+            fences.popleft()
+        if fences and fences[0][0] <= position:
+            position = text.find("`", fences[0][1])   # backticks in a fence are its text
+            continue
         end = position + 1
         while end < len(text) and text[end] == "`":
             end += 1
-        if not in_fence(position):
-            runs.append((position, end))
+        runs.append((position, end))
         position = text.find("`", end)
-    by_length = {}
-    for index, (start, end) in enumerate(runs):
-        by_length.setdefault(end - start, []).append(index)
+    following, last = [None] * len(runs), {}
+    for index in range(len(runs) - 1, -1, -1):
+        length = runs[index][1] - runs[index][0]
+        following[index], last[length] = last.get(length), index
     index = 0
     while index < len(runs):
-        start, end = runs[index]
-        same = by_length[end - start]
-        k = bisect.bisect_right(same, index)
-        if k < len(same):
-            closer = runs[same[k]]
-            if not _PARAGRAPH_BREAK.search(text, end, closer[0]):
-                regions.append((start, closer[1]))
-                index = same[k] + 1
-                continue
-        index += 1
+        (start, end), closer = runs[index], following[index]
+        if closer is not None and not _PARAGRAPH_BREAK.search(text, end, runs[closer][0]):
+            regions.append((start, runs[closer][1]))
+            index = closer + 1
+        else:
+            index += 1
     regions.sort()
     return regions
 
@@ -4805,15 +4741,12 @@ def _text_outside_code(text):
 def _escape_hidden(text):
     """Text with hidden and control characters spelled as \\uXXXX (excerpts, messages)."""
     out = []
-    for ch in text:
+    for ch in text.replace("\t", " "):
         code = ord(ch)
-        if ch == "\t":
-            out.append(" ")
-        elif code < 0x20 or code == 0x7f or (code > 0x7f and (
+        if code < 0x20 or code == 0x7f or (code > 0x7f and (
                 _HIDDEN_CHAR_RE.match(ch) or unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"))):
-            out.append("\\u%04X" % code if code <= 0xFFFF else "\\U%08X" % code)
-        else:
-            out.append(ch)
+            ch = "\\u%04X" % code if code <= 0xFFFF else "\\U%08X" % code
+        out.append(ch)
     return "".join(out)
 
 
@@ -4822,35 +4755,26 @@ def _finding_excerpt(line, column):
     stripped = line.lstrip()
     column = max(0, column - (len(line) - len(stripped)))
     stripped = stripped.rstrip()
-    long = len(stripped) > 80 or len(_escape_hidden(stripped)) > 80
-    start = max(0, column - 20) if long else 0
-    pieces, size = [], 0
-    for ch in stripped[start:start + 80]:
-        piece = _escape_hidden(ch)
-        if size + len(piece) > 80:
-            break  # never cut an escape like \u200B in half
-        pieces.append(piece)
-        size += len(piece)
-    return "".join(pieces).strip()
+    start = max(0, column - 20) if len(_escape_hidden(stripped)) > 80 else 0
+    import itertools
+    pieces = [_escape_hidden(ch) for ch in stripped[start:start + 80]]
+    # Whole pieces up to 80 characters: never cut an escape like \u200B in half.
+    ends = itertools.accumulate(len(piece) for piece in pieces)
+    return "".join(piece for piece, end in zip(pieces, ends) if end <= 80).strip()
 
 
 def _instruction_rule_hits(text, skip=(), scan=None):
-    """Yield (kind, offset) for every rule match in text.
-
-    A rule runs only when a trigger word occurs, and on longer texts only around it."""
+    """Yield (kind, offset) for every rule match; a rule runs only around its trigger words."""
     scan = scan or _TriggerScan(text)
     rules = _instruction_rules()[3]
-    whole = [(0, len(text))]
     for number, forms in sorted(scan.fired().items()):
         kind, regex, check, _ = rules[number]
         if kind in skip:
             continue
-        spans = (scan.spans(forms) if len(text) > 512 else None) or whole
-        seen = set()
-        for start, end in spans:
+        spans = (scan.spans(forms) if len(text) > 512 else None) or [(0, len(text))]
+        for start, end in spans:   # merged spans: no match is found twice
             for m in regex.finditer(text, start, end):
-                if m.start() not in seen and (check is None or check(m)):
-                    seen.add(m.start())
+                if check is None or check(m):
                     yield kind, m.start()
 
 
@@ -4858,17 +4782,14 @@ def _fake_frontmatter(text, prose):
     """Offsets of role/instruction keys inside a --- block that is not the file's front matter."""
     rules = [(start, end) for start, end in _lines_holding(prose, "---")
              if prose[start:end].strip(" \t\ufeff") == "---"]
-    if len(rules) < 2:
-        return []
     index = 0
-    if rules[0][0] == 0:
+    if rules and rules[0][0] == 0:
         # The file's own front matter: skip to the line after its closing --- (or ...).
         closing = re.search(r"^(?:---|\.\.\.)[ \t]*$", text[rules[0][1]:], re.MULTILINE)
         if closing is None:
             return []
         after = rules[0][1] + closing.end()
-        while index < len(rules) and rules[index][0] < after:
-            index += 1
+        index = sum(1 for start, _ in rules if start < after)
     hits = []
     while index < len(rules) - 1:
         opening, closing = rules[index], rules[index + 1]
@@ -4892,25 +4813,20 @@ _HIDDEN_ELEMENT = _LazyPattern(
 
 
 def _hidden_markup(text, low, offset_in_code):
-    """Offsets of HTML comments with injection phrases and of hidden elements that hold text
-    (in code, only with injection phrases: there it is documented markup); low: lower UTF-8."""
-    hits = []
-    for m in re.finditer(r"<!--(.*?)(?:-->|\Z)", text, re.DOTALL) if b"<!--" in low else ():
-        if any(True for _ in _instruction_rule_hits(m.group(1)[:20_000], ("hidden-text",))):
-            hits.append(m.start())
-    if not any(w in low for w in (b"hidden", b"display", b"font-size", b"opacity", b"width",
-                                  b"height")):
+    """Offsets of HTML comments with injection phrases and of hidden elements holding text."""
+    comments = re.finditer(r"<!--(.*?)(?:-->|\Z)", text, re.DOTALL) if b"<!--" in low else ()
+    hits = [m.start() for m in comments
+            if any(True for _ in _instruction_rule_hits(m.group(1)[:20_000], ("hidden-text",)))]
+    if not any(w in low for w in b"hidden display font-size opacity width height".split()):
         return hits
     for m in _HIDDEN_ELEMENT.finditer(text):
         close = re.compile("</" + re.escape(m.group(1)), re.IGNORECASE).search(
             text, m.end(), m.end() + 10_000)
         inner = text[m.end():close.start()] if close else ""
-        if not re.sub(r"<[^>]*>", " ", inner).strip():
-            continue
-        if offset_in_code(m.start()) and not any(
-                True for _ in _instruction_rule_hits(inner, ("hidden-text",))):
-            continue
-        hits.append(m.start())
+        # In code a hidden element is documented markup unless it holds an injection phrase.
+        if re.sub(r"<[^>]*>", " ", inner).strip() and (not offset_in_code(m.start()) or any(
+                True for _ in _instruction_rule_hits(inner, ("hidden-text",)))):
+            hits.append(m.start())
     return hits
 
 
@@ -4952,8 +4868,7 @@ def _segment_words(run):
     n = len(low)
     if n < 8 or n > 300:
         return run
-    # best[i] = (cost, pieces) for low[:i]; a piece is (start, end, known). An unknown letter
-    # costs 3, so a stray word does not block the rest.
+    # best[i] = (cost, pieces (start, end, known)) for low[:i]; an unknown letter costs 3.
     best = [(0, ())] + [None] * n
     for i in range(n):
         cost, pieces = best[i]
@@ -4963,18 +4878,13 @@ def _segment_words(run):
         for j, new_cost, known in steps:
             if best[j] is None or new_cost < best[j][0]:
                 best[j] = (new_cost, pieces + ((i, j, known),))
-    words, known_chars = [], 0
-    for start, end, known in best[n][1]:
-        if known:
-            words.append(run[start:end])
-            known_chars += end - start
-        elif words and words[-1][-1:] == "\0":
-            words[-1] = words[-1][:-1] + run[start:end] + "\0"
-        else:
-            words.append(run[start:end] + "\0")
-    if known_chars < 0.7 * n or len(words) < 2:
-        return run
-    return " ".join(w.rstrip("\0") for w in words)
+    import itertools
+    pieces, words = best[n][1], []
+    for known, group in itertools.groupby(pieces, key=operator.itemgetter(2)):
+        spans = [run[start:end] for start, end, _ in group]
+        words += spans if known else ["".join(spans)]   # unknown letters glue into one word
+    known_chars = sum(end - start for start, end, known in pieces if known)
+    return run if known_chars < 0.7 * n or len(words) < 2 else " ".join(words)
 
 
 def _fold_token(m):
@@ -5013,18 +4923,15 @@ def _deobfuscated_line(line, depth=0):
         s = _SPACED_PAIR.sub(_rejoin, s)
     if _LEET_NEAR_LETTER.search(s):
         s = _LEET_TOKEN.sub(_leet_token, s)
-    if depth == 0 and len(line) >= 40 and _BASE64_RUN.search(line):
+    if depth == 0 and len(line) >= 40:
         decoded = [_base64_payload_text(m.group(0)) for m in _BASE64_RUN.finditer(line)]
-        extra = [_deobfuscated_line(re.sub(r"\s*\n\s*", ". ", t), depth=1) for t in decoded if t]
-        if extra:
-            s = s + " . " + " . ".join(extra)
+        s = " . ".join([s] + [_deobfuscated_line(re.sub(r"\s*\n\s*", ". ", t), depth=1)
+                              for t in decoded if t])
     return s
 
 
-# Where the second, normalised look is worth it, searched in the lower-cased UTF-8 bytes:
-# hidden, invisible or compatibility characters (fullwidth, ligatures, circled, math
-# letters, super/subscripts), Latin run together with Cyrillic or Greek, letters spelled out
-# with single spaces or dots, leetspeak, and (checked apart) long base64 runs.
+# Where the normalised look is worth it (in the lower-cased UTF-8): hidden, invisible or
+# compatibility characters, mixed scripts, spaced-out letters, leetspeak, base64 runs.
 _NEEDS_NORMALISING_WIDE = _LazyPattern(
     b"\xe2\x80[\x8b-\x8f\xaa-\xae]|\xe2\x81[\xa0-\xa4\xa6-\xa9\xb0-\xbf]|\xe2\x82[\x80-\x9f]"
     b"|\xe2[\x91-\x93]|\xef\xbb\xbf|\xef\xac[\x80-\x86]|\xf0\x9d|\xf3\xa0|\xe1[\xb4\xb5]"
@@ -5033,13 +4940,10 @@ _MIXED_SCRIPT_BYTES = _LazyPattern(b"[\xce-\xd3](?:(?<=[a-z][\xce-\xd3])|[\x80-\
 _BASE64_BYTES = _LazyPattern(b"[a-z0-9+/_-]{40,}")
 _SINGLE_LETTERS = frozenset(bytes([b]) for b in range(97, 123))
 _SPACED_BYTES = _LazyPattern(b"[ .][a-z0-9@$][ .][a-z0-9@$](?![a-z0-9@$])")
-# Leetspeak: digits standing between letters ("y0u", "pr3v10u5"); "03z" or "fts5" do not count.
-# The letter before is part of the match (the mark is one past its start): far fewer matches
-# than runs of digits alone, which log lines are full of.
+# Leetspeak ("y0u", not "fts5"); the letter before is matched too: log lines are full of digits.
 _LEET_BYTES = _LazyPattern(b"[a-z][013457@$]+(?=[a-z])")
-# One letter per byte for cheap tests of the normaliser's byte regexes: a (a-z), 1 (leet
-# characters), c (Cyrillic or Greek lead byte), x (UTF-8 continuation byte), else a space.
-# A _LEET_BYTES match leaves a1a, or a11 and 11a; a _MIXED_SCRIPT_BYTES one ac or cxa.
+# Bytes as a (a-z), 1 (leet), c (Cyrillic/Greek lead), x (continuation), else a space: a cheap
+# test before the byte regexes (leet leaves a1a, or a11 and 11a; mixed script ac or cxa).
 _NORMALISING_SHAPE = bytes(97 if 97 <= b <= 122 else 49 if b in b"013457@$" else
                            99 if 0xce <= b <= 0xd3 else 120 if 0x80 <= b <= 0xbf else 32
                            for b in range(256))
@@ -5050,20 +4954,16 @@ _HIDDEN_BYTES = _LazyPattern(
 
 
 def _holds_hidden(text):
-    """Whether _HIDDEN_CHAR_RE matches in text. Its byte form is looked for in the text's
-    UTF-8 without the ASCII: a match lies in one character, and the regex is fast over few."""
-    if text.isascii():
-        return False
-    return bool(_HIDDEN_BYTES.search(text.encode("utf-8", "surrogatepass")
-                                     .translate(None, _ASCII_BYTES)))
+    """Whether _HIDDEN_CHAR_RE matches, searched in the UTF-8 bytes with the ASCII dropped."""
+    return not text.isascii() and bool(_HIDDEN_BYTES.search(
+        text.encode("utf-8", "surrogatepass").translate(None, _ASCII_BYTES)))
 
 
 # --- public API ----------------------------------------------------------------------------
 
 
 def scan_instructions(text):
-    """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4), by
-    line then kind, one per kind and section; code is exempt except for hidden-text."""
+    """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4)."""
     if not text:
         return []
     import bisect
@@ -5078,32 +4978,30 @@ def scan_instructions(text):
             starts.extend([0] + [m.end() for m in _EOL.finditer(text)] + [len(text) + 1])
         return bisect.bisect_right(starts, offset) - 1
 
-    def add(kind, offset, obfuscated, line=None):
+    def add(kind, offset, line=None):
+        # An obfuscated hit comes with its line: its offset lies in the normalised copy.
         index = line_of(offset) if line is None else line
         if (index, kind) not in found:
             column = 0 if line is not None else offset - starts[index]
             excerpt = _finding_excerpt(text[starts[index]:starts[index + 1] - 1], column)
             found[(index, kind)] = {"kind": kind, "line": index + 1, "excerpt": excerpt,
-                                    "obfuscated": obfuscated}
+                                    "obfuscated": line is not None}
 
     for kind, offset in _instruction_rule_hits(prose, ("hidden-text",), scan):
-        add(kind, offset, False)
-    if "---" in prose:
-        for offset in _fake_frontmatter(text, prose):
-            add("context-escape", offset, False)
+        add(kind, offset)
+    for offset in _fake_frontmatter(text, prose):
+        add("context-escape", offset)
 
     # hidden-text reads everything, code included.
-    if _holds_hidden(text):
-        for m in _HIDDEN_CHAR_RE.finditer(text):
-            if not _harmless_hidden(text, m.start()):
-                add("hidden-text", m.start(), False)
+    for m in _HIDDEN_CHAR_RE.finditer(text) if _holds_hidden(text) else ():
+        if not _harmless_hidden(text, m.start()):
+            add("hidden-text", m.start())
     if "<" in text:
         raw = scan.low if prose is text else text.encode("utf-8", "surrogatepass").lower()
         for offset in _hidden_markup(text, raw, lambda at: prose[at] != text[at]):
-            add("hidden-text", offset, False)
+            add("hidden-text", offset)
 
-    # The second pass reads only the lines the normaliser may change. The regexes are slow
-    # over the whole text, so cheaper tests of the same shapes go first.
+    # The second pass reads only the lines the normaliser may change, found cheapest first.
     low = scan.low
     shape = low.translate(_NORMALISING_SHAPE)
     marks = [m.start() + 1 for m in _LEET_BYTES.finditer(low)] \
@@ -5120,8 +5018,7 @@ def scan_instructions(text):
     if b"a" * 20 in low.translate(_BASE64_SHAPE):
         marks.extend(m.start() for m in _BASE64_BYTES.finditer(low))
     if marks:
-        lines = set()
-        previous, line = 0, 0
+        lines, previous, line = set(), 0, 0
         for mark in sorted(marks):
             line += low.count(b"\n", previous, mark)
             previous = mark
@@ -5130,19 +5027,14 @@ def scan_instructions(text):
         normal = {}
         for index in sorted(lines):
             original = prose[starts[index]:starts[index + 1] - 1]
-            changed = _deobfuscated_line(original)
-            if changed != original:
+            if (changed := _deobfuscated_line(original)) != original:
                 normal[index] = changed
-        if normal:
-            # A "." line between the changed lines keeps a phrase from spanning two of them.
-            order = sorted(normal)
-            normal_text = "\n.\n".join(normal[index] for index in order)
-            normal_starts = [0] + [m.end() for m in _EOL.finditer(normal_text)]
-            for kind, offset in _instruction_rule_hits(normal_text, ("hidden-text",)):
-                joined = bisect.bisect_right(normal_starts, offset) - 1
-                add(kind, 0, True, line=order[joined // 2])
-    # A long jailbreak is one finding per kind, not fifty: in a section (between H1/H2 headings
-    # outside code) only a kind's first line is reported; hidden-text keeps each line.
+        # A "." line between the changed lines keeps a phrase from spanning two of them.
+        order, normal_text = list(normal), "\n.\n".join(normal.values())
+        normal_starts = [0] + [m.end() for m in _EOL.finditer(normal_text)]
+        for kind, offset in _instruction_rule_hits(normal_text, ("hidden-text",)):
+            add(kind, 0, line=order[(bisect.bisect_right(normal_starts, offset) - 1) // 2])
+    # One finding per kind and H1/H2 section (a long jailbreak is not fifty); hidden-text: per line.
     heads = [line_of(m.start()) for m in re.finditer(r"(?m)^#{1,2}[ \t]", prose)] if found else []
     out, seen = [], set()
     for index, kind in sorted(found):
@@ -5159,8 +5051,7 @@ def is_instruction_shaped(text):
 
 
 def _hidden_characters(text):
-    """Zero-width, bidi-control and tag characters: [{line, codepoint: "U+XXXX"}], one per
-    distinct character and line, for doctor's hidden-characters."""
+    """Hidden characters for doctor's hidden-characters: [{line, codepoint: "U+XXXX"}]."""
     found, line, position = {}, 1, 0
     for m in _HIDDEN_CHAR_RE.finditer(text) if _holds_hidden(text) else ():
         if not _harmless_hidden(text, m.start()):
