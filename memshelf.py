@@ -2738,14 +2738,16 @@ class _Taken:
 
     def free(self, start, end):
         i = bisect.bisect_right(self.starts, start)
-        if i and self.ends[i - 1] > start:
-            return False
-        return not (i < len(self.starts) and self.starts[i] < end)
+        return not (i and self.ends[i - 1] > start or i < len(self.starts) and self.starts[i] < end)
 
-    def add(self, start, end):
+    def claim(self, start, end):
+        """Add the interval if it is free; say whether it was."""
+        if not self.free(start, end):
+            return False
         i = bisect.bisect_right(self.starts, start)
         self.starts.insert(i, start)
         self.ends.insert(i, end)
+        return True
 
 
 # --- what is not a secret (§ 3.4) ---------------------------------------------------------
@@ -2959,8 +2961,13 @@ def _pem_unterminated(text, start, prefix):
 # --- tier 3: URL and connection credentials -----------------------------------------------
 
 def _kept(matches, kind, reject, group=0):
-    """The (start, end, kind) of `group` in each match whose text `reject` lets through."""
-    return [(m.start(group), m.end(group), kind) for m in matches if not reject(m.group(group))]
+    """(start, end, kind) of `group` less its quotes in each match that `reject` lets through."""
+    out = []
+    for m in matches:
+        vs, ve = _strip_quotes(m.string, m.start(group), m.end(group))
+        if ve > vs and not reject(m.string[vs:ve]):
+            out.append((vs, ve, kind))
+    return out
 
 
 def _url_spans(sc):
@@ -3058,10 +3065,8 @@ def _header_spans(sc):
     if "cli-password" not in dis:
         out.extend(_cli_spans(sc))
     if "_authtoken" in words and "npm-token" not in dis:
-        for m in _matches_at(sc, ("_authtoken",), shapes.npm_auth, left=""):
-            vs, ve = _strip_quotes(text, m.start(1), m.end(1))
-            if ve > vs and not _is_placeholder(text[vs:ve]):
-                out.append((vs, ve, "npm-token"))
+        out += _kept(_matches_at(sc, ("_authtoken",), shapes.npm_auth, left=""), "npm-token",
+                     _is_placeholder, 1)
     if "auth" in words and '"auth"' in text and "docker-token" not in dis:
         out += _kept(shapes.docker_auth.finditer(text), "docker-token", _not_a_login, 1)
     if "secret" in words and "Secret" in text and "k8s-secret" not in dis:
@@ -3176,10 +3181,7 @@ def _cli_spans(sc):
     text, shapes, out, words = sc.text, _shapes(), [], sc.words
     for gate, rx in zip(("mysql", "sshpass", "redis-cli", "login"), shapes.cli):
         if gate in words:
-            for m in rx.finditer(text):
-                vs, ve = _strip_quotes(text, m.start(1), m.end(1))
-                if ve > vs and not _is_header_placeholder(text[vs:ve]):
-                    out.append((vs, ve, "cli-password"))
+            out += _kept(rx.finditer(text), "cli-password", _is_header_placeholder, 1)
     if "--" in text and any(w in words for w in ("pass", "token", "api", "secret", "key")):
         for m in _finditer_from("--", shapes.cli_flag, text):
             if m.start() and (text[m.start() - 1].isalnum() or text[m.start() - 1] in "_-"):
@@ -3261,8 +3263,7 @@ def _key_info(key):
         hit = max((i for i, seg in enumerate(segs) if seg in _WEAK_KEYS), default=-1)
         if segs[hit:hit + 2] == ["access", "id"]:
             hit += 1   # Sumo Logic, Alibaba: the access id is half of the credential
-    if hit < 0 or any(seg in _KEY_META for seg in segs[hit + 1:]) or \
-            key.lower() in _SHELL_PWD_KEYS:
+    if hit < 0 or any(seg in _KEY_META for seg in segs[hit + 1:]) or key.lower() in _SHELL_PWD_KEYS:
         return None
     password = any(seg in ("pass", "pin") or seg.endswith(("password", "passwd", "pwd",
                                                             "passphrase")) for seg in segs)
@@ -3453,8 +3454,7 @@ def _read_value(text, vs, in_query):
         last = value[-1]
         if last in openers and value.count(last) > value.count(openers[last]):
             value = value[:-1]
-        elif last in ".:" and (vs + len(value) >= len(text) or
-                               not text[vs + len(value)].isalnum()):
+        elif last in ".:" and (vs + len(value) >= len(text) or not text[vs + len(value)].isalnum()):
             value = value[:-1]
         else:
             break
@@ -3565,8 +3565,7 @@ def _legacy_spans(text, disable):
             vs, ve = m.start(group), m.end(group)
             if kind == "env-secret":
                 ve = _legacy_value_end(text, vs, ve)
-            if ve > vs and taken.free(vs, ve):
-                taken.add(vs, ve)
+            if ve > vs and taken.claim(vs, ve):
                 out.append((vs, ve, kind))
     out.sort()
     return out
@@ -3619,8 +3618,7 @@ def _select(sc, rules):
         for start, end, kind in sorted(tier_spans(), key=lambda s: (s[0], s[0] - s[1])):
             # A run cut short by a mask was longer before that mask was written; leaving it
             # alone keeps a second pass from finding what the first one did not.
-            if end > start and taken.free(start, end) and not text.startswith(_MASK_PREFIX, end):
-                taken.add(start, end)
+            if end > start and not text.startswith(_MASK_PREFIX, end) and taken.claim(start, end):
                 accepted.append((start, end, kind))
     accepted.sort()
     return accepted
@@ -3692,8 +3690,7 @@ def _tainted(text, spans, values):
     taken = _Taken(spans)
     if _MASK_PREFIX in text:
         for m in _MASK_RE.finditer(text):
-            if taken.free(m.start(), m.end()):
-                taken.add(m.start(), m.end())
+            taken.claim(m.start(), m.end())
     extra = []
     for value in sorted(values, key=len, reverse=True):
         at = text.find(value)
@@ -3702,8 +3699,7 @@ def _tainted(text, spans, values):
             left, right = text[at - 1:at] if at else "", text[end:end + 1]
             glued = (value[0].isalnum() and (left.isalnum() or left == "_")) or \
                 (value[-1].isalnum() and (right.isalnum() or right == "_"))
-            if not glued and taken.free(at, end):
-                taken.add(at, end)
+            if not glued and taken.claim(at, end):
                 extra.append((at, end, values[value]))
             at = text.find(value, at + 1)
     return sorted(spans + extra) if extra else spans
@@ -3797,8 +3793,7 @@ def find_secrets(text, rules=None, *, disable=(), legacy_compat=False, memory=No
             for start, end, kind in spans]
 
 
-def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False, memory=None,
-                 learned=None):
+def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False, memory=None, learned=None):
     """Redact an episode's [(part, text or None)] together, a value found in one masked in all:
     ([text or None], merged report). `learned` (a list) receives the pairs for _taint_memory."""
     found = [None if t is None else _detect(t, rules, disable) for _p, t in parts]
