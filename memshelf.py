@@ -2512,7 +2512,7 @@ _PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11}
 _HEX_COLOR_RE = _re_lazy(r"#(?:[0-9a-fA-F]{3,4}|[0-9a-fA-F]{6}|[0-9a-fA-F]{8})\Z")
 _REFERENCE_WORD_RE = _re_lazy(r"[A-Za-z_]*_[A-Za-z_]*\Z")
 _REFERENCE_HINTS = ("key", "token", "secret", "pass", "pwd", "cred", "auth")
-_KEYCH = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+_KEYCH = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-"
 
 # Key words of the assignment rule (§ 3.3); found first, the key is then grown around them.
 _KEY_GATES = ("pass", "pwd", "secret", "token", "credential", "key", "api", "access", "auth",
@@ -3280,25 +3280,20 @@ def _assignment_spans(sc, taken):
     words = sc.words   # the key words are a-z only: a cheaper look than the text
     if not any(g in words for g in _KEY_GATES):
         return out
-    n, resume, hits = len(text), 0, []
+    resume, hits = 0, []
     for word, rx in shapes.keywords:
         if word in words:
             hits.extend(_finditer_from(word, rx, low))
     hits.sort(key=lambda h: h.start())
     for m in hits:
-        if m.start() < resume:
+        at = m.start()
+        if at < resume:
             continue
-        ks, ke = m.start(), m.start() + 1
-        floor = max(0, ks - 128)
-        while ks > floor and text[ks - 1] in _KEYCH:
-            ks -= 1
-        ceiling = min(n, ke + 128)
-        while ke < ceiling and text[ke] in _KEYCH:
-            ke += 1
-        while ks < ke and text[ks] in ".-":
-            ks += 1
-        while ke > ks and text[ke - 1] in ".-":
-            ke -= 1
+        head, tail = text[max(0, at - 128):at], text[at + 1:at + 129]   # the key grows 128 at most
+        ks = at - len(head) + len(head.rstrip(_KEYCH))
+        ke = at + 1 + len(tail) - len(tail.lstrip(_KEYCH))
+        key = text[ks:ke]   # never all dots and dashes: it holds the key word
+        ks, ke = ks + len(key) - len(key.lstrip(".-")), ks + len(key.rstrip(".-"))
         resume = ke
         info = _key_info(text[ks:ke])
         if info is None:
