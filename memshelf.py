@@ -2482,8 +2482,7 @@ _LETTER_BYTES = bytes(b if (97 <= b <= 122 or b in (45, 95)) else 32 for b in ra
 
 
 def _token_gate(anchor, offsets):
-    """The ASCII word (bytes) that opens every match of an anchor like `ghp_` or `dp.pt.` in
-    the long runs (its leading letters and digits), or None to look for the whole anchor."""
+    """The leading letters and digits (bytes) of an anchor that opens a word, else None."""
     head = re.match(r"[A-Za-z0-9]*", anchor).group(0)
     if offsets != (0,) or not head or head == anchor or anchor in _SHORT_TOKEN_ANCHORS:
         return None
@@ -2580,8 +2579,7 @@ _AZURE_STORAGE_RE = _re_lazy(r"(?i)(?:AccountKey|SharedAccessKey)[ \t]*=[ \t]*"
 _URL_USERINFO_RE = _re_lazy(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512})@"
                             r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
 _URL_SLASHED_RE = _re_lazy(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512}"
-                           r"(?:/[^\s/@\"'<>`]{0,512}){1,8})@"
-                           r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
+                           r"(?:/[^\s/@\"'<>`]{0,512}){1,8})@([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
 _CONN_PASSWORD_RE = _re_lazy(r"p(?:assword|wd)[ \t]*=[ \t]*")
 _CONN_MARKER_RE = _re_lazy(r"(?:^|[;?&\s\"'])(?:server|data source|host|hostaddr|hostname|"
                            r"database|dbname|initial catalog|uid|user id|user|username|"
@@ -2674,8 +2672,7 @@ class _Scan:
 
     @functools.cached_property
     def words(self):
-        """The distinct runs of a-z, _ and - in the lower-cased text, joined by spaces: a needle
-        of those characters is in the lower-cased text exactly when it is in this short string."""
+        """The distinct runs of a-z, _ and - in the lower-cased text: a cheap look for a needle."""
         pieces = self.lower.encode("utf-8", "surrogatepass").translate(_LETTER_BYTES).split()
         return b" ".join(set(pieces)).decode("ascii")
 
@@ -2772,8 +2769,7 @@ def _is_placeholder(value):
 
 
 def _is_repeated_body(value, anchor):
-    """A token body of one repeated character (ghp_xxxx…) or a sequential run (xoxp-1234567890)
-    is a placeholder; camelCase words (hf_requiredCharacteristicTypes…) are an identifier."""
+    """A body of one repeated character, a sequential run or camelCase words is no token."""
     body = value[len(anchor):] if value.startswith(anchor) else value
     longest = max(re.split(r"[-_.$]", body), key=len) if body else ""
     return len(set(longest)) <= 1 or longest.lower() in _RUNS or \
@@ -2828,8 +2824,7 @@ _BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
 def _checksum_ok(value):
-    """True/False for a format with a check, else None: GitHub's gh?_ / github_pat_ and npm_
-    tokens end in the base62 CRC32 of the rest of the body; a PyPI token is base64url."""
+    """True/False for a format with a check (GitHub, npm: base62 CRC32; PyPI: base64), else None."""
     import base64
     import zlib
     if value.startswith("pypi-"):
@@ -3079,8 +3074,7 @@ def _finditer_from(word, rx, text):
 
 
 def _matches_at(sc, words, rx, left="_"):
-    """Matches of `rx` (which starts with one of `words`) found by plain substring search on
-    the lower-cased text; a match glued to a word character (or `left`) on its left is skipped."""
+    """Matches of `rx` at each of `words` in sc.lower, unless glued to a word char or `left`."""
     text = sc.text
     starts = sorted({at for word in words for at in sc.positions(word)})
     last_end = 0
@@ -3384,8 +3378,7 @@ def _assignment_form_spans(sc):
     if "<add" in low:   # .NET / NuGet config: <add key="ApiKey" value="…" />
         found.extend((m.group(1), m.start(2), m.end(2)) for m in _XML_ADD_RE.finditer(text))
     if "configure" in words and "aws configure" in low:
-        found.extend((m.group(1), m.start(2), m.end(2))
-                     for m in _AWS_CONFIGURE_RE.finditer(text))
+        found.extend((m.group(1), m.start(2), m.end(2)) for m in _AWS_CONFIGURE_RE.finditer(text))
     for key, vs, ve in found:
         info = _key_info(key)
         value = text[vs:ve]
@@ -3464,8 +3457,7 @@ def _balanced_end(text, start):
 
 
 def _high_entropy(value):
-    """A random-looking token: 14+ token characters with letters and digits, not word-shaped,
-    3.0+ bits of Shannon entropy a character (measured: docs/redaction.md)."""
+    """A random-looking token: tokenish, not word-shaped, 3.0+ bits a char (docs/redaction.md)."""
     n = len(value)
     if not _TOKENISH_RE.match(value) or \
             -sum(c / n * math.log2(c / n) for c in map(value.count, set(value))) < 3.0:
@@ -3656,8 +3648,7 @@ def _detect(text, rules, disable):
 
 
 def _taint_values(text, spans, into):
-    """The detected values worth masking wherever they recur: 8+ characters, and not a lone
-    short word (a password `postgres` must not mask every mention of the database)."""
+    """Detected values worth masking wherever they recur: 8+ characters, not a lone short word."""
     for start, end, kind in spans:
         value = text[start:end]
         if len(value) >= 8 and (len(value) >= 12 or not value.isalpha()) and \
@@ -3667,8 +3658,7 @@ def _taint_values(text, spans, into):
 
 
 def _tainted(text, spans, values):
-    """spans plus every other occurrence of a detected value (the taint pass), except where a
-    word-shaped end of the value is glued to a word character."""
+    """spans plus every other occurrence of a detected value not glued to a word (taint pass)."""
     if not values:
         return spans
     taken = _Taken(spans)
