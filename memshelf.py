@@ -2997,10 +2997,7 @@ def _url_spans(sc):
             if m.start() and (low[m.start() - 1].isalnum() or low[m.start() - 1] in "_.-"):
                 continue
             ls, le = sc.line_bounds(m.start())
-            j = m.start() - 1
-            while j >= ls and text[j] in " \t":
-                j -= 1
-            before = text[j] if j >= ls else ""
+            before = text[ls:m.start()].rstrip(" \t")[-1:]
             if ("conn", ls, before) not in memo:
                 memo["conn", ls, before] = _connection_context(low[ls:le], before)
             v = memo["conn", ls, before] and _CONN_VALUE_RE.match(text, m.end())
@@ -3581,11 +3578,8 @@ def _select(sc, rules):
     text = sc.text
     taken = _Taken([m.span() for m in _MASK_RE.finditer(text)] if _MASK_PREFIX in text else ())
     keys = _private_key_spans(sc)
-    tokens = _token_spans(sc)
-    if keys:
-        # A token-shaped run inside a key body is base64 noise; the whole body is the secret.
-        in_keys = _Taken(keys)
-        tokens = [t for t in tokens if in_keys.free(t[0], t[0] + 1)]
+    in_keys = _Taken(keys)   # a token-shaped run inside a key body is noise; the body is the secret
+    tokens = [t for t in _token_spans(sc) if in_keys.free(t[0], t[0] + 1)]
     accepted = []
     tiers = (lambda: tokens, lambda: keys, lambda: _url_spans(sc), lambda: _header_spans(sc),
              lambda: _assignment_spans(sc, taken) + _assignment_form_spans(sc),
