@@ -2916,12 +2916,9 @@ def _next_break(text, pos, limit):
     """(start, end) of the next real or escaped (`\\n`) line break before limit, or None."""
     newline = text.find("\n", pos, limit)
     stop = newline if newline >= 0 else limit
-    slash = text.find("\\", pos, stop)
-    while slash >= 0:
-        m = _ESCAPED_BREAK_RE.match(text, slash, stop)
-        if m:
-            return m.start(), m.end()
-        slash = text.find("\\", slash + 1, stop)
+    m = _ESCAPED_BREAK_RE.search(text, pos, stop)
+    if m:
+        return m.span()
     return (newline, newline + 1) if newline >= 0 else None
 
 
@@ -2930,8 +2927,6 @@ def _pem_unterminated(text, start, prefix):
     body_start = _skip_breaks(text, start, len(text), prefix)
     pos, last, seen_data = body_start, body_start, False
     for _ in range(5000):
-        if pos >= len(text):
-            break
         brk = _next_break(text, pos, pos + 8192)   # key lines are short
         unit = text[pos:brk[0] if brk else pos + 8192]
         piece = unit.strip(" \t\r>#*;\"',")
@@ -3126,14 +3121,9 @@ def _api_key_header_spans(sc):
             continue
         key_quoted = s > 0 and text[s - 1] in "\"'" and text.startswith(text[s - 1], m.end())
         v = _HEADER_REST_RE.match(text, m.end() + key_quoted)
-        if not v:
-            continue
-        vs, ve = v.start(1), v.end(1)
-        quoted = text[vs] in "\"'"
-        if key_quoted and not quoted:
+        if not v or key_quoted and text[v.start(1)] not in "\"'":
             continue   # {"X-API-Key": api_key} is code; JSON would quote a literal
-        if quoted:
-            vs, ve = vs + 1, ve - 1
+        vs, ve = _strip_quotes(text, v.start(1), v.end(1))
         value = text[vs:ve]
         if len(value) >= 8 and _looks_like_token(value) and not _is_header_placeholder(value):
             out.append((vs, ve, "api-key-header"))
