@@ -3186,7 +3186,7 @@ def _k8s_spans(sc):
         for dm in _K8S_DATA_RE.finditer(text, doc_start, doc_end):
             indent = len(dm.group(1).expandtabs())
             pos = dm.end() + 1
-            block = None   # (indent, start, end) of a block scalar being collected
+            block = None   # (indent, has a span in out) of a block scalar being collected
             while pos < doc_end:
                 line_end = text.find("\n", pos, doc_end)
                 line_end = doc_end if line_end < 0 else line_end
@@ -3194,25 +3194,22 @@ def _k8s_spans(sc):
                 lead = len(line) - len(line.lstrip(" \t"))
                 if not line.strip():
                     continue
-                if block is not None and lead > block[0]:
-                    block = (block[0], at + lead if block[1] is None else block[1],
-                             at + len(line.rstrip()))
+                if block is not None and lead > block[0]:   # the block's span grows line by line
+                    start = out.pop()[0] if block[1] else at + lead
+                    out.append((start, at + len(line.rstrip()), "k8s-secret"))
+                    block = (block[0], True)
                     continue
-                if block is not None and block[1] is not None:
-                    out.append((block[1], block[2], "k8s-secret"))
                 block = None
                 if lead <= indent:
                     break
                 em = _K8S_ENTRY_RE.match(text, at, line_end)
                 raw = em.group(3).rstrip() if em else ""
                 if raw in ("|", ">", "|-", ">-", "|+", ">+"):
-                    block = (lead, None, None)
+                    block = (lead, False)
                 elif raw:
                     vs, ve = _strip_quotes(text, em.start(3), em.start(3) + len(raw))
                     if ve > vs and not _is_placeholder(text[vs:ve]):
                         out.append((vs, ve, "k8s-secret"))
-            if block is not None and block[1] is not None:
-                out.append((block[1], block[2], "k8s-secret"))
     return out
 
 
