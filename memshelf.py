@@ -2276,10 +2276,8 @@ def _remember(root, name, key, value):
 import bisect
 
 # One rule set for shelve, amend, rollup, import, doctor, scan and the pre-commit guard
-# (contracts.md § 3). Detection collects spans over the original text tier by tier
-# (prefixed tokens, private-key blocks, URL credentials, headers and CLI flags,
-# assignments, POLICY.patterns rules); a later tier never overlaps an earlier one or an
-# existing mask, and all spans are replaced in one pass.
+# (contracts.md § 3): spans are collected over the original text tier by tier (below), a later
+# tier never overlapping an earlier one or an existing mask, and all are replaced in one pass.
 
 REDACTION_KINDS = tuple("""
     aws-access-key aws-secret-key gcp-api-key gcp-oauth-secret azure-client-secret
@@ -2343,9 +2341,8 @@ def _mask(kind):
 
 # --- built-in shapes ----------------------------------------------------------------------
 
-# Prefixed tokens: (kind, anchors, offset or offsets, regex). The regex is tried at each anchor
-# occurrence minus each offset (0 = the anchor is the token's literal prefix), so a text
-# that holds none of the anchors costs a handful of substring searches.
+# Prefixed tokens: (kind, anchors, offset(s), regex); the regex is tried at each anchor minus each
+# offset (0: the anchor opens the token), so a text without anchors costs a few substring searches.
 _TOKEN_TABLE = (
     ("aws-access-key", "AKIA ASIA ABIA ACCA A3T", 0,
      r"(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9_])"),
@@ -2471,8 +2468,7 @@ _TOKEN_TABLE = (
 _TOKEN_LEFT = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _AZURE_LEFT = _TOKEN_LEFT | frozenset("~.")
 _TELEGRAM_LEFT = frozenset("0123456789")   # api.telegram.org/bot<token>/ glues it to "bot"
-# Every byte that is not an ASCII letter or digit becomes a space: what is left are the words
-# a prefixed token can open.
+# Every byte but an ASCII letter or digit becomes a space: the words a prefixed token can open.
 _ALNUM_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 122) else 32
                      for b in range(256))
 # Anchors whose rule can match fewer than 16 characters: such a match may sit in a short run.
@@ -2621,8 +2617,6 @@ _K8S_KIND_RE = _re_lazy(r"(?m)^[ \t]*kind:[ \t]*[\"']?Secret[\"']?[ \t]*$")
 _K8S_DOC_EDGE_RE = _re_lazy(r"(?m)^(?:---|\.\.\.|[ \t>]*(?:```|~~~))")
 _K8S_DATA_RE = _re_lazy(r"(?m)^([ \t]*)(?:data|stringData):[ \t]*$")
 _K8S_ENTRY_RE = _re_lazy(r"([ \t]+)([\w.-]+)[ \t]*:[ \t]*(.*)")
-# One literal-led pattern per key word, run on the lower-cased text: the key word,
-# the rest of the key and a separator (prose that merely mentions a token fails fast).
 # The loose tail of rule (a), for scanners' shapes (`var xToken string = "…"`, `::=`,
 # `setProperty("X_TOKEN", "…")`, `xToken, err := "…"`): a quoted high-entropy value only.
 _LOOSE_TAIL = (r"(?:[ \t]+[A-Za-z_]\w{0,19}|[ \t]*,[ \t]*[A-Za-z_]\w{0,19}|\[\])?[ \t]*"
@@ -2641,6 +2635,7 @@ _K8S_ENV_RE = _re_lazy(r"(?m)^([ \t]*)-?[ \t]*name:[ \t]*[\"']?([A-Za-z_][A-Za-z
                        r"[\"']?[ \t]*\r?\n[ \t]*value:[ \t]*(\S[^\n]{0,1023})")
 _AWS_CONFIGURE_RE = _re_lazy(r"(?<![\w-])aws[ \t]+configure[ \t]+set[ \t]+([\w.]{1,128})[ \t]+"
                              r"([^\s'\"]{1,1024})")
+# One literal-led pattern per key word, run on the lower-cased text (prose fails fast).
 _KEYWORD_RES = [(word, _re_lazy(word + rest + _KEY_TAIL)) for word, rest in _KEY_LEADS]
 _SEPARATOR_RE = _re_lazy(r"[ \t]*(:=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))[ \t]*")
 _UNQUOTED_RE = _re_lazy(r"[^\s;,\"'`«]{1,1024}")
@@ -2780,9 +2775,8 @@ def _is_repeated_body(value, anchor):
 
 def _token_spans(sc):
     text, out = sc.text, []
-    # Every prefixed token is a run of at least 16 token characters; looking for anchors in
-    # those runs only keeps the many anchor searches off ordinary prose, and an anchor that
-    # opens a word is looked up in the set of the runs' words instead.
+    # Every prefixed token is a run of 16+ token characters: anchors are looked for in those runs
+    # only (not in prose), and an anchor that opens a word in the set of the runs' words.
     runs = " ".join([w for w in text.split() if len(w) >= 16])
     if not runs:
         return out
@@ -3024,8 +3018,7 @@ def _example_host(host):
 # --- tier 4: headers, CLI flags and config shapes -----------------------------------------
 
 def _header_spans(sc):
-    text, out, dis = sc.text, [], sc.disable
-    words = sc.words   # a cheaper look for the lower-case words of the literals below
+    text, out, dis, words = sc.text, [], sc.disable, sc.words   # words: a cheaper look
     if "bearer" in words and "bearer" not in dis:
         for m in _matches_at(sc, ("bearer",), _BEARER_RE):
             vs, ve = m.start(1), m.start(1) + len(m.group(1).rstrip("."))
