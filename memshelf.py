@@ -3459,8 +3459,7 @@ def _not_a_secret(value, info, key):
 # --- tier 6: POLICY.patterns --------------------------------------------------------------
 
 def _policy_spans(sc, rules):
-    text, out = sc.text, []
-    lines = text.split("\n")
+    text, out, lines = sc.text, [], sc.text.split("\n")
     for whole in (True, False):   # a rule that may span lines is tried on the whole text
         for kind, rx in rules:
             src = rx.pattern if isinstance(rx.pattern, str) else ""
@@ -3636,9 +3635,8 @@ def _tainted(text, spans, values):
     if not values:
         return spans
     taken = _Taken(spans)
-    if _MASK_PREFIX in text:
-        for m in _MASK_RE.finditer(text):
-            taken.claim(m.start(), m.end())
+    for m in _MASK_RE.finditer(text) if _MASK_PREFIX in text else ():
+        taken.claim(m.start(), m.end())
     extra = []
     for value in sorted(values, key=len, reverse=True):
         at = text.find(value)
