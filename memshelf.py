@@ -2335,10 +2335,6 @@ _MASK_RE = _re_lazy(r"«redacted:[A-Za-z0-9][A-Za-z0-9_.:-]*»")
 _POLICY_KIND_RE = _re_lazy(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")
 
 
-def _mask(kind):
-    return _MASK_PREFIX + kind + "»"
-
-
 # --- built-in shapes ----------------------------------------------------------------------
 
 # Prefixed tokens: (kind, anchors, offset(s), regex); the regex is tried at each anchor minus each
@@ -3595,7 +3591,7 @@ def _rewrite(text, spans):
         rs, re_ = _replacement(text, start, end)
         if rs < last or (i + 1 < len(spans) and spans[i + 1][0] < re_):
             rs, re_ = start, end
-        mask = _mask(kind)
+        mask = _MASK_PREFIX + kind + "»"
         pieces += [text[last:rs], mask]
         moves.append((rs, re_, rs + shift, rs + shift + len(mask)))
         shift += len(mask) - (re_ - rs)
