@@ -2125,10 +2125,8 @@ def _remember(root, name, key, value):
 import bisect
 
 # One rule set for shelve, amend, rollup, import, doctor, scan and the pre-commit guard
-# (contracts.md § 3). Detection collects spans over the original text tier by tier
-# (prefixed tokens, private-key blocks, URL credentials, headers and CLI flags,
-# assignments, POLICY.patterns rules); a later tier never overlaps an earlier one or an
-# existing mask, and all spans are replaced in one pass.
+# (contracts.md § 3): spans are collected over the original text tier by tier (below), a later
+# tier never overlapping an earlier one or an existing mask, and all are replaced in one pass.
 
 REDACTION_KINDS = tuple("""
     aws-access-key aws-secret-key gcp-api-key gcp-oauth-secret azure-client-secret
@@ -2186,15 +2184,10 @@ _MASK_RE = _re_lazy(r"«redacted:[A-Za-z0-9][A-Za-z0-9_.:-]*»")
 _POLICY_KIND_RE = _re_lazy(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")
 
 
-def _mask(kind):
-    return _MASK_PREFIX + kind + "»"
-
-
 # --- built-in shapes ----------------------------------------------------------------------
 
-# Prefixed tokens: (kind, anchors, offset or offsets, regex). The regex is tried at each anchor
-# occurrence minus each offset (0 = the anchor is the token's literal prefix), so a text
-# that holds none of the anchors costs a handful of substring searches.
+# Prefixed tokens: (kind, anchors, offset(s), regex); the regex is tried at each anchor minus each
+# offset (0: the anchor opens the token), so a text without anchors costs a few substring searches.
 _TOKEN_TABLE = (
     ("aws-access-key", "AKIA ASIA ABIA ACCA A3T", 0,
      r"(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Za-z0-9_])"),
@@ -2320,8 +2313,7 @@ _TOKEN_TABLE = (
 _TOKEN_LEFT = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _AZURE_LEFT = _TOKEN_LEFT | frozenset("~.")
 _TELEGRAM_LEFT = frozenset("0123456789")   # api.telegram.org/bot<token>/ glues it to "bot"
-# Every byte that is not an ASCII letter or digit becomes a space: what is left are the words
-# a prefixed token can open.
+# Every byte but an ASCII letter or digit becomes a space: the words a prefixed token can open.
 _ALNUM_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 122) else 32
                      for b in range(256))
 # Anchors whose rule can match fewer than 16 characters: such a match may sit in a short run.
@@ -2331,8 +2323,7 @@ _LETTER_BYTES = bytes(b if (97 <= b <= 122 or b in (45, 95)) else 32 for b in ra
 
 
 def _token_gate(anchor, offsets):
-    """The ASCII word (bytes) that opens every match of an anchor like `ghp_` or `dp.pt.` in
-    the long runs (its leading letters and digits), or None to look for the whole anchor."""
+    """The leading letters and digits (bytes) of an anchor that opens a word, else None."""
     head = re.match(r"[A-Za-z0-9]*", anchor).group(0)
     if offsets != (0,) or not head or head == anchor or anchor in _SHORT_TOKEN_ANCHORS:
         return None
@@ -2361,7 +2352,7 @@ _PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11}
 _HEX_COLOR_RE = _re_lazy(r"#(?:[0-9a-fA-F]{3,4}|[0-9a-fA-F]{6}|[0-9a-fA-F]{8})\Z")
 _REFERENCE_WORD_RE = _re_lazy(r"[A-Za-z_]*_[A-Za-z_]*\Z")
 _REFERENCE_HINTS = ("key", "token", "secret", "pass", "pwd", "cred", "auth")
-_KEYCH = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+_KEYCH = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-"
 
 # Key words of the assignment rule (§ 3.3); found first, the key is then grown around them.
 _KEY_GATES = ("pass", "pwd", "secret", "token", "credential", "key", "api", "access", "auth",
@@ -2395,123 +2386,119 @@ _CONFIG_FENCES = frozenset("yaml yml toml ini cfg conf config env dotenv propert
                            "json jsonc json5 hcl tf tfvars k8s kubernetes helm compose "
                            "docker-compose neon".split())
 _TOKENISH_RE = _re_lazy(r"(?=[^\n]*[A-Za-z])(?=[^\n]*[0-9])[A-Za-z0-9+/=_.~-]{14,}\Z")
+_HEADER_SUFFIXES = ("api-key", "auth-token", "access-token", "api-token", "private-token",
+                    "vault-token", "subscription-key")
 
-
-class _Shapes:
-    """Every compiled pattern, built once on first use so importing stays cheap."""
-
-    def __init__(self):
-        c = _re_lazy   # each pattern compiles on its first use; most texts touch few
-        table = [(kind, anchors.split(), offsets if isinstance(offsets, tuple) else (offsets,),
-                  src) for kind, anchors, offsets, src in _TOKEN_TABLE]
-        self.tokens = [(kind, tuple((a, _token_gate(a, offsets)) for a in anchors), offsets,
-                        c(src)) for kind, anchors, offsets, src in table]
-        self.prefixes = tuple(a for _k, anchors, offsets, _s in table if offsets == (0,)
-                              for a in anchors)
-        self.token_run = c(r"[A-Za-z0-9+/_~.-]{20,}={0,2}")
-        self.discord_gate = c(r"\.[A-Za-z0-9_-]{6}\.")
-        self.discord_token = c(r"[MNO][A-Za-z0-9_-]{23,27}\.[A-Za-z0-9_-]{6}\."
-                               r"[A-Za-z0-9_-]{27,40}(?![A-Za-z0-9_-])")
-        self.pem_begin = c(r"-----BEGIN ([A-Z0-9]+(?: [A-Z0-9]+)*) ?-----")
-        self.pem_line = c(r"[A-Za-z0-9+/=]{8,}(?:\.\.\.|…)?\Z")
-        self.pem_header = c(r"[A-Za-z][A-Za-z-]*: \S")
-        self.escaped_break = c(r"(?:\\+r)?\\+n")
-        self.slack_webhook = c(r"https?://hooks\.slack\.com/(?:services|workflows|triggers)/"
-                               r"[A-Za-z0-9_/+-]{8,400}")
-        self.discord_webhook = c(r"https://(?:(?:ptb|canary)\.)?discord(?:app)?\.com/api/"
-                                 r"webhooks/[0-9]{5,25}/([A-Za-z0-9_-]{20,200})")
-        self.azure_sas = c(r"[?&]sig=([A-Za-z0-9%+/=_-]{16,400})")
-        self.azure_storage = c(r"(?i)(?:AccountKey|SharedAccessKey)[ \t]*=[ \t]*"
-                               r"([A-Za-z0-9+/]{38,400}={0,2})(?![A-Za-z0-9+/=])")
-        self.url_userinfo = c(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512})@"
-                              r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
-        self.url_slashed = c(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512}"
-                             r"(?:/[^\s/@\"'<>`]{0,512}){1,8})@"
-                             r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
-        self.conn_password = c(r"p(?:assword|wd)[ \t]*=[ \t]*")
-        self.conn_marker = c(r"(?:^|[;?&\s\"'])(?:server|data source|host|hostaddr|hostname|"
-                             r"database|dbname|initial catalog|uid|user id|user|username|"
-                             r"driver|port|sslmode|address|addr|dsn)\s*=|jdbc:|odbc:")
-        self.ado_marker = c(r"(?:^|[;\s\"'])(?:server|data source|database|initial catalog|uid|"
-                            r"user id|driver|dsn|provider|address|addr|host)\s*=")
-        self.conn_value = c(r"\{[^}\n]{0,1024}\}|\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'"
-                            r"|[^;&\s\"']{1,1024}")
-        self.bearer = c(r"(?i)bearer[ \t]+([A-Za-z0-9._~+/=-]{16,4096})(?![A-Za-z0-9._~+/=-])")
-        self.basic = c(r"(?i)basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})(?![A-Za-z0-9+/=])")
-        self.header_name = c(r"(?i)" + "|".join(_HEADER_SUFFIXES))
-        self.authorization = c(r"(?i)authorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:(basic|token|"
-                               r"api-?key|sso-key|key)[ \t]+)?([A-Za-z0-9._~+/=-]{16,4096})"
-                               r"(?![A-Za-z0-9._~+/=-])")
-        self.header_rest = c(r"[ \t]*:[ \t]*(\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'"
-                             r"|[^\s\"',;]{1,1024})")
-        self.cookie = c(r"(?i)(set-)?cookie[\"']?[ \t]*:[ \t]*[\"']?")
-        self.cookie_pair = c(r"[ \t]*([^=;\s\"',]{1,128})[ \t]*=[ \t]*([^;\s\"',]{0,4096})")
-        self.cookie_name = c(r"(?i)(?:session|sessionid|session_id|sessid|sid|connect\.sid|auth|"
-                             r"auth_token|access_token|refresh_token|id_token|token|jwt|"
-                             r"phpsessid|jsessionid|asp\.net_sessionid|[\w.-]*[._-]session|"
-                             r"__(?:secure|host)-[\w.-]*session[\w.-]*)\Z")
-        value = r"(\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'|[^\s'\"`;|&]{1,1024})"
-        self.cli = [
-            c(r"(?<![\w-])mysql(?:dump|admin|import|show|check|slap|sh)?(?![\w-])"
-              r"[^\n|;&]{0,300}?[ \t]-p(?=[^\s-])" + value),
-            c(r"(?<![\w-])sshpass(?![\w-])[^\n|;&]{0,100}?[ \t]-p[ \t]*" + value),
-            c(r"(?<![\w-])redis-cli(?![\w-])[^\n|;&]{0,300}?[ \t]-a[ \t]+" + value),
-            c(r"(?<![\w-])(?:docker|podman|nerdctl|buildah|skopeo)[ \t]+(?:registry[ \t]+)?"
-              r"login(?![\w-])[^\n|;&]{0,300}?[ \t]-p[ \t]+" + value),
-        ]
-        self.cli_flag = c(r"--((?:[a-z0-9]+-){0,3})(?:password|passwd|pass|token|api-key|apikey|"
-                          r"secret|(key))(?![\w-])(=|[ \t]+)" + value)
-        self.cli_user = c(r"(?<![\w-])(?:curl|wget|http)(?![\w-])[^\n|;&]{0,300}?[ \t]"
-                          r"(?:-u|--user)(?:[ \t]+|=)[\"']?([^\s:\"'<${]{0,128}):([^\s\"']{1,512})")
-        self.npm_auth = c(r"(?i)_authToken[ \t]*=[ \t]*(\S{1,1024})")
-        self.docker_auth = c(r"\"auth\"[ \t]*:[ \t]*\"([A-Za-z0-9+/]{8,4096}={0,2})\"")
-        self.k8s_kind = c(r"(?m)^[ \t]*kind:[ \t]*[\"']?Secret[\"']?[ \t]*$")
-        self.k8s_doc_edge = c(r"(?m)^(?:---|\.\.\.|[ \t>]*(?:```|~~~))")
-        self.k8s_data = c(r"(?m)^([ \t]*)(?:data|stringData):[ \t]*$")
-        self.k8s_entry = c(r"([ \t]+)([\w.-]+)[ \t]*:[ \t]*(.*)")
-        # One literal-led pattern per key word, run on the lower-cased text: the key word,
-        # the rest of the key and a separator (prose that merely mentions a token fails fast).
-        # The loose tail of rule (a), for scanners' shapes (`var xToken string = "…"`, `::=`,
-        # `setProperty("X_TOKEN", "…")`, `xToken, err := "…"`): a quoted high-entropy value only.
-        loose = (r"(?:[ \t]+[A-Za-z_]\w{0,19}|[ \t]*,[ \t]*[A-Za-z_]\w{0,19}|\[\])?[ \t]*"
-                 r"(?:::?:?=|[?.|+]=|\|\|=?|[!=]==?|:=|=|:|,|\(|(?<=[ \t])(?=[\"']))[ \t]*")
-        self.loose_separator = c(loose)
-        key_tail = (r"[a-z0-9_.-]{0,128}(?:\\?[\"']\]?)?(?:[ \t]*"
-                    r"(?::=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))|" + loose + ")")
-        self.php_define = c(r"(?i)(?<![\w$])define\([ \t]*(['\"])([A-Za-z0-9_]{1,128})\1"
-                            r"[ \t]*,[ \t]*(['\"])((?:(?!\3)[^\n\\]|\\.){1,512})\3[ \t]*\)")
-        self.xml_element = c(r"<([A-Za-z][\w.:-]{0,64})>[ \t]*\n?[ \t]*([^<>\s][^<>\n]{0,511}?)"
-                             r"[ \t]*\n?[ \t]*</\1>")
-        self.netrc = c(r"(?<![\w-])machine[ \t]+\S{1,256}(?:[ \t\n]+login[ \t]+\S{1,256})?[ \t\n]+"
-                       r"password[ \t]+(\S{1,512})")
-        self.xml_add = c(r"<add[ \t]+key=\"([^\"\n]{1,128})\"[ \t]+value=\"([^\"\n]{1,1024})\"")
-        self.k8s_env = c(r"(?m)^([ \t]*)-?[ \t]*name:[ \t]*[\"']?([A-Za-z_][A-Za-z0-9_.-]{0,127})"
-                         r"[\"']?[ \t]*\r?\n[ \t]*value:[ \t]*(\S[^\n]{0,1023})")
-        self.aws_configure = c(r"(?<![\w-])aws[ \t]+configure[ \t]+set[ \t]+([\w.]{1,128})[ \t]+"
-                               r"([^\s'\"]{1,1024})")
-        self.keywords = [(word, c(word + rest + key_tail)) for word, rest in _KEY_LEADS]
-        self.separator = c(r"[ \t]*(:=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))[ \t]*")
-        self.unquoted = c(r"[^\s;,\"'`«]{1,1024}")
-        self.quoted = {q: c(q + r"(?:[^" + q + r"\\\n]|\\.){0,1024}" + q) for q in "\"'`"}
-        self.pem_end = c(r"-----END ([A-Z0-9]+(?: [A-Z0-9]+)*) ?-----")
-        self.fence = c(r"(?m)^[ \t>]*(`{3,}|~{3,})[ \t]*([A-Za-z0-9_.+-]*)")
-        self.camel1 = c(r"([a-z0-9])([A-Z])")
-        self.camel2 = c(r"([A-Z]+)([A-Z][a-z])")
-        self.key_split = c(r"[\s_.\-]+")
-        # memshelf-mcp 0.4.0's five at-rest rules, for redaction.legacy_compat (§ 3.7).
-        self.legacy = [
-            ("aws-access-key", c(r"\bAKIA[0-9A-Z]{16}\b"), 0),
-            ("sonar-token", c(r"\bsqu_[0-9a-f]{40}\b"), 0),
-            ("github-token", c(r"\bgh[pousr]_[A-Za-z0-9]{36,255}\b"), 0),
-            ("bearer", c(r"(?i)\bBearer\s+([A-Za-z0-9._\-]{16,})"), 1),
-            ("env-secret", c(r"(?i)\b[A-Za-z0-9_]*(?:TOKEN|SECRET|PASSWORD|PASSWD|PWD|API[_-]?KEY|"
-                             r"ACCESS[_-]?KEY)[A-Za-z0-9_]*\s*=\s*(?!«redacted:)(\S+)"), 1),
-        ]
 
 
 @functools.lru_cache(maxsize=None)
-def _shapes():
-    return _Shapes()
+def _token_rules():
+    """The token table with each anchor's gate and offsets as a tuple; built on first use."""
+    return [(kind, tuple((a, _token_gate(a, offs)) for a in anchors.split()), offs, _re_lazy(src))
+            for kind, anchors, offsets, src in _TOKEN_TABLE
+            for offs in [offsets if isinstance(offsets, tuple) else (offsets,)]]
+
+
+_TOKEN_PREFIXES = tuple(a for _k, anchors, offsets, _s in _TOKEN_TABLE if offsets == 0
+                        for a in anchors.split())
+# Each pattern compiles on its first use (_re_lazy): most texts touch few.
+_TOKEN_RUN_RE = _re_lazy(r"[A-Za-z0-9+/_~.-]{20,}={0,2}")
+_DISCORD_GATE_RE = _re_lazy(r"\.[A-Za-z0-9_-]{6}\.")
+_DISCORD_TOKEN_RE = _re_lazy(r"[MNO][A-Za-z0-9_-]{23,27}\.[A-Za-z0-9_-]{6}\."
+                             r"[A-Za-z0-9_-]{27,40}(?![A-Za-z0-9_-])")
+_PEM_BEGIN_RE = _re_lazy(r"-----BEGIN ([A-Z0-9]+(?: [A-Z0-9]+)*) ?-----")
+_PEM_LINE_RE = _re_lazy(r"[A-Za-z0-9+/=]{8,}(?:\.\.\.|…)?\Z")
+_PEM_HEADER_RE = _re_lazy(r"[A-Za-z][A-Za-z-]*: \S")
+_ESCAPED_BREAK_RE = _re_lazy(r"(?:\\+r)?\\+n")
+_SLACK_WEBHOOK_RE = _re_lazy(r"https?://hooks\.slack\.com/(?:services|workflows|triggers)/"
+                             r"[A-Za-z0-9_/+-]{8,400}")
+_DISCORD_WEBHOOK_RE = _re_lazy(r"https://(?:(?:ptb|canary)\.)?discord(?:app)?\.com/api/"
+                               r"webhooks/[0-9]{5,25}/([A-Za-z0-9_-]{20,200})")
+_AZURE_SAS_RE = _re_lazy(r"[?&]sig=([A-Za-z0-9%+/=_-]{16,400})")
+_AZURE_STORAGE_RE = _re_lazy(r"(?i)(?:AccountKey|SharedAccessKey)[ \t]*=[ \t]*"
+                             r"([A-Za-z0-9+/]{38,400}={0,2})(?![A-Za-z0-9+/=])")
+_URL_USERINFO_RE = _re_lazy(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512})@"
+                            r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
+_URL_SLASHED_RE = _re_lazy(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512}"
+                           r"(?:/[^\s/@\"'<>`]{0,512}){1,8})@([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
+_CONN_PASSWORD_RE = _re_lazy(r"p(?:assword|wd)[ \t]*=[ \t]*")
+_CONN_MARKER_RE = _re_lazy(r"(?:^|[;?&\s\"'])(?:server|data source|host|hostaddr|hostname|"
+                           r"database|dbname|initial catalog|uid|user id|user|username|"
+                           r"driver|port|sslmode|address|addr|dsn)\s*=|jdbc:|odbc:")
+_ADO_MARKER_RE = _re_lazy(r"(?:^|[;\s\"'])(?:server|data source|database|initial catalog|uid|"
+                          r"user id|driver|dsn|provider|address|addr|host)\s*=")
+_CONN_VALUE_RE = _re_lazy(r"\{[^}\n]{0,1024}\}|\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'"
+                          r"|[^;&\s\"']{1,1024}")
+_BEARER_RE = _re_lazy(r"(?i)bearer[ \t]+([A-Za-z0-9._~+/=-]{16,4096})(?![A-Za-z0-9._~+/=-])")
+_BASIC_RE = _re_lazy(r"(?i)basic[ \t]+([A-Za-z0-9+/]{6,4096}={0,2})(?![A-Za-z0-9+/=])")
+_HEADER_NAME_RE = _re_lazy(r"(?i)" + "|".join(_HEADER_SUFFIXES))
+_AUTHORIZATION_RE = _re_lazy(r"(?i)authorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:(basic|token|"
+                             r"api-?key|sso-key|key)[ \t]+)?([A-Za-z0-9._~+/=-]{16,4096})"
+                             r"(?![A-Za-z0-9._~+/=-])")
+_HEADER_REST_RE = _re_lazy(r"[ \t]*:[ \t]*(\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'"
+                           r"|[^\s\"',;]{1,1024})")
+_COOKIE_RE = _re_lazy(r"(?i)(set-)?cookie[\"']?[ \t]*:[ \t]*[\"']?")
+_COOKIE_PAIR_RE = _re_lazy(r"[ \t]*([^=;\s\"',]{1,128})[ \t]*=[ \t]*([^;\s\"',]{0,4096})")
+_COOKIE_NAME_RE = _re_lazy(r"(?i)(?:session|sessionid|session_id|sessid|sid|connect\.sid|auth|"
+                           r"auth_token|access_token|refresh_token|id_token|token|jwt|"
+                           r"phpsessid|jsessionid|asp\.net_sessionid|[\w.-]*[._-]session|"
+                           r"__(?:secure|host)-[\w.-]*session[\w.-]*)\Z")
+_CLI_VALUE = r"(\"[^\"\n]{0,1024}\"|'[^'\n]{0,1024}'|[^\s'\"`;|&]{1,1024})"
+_CLI_RES = [
+    _re_lazy(r"(?<![\w-])mysql(?:dump|admin|import|show|check|slap|sh)?(?![\w-])"
+             r"[^\n|;&]{0,300}?[ \t]-p(?=[^\s-])" + _CLI_VALUE),
+    _re_lazy(r"(?<![\w-])sshpass(?![\w-])[^\n|;&]{0,100}?[ \t]-p[ \t]*" + _CLI_VALUE),
+    _re_lazy(r"(?<![\w-])redis-cli(?![\w-])[^\n|;&]{0,300}?[ \t]-a[ \t]+" + _CLI_VALUE),
+    _re_lazy(r"(?<![\w-])(?:docker|podman|nerdctl|buildah|skopeo)[ \t]+(?:registry[ \t]+)?"
+             r"login(?![\w-])[^\n|;&]{0,300}?[ \t]-p[ \t]+" + _CLI_VALUE),
+]
+_CLI_FLAG_RE = _re_lazy(r"--((?:[a-z0-9]+-){0,3})(?:password|passwd|pass|token|api-key|apikey|"
+                        r"secret|(key))(?![\w-])(=|[ \t]+)" + _CLI_VALUE)
+_CLI_USER_RE = _re_lazy(r"(?<![\w-])(?:curl|wget|http)(?![\w-])[^\n|;&]{0,300}?[ \t]"
+                        r"(?:-u|--user)(?:[ \t]+|=)[\"']?([^\s:\"'<${]{0,128}):([^\s\"']{1,512})")
+_NPM_AUTH_RE = _re_lazy(r"(?i)_authToken[ \t]*=[ \t]*(\S{1,1024})")
+_DOCKER_AUTH_RE = _re_lazy(r"\"auth\"[ \t]*:[ \t]*\"([A-Za-z0-9+/]{8,4096}={0,2})\"")
+_K8S_KIND_RE = _re_lazy(r"(?m)^[ \t]*kind:[ \t]*[\"']?Secret[\"']?[ \t]*$")
+_K8S_DOC_EDGE_RE = _re_lazy(r"(?m)^(?:---|\.\.\.|[ \t>]*(?:```|~~~))")
+_K8S_DATA_RE = _re_lazy(r"(?m)^([ \t]*)(?:data|stringData):[ \t]*$")
+_K8S_ENTRY_RE = _re_lazy(r"([ \t]+)([\w.-]+)[ \t]*:[ \t]*(.*)")
+# The loose tail of rule (a), for scanners' shapes (`var xToken string = "…"`, `::=`,
+# `setProperty("X_TOKEN", "…")`, `xToken, err := "…"`): a quoted high-entropy value only.
+_LOOSE_TAIL = (r"(?:[ \t]+[A-Za-z_]\w{0,19}|[ \t]*,[ \t]*[A-Za-z_]\w{0,19}|\[\])?[ \t]*"
+               r"(?:::?:?=|[?.|+]=|\|\|=?|[!=]==?|:=|=|:|,|\(|(?<=[ \t])(?=[\"']))[ \t]*")
+_LOOSE_SEPARATOR_RE = _re_lazy(_LOOSE_TAIL)
+_KEY_TAIL = (r"[a-z0-9_.-]{0,128}(?:\\?[\"']\]?)?(?:[ \t]*"
+             r"(?::=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))|" + _LOOSE_TAIL + ")")
+_PHP_DEFINE_RE = _re_lazy(r"(?i)(?<![\w$])define\([ \t]*(['\"])([A-Za-z0-9_]{1,128})\1"
+                          r"[ \t]*,[ \t]*(['\"])((?:(?!\3)[^\n\\]|\\.){1,512})\3[ \t]*\)")
+_XML_ELEMENT_RE = _re_lazy(r"<([A-Za-z][\w.:-]{0,64})>[ \t]*\n?[ \t]*([^<>\s][^<>\n]{0,511}?)"
+                           r"[ \t]*\n?[ \t]*</\1>")
+_NETRC_RE = _re_lazy(r"(?<![\w-])machine[ \t]+\S{1,256}(?:[ \t\n]+login[ \t]+\S{1,256})?[ \t\n]+"
+                     r"password[ \t]+(\S{1,512})")
+_XML_ADD_RE = _re_lazy(r"<add[ \t]+key=\"([^\"\n]{1,128})\"[ \t]+value=\"([^\"\n]{1,1024})\"")
+_K8S_ENV_RE = _re_lazy(r"(?m)^([ \t]*)-?[ \t]*name:[ \t]*[\"']?([A-Za-z_][A-Za-z0-9_.-]{0,127})"
+                       r"[\"']?[ \t]*\r?\n[ \t]*value:[ \t]*(\S[^\n]{0,1023})")
+_AWS_CONFIGURE_RE = _re_lazy(r"(?<![\w-])aws[ \t]+configure[ \t]+set[ \t]+([\w.]{1,128})[ \t]+"
+                             r"([^\s'\"]{1,1024})")
+# One literal-led pattern per key word, run on the lower-cased text (prose fails fast).
+_KEYWORD_RES = [(word, _re_lazy(word + rest + _KEY_TAIL)) for word, rest in _KEY_LEADS]
+_SEPARATOR_RE = _re_lazy(r"[ \t]*(:=|=>|=(?![=~>])|:(?![:/]|\\(?![\"'])))[ \t]*")
+_UNQUOTED_RE = _re_lazy(r"[^\s;,\"'`«]{1,1024}")
+_QUOTED_RES = {q: _re_lazy(q + r"(?:[^" + q + r"\\\n]|\\.){0,1024}" + q) for q in "\"'`"}
+_PEM_END_RE = _re_lazy(r"-----END ([A-Z0-9]+(?: [A-Z0-9]+)*) ?-----")
+_FENCE_RE = _re_lazy(r"(?m)^[ \t>]*(`{3,}|~{3,})[ \t]*([A-Za-z0-9_.+-]*)")
+_CAMEL1_RE = _re_lazy(r"([a-z0-9])([A-Z])")
+_CAMEL2_RE = _re_lazy(r"([A-Z]+)([A-Z][a-z])")
+_KEY_SPLIT_RE = _re_lazy(r"[\s_.\-]+")
+# memshelf-mcp 0.4.0's five at-rest rules, for redaction.legacy_compat (§ 3.7).
+_LEGACY_RULES = [
+    ("aws-access-key", _re_lazy(r"\bAKIA[0-9A-Z]{16}\b"), 0),
+    ("sonar-token", _re_lazy(r"\bsqu_[0-9a-f]{40}\b"), 0),
+    ("github-token", _re_lazy(r"\bgh[pousr]_[A-Za-z0-9]{36,255}\b"), 0),
+    ("bearer", _re_lazy(r"(?i)\bBearer\s+([A-Za-z0-9._\-]{16,})"), 1),
+    ("env-secret", _re_lazy(r"(?i)\b[A-Za-z0-9_]*(?:TOKEN|SECRET|PASSWORD|PASSWD|PWD|API[_-]?KEY|"
+                            r"ACCESS[_-]?KEY)[A-Za-z0-9_]*\s*=\s*(?!«redacted:)(\S+)"), 1),
+]
 
 
 # --- the text being scanned ---------------------------------------------------------------
@@ -2525,8 +2512,7 @@ class _Scan:
 
     @functools.cached_property
     def words(self):
-        """The distinct runs of a-z, _ and - in the lower-cased text, joined by spaces: a needle
-        of those characters is in the lower-cased text exactly when it is in this short string."""
+        """The distinct runs of a-z, _ and - in the lower-cased text: a cheap look for a needle."""
         pieces = self.lower.encode("utf-8", "surrogatepass").translate(_LETTER_BYTES).split()
         return b" ".join(set(pieces)).decode("ascii")
 
@@ -2561,7 +2547,7 @@ class _Scan:
     def _fences(self):
         """(starts, [(start, end, info)]) of the fenced blocks; an unclosed one runs to the end."""
         fences, opened = [], None
-        for m in _shapes().fence.finditer(self.text):
+        for m in _FENCE_RE.finditer(self.text):
             marker, info = m.group(1), m.group(2).lower()
             if opened is None:
                 opened = (m.end(), marker, info)
@@ -2587,14 +2573,16 @@ class _Taken:
 
     def free(self, start, end):
         i = bisect.bisect_right(self.starts, start)
-        if i and self.ends[i - 1] > start:
-            return False
-        return not (i < len(self.starts) and self.starts[i] < end)
+        return not (i and self.ends[i - 1] > start or i < len(self.starts) and self.starts[i] < end)
 
-    def add(self, start, end):
+    def claim(self, start, end):
+        """Add the interval if it is free; say whether it was."""
+        if not self.free(start, end):
+            return False
         i = bisect.bisect_right(self.starts, start)
         self.starts.insert(i, start)
         self.ends.insert(i, end)
+        return True
 
 
 # --- what is not a secret (§ 3.4) ---------------------------------------------------------
@@ -2621,8 +2609,7 @@ def _is_placeholder(value):
 
 
 def _is_repeated_body(value, anchor):
-    """A token body of one repeated character (ghp_xxxx…) or a sequential run (xoxp-1234567890)
-    is a placeholder; camelCase words (hf_requiredCharacteristicTypes…) are an identifier."""
+    """A body of one repeated character, a sequential run or camelCase words is no token."""
     body = value[len(anchor):] if value.startswith(anchor) else value
     longest = max(re.split(r"[-_.$]", body), key=len) if body else ""
     return len(set(longest)) <= 1 or longest.lower() in _RUNS or \
@@ -2632,15 +2619,14 @@ def _is_repeated_body(value, anchor):
 # --- tier 1: prefixed tokens --------------------------------------------------------------
 
 def _token_spans(sc):
-    text, out, shapes = sc.text, [], _shapes()
-    # Every prefixed token is a run of at least 16 token characters; looking for anchors in
-    # those runs only keeps the many anchor searches off ordinary prose, and an anchor that
-    # opens a word is looked up in the set of the runs' words instead.
+    text, out = sc.text, []
+    # Every prefixed token is a run of 16+ token characters: anchors are looked for in those runs
+    # only (not in prose), and an anchor that opens a word in the set of the runs' words.
     runs = " ".join([w for w in text.split() if len(w) >= 16])
     if not runs:
         return out
     words = set(runs.encode("utf-8", "surrogatepass").translate(_ALNUM_BYTES).split())
-    for kind, anchors, offsets, rx in shapes.tokens:
+    for kind, anchors, offsets, rx in _token_rules():
         if kind in sc.disable:
             continue
         left = _AZURE_LEFT if kind == "azure-client-secret" else \
@@ -2664,8 +2650,8 @@ def _token_spans(sc):
                             out.append((m.start(), m.end(), kind))
                         break
                 at = text.find(anchor, at + 1)
-    if "discord-token" not in sc.disable and shapes.discord_gate.search(runs):
-        for m in shapes.discord_token.finditer(text):
+    if "discord-token" not in sc.disable and _DISCORD_GATE_RE.search(runs):
+        for m in _DISCORD_TOKEN_RE.finditer(text):
             if m.start() and text[m.start() - 1] in _TOKEN_LEFT:
                 continue
             if not _is_placeholder_token(m.group(0)):
@@ -2677,8 +2663,7 @@ _BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
 def _checksum_ok(value):
-    """True/False for a format with a check, else None: GitHub's gh?_ / github_pat_ and npm_
-    tokens end in the base62 CRC32 of the rest of the body; a PyPI token is base64url."""
+    """True/False for a format with a check (GitHub, npm: base62 CRC32; PyPI: base64), else None."""
     import base64
     import zlib
     if value.startswith("pypi-"):
@@ -2707,9 +2692,9 @@ def _private_key_spans(sc):
     text = sc.text
     if "private-key" in sc.disable or "PRIVATE KEY" not in text:
         return []
-    shapes, out = _shapes(), []
-    begins = list(shapes.pem_begin.finditer(text))
-    ends = [(m.start(), m.group(1)) for m in shapes.pem_end.finditer(text)]
+    out = []
+    begins = list(_PEM_BEGIN_RE.finditer(text))
+    ends = [(m.start(), m.group(1)) for m in _PEM_END_RE.finditer(text)]
     end_starts = [e[0] for e in ends]
     for i, m in enumerate(begins):
         label = m.group(1)
@@ -2730,7 +2715,6 @@ def _private_key_spans(sc):
 
 def _skip_breaks(text, pos, limit, prefix):
     """Skip whitespace, escaped line breaks and the quote prefix after a line break."""
-    rx = _shapes().escaped_break
     while pos < limit:
         ch = text[pos]
         if ch in " \t\r":
@@ -2740,7 +2724,7 @@ def _skip_breaks(text, pos, limit, prefix):
             if prefix and text.startswith(prefix, pos):
                 pos += len(prefix)
         else:
-            m = rx.match(text, pos, limit)
+            m = _ESCAPED_BREAK_RE.match(text, pos, limit)
             if not m:
                 break
             pos = m.end()
@@ -2771,31 +2755,24 @@ def _next_break(text, pos, limit):
     """(start, end) of the next real or escaped (`\\n`) line break before limit, or None."""
     newline = text.find("\n", pos, limit)
     stop = newline if newline >= 0 else limit
-    rx = _shapes().escaped_break
-    slash = text.find("\\", pos, stop)
-    while slash >= 0:
-        m = rx.match(text, slash, stop)
-        if m:
-            return m.start(), m.end()
-        slash = text.find("\\", slash + 1, stop)
+    m = _ESCAPED_BREAK_RE.search(text, pos, stop)
+    if m:
+        return m.span()
     return (newline, newline + 1) if newline >= 0 else None
 
 
 def _pem_unterminated(text, start, prefix):
     """An unterminated block masks through its last base64-looking line."""
-    shapes = _shapes()
     body_start = _skip_breaks(text, start, len(text), prefix)
     pos, last, seen_data = body_start, body_start, False
     for _ in range(5000):
-        if pos >= len(text):
-            break
         brk = _next_break(text, pos, pos + 8192)   # key lines are short
         unit = text[pos:brk[0] if brk else pos + 8192]
         piece = unit.strip(" \t\r>#*;\"',")
         tail = pos + len(unit.rstrip(" \t\r\"',"))
-        if piece and shapes.pem_line.match(piece):
+        if piece and _PEM_LINE_RE.match(piece):
             last, seen_data = tail, True
-        elif piece and not seen_data and shapes.pem_header.match(piece):
+        elif piece and not seen_data and _PEM_HEADER_RE.match(piece):
             last = tail
         elif piece:
             break
@@ -2808,21 +2785,26 @@ def _pem_unterminated(text, start, prefix):
 # --- tier 3: URL and connection credentials -----------------------------------------------
 
 def _kept(matches, kind, reject, group=0):
-    """The (start, end, kind) of `group` in each match whose text `reject` lets through."""
-    return [(m.start(group), m.end(group), kind) for m in matches if not reject(m.group(group))]
+    """(start, end, kind) of `group` less its quotes in each match that `reject` lets through."""
+    out = []
+    for m in matches:
+        vs, ve = _strip_quotes(m.string, m.start(group), m.end(group))
+        if ve > vs and not reject(m.string[vs:ve]):
+            out.append((vs, ve, kind))
+    return out
 
 
 def _url_spans(sc):
-    text, shapes, out, dis, words = sc.text, _shapes(), [], sc.disable, sc.words
+    text, out, dis, words = sc.text, [], sc.disable, sc.words
     memo = {}   # per line: the answers shared by every match on it
     # Each literal below holds a lower-case word that must then be in sc.words, a cheaper look.
     if "slack" in words and "hooks.slack.com" in text and "slack-webhook" not in dis:
-        out += _kept(shapes.slack_webhook.finditer(text), "slack-webhook", _is_placeholder_token)
+        out += _kept(_SLACK_WEBHOOK_RE.finditer(text), "slack-webhook", _is_placeholder_token)
     if "webhooks" in words and "/api/webhooks/" in text and "discord-webhook" not in dis:
-        out += _kept(shapes.discord_webhook.finditer(text), "discord-webhook",
+        out += _kept(_DISCORD_WEBHOOK_RE.finditer(text), "discord-webhook",
                      lambda v: _is_placeholder(v) or _is_repeated_body(v, ""), 1)
     if "sig" in words and "sig=" in text and "azure-sas" not in dis:
-        for m in shapes.azure_sas.finditer(text):
+        for m in _AZURE_SAS_RE.finditer(text):
             ls, le = sc.line_bounds(m.start())
             if ("sas", ls) not in memo:
                 memo["sas", ls] = "://" in text[ls:le] or "sv=" in text[ls:le]
@@ -2830,7 +2812,7 @@ def _url_spans(sc):
                 out.append((m.start(1), m.end(1), "azure-sas"))
     low = sc.lower
     if ("accountkey" in words or "sharedaccesskey" in words) and "azure-storage-key" not in dis:
-        out += _kept(_matches_at(sc, ("accountkey", "sharedaccesskey"), shapes.azure_storage),
+        out += _kept(_matches_at(sc, ("accountkey", "sharedaccesskey"), _AZURE_STORAGE_RE),
                      "azure-storage-key", lambda v: len(v) < 40 or _is_placeholder(v), 1)
     if "connection-string" in dis:
         return out
@@ -2838,24 +2820,21 @@ def _url_spans(sc):
         s = at
         while s > 0 and at - s < 30 and (text[s - 1].isalnum() or text[s - 1] in "+.-"):
             s -= 1
-        m = s < at and text[s].isalpha() and (shapes.url_userinfo.match(text, at + 3) or
-                                              shapes.url_slashed.match(text, at + 3))
+        m = s < at and text[s].isalpha() and (_URL_USERINFO_RE.match(text, at + 3) or
+                                              _URL_SLASHED_RE.match(text, at + 3))
         # host:port/path@x is no login
         if m and not m.group(2).partition("/")[0].isdigit() and \
                 not _is_placeholder(m.group(2)) and not _example_host(m.group(3).lower()):
             out.append((m.start(2), m.end(2), "connection-string"))
     if "password" in words or "pwd" in words:
-        for m in shapes.conn_password.finditer(low):
+        for m in _CONN_PASSWORD_RE.finditer(low):
             if m.start() and (low[m.start() - 1].isalnum() or low[m.start() - 1] in "_.-"):
                 continue
             ls, le = sc.line_bounds(m.start())
-            j = m.start() - 1
-            while j >= ls and text[j] in " \t":
-                j -= 1
-            before = text[j] if j >= ls else ""
+            before = text[ls:m.start()].rstrip(" \t")[-1:]
             if ("conn", ls, before) not in memo:
                 memo["conn", ls, before] = _connection_context(low[ls:le], before)
-            v = memo["conn", ls, before] and shapes.conn_value.match(text, m.end())
+            v = memo["conn", ls, before] and _CONN_VALUE_RE.match(text, m.end())
             if not v:
                 continue
             vs, ve = v.span()
@@ -2868,11 +2847,10 @@ def _url_spans(sc):
 
 def _connection_context(line, before):
     """Is a `password=` on this (lower-cased) line part of a connection string?"""
-    shapes = _shapes()
-    return shapes.conn_marker.search(line) is not None and (
+    return _CONN_MARKER_RE.search(line) is not None and (
         "jdbc:" in line or "odbc:" in line
         # ADO.NET / ODBC: Server=…;Database=…;Password=…
-        or (";" in line and before in ("", ";", '"', "'") and shapes.ado_marker.search(line))
+        or (";" in line and before in ("", ";", '"', "'") and _ADO_MARKER_RE.search(line))
         or (before in ("?", "&") and "://" in line)   # a URL query: ?user=…&password=…
         or "dbname=" in line or ("host=" in line and ("port=" in line or "sslmode=" in line)))
 
@@ -2885,17 +2863,16 @@ def _example_host(host):
 # --- tier 4: headers, CLI flags and config shapes -----------------------------------------
 
 def _header_spans(sc):
-    text, shapes, out, dis = sc.text, _shapes(), [], sc.disable
-    words = sc.words   # a cheaper look for the lower-case words of the literals below
+    text, out, dis, words = sc.text, [], sc.disable, sc.words   # words: a cheaper look
     if "bearer" in words and "bearer" not in dis:
-        for m in _matches_at(sc, ("bearer",), shapes.bearer):
+        for m in _matches_at(sc, ("bearer",), _BEARER_RE):
             vs, ve = m.start(1), m.start(1) + len(m.group(1).rstrip("."))
             if ve - vs >= 16 and not _is_header_placeholder(text[vs:ve]):
                 out.append((vs, ve, "bearer"))
     if "basic" in words and "basic-auth" not in dis:
-        out += _kept(_matches_at(sc, ("basic",), shapes.basic), "basic-auth", _not_a_login, 1)
+        out += _kept(_matches_at(sc, ("basic",), _BASIC_RE), "basic-auth", _not_a_login, 1)
     if "authorization" in words and "api-key-header" not in dis:
-        for m in _matches_at(sc, ("authorization",), shapes.authorization):
+        for m in _matches_at(sc, ("authorization",), _AUTHORIZATION_RE):
             basic = (m.group(1) or "").lower() == "basic"   # a decodable pair: the Basic rule
             if _high_entropy(m.group(2)) and not _is_header_placeholder(m.group(2)) and \
                     not (basic and _login_password(m.group(2))):
@@ -2907,19 +2884,13 @@ def _header_spans(sc):
     if "cli-password" not in dis:
         out.extend(_cli_spans(sc))
     if "_authtoken" in words and "npm-token" not in dis:
-        for m in _matches_at(sc, ("_authtoken",), shapes.npm_auth, left=""):
-            vs, ve = _strip_quotes(text, m.start(1), m.end(1))
-            if ve > vs and not _is_placeholder(text[vs:ve]):
-                out.append((vs, ve, "npm-token"))
+        out += _kept(_matches_at(sc, ("_authtoken",), _NPM_AUTH_RE, left=""), "npm-token",
+                     _is_placeholder, 1)
     if "auth" in words and '"auth"' in text and "docker-token" not in dis:
-        out += _kept(shapes.docker_auth.finditer(text), "docker-token", _not_a_login, 1)
+        out += _kept(_DOCKER_AUTH_RE.finditer(text), "docker-token", _not_a_login, 1)
     if "secret" in words and "Secret" in text and "k8s-secret" not in dis:
         out.extend(_k8s_spans(sc))
     return out
-
-
-_HEADER_SUFFIXES = ("api-key", "auth-token", "access-token", "api-token", "private-token",
-                    "vault-token", "subscription-key")
 
 
 def _finditer_from(word, rx, text):
@@ -2933,8 +2904,7 @@ def _finditer_from(word, rx, text):
 
 
 def _matches_at(sc, words, rx, left="_"):
-    """Matches of `rx` (which starts with one of `words`) found by plain substring search on
-    the lower-cased text; a match glued to a word character (or `left`) on its left is skipped."""
+    """Matches of `rx` at each of `words` in sc.lower, unless glued to a word char or `left`."""
     text = sc.text
     starts = sorted({at for word in words for at in sc.positions(word)})
     last_end = 0
@@ -2979,8 +2949,8 @@ def _not_a_login(b64):
 
 
 def _api_key_header_spans(sc):
-    text, shapes, out = sc.text, _shapes(), []
-    for m in _matches_at(sc, _HEADER_SUFFIXES, shapes.header_name, left=""):
+    text, out = sc.text, []
+    for m in _matches_at(sc, _HEADER_SUFFIXES, _HEADER_NAME_RE, left=""):
         s = m.start()
         while s > 0 and m.start() - s < 64 and (text[s - 1].isalnum() or text[s - 1] == "-"):
             s -= 1
@@ -2988,15 +2958,10 @@ def _api_key_header_spans(sc):
                 (s and text[s - 1] in "_."):
             continue
         key_quoted = s > 0 and text[s - 1] in "\"'" and text.startswith(text[s - 1], m.end())
-        v = shapes.header_rest.match(text, m.end() + key_quoted)
-        if not v:
-            continue
-        vs, ve = v.start(1), v.end(1)
-        quoted = text[vs] in "\"'"
-        if key_quoted and not quoted:
+        v = _HEADER_REST_RE.match(text, m.end() + key_quoted)
+        if not v or key_quoted and text[v.start(1)] not in "\"'":
             continue   # {"X-API-Key": api_key} is code; JSON would quote a literal
-        if quoted:
-            vs, ve = vs + 1, ve - 1
+        vs, ve = _strip_quotes(text, v.start(1), v.end(1))
         value = text[vs:ve]
         if len(value) >= 8 and _looks_like_token(value) and not _is_header_placeholder(value):
             out.append((vs, ve, "api-key-header"))
@@ -3004,15 +2969,15 @@ def _api_key_header_spans(sc):
 
 
 def _cookie_spans(sc):
-    text, shapes, out = sc.text, _shapes(), []
-    for m in _matches_at(sc, ("cookie", "set-cookie"), shapes.cookie, left="-"):
+    text, out = sc.text, []
+    for m in _matches_at(sc, ("cookie", "set-cookie"), _COOKIE_RE, left="-"):
         pos, line_end = m.end(), sc.line_bounds(m.end())[1]
         while pos < line_end:
-            p = shapes.cookie_pair.match(text, pos, line_end)
+            p = _COOKIE_PAIR_RE.match(text, pos, line_end)
             if not p:
                 break
             name, vs, ve = p.group(1), p.start(2), p.end(2)
-            if shapes.cookie_name.match(name) and ve > vs and not _is_placeholder(text[vs:ve]):
+            if _COOKIE_NAME_RE.match(name) and ve > vs and not _is_placeholder(text[vs:ve]):
                 out.append((vs, ve, "session-cookie"))
             pos = p.end()
             if m.group(1) or pos >= line_end or text[pos] != ";":
@@ -3022,15 +2987,12 @@ def _cookie_spans(sc):
 
 
 def _cli_spans(sc):
-    text, shapes, out, words = sc.text, _shapes(), [], sc.words
-    for gate, rx in zip(("mysql", "sshpass", "redis-cli", "login"), shapes.cli):
+    text, out, words = sc.text, [], sc.words
+    for gate, rx in zip(("mysql", "sshpass", "redis-cli", "login"), _CLI_RES):
         if gate in words:
-            for m in rx.finditer(text):
-                vs, ve = _strip_quotes(text, m.start(1), m.end(1))
-                if ve > vs and not _is_header_placeholder(text[vs:ve]):
-                    out.append((vs, ve, "cli-password"))
+            out += _kept(rx.finditer(text), "cli-password", _is_header_placeholder, 1)
     if "--" in text and any(w in words for w in ("pass", "token", "api", "secret", "key")):
-        for m in _finditer_from("--", shapes.cli_flag, text):
+        for m in _finditer_from("--", _CLI_FLAG_RE, text):
             if m.start() and (text[m.start() - 1].isalnum() or text[m.start() - 1] in "_-"):
                 continue
             vs, ve = _strip_quotes(text, m.start(4), m.end(4))
@@ -3045,24 +3007,24 @@ def _cli_spans(sc):
             out.append((vs, ve, "cli-password"))
     if ("curl" in words or "wget" in words or "http" in words) and \
             (" -u" in text or "--user" in text):
-        out += _kept(shapes.cli_user.finditer(text), "cli-password", _is_header_placeholder, 2)
+        out += _kept(_CLI_USER_RE.finditer(text), "cli-password", _is_header_placeholder, 2)
     return out
 
 
 def _k8s_spans(sc):
     """Values under data:/stringData: of a YAML document that has kind: Secret."""
-    text, shapes, out = sc.text, _shapes(), []
-    edges = [(e.start(), e.end()) for e in shapes.k8s_doc_edge.finditer(text)]
+    text, out = sc.text, []
+    edges = [(e.start(), e.end()) for e in _K8S_DOC_EDGE_RE.finditer(text)]
     edge_starts = [e[0] for e in edges]
     documents = dict.fromkeys(   # the (start, end) of each document holding a kind: Secret
         (edges[i - 1][1] if i else 0, edges[i][0] if i < len(edges) else len(text))
         for i in (bisect.bisect_left(edge_starts, km.start())
-                  for km in shapes.k8s_kind.finditer(text)))
+                  for km in _K8S_KIND_RE.finditer(text)))
     for doc_start, doc_end in documents:
-        for dm in shapes.k8s_data.finditer(text, doc_start, doc_end):
+        for dm in _K8S_DATA_RE.finditer(text, doc_start, doc_end):
             indent = len(dm.group(1).expandtabs())
             pos = dm.end() + 1
-            block = None   # (indent, start, end) of a block scalar being collected
+            block = None   # (indent, has a span in out) of a block scalar being collected
             while pos < doc_end:
                 line_end = text.find("\n", pos, doc_end)
                 line_end = doc_end if line_end < 0 else line_end
@@ -3070,25 +3032,22 @@ def _k8s_spans(sc):
                 lead = len(line) - len(line.lstrip(" \t"))
                 if not line.strip():
                     continue
-                if block is not None and lead > block[0]:
-                    block = (block[0], at + lead if block[1] is None else block[1],
-                             at + len(line.rstrip()))
+                if block is not None and lead > block[0]:   # the block's span grows line by line
+                    start = out.pop()[0] if block[1] else at + lead
+                    out.append((start, at + len(line.rstrip()), "k8s-secret"))
+                    block = (block[0], True)
                     continue
-                if block is not None and block[1] is not None:
-                    out.append((block[1], block[2], "k8s-secret"))
                 block = None
                 if lead <= indent:
                     break
-                em = shapes.k8s_entry.match(text, at, line_end)
+                em = _K8S_ENTRY_RE.match(text, at, line_end)
                 raw = em.group(3).rstrip() if em else ""
                 if raw in ("|", ">", "|-", ">-", "|+", ">+"):
-                    block = (lead, None, None)
+                    block = (lead, False)
                 elif raw:
                     vs, ve = _strip_quotes(text, em.start(3), em.start(3) + len(raw))
                     if ve > vs and not _is_placeholder(text[vs:ve]):
                         out.append((vs, ve, "k8s-secret"))
-            if block is not None and block[1] is not None:
-                out.append((block[1], block[2], "k8s-secret"))
     return out
 
 
@@ -3097,9 +3056,8 @@ def _k8s_spans(sc):
 @functools.lru_cache(maxsize=4096)
 def _key_info(key):
     """None, or (is_password_key, is_aws_secret, weak segments) for a key that names a secret."""
-    shapes = _shapes()
-    spaced = shapes.camel2.sub(r"\1 \2", shapes.camel1.sub(r"\1 \2", key))
-    segs = [s for s in shapes.key_split.split(spaced.lower()) if s]
+    spaced = _CAMEL2_RE.sub(r"\1 \2", _CAMEL1_RE.sub(r"\1 \2", key))
+    segs = [s for s in _KEY_SPLIT_RE.split(spaced.lower()) if s]
     hit = -1
     for i, seg in enumerate(segs):
         if seg == "pass" or seg.endswith(_KEY_ENDINGS) or \
@@ -3110,8 +3068,7 @@ def _key_info(key):
         hit = max((i for i, seg in enumerate(segs) if seg in _WEAK_KEYS), default=-1)
         if segs[hit:hit + 2] == ["access", "id"]:
             hit += 1   # Sumo Logic, Alibaba: the access id is half of the credential
-    if hit < 0 or any(seg in _KEY_META for seg in segs[hit + 1:]) or \
-            key.lower() in _SHELL_PWD_KEYS:
+    if hit < 0 or any(seg in _KEY_META for seg in segs[hit + 1:]) or key.lower() in _SHELL_PWD_KEYS:
         return None
     password = any(seg in ("pass", "pin") or seg.endswith(("password", "passwd", "pwd",
                                                             "passphrase")) for seg in segs)
@@ -3122,31 +3079,26 @@ def _key_info(key):
 
 
 def _assignment_spans(sc, taken):
-    text, low, shapes, out = sc.text, sc.lower, _shapes(), []
+    text, low, out = sc.text, sc.lower, []
     if "env-secret" in sc.disable and "aws-secret-key" in sc.disable:
         return out
     words = sc.words   # the key words are a-z only: a cheaper look than the text
     if not any(g in words for g in _KEY_GATES):
         return out
-    n, resume, hits = len(text), 0, []
-    for word, rx in shapes.keywords:
+    resume, hits = 0, []
+    for word, rx in _KEYWORD_RES:
         if word in words:
             hits.extend(_finditer_from(word, rx, low))
     hits.sort(key=lambda h: h.start())
     for m in hits:
-        if m.start() < resume:
+        at = m.start()
+        if at < resume:
             continue
-        ks, ke = m.start(), m.start() + 1
-        floor = max(0, ks - 128)
-        while ks > floor and text[ks - 1] in _KEYCH:
-            ks -= 1
-        ceiling = min(n, ke + 128)
-        while ke < ceiling and text[ke] in _KEYCH:
-            ke += 1
-        while ks < ke and text[ks] in ".-":
-            ks += 1
-        while ke > ks and text[ke - 1] in ".-":
-            ke -= 1
+        head, tail = text[max(0, at - 128):at], text[at + 1:at + 129]   # the key grows 128 at most
+        ks = at - len(head) + len(head.rstrip(_KEYCH))
+        ke = at + 1 + len(tail) - len(tail.lstrip(_KEYCH))
+        key = text[ks:ke]   # never all dots and dashes: it holds the key word
+        ks, ke = ks + len(key) - len(key.lstrip(".-")), ks + len(key.rstrip(".-"))
         resume = ke
         info = _key_info(text[ks:ke])
         if info is None:
@@ -3161,8 +3113,8 @@ def _assignment_spans(sc, taken):
         elif quote and text.startswith("\\" + quote, ke) and text[ks - 2:ks - 1] == "\\":
             key_quoted = True   # JSON inside a string, as logs print it: {\"password\":\"…\"}
             pos += 2
-        sep = shapes.separator.match(text, pos)
-        loose = None if sep else shapes.loose_separator.match(text, pos)
+        sep = _SEPARATOR_RE.match(text, pos)
+        loose = None if sep else _LOOSE_SEPARATOR_RE.match(text, pos)
         if not (sep or loose):
             continue
         read = _read_value(text, (sep or loose).end(), ks > 0 and text[ks - 1] in "?&")
@@ -3233,23 +3185,22 @@ def _is_description(value):
 
 def _assignment_form_spans(sc):
     """Assignments in PHP define(), XML, .netrc, Kubernetes env entries, `aws configure set`."""
-    text, low, shapes, out, words = sc.text, sc.lower, _shapes(), [], sc.words
+    text, low, out, words = sc.text, sc.lower, [], sc.words
     found = []   # (key, value_start, value_end)
     if "define" in words and "define(" in low:
-        found.extend((m.group(2), m.start(4), m.end(4)) for m in shapes.php_define.finditer(text))
+        found.extend((m.group(2), m.start(4), m.end(4)) for m in _PHP_DEFINE_RE.finditer(text))
     if "</" in text:
-        found.extend((m.group(1), m.start(2), m.end(2)) for m in shapes.xml_element.finditer(text))
+        found.extend((m.group(1), m.start(2), m.end(2)) for m in _XML_ELEMENT_RE.finditer(text))
     if "machine" in words and "password" in words:
-        found.extend(("password", m.start(1), m.end(1)) for m in shapes.netrc.finditer(text))
+        found.extend(("password", m.start(1), m.end(1)) for m in _NETRC_RE.finditer(text))
     if "value" in words and "name" in words and "value:" in low and "name:" in low:
-        for m in shapes.k8s_env.finditer(text):
+        for m in _K8S_ENV_RE.finditer(text):
             vs, ve = _strip_quotes(text, m.start(3), m.start(3) + len(m.group(3).rstrip()))
             found.append((m.group(2), vs, ve))
     if "<add" in low:   # .NET / NuGet config: <add key="ApiKey" value="…" />
-        found.extend((m.group(1), m.start(2), m.end(2)) for m in shapes.xml_add.finditer(text))
+        found.extend((m.group(1), m.start(2), m.end(2)) for m in _XML_ADD_RE.finditer(text))
     if "configure" in words and "aws configure" in low:
-        found.extend((m.group(1), m.start(2), m.end(2))
-                     for m in shapes.aws_configure.finditer(text))
+        found.extend((m.group(1), m.start(2), m.end(2)) for m in _AWS_CONFIGURE_RE.finditer(text))
     for key, vs, ve in found:
         info = _key_info(key)
         value = text[vs:ve]
@@ -3279,14 +3230,14 @@ def _read_value(text, vs, in_query):
     vs = prefix.end() if prefix else vs
     ch = text[vs]
     if ch in "\"'":
-        m = _shapes().quoted[ch].match(text, vs)
+        m = _QUOTED_RES[ch].match(text, vs)
         return (vs + 1, m.end() - 1, True) if m else None
     if ch == "\\" and text[vs + 1:vs + 2] in ("'", '"'):
         close = text.find("\\" + text[vs + 1], vs + 2, vs + 1024)
         if close < 0 or "\n" in text[vs:close]:
             return None
         return vs + 2, close, True
-    m = _shapes().unquoted.match(text, vs)
+    m = _UNQUOTED_RE.match(text, vs)
     if not m or text.startswith(_MASK_PREFIX, m.end()):
         return None   # nothing, or a run cut short by a mask
     ve = m.end()
@@ -3302,8 +3253,7 @@ def _read_value(text, vs, in_query):
         last = value[-1]
         if last in openers and value.count(last) > value.count(openers[last]):
             value = value[:-1]
-        elif last in ".:" and (vs + len(value) >= len(text) or
-                               not text[vs + len(value)].isalnum()):
+        elif last in ".:" and (vs + len(value) >= len(text) or not text[vs + len(value)].isalnum()):
             value = value[:-1]
         else:
             break
@@ -3329,8 +3279,7 @@ def _balanced_end(text, start):
 
 
 def _high_entropy(value):
-    """A random-looking token: 14+ token characters with letters and digits, not word-shaped,
-    3.0+ bits of Shannon entropy a character (measured: docs/redaction.md)."""
+    """A random-looking token: tokenish, not word-shaped, 3.0+ bits a char (docs/redaction.md)."""
     n = len(value)
     if not _TOKENISH_RE.match(value) or \
             -sum(c / n * math.log2(c / n) for c in map(value.count, set(value))) < 3.0:
@@ -3355,8 +3304,7 @@ def _not_a_secret(value, info, key):
 # --- tier 6: POLICY.patterns --------------------------------------------------------------
 
 def _policy_spans(sc, rules):
-    text, out = sc.text, []
-    lines = text.split("\n")
+    text, out, lines = sc.text, [], sc.text.split("\n")
     for whole in (True, False):   # a rule that may span lines is tried on the whole text
         for kind, rx in rules:
             src = rx.pattern if isinstance(rx.pattern, str) else ""
@@ -3407,15 +3355,14 @@ def _legacy_spans(text, disable):
     if not any(word in text for word in ("=", "gh", "AKIA", "squ_", "earer", "EARER")):
         return []
     taken, out = _Taken([m.span() for m in _MASK_RE.finditer(text)]), []
-    for kind, rx, group in _shapes().legacy:
+    for kind, rx, group in _LEGACY_RULES:
         if kind in disable:
             continue
         for m in rx.finditer(text):
             vs, ve = m.start(group), m.end(group)
             if kind == "env-secret":
                 ve = _legacy_value_end(text, vs, ve)
-            if ve > vs and taken.free(vs, ve):
-                taken.add(vs, ve)
+            if ve > vs and taken.claim(vs, ve):
                 out.append((vs, ve, kind))
     out.sort()
     return out
@@ -3455,11 +3402,8 @@ def _select(sc, rules):
     text = sc.text
     taken = _Taken([m.span() for m in _MASK_RE.finditer(text)] if _MASK_PREFIX in text else ())
     keys = _private_key_spans(sc)
-    tokens = _token_spans(sc)
-    if keys:
-        # A token-shaped run inside a key body is base64 noise; the whole body is the secret.
-        in_keys = _Taken(keys)
-        tokens = [t for t in tokens if in_keys.free(t[0], t[0] + 1)]
+    in_keys = _Taken(keys)   # a token-shaped run inside a key body is noise; the body is the secret
+    tokens = [t for t in _token_spans(sc) if in_keys.free(t[0], t[0] + 1)]
     accepted = []
     tiers = (lambda: tokens, lambda: keys, lambda: _url_spans(sc), lambda: _header_spans(sc),
              lambda: _assignment_spans(sc, taken) + _assignment_form_spans(sc),
@@ -3468,8 +3412,7 @@ def _select(sc, rules):
         for start, end, kind in sorted(tier_spans(), key=lambda s: (s[0], s[0] - s[1])):
             # A run cut short by a mask was longer before that mask was written; leaving it
             # alone keeps a second pass from finding what the first one did not.
-            if end > start and taken.free(start, end) and not text.startswith(_MASK_PREFIX, end):
-                taken.add(start, end)
+            if end > start and not text.startswith(_MASK_PREFIX, end) and taken.claim(start, end):
                 accepted.append((start, end, kind))
     accepted.sort()
     return accepted
@@ -3497,7 +3440,7 @@ def _rewrite(text, spans):
         rs, re_ = _replacement(text, start, end)
         if rs < last or (i + 1 < len(spans) and spans[i + 1][0] < re_):
             rs, re_ = start, end
-        mask = _mask(kind)
+        mask = _MASK_PREFIX + kind + "»"
         pieces += [text[last:rs], mask]
         moves.append((rs, re_, rs + shift, rs + shift + len(mask)))
         shift += len(mask) - (re_ - rs)
@@ -3523,26 +3466,22 @@ def _detect(text, rules, disable):
 
 
 def _taint_values(text, spans, into):
-    """The detected values worth masking wherever they recur: 8+ characters, and not a lone
-    short word (a password `postgres` must not mask every mention of the database)."""
+    """Detected values worth masking wherever they recur: 8+ characters, not a lone short word."""
     for start, end, kind in spans:
         value = text[start:end]
         if len(value) >= 8 and (len(value) >= 12 or not value.isalpha()) and \
-                not value.startswith(_shapes().prefixes):   # the token tier finds each of those
+                not value.startswith(_TOKEN_PREFIXES):   # the token tier finds each of those
             into.setdefault(value, kind)
     return into
 
 
 def _tainted(text, spans, values):
-    """spans plus every other occurrence of a detected value (the taint pass), except where a
-    word-shaped end of the value is glued to a word character."""
+    """spans plus every other occurrence of a detected value not glued to a word (taint pass)."""
     if not values:
         return spans
     taken = _Taken(spans)
-    if _MASK_PREFIX in text:
-        for m in _MASK_RE.finditer(text):
-            if taken.free(m.start(), m.end()):
-                taken.add(m.start(), m.end())
+    for m in _MASK_RE.finditer(text) if _MASK_PREFIX in text else ():
+        taken.claim(m.start(), m.end())
     extra = []
     for value in sorted(values, key=len, reverse=True):
         at = text.find(value)
@@ -3551,8 +3490,7 @@ def _tainted(text, spans, values):
             left, right = text[at - 1:at] if at else "", text[end:end + 1]
             glued = (value[0].isalnum() and (left.isalnum() or left == "_")) or \
                 (value[-1].isalnum() and (right.isalnum() or right == "_"))
-            if not glued and taken.free(at, end):
-                taken.add(at, end)
+            if not glued and taken.claim(at, end):
                 extra.append((at, end, values[value]))
             at = text.find(value, at + 1)
     return sorted(spans + extra) if extra else spans
@@ -3586,7 +3524,7 @@ def _taint_hash(salt, value):
 def _taint_found(text, memory):
     """{value: kind} of the token-shaped runs of text that this shelf masked before."""
     found = {}
-    for m in _shapes().token_run.finditer(text) if memory else ():
+    for m in _TOKEN_RUN_RE.finditer(text) if memory else ():
         for value in {m.group(0), m.group(0).rstrip(".-")}:
             kind = memory[1].get(_taint_hash(memory[0], value))
             if kind:
@@ -3646,8 +3584,7 @@ def find_secrets(text, rules=None, *, disable=(), legacy_compat=False, memory=No
             for start, end, kind in spans]
 
 
-def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False, memory=None,
-                 learned=None):
+def redact_parts(parts, rules=None, *, disable=(), legacy_compat=False, memory=None, learned=None):
     """Redact an episode's [(part, text or None)] together, a value found in one masked in all:
     ([text or None], merged report). `learned` (a list) receives the pairs for _taint_memory."""
     found = [None if t is None else _detect(t, rules, disable) for _p, t in parts]
