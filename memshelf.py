@@ -319,8 +319,7 @@ def _parallel_map(func, items, progress=None, message=None):
             os.close(into)
             children[out] = pid
         for out in children:
-            readers.append(threading.Thread(target=_read_results, args=(out, arrived),
-                                            daemon=True))
+            readers.append(threading.Thread(target=_read_results, args=(out, arrived), daemon=True))
             readers[-1].start()
         done, open_pipes, first = 0, len(children), 0
         while first is not None or open_pipes:   # chunks left to claim, or results to come
@@ -681,8 +680,7 @@ _EXTRA_VERB_FACTORIES = []
 # ==========================================================================================
 
 class FrontmatterError(ValueError):
-    """A frontmatter block or manifest that the YAML subset rejects (shelf-format.md § 3.3);
-    `error_class` is a § 3.3 class name and `line` is 1-based in the original text."""
+    """A block or manifest the YAML subset rejects: a § 3.3 class name and a 1-based line."""
 
     def __init__(self, error_class, detail, line=None, fix=""):
         self.error_class, self.detail, self.line, self.fix = error_class, detail, line, fix
@@ -768,8 +766,7 @@ def _fm_normalise(text):
 
 
 def _fm_locate(text):
-    """Find the frontmatter block in normalised text (shelf-format.md § 3.1): (h1, open_line,
-    block_start, block_end, close_line, body_start), open_line None when there is no block."""
+    """(h1, open_line, block_start, block_end, close_line, body_start); open_line None: no block."""
     n, pos, open_line, h1 = len(text), 0, 1, None
     while True:
         end = text.find("\n", pos)
@@ -1239,8 +1236,7 @@ _YAML_CANONICAL_INT = _re_lazy(r"(?:0|-?[1-9][0-9]*)\Z")
 
 
 def _yaml_retyped(text):
-    """(type, str() of the loaded value) for a plain scalar a YAML loader types, else (None, None);
-    the text is None for dates and other values whose text always differs in kind."""
+    """(type, str() of the loaded value) of a plain scalar a YAML loader types (None: a date...)."""
     kind = _yaml_implicit_type(text)
     if kind is None or kind in ("date", "merge key", "value key"):
         return kind, None
@@ -1338,14 +1334,12 @@ def _section_slug(name):
     return re.sub(r"[^0-9a-z]+", "-", unicodedata.normalize("NFKC", name).lower()).strip("-")
 
 
-# Lines that can open or close a fence or be an H2: the only lines _h2_spans looks at. The
-# leading \n (not ^ with re.M) lets the engine jump from newline to newline.
+# The only lines _h2_spans looks at; a leading \n (not ^ with re.M) jumps newline to newline.
 _H2_OR_FENCE = _re_lazy(r"\n(?: {0,3}(?:```|~~~)|##)")
 
 
 def _h2_spans(text):
-    """(start, end) offsets of the H2 heading lines, skipping fenced code (CommonMark fences);
-    only candidate lines are visited (a regex finds them), so a long body costs one scan."""
+    """(start, end) of the H2 lines outside CommonMark fences; a regex finds the candidates."""
     spans, fence = [], None
     for m in _H2_OR_FENCE.finditer("\n" + text):
         start = m.start()   # the line's offset in text: one past the \n, one less for the prefix
@@ -1460,8 +1454,7 @@ def _normalised(text):
 
 
 def _read_episode(root, rel, archived=False, stat=None, also=None):
-    """One episode file as a plain record (the unit the cache stores); with `also`, (record,
-    also(record, the file's bytes, its _EpisodeText)): per-file work sharing the one read."""
+    """One episode file as a record; with `also`, (record, also(record, bytes, _EpisodeText))."""
     # os.path.join's answer for a shelf root (absolute, no separator at the end), faster
     path = root + os.sep + rel if root[-1:] not in ("", "/", os.sep, ":") else \
         os.path.join(root, rel)
@@ -1572,10 +1565,7 @@ def _canonical_sections(sections):
 # Store: the one reader of episode files
 # ==========================================================================================
 
-# Every verb reads episodes here: the listing (_scan_episode_files), the row cache (_Store), the
-# one freshness rule (_unchanged) and the one key (_render_key_of) derived values are kept under.
-# A file is re-read when its stamp moved or it was written within the timestamp granularity of
-# the read behind the cached answer.
+# Every verb reads episodes here: one listing, one row cache, one freshness rule, one store key.
 
 
 # --- the episode catalog and its row cache -------------------------------------------------
@@ -1603,9 +1593,8 @@ class _Store:
                            _render_record_from_row)
 
     def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
-        """One object per episode: from_row(path, archived, `columns` values; None: the record)
-        from its row while _unchanged, else from a fresh parse whose row is stored. Rows stream
-        beside the sorted scan, so memory never holds a second copy of the cache."""
+        """from_row(path, archived, `columns` values; None: the record) per episode while
+        _unchanged, else a fresh parse whose row is stored; rows stream, never copied."""
         files = _scan_episode_files(self.root, archive) if files is None else files
         whole = columns is None
         rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
@@ -1626,8 +1615,7 @@ class _Store:
             seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
                 (_read_episode(root, *job[1:]), None)
-            # a reader of the columns stores them alone: encoding unread records cost an
-            # empty-cache rebuild a seventh of its time (docs/performance.md)
+            # columns alone for their reader: encoding records is 1/7 of a rebuild (performance.md)
             row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
                    _record_to_row(rec) if cached and whole else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
@@ -1675,15 +1663,13 @@ class _Store:
         self.close()
 
 
-# A cached record is a JSON array in this key order (object keys would be stored, decoded and
-# held once per record; at 100,000 episodes that is a third of the catalog's memory).
+# A cached record is a JSON array in this key order: keys per record, a third of memory at 100k
 _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "fm_ok",
                 "fm_error", "fields", "has_block", "portability", "id", "kind", "date", "span",
                 "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
                 "sections")
-# What renders and shelf accounting read of every episode, as cache columns so that neither
-# decodes records; the INDEX line and .meta.json entry are formatted once, where it is parsed.
+# What renders and accounting read, as cache columns: no record decoded, entries formatted once
 _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
                   "date_field")
@@ -1703,8 +1689,7 @@ def _cache_columns(rec):
 
 
 def _render_record_from_row(rel, archived, columns):
-    """A render record (_RENDER_KEYS) from a path and its size and _CACHE_COLUMNS values, or None
-    when they are not what a render needs (a cache row is a file anyone may have edited)."""
+    """A render record (_RENDER_KEYS) from a cache row, or None if unfit (anyone may edit it)."""
     (size, category, ident, date, index_entry, meta_entry, meta_warning, supersedes, mode,
      approx_tokens, approx_src, digest_tokens, notes, date_field) = columns
     try:
@@ -1736,8 +1721,7 @@ def _cache_rows(db, sql):
 
 
 def _beside(rows, items, path_of, gone):
-    """(item, its row or None) for each item, items and rows both sorted by path (a row's path
-    first); paths of rows no item has go to `gone`. Neither stream is copied into memory."""
+    """(item, its row or None) over two path-sorted streams; unmatched row paths go to `gone`."""
     rows = iter(rows)
     row = next(rows, None)
     for item in items:
@@ -1840,20 +1824,16 @@ def _scan_episode_files(root, archive=True, subdirs=None):
     return found
 
 
-# (size, mtime_ns, inode) of a file, read like the stat result it stands for: three numbers
-# instead of a whole stat result per episode (~50 MB less at 100,000 files).
+# A file's (size, mtime_ns, inode), read like a stat result (~50 MB less at 100,000 files).
 _FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns st_ino")
 # _FileStamp((size, mtime_ns, ino)) without the Python-level constructor: one C call per file
 _stamp = functools.partial(tuple.__new__, _FileStamp)
-# The file system's timestamp granularity, at its coarsest (FAT's two seconds): a file whose
-# mtime is this close to the time it was read could be rewritten without its mtime moving.
+# Coarsest mtime granularity (FAT's 2 s): a file read this soon may change with the same mtime.
 _RACY_NS = 2_000_000_000
 
 
 def _unchanged(st, known, seen_ns):
-    """The one freshness rule (shelf-format.md § 6.3, git's racy rule): a file is unchanged
-    since it was read at seen_ns only when its (size, mtime_ns, inode) equal `known` and its
-    mtime was older than that read by more than the timestamp granularity."""
+    """Git's racy rule (shelf-format.md § 6.3): stamp == `known`, read > _RACY_NS after mtime."""
     return st == known and seen_ns is not None and seen_ns - st[1] > _RACY_NS
 
 
@@ -1881,8 +1861,7 @@ def _cache_db(root):
             _ensure_cache_ignored(root)
             db = sqlite3.connect(path, timeout=10, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
-            # No fsync at checkpoints (a third of storing 10,000 fresh rows): all here is
-            # derived and an unreadable cache is rebuilt, so only an OS crash costs a rebuild.
+            # No fsync at checkpoints (1/3 of storing 10,000 rows): an OS crash costs a rebuild
             db.execute("PRAGMA synchronous=OFF")
             db.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT)")
             row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
@@ -2008,9 +1987,8 @@ def _render_inputs(root):
 
 
 def _render_key_of(root, fmt, scanned, subdirs, seen):
-    """The one key derived values are remembered under: (a digest of the code, the format, the
-    settings files, the folders and every episode's stamp; {path: SHA-1} of the files written
-    within the timestamp granularity before `seen`, whose content _key_holds compares)."""
+    """The one store key: (digest of code, format, settings, folders and episode stamps,
+    {path: SHA-1} of files racy at `seen`, whose content _key_holds compares)."""
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     files = list(scanned)
@@ -2020,8 +1998,7 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
             files.append((rel, False, (st.st_size, st.st_mtime_ns, st.st_ino)))
         except OSError:
             parts.append(f"{rel}\0-")
-    # racy files count by content where the key is used, not here: a key made after the file
-    # has aged is the same key, so a render remembered just after a shelve serves the next read
+    # racy files count by content where the key is used: the key stays the same once they age
     racy = {rel: _content_sha1(root, rel) for rel, _, st in files if seen - st[1] <= _RACY_NS}
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
@@ -2042,8 +2019,7 @@ def _content_sha1(root, rel):
 
 
 def _key_holds(root, entry, key):
-    """Whether a remembered entry was made under `key`: the same stamps, and each file that was
-    racy when it was made (_unchanged) still holds the content it had then."""
+    """Whether `entry` was made under `key`: same stamps, and its racy files' content unchanged."""
     racy = entry.get("racy") if isinstance(entry, dict) else None
     return isinstance(racy, dict) and key is not None and entry.get("key") == key[0] and \
         all(isinstance(rel, str) and ".." not in rel.split("/") and not os.path.isabs(rel) and
