@@ -511,10 +511,9 @@ class _ShelfLock:
             if waited >= timeout:
                 os.close(self.fd)
                 self.fd = None
-                raise ShelfError("shelf-busy",
-                                 f"another memshelf process holds the shelf lock ({waited:.0f} s)",
-                                 "retry in a moment, or raise MEMSHELF_LOCK_TIMEOUT",
-                                 {"lock": path})
+                raise ShelfError("shelf-busy", "another memshelf process holds the shelf lock "
+                                 f"({waited:.0f} s)", "retry in a moment, or raise "
+                                 "MEMSHELF_LOCK_TIMEOUT", {"lock": path})
             if waited > 1 and not noted:
                 noted = True
                 _note("waiting for the shelf lock")
@@ -628,9 +627,8 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
         if os.path.exists(root) and not os.path.isdir(root):
             what, parent = "is a file, not a shelf folder", os.path.dirname(root)
             fix = (f"pass the folder that holds it: --shelf {_shell_quote(parent)}"
-                   if _is_shelf(parent) else "pass a shelf folder, or create one in a new "
-                   f"folder: memshelf init --shelf {_shell_quote(os.path.splitext(shown)[0])}"
-                   f"-shelf")
+                   if _is_shelf(parent) else "pass a shelf folder, or create one in a new folder: "
+                   f"memshelf init --shelf {_shell_quote(os.path.splitext(shown)[0])}-shelf")
         raise ShelfError("not-a-shelf", f"{shown} {what} (no shelf.yml or .docshelf.json)",
                          fix, {"path": root})
     return root, origin
@@ -703,10 +701,9 @@ _FM_FLOW_PLAIN_END = _re_lazy(r"[,\]]|[ \t]#")
 _FM_DQ_RUN = _re_lazy(r'[^"\\]*')
 _FM_SINGLE_QUOTED = _re_lazy(r"'([^']*(?:''[^']*)*)'(?!')")
 _FM_HEX = _re_lazy(r"[0-9A-Fa-f]+\Z")
-_FM_SIMPLE_ESCAPES = {
-    "\\": "\\", '"': '"', "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t",
-    "0": "\x00", "a": "\x07", "e": "\x1b", "v": "\x0b", "N": "\x85", "_": "\xa0",
-    "L": "\u2028", "P": "\u2029", " ": " "}
+_FM_SIMPLE_ESCAPES = {"\\": "\\", '"': '"', "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r",
+                      "t": "\t", "0": "\x00", "a": "\x07", "e": "\x1b", "v": "\x0b", "N": "\x85",
+                      "_": "\xa0", "L": "\u2028", "P": "\u2029", " ": " "}
 _FM_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 _FM_INDICATORS = {"&": "an anchor", "*": "an alias", "!": "a tag", "%": "a directive",
                   "{": "a flow mapping", "|": "a block scalar", ">": "a block scalar"}
@@ -757,9 +754,8 @@ def _fm_normalise(text):
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
             line = _normalised(data[:exc.start].decode("utf-8", "replace")).count("\n") + 1
-            raise FrontmatterError(
-                "encoding", "byte 0x%02x at offset %d is not valid UTF-8"
-                % (data[exc.start], exc.start), line, "save the file as UTF-8") from None
+            raise FrontmatterError("encoding", "byte 0x%02x at offset %d is not valid UTF-8" % (
+                data[exc.start], exc.start), line, "save the file as UTF-8") from None
     elif not isinstance(text, str):
         raise TypeError("expected str or bytes, got %s" % type(text).__name__)
     return _normalised(text)
@@ -783,17 +779,15 @@ def _fm_locate(text):
         return h1, None, 0, 0, None, 0
     match = _FM_FENCE_LINE.search(text, end + 1) if end < n else None
     if match is None:
-        raise FrontmatterError(
-            "unterminated", "the frontmatter block opened here is never closed",
-            open_line, "add a line '---' after the last field")
+        raise FrontmatterError("unterminated", "the frontmatter block opened here is never closed",
+                               open_line, "add a line '---' after the last field")
     close_line = open_line + 1 + text.count("\n", end + 1, match.start())
     return h1, open_line, end + 1, match.start(), close_line, min(match.end() + 1, n)
 
 
 def _fm_check_block(block, first_line, line_count, what, where):
     """Size cap and control characters, checked on the raw block before any parsing."""
-    if line_count > _FM_MAX_LINES or len(block) > _FM_MAX_BYTES or (
-            len(block) * 4 > _FM_MAX_BYTES
+    if line_count > _FM_MAX_LINES or len(block) > _FM_MAX_BYTES or (len(block) * 4 > _FM_MAX_BYTES
             and len(block.encode("utf-8", "surrogatepass")) > _FM_MAX_BYTES):
         raise FrontmatterError(
             "too_large", "the %s is larger than 1 MiB or 100,000 lines" % what, where,
@@ -911,11 +905,10 @@ class _YamlSubsetParser:
         if key == "id" and style == "plain" and value is not None:
             kind, shown = _yaml_retyped(value)
             if kind and shown != value:
-                self.problem(key, "a YAML loader reads the id %s as %s %s%s, so it "
-                             "no longer matches the file name; quote it: id: %s"
-                             % (_fm_excerpt(value), "an" if kind[0] in "aeiou" else "a", kind,
-                                " (%s)" % _fm_excerpt(shown) if shown else "",
-                                _yaml_quote(value)))
+                self.problem(key, "a YAML loader reads the id %s as %s %s%s, so it no longer "
+                             "matches the file name; quote it: id: %s" % (
+                                 _fm_excerpt(value), "an" if kind[0] in "aeiou" else "a", kind,
+                                 " (%s)" % _fm_excerpt(shown) if shown else "", _yaml_quote(value)))
 
     def unsupported_key_start(self, line):
         first = line[0]
@@ -1213,9 +1206,8 @@ def _fm_scan_quoted(text, pos, line_no):
         point = int(digits, 16)
         pos += 2 + width
         if point > 0x10FFFF:
-            raise FrontmatterError(
-                "syntax", "escape \\%s%s is beyond the last Unicode code point"
-                % (code, digits), line_no, "use a code point up to 10FFFF")
+            raise FrontmatterError("syntax", "escape \\%s%s is beyond the last Unicode code point"
+                                   % (code, digits), line_no, "use a code point up to 10FFFF")
         if 0xD800 <= point < 0xDC00 and text[pos: pos + 2] == "\\u":
             low = text[pos + 2: pos + 6]
             if len(low) == 4 and _FM_HEX.match(low) and 0xDC00 <= int(low, 16) < 0xE000:
@@ -1266,8 +1258,7 @@ def _parse_frontmatter_detail(text):
     lines = block.split("\n")[:line_count] if line_count else []
     parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
     return {"fields": parser.parse(), "body": text[body_start:], "has_block": True, "h1": h1,
-            "block_line": open_line, "body_line": close_line + 1,
-            "portability": parser.portability}
+            "block_line": open_line, "body_line": close_line + 1, "portability": parser.portability}
 
 
 def parse_frontmatter(text):
@@ -1801,8 +1792,7 @@ def _scan_episode_files(root, archive=True, subdirs=None):
     """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps;
     folders inside category folders (legacy split sections) go to `subdirs` as (path, mtime_ns)."""
     found = []
-    bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
-    for base, archived in bases:
+    for base, archived in [("docs", False)] + ([("archive/docs", True)] if archive else []):
         for cat in CATEGORIES:
             d = os.path.join(root, base, cat)
             try:
@@ -1942,8 +1932,7 @@ def _episode_read(root, rel, archived=False):
 
 def _find_episode_path(root, key, archive=True):
     """Direct lookups first (no scan): docs/<cat>/<key>.md, then archive/docs/<cat>/<key>.md."""
-    bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
-    for base, archived in bases:
+    for base, archived in [("docs", False)] + ([("archive/docs", True)] if archive else []):
         for cat in CATEGORIES:
             rel = f"{base}/{cat}/{key}.md"
             if os.path.isfile(os.path.join(root, rel)) and not _linked(root, rel):
