@@ -1131,9 +1131,8 @@ class _YamlSubsetParser:
             self.fail("syntax", "a nested key must be indented by exactly two spaces",
                       "indent it by two spaces")
         if content[0] in "-?&*!%{}[]|>'\",@`":
-            self.fail("unsupported_yaml" if content[0] in "?&*!%{|>'\"" else "syntax",
-                      "a nested key cannot start with %r" % content[0],
-                      "write a plain 'key: value' line")
+            self.fail("unsupported_yaml" if content[0] in "?&*!%{|>'\"" else "syntax", "a nested "
+                      "key cannot start with %r" % content[0], "write a plain 'key: value' line")
         key, rest = self.split_entry(content)
         if self.owner_kind is None:
             self.owner_kind, self.fields[self.owner], self.nested_keys = "map", {}, {}
@@ -1337,7 +1336,6 @@ def _h2_spans(text):
         end = text.find("\n", start)
         end = len(text) if end < 0 else end
         if text[start] == "#":
-            # never a fence line; a heading only outside fences
             if fence is None and (text.startswith("## ", start) or
                                   text[start:end].rstrip() == "##"):
                 spans.append((start, end))
@@ -1573,8 +1571,7 @@ class _Store:
         self.extras = {}
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
-        """Every episode's record; also(record, bytes, _EpisodeText) runs beside each fresh parse
-        (answers in self.extras by path); trim(record): what is kept once its row is made."""
+        """Every record; also(rec, bytes, _EpisodeText) fills self.extras; trim(rec) is kept."""
         return self._merge(archive, progress, files, None,
                            lambda rel, archived, row: _record_from_row(row[0]), also, trim)
 
@@ -1584,13 +1581,11 @@ class _Store:
                            _render_record_from_row)
 
     def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
-        """from_row(path, archived, `columns` values; None: the record) per episode while
-        _unchanged, else a fresh parse whose row is stored; rows stream, never copied."""
+        """from_row(path, archived, `columns`; None: the record) while _unchanged, else a parse."""
         files = _scan_episode_files(self.root, archive) if files is None else files
         whole = columns is None
         rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
-                                    f"{'rec' if whole else ', '.join(columns)} FROM episodes "
-                                    "ORDER BY path")
+                           f"{'rec' if whole else ', '.join(columns)} FROM episodes ORDER BY path")
         out, missing, gone = [], [], []
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
             fresh = row is not None and st is not None and _unchanged(st, row[1:4], row[4])
@@ -1636,10 +1631,9 @@ class _Store:
             return
         try:
             with self.db:
-                self.db.executemany(
-                    f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, ino, seen_ns, rec, "
-                    f"{', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?"
-                    f"{', ?' * len(_CACHE_COLUMNS)})", rows)
+                self.db.executemany("INSERT OR REPLACE INTO episodes(path, size, mtime_ns, ino, "
+                                    f"seen_ns, rec, {', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, "
+                                    f"?, ?, ?{', ?' * len(_CACHE_COLUMNS)})", rows)
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
         except Exception:
             pass
@@ -1657,9 +1651,8 @@ class _Store:
 # A cached record is a JSON array in this key order: keys per record, a third of memory at 100k
 _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "fm_ok",
                 "fm_error", "fields", "has_block", "portability", "id", "kind", "date", "span",
-                "display_title", "description", "tags", "supersedes", "approx_tokens",
-                "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
-                "sections")
+                "display_title", "description", "tags", "supersedes", "approx_tokens", "approx_src",
+                "mode", "notes", "retain_until", "digest_tokens", "digest", "sections")
 # What renders and accounting read, as cache columns: no record decoded, entries formatted once
 _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
@@ -1693,11 +1686,10 @@ def _render_record_from_row(rel, archived, columns):
         return None
     stem = rel.rsplit("/", 1)[-1][:-3]
     return {"path": rel, "stem": stem, "archived": archived, "size": size,
-            "category": sys.intern(category), "id": stem if ident == stem else ident,
-            "date": date, "index_entry": index_entry, "meta_entry": meta_entry,
-            "meta_warning": meta_warning, "supersedes": supersedes, "mode": mode,
-            "approx_tokens": approx_tokens, "approx_src": approx_src,
-            "digest_tokens": digest_tokens, "notes": notes,
+            "category": sys.intern(category), "id": stem if ident == stem else ident, "date": date,
+            "index_entry": index_entry, "meta_entry": meta_entry, "meta_warning": meta_warning,
+            "supersedes": supersedes, "mode": mode, "approx_tokens": approx_tokens,
+            "approx_src": approx_src, "digest_tokens": digest_tokens, "notes": notes,
             "fields": {} if date_field is None else {"date": date_field}}
 
 
@@ -1789,8 +1781,7 @@ def _linked(root, rel):
 
 
 def _scan_episode_files(root, archive=True, subdirs=None):
-    """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps;
-    folders inside category folders (legacy split sections) go to `subdirs` as (path, mtime_ns)."""
+    """(path, archived, _FileStamp) per episode file; subfolders' (path, mtime_ns) to `subdirs`."""
     found = []
     for base, archived in [("docs", False)] + ([("archive/docs", True)] if archive else []):
         for cat in CATEGORIES:
@@ -1976,8 +1967,7 @@ def _render_inputs(root):
 
 
 def _render_key_of(root, fmt, scanned, subdirs, seen):
-    """The one store key: (digest of code, format, settings, folders and episode stamps,
-    {path: SHA-1} of files racy at `seen`, whose content _key_holds compares)."""
+    """The store key: (digest of code, format, settings, folders, stamps; {racy path: SHA-1})."""
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     files = list(scanned)
@@ -2026,8 +2016,7 @@ def _text_digest(text):
 
 
 def _render_memo_hit(root, key, memo=None, index_only=False):
-    """The last full render read back from disk, when remembered under this key and every
-    derived file still holds what it wrote (by content); `memo`: render_memo if just read."""
+    """The last full render from disk, if made under `key` and every derived file still holds it."""
     memo = _state(root).get("render_memo") if memo is None else memo
     if not _key_holds(root, memo, key) or not isinstance(memo.get("files"), dict):
         return None
