@@ -603,9 +603,8 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
                 here = os.path.dirname(here)
             raw, origin = (here, "the working directory") if _is_shelf(here) else (None, None)
         if raw is None:
-            raise ShelfError(
-                "no-shelf", "no shelf given and no default shelf is set" +
-                (", and no shelf at or above the working directory" if cli else ""),
+            raise ShelfError("no-shelf", "no shelf given and no default shelf is set" + (
+                ", and no shelf at or above the working directory" if cli else ""),
                 f"pass {_arg_word('shelf_path')}, " + (
                     "set MEMSHELF_SHELF, or run inside a shelf (memshelf init --shelf PATH "
                     "creates one)" if cli else
@@ -794,9 +793,8 @@ def _fm_check_block(block, first_line, line_count, what, where):
             "keep the %s small; long text belongs in the episode body" % what)
     bad = _FM_CONTROL.search(block)
     if bad:
-        raise FrontmatterError(
-            "control_character", "control character U+%04X in the %s"
-            % (ord(bad.group()), what), first_line + block.count("\n", 0, bad.start()),
+        raise FrontmatterError("control_character", "control character U+%04X in the %s" % (
+            ord(bad.group()), what), first_line + block.count("\n", 0, bad.start()),
             "delete it, or write it as an escape inside a double-quoted value")
 
 
@@ -1254,8 +1252,7 @@ def _parse_frontmatter_detail(text):
     block = text[start:end]
     line_count = close_line - open_line - 1
     _fm_check_block(block, open_line + 1, line_count, "frontmatter block", open_line)
-    lines = block.split("\n")[:line_count] if line_count else []
-    parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
+    parser = _YamlSubsetParser(block.split("\n")[:line_count], open_line + 1, nested=False)
     return {"fields": parser.parse(), "body": text[body_start:], "has_block": True, "h1": h1,
             "block_line": open_line, "body_line": close_line + 1, "portability": parser.portability}
 
@@ -1556,7 +1553,6 @@ def _canonical_sections(sections):
 
 # Every verb reads episodes here: one listing, one row cache, one freshness rule, one store key.
 
-
 # --- the episode catalog and its row cache -------------------------------------------------
 
 _CACHE_SCHEMA = "10"   # bump when the cached record or the cache columns change shape
@@ -1566,9 +1562,8 @@ class _Store:
     """Episode records from the row cache, each re-parsed unless _unchanged; a context manager."""
 
     def __init__(self, root, use_cache=True):
-        self.root = root
+        self.root, self.extras = root, {}
         self.db = _cache_db(root) if use_cache else None
-        self.extras = {}
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
         """Every record; also(rec, bytes, _EpisodeText) fills self.extras; trim(rec) is kept."""
