@@ -319,8 +319,7 @@ def _parallel_map(func, items, progress=None, message=None):
             os.close(into)
             children[out] = pid
         for out in children:
-            readers.append(threading.Thread(target=_read_results, args=(out, arrived),
-                                            daemon=True))
+            readers.append(threading.Thread(target=_read_results, args=(out, arrived), daemon=True))
             readers[-1].start()
         done, open_pipes, first = 0, len(children), 0
         while first is not None or open_pipes:   # chunks left to claim, or results to come
@@ -512,10 +511,9 @@ class _ShelfLock:
             if waited >= timeout:
                 os.close(self.fd)
                 self.fd = None
-                raise ShelfError("shelf-busy",
-                                 f"another memshelf process holds the shelf lock ({waited:.0f} s)",
-                                 "retry in a moment, or raise MEMSHELF_LOCK_TIMEOUT",
-                                 {"lock": path})
+                raise ShelfError("shelf-busy", "another memshelf process holds the shelf lock "
+                                 f"({waited:.0f} s)", "retry in a moment, or raise "
+                                 "MEMSHELF_LOCK_TIMEOUT", {"lock": path})
             if waited > 1 and not noted:
                 noted = True
                 _note("waiting for the shelf lock")
@@ -605,9 +603,8 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
                 here = os.path.dirname(here)
             raw, origin = (here, "the working directory") if _is_shelf(here) else (None, None)
         if raw is None:
-            raise ShelfError(
-                "no-shelf", "no shelf given and no default shelf is set" +
-                (", and no shelf at or above the working directory" if cli else ""),
+            raise ShelfError("no-shelf", "no shelf given and no default shelf is set" + (
+                ", and no shelf at or above the working directory" if cli else ""),
                 f"pass {_arg_word('shelf_path')}, " + (
                     "set MEMSHELF_SHELF, or run inside a shelf (memshelf init --shelf PATH "
                     "creates one)" if cli else
@@ -629,9 +626,8 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
         if os.path.exists(root) and not os.path.isdir(root):
             what, parent = "is a file, not a shelf folder", os.path.dirname(root)
             fix = (f"pass the folder that holds it: --shelf {_shell_quote(parent)}"
-                   if _is_shelf(parent) else "pass a shelf folder, or create one in a new "
-                   f"folder: memshelf init --shelf {_shell_quote(os.path.splitext(shown)[0])}"
-                   f"-shelf")
+                   if _is_shelf(parent) else "pass a shelf folder, or create one in a new folder: "
+                   f"memshelf init --shelf {_shell_quote(os.path.splitext(shown)[0])}-shelf")
         raise ShelfError("not-a-shelf", f"{shown} {what} (no shelf.yml or .docshelf.json)",
                          fix, {"path": root})
     return root, origin
@@ -681,8 +677,7 @@ _EXTRA_VERB_FACTORIES = []
 # ==========================================================================================
 
 class FrontmatterError(ValueError):
-    """A frontmatter block or manifest that the YAML subset rejects (shelf-format.md § 3.3);
-    `error_class` is a § 3.3 class name and `line` is 1-based in the original text."""
+    """A block or manifest the YAML subset rejects: a § 3.3 class name and a 1-based line."""
 
     def __init__(self, error_class, detail, line=None, fix=""):
         self.error_class, self.detail, self.line, self.fix = error_class, detail, line, fix
@@ -705,10 +700,9 @@ _FM_FLOW_PLAIN_END = _re_lazy(r"[,\]]|[ \t]#")
 _FM_DQ_RUN = _re_lazy(r'[^"\\]*')
 _FM_SINGLE_QUOTED = _re_lazy(r"'([^']*(?:''[^']*)*)'(?!')")
 _FM_HEX = _re_lazy(r"[0-9A-Fa-f]+\Z")
-_FM_SIMPLE_ESCAPES = {
-    "\\": "\\", '"': '"', "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t",
-    "0": "\x00", "a": "\x07", "e": "\x1b", "v": "\x0b", "N": "\x85", "_": "\xa0",
-    "L": "\u2028", "P": "\u2029", " ": " "}
+_FM_SIMPLE_ESCAPES = {"\\": "\\", '"': '"', "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r",
+                      "t": "\t", "0": "\x00", "a": "\x07", "e": "\x1b", "v": "\x0b", "N": "\x85",
+                      "_": "\xa0", "L": "\u2028", "P": "\u2029", " ": " "}
 _FM_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 _FM_INDICATORS = {"&": "an anchor", "*": "an alias", "!": "a tag", "%": "a directive",
                   "{": "a flow mapping", "|": "a block scalar", ">": "a block scalar"}
@@ -759,17 +753,15 @@ def _fm_normalise(text):
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
             line = _normalised(data[:exc.start].decode("utf-8", "replace")).count("\n") + 1
-            raise FrontmatterError(
-                "encoding", "byte 0x%02x at offset %d is not valid UTF-8"
-                % (data[exc.start], exc.start), line, "save the file as UTF-8") from None
+            raise FrontmatterError("encoding", "byte 0x%02x at offset %d is not valid UTF-8" % (
+                data[exc.start], exc.start), line, "save the file as UTF-8") from None
     elif not isinstance(text, str):
         raise TypeError("expected str or bytes, got %s" % type(text).__name__)
     return _normalised(text)
 
 
 def _fm_locate(text):
-    """Find the frontmatter block in normalised text (shelf-format.md § 3.1): (h1, open_line,
-    block_start, block_end, close_line, body_start), open_line None when there is no block."""
+    """(h1, open_line, block_start, block_end, close_line, body_start); open_line None: no block."""
     n, pos, open_line, h1 = len(text), 0, 1, None
     while True:
         end = text.find("\n", pos)
@@ -786,26 +778,23 @@ def _fm_locate(text):
         return h1, None, 0, 0, None, 0
     match = _FM_FENCE_LINE.search(text, end + 1) if end < n else None
     if match is None:
-        raise FrontmatterError(
-            "unterminated", "the frontmatter block opened here is never closed",
-            open_line, "add a line '---' after the last field")
+        raise FrontmatterError("unterminated", "the frontmatter block opened here is never closed",
+                               open_line, "add a line '---' after the last field")
     close_line = open_line + 1 + text.count("\n", end + 1, match.start())
     return h1, open_line, end + 1, match.start(), close_line, min(match.end() + 1, n)
 
 
 def _fm_check_block(block, first_line, line_count, what, where):
     """Size cap and control characters, checked on the raw block before any parsing."""
-    if line_count > _FM_MAX_LINES or len(block) > _FM_MAX_BYTES or (
-            len(block) * 4 > _FM_MAX_BYTES
+    if line_count > _FM_MAX_LINES or len(block) > _FM_MAX_BYTES or (len(block) * 4 > _FM_MAX_BYTES
             and len(block.encode("utf-8", "surrogatepass")) > _FM_MAX_BYTES):
         raise FrontmatterError(
             "too_large", "the %s is larger than 1 MiB or 100,000 lines" % what, where,
             "keep the %s small; long text belongs in the episode body" % what)
     bad = _FM_CONTROL.search(block)
     if bad:
-        raise FrontmatterError(
-            "control_character", "control character U+%04X in the %s"
-            % (ord(bad.group()), what), first_line + block.count("\n", 0, bad.start()),
+        raise FrontmatterError("control_character", "control character U+%04X in the %s" % (
+            ord(bad.group()), what), first_line + block.count("\n", 0, bad.start()),
             "delete it, or write it as an escape inside a double-quoted value")
 
 
@@ -914,11 +903,10 @@ class _YamlSubsetParser:
         if key == "id" and style == "plain" and value is not None:
             kind, shown = _yaml_retyped(value)
             if kind and shown != value:
-                self.problem(key, "a YAML loader reads the id %s as %s %s%s, so it "
-                             "no longer matches the file name; quote it: id: %s"
-                             % (_fm_excerpt(value), "an" if kind[0] in "aeiou" else "a", kind,
-                                " (%s)" % _fm_excerpt(shown) if shown else "",
-                                _yaml_quote(value)))
+                self.problem(key, "a YAML loader reads the id %s as %s %s%s, so it no longer "
+                             "matches the file name; quote it: id: %s" % (
+                                 _fm_excerpt(value), "an" if kind[0] in "aeiou" else "a", kind,
+                                 " (%s)" % _fm_excerpt(shown) if shown else "", _yaml_quote(value)))
 
     def unsupported_key_start(self, line):
         first = line[0]
@@ -1141,9 +1129,8 @@ class _YamlSubsetParser:
             self.fail("syntax", "a nested key must be indented by exactly two spaces",
                       "indent it by two spaces")
         if content[0] in "-?&*!%{}[]|>'\",@`":
-            self.fail("unsupported_yaml" if content[0] in "?&*!%{|>'\"" else "syntax",
-                      "a nested key cannot start with %r" % content[0],
-                      "write a plain 'key: value' line")
+            self.fail("unsupported_yaml" if content[0] in "?&*!%{|>'\"" else "syntax", "a nested "
+                      "key cannot start with %r" % content[0], "write a plain 'key: value' line")
         key, rest = self.split_entry(content)
         if self.owner_kind is None:
             self.owner_kind, self.fields[self.owner], self.nested_keys = "map", {}, {}
@@ -1216,9 +1203,8 @@ def _fm_scan_quoted(text, pos, line_no):
         point = int(digits, 16)
         pos += 2 + width
         if point > 0x10FFFF:
-            raise FrontmatterError(
-                "syntax", "escape \\%s%s is beyond the last Unicode code point"
-                % (code, digits), line_no, "use a code point up to 10FFFF")
+            raise FrontmatterError("syntax", "escape \\%s%s is beyond the last Unicode code point"
+                                   % (code, digits), line_no, "use a code point up to 10FFFF")
         if 0xD800 <= point < 0xDC00 and text[pos: pos + 2] == "\\u":
             low = text[pos + 2: pos + 6]
             if len(low) == 4 and _FM_HEX.match(low) and 0xDC00 <= int(low, 16) < 0xE000:
@@ -1239,8 +1225,7 @@ _YAML_CANONICAL_INT = _re_lazy(r"(?:0|-?[1-9][0-9]*)\Z")
 
 
 def _yaml_retyped(text):
-    """(type, str() of the loaded value) for a plain scalar a YAML loader types, else (None, None);
-    the text is None for dates and other values whose text always differs in kind."""
+    """(type, str() of the loaded value) of a plain scalar a YAML loader types (None: a date...)."""
     kind = _yaml_implicit_type(text)
     if kind is None or kind in ("date", "merge key", "value key"):
         return kind, None
@@ -1267,11 +1252,9 @@ def _parse_frontmatter_detail(text):
     block = text[start:end]
     line_count = close_line - open_line - 1
     _fm_check_block(block, open_line + 1, line_count, "frontmatter block", open_line)
-    lines = block.split("\n")[:line_count] if line_count else []
-    parser = _YamlSubsetParser(lines, open_line + 1, nested=False)
+    parser = _YamlSubsetParser(block.split("\n")[:line_count], open_line + 1, nested=False)
     return {"fields": parser.parse(), "body": text[body_start:], "has_block": True, "h1": h1,
-            "block_line": open_line, "body_line": close_line + 1,
-            "portability": parser.portability}
+            "block_line": open_line, "body_line": close_line + 1, "portability": parser.portability}
 
 
 def parse_frontmatter(text):
@@ -1338,21 +1321,18 @@ def _section_slug(name):
     return re.sub(r"[^0-9a-z]+", "-", unicodedata.normalize("NFKC", name).lower()).strip("-")
 
 
-# Lines that can open or close a fence or be an H2: the only lines _h2_spans looks at. The
-# leading \n (not ^ with re.M) lets the engine jump from newline to newline.
+# The only lines _h2_spans looks at; a leading \n (not ^ with re.M) jumps newline to newline.
 _H2_OR_FENCE = _re_lazy(r"\n(?: {0,3}(?:```|~~~)|##)")
 
 
 def _h2_spans(text):
-    """(start, end) offsets of the H2 heading lines, skipping fenced code (CommonMark fences);
-    only candidate lines are visited (a regex finds them), so a long body costs one scan."""
+    """(start, end) of the H2 lines outside CommonMark fences; a regex finds the candidates."""
     spans, fence = [], None
     for m in _H2_OR_FENCE.finditer("\n" + text):
         start = m.start()   # the line's offset in text: one past the \n, one less for the prefix
         end = text.find("\n", start)
         end = len(text) if end < 0 else end
         if text[start] == "#":
-            # never a fence line; a heading only outside fences
             if fence is None and (text.startswith("## ", start) or
                                   text[start:end].rstrip() == "##"):
                 spans.append((start, end))
@@ -1460,8 +1440,7 @@ def _normalised(text):
 
 
 def _read_episode(root, rel, archived=False, stat=None, also=None):
-    """One episode file as a plain record (the unit the cache stores); with `also`, (record,
-    also(record, the file's bytes, its _EpisodeText)): per-file work sharing the one read."""
+    """One episode file as a record; with `also`, (record, also(record, bytes, _EpisodeText))."""
     # os.path.join's answer for a shelf root (absolute, no separator at the end), faster
     path = root + os.sep + rel if root[-1:] not in ("", "/", os.sep, ":") else \
         os.path.join(root, rel)
@@ -1572,11 +1551,7 @@ def _canonical_sections(sections):
 # Store: the one reader of episode files
 # ==========================================================================================
 
-# Every verb reads episodes here: the listing (_scan_episode_files), the row cache (_Store), the
-# one freshness rule (_unchanged) and the one key (_render_key_of) derived values are kept under.
-# A file is re-read when its stamp moved or it was written within the timestamp granularity of
-# the read behind the cached answer.
-
+# Every verb reads episodes here: one listing, one row cache, one freshness rule, one store key.
 
 # --- the episode catalog and its row cache -------------------------------------------------
 
@@ -1587,13 +1562,11 @@ class _Store:
     """Episode records from the row cache, each re-parsed unless _unchanged; a context manager."""
 
     def __init__(self, root, use_cache=True):
-        self.root = root
+        self.root, self.extras = root, {}
         self.db = _cache_db(root) if use_cache else None
-        self.extras = {}
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
-        """Every episode's record; also(record, bytes, _EpisodeText) runs beside each fresh parse
-        (answers in self.extras by path); trim(record): what is kept once its row is made."""
+        """Every record; also(rec, bytes, _EpisodeText) fills self.extras; trim(rec) is kept."""
         return self._merge(archive, progress, files, None,
                            lambda rel, archived, row: _record_from_row(row[0]), also, trim)
 
@@ -1603,14 +1576,11 @@ class _Store:
                            _render_record_from_row)
 
     def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
-        """One object per episode: from_row(path, archived, `columns` values; None: the record)
-        from its row while _unchanged, else from a fresh parse whose row is stored. Rows stream
-        beside the sorted scan, so memory never holds a second copy of the cache."""
+        """from_row(path, archived, `columns`; None: the record) while _unchanged, else a parse."""
         files = _scan_episode_files(self.root, archive) if files is None else files
         whole = columns is None
         rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
-                                    f"{'rec' if whole else ', '.join(columns)} FROM episodes "
-                                    "ORDER BY path")
+                           f"{'rec' if whole else ', '.join(columns)} FROM episodes ORDER BY path")
         out, missing, gone = [], [], []
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
             fresh = row is not None and st is not None and _unchanged(st, row[1:4], row[4])
@@ -1626,8 +1596,7 @@ class _Store:
             seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
             rec, extra = _read_episode(root, *job[1:], also=also) if also else \
                 (_read_episode(root, *job[1:]), None)
-            # a reader of the columns stores them alone: encoding unread records cost an
-            # empty-cache rebuild a seventh of its time (docs/performance.md)
+            # columns alone for their reader: encoding records is 1/7 of a rebuild (performance.md)
             row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
                    _record_to_row(rec) if cached and whole else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
@@ -1657,10 +1626,9 @@ class _Store:
             return
         try:
             with self.db:
-                self.db.executemany(
-                    f"INSERT OR REPLACE INTO episodes(path, size, mtime_ns, ino, seen_ns, rec, "
-                    f"{', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?"
-                    f"{', ?' * len(_CACHE_COLUMNS)})", rows)
+                self.db.executemany("INSERT OR REPLACE INTO episodes(path, size, mtime_ns, ino, "
+                                    f"seen_ns, rec, {', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, "
+                                    f"?, ?, ?{', ?' * len(_CACHE_COLUMNS)})", rows)
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
         except Exception:
             pass
@@ -1675,15 +1643,12 @@ class _Store:
         self.close()
 
 
-# A cached record is a JSON array in this key order (object keys would be stored, decoded and
-# held once per record; at 100,000 episodes that is a third of the catalog's memory).
+# A cached record is a JSON array in this key order: keys per record, a third of memory at 100k
 _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "fm_ok",
                 "fm_error", "fields", "has_block", "portability", "id", "kind", "date", "span",
-                "display_title", "description", "tags", "supersedes", "approx_tokens",
-                "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
-                "sections")
-# What renders and shelf accounting read of every episode, as cache columns so that neither
-# decodes records; the INDEX line and .meta.json entry are formatted once, where it is parsed.
+                "display_title", "description", "tags", "supersedes", "approx_tokens", "approx_src",
+                "mode", "notes", "retain_until", "digest_tokens", "digest", "sections")
+# What renders and accounting read, as cache columns: no record decoded, entries formatted once
 _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
                   "date_field")
@@ -1703,8 +1668,7 @@ def _cache_columns(rec):
 
 
 def _render_record_from_row(rel, archived, columns):
-    """A render record (_RENDER_KEYS) from a path and its size and _CACHE_COLUMNS values, or None
-    when they are not what a render needs (a cache row is a file anyone may have edited)."""
+    """A render record (_RENDER_KEYS) from a cache row, or None if unfit (anyone may edit it)."""
     (size, category, ident, date, index_entry, meta_entry, meta_warning, supersedes, mode,
      approx_tokens, approx_src, digest_tokens, notes, date_field) = columns
     try:
@@ -1717,11 +1681,10 @@ def _render_record_from_row(rel, archived, columns):
         return None
     stem = rel.rsplit("/", 1)[-1][:-3]
     return {"path": rel, "stem": stem, "archived": archived, "size": size,
-            "category": sys.intern(category), "id": stem if ident == stem else ident,
-            "date": date, "index_entry": index_entry, "meta_entry": meta_entry,
-            "meta_warning": meta_warning, "supersedes": supersedes, "mode": mode,
-            "approx_tokens": approx_tokens, "approx_src": approx_src,
-            "digest_tokens": digest_tokens, "notes": notes,
+            "category": sys.intern(category), "id": stem if ident == stem else ident, "date": date,
+            "index_entry": index_entry, "meta_entry": meta_entry, "meta_warning": meta_warning,
+            "supersedes": supersedes, "mode": mode, "approx_tokens": approx_tokens,
+            "approx_src": approx_src, "digest_tokens": digest_tokens, "notes": notes,
             "fields": {} if date_field is None else {"date": date_field}}
 
 
@@ -1736,8 +1699,7 @@ def _cache_rows(db, sql):
 
 
 def _beside(rows, items, path_of, gone):
-    """(item, its row or None) for each item, items and rows both sorted by path (a row's path
-    first); paths of rows no item has go to `gone`. Neither stream is copied into memory."""
+    """(item, its row or None) over two path-sorted streams; unmatched row paths go to `gone`."""
     rows = iter(rows)
     row = next(rows, None)
     for item in items:
@@ -1814,11 +1776,9 @@ def _linked(root, rel):
 
 
 def _scan_episode_files(root, archive=True, subdirs=None):
-    """(relative path, archived, _FileStamp) of every episode file, skipping symlinks and temps;
-    folders inside category folders (legacy split sections) go to `subdirs` as (path, mtime_ns)."""
+    """(path, archived, _FileStamp) per episode file; subfolders' (path, mtime_ns) to `subdirs`."""
     found = []
-    bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
-    for base, archived in bases:
+    for base, archived in [("docs", False)] + ([("archive/docs", True)] if archive else []):
         for cat in CATEGORIES:
             d = os.path.join(root, base, cat)
             try:
@@ -1840,20 +1800,16 @@ def _scan_episode_files(root, archive=True, subdirs=None):
     return found
 
 
-# (size, mtime_ns, inode) of a file, read like the stat result it stands for: three numbers
-# instead of a whole stat result per episode (~50 MB less at 100,000 files).
+# A file's (size, mtime_ns, inode), read like a stat result (~50 MB less at 100,000 files).
 _FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns st_ino")
 # _FileStamp((size, mtime_ns, ino)) without the Python-level constructor: one C call per file
 _stamp = functools.partial(tuple.__new__, _FileStamp)
-# The file system's timestamp granularity, at its coarsest (FAT's two seconds): a file whose
-# mtime is this close to the time it was read could be rewritten without its mtime moving.
+# Coarsest mtime granularity (FAT's 2 s): a file read this soon may change with the same mtime.
 _RACY_NS = 2_000_000_000
 
 
 def _unchanged(st, known, seen_ns):
-    """The one freshness rule (shelf-format.md § 6.3, git's racy rule): a file is unchanged
-    since it was read at seen_ns only when its (size, mtime_ns, inode) equal `known` and its
-    mtime was older than that read by more than the timestamp granularity."""
+    """Git's racy rule (shelf-format.md § 6.3): stamp == `known`, read > _RACY_NS after mtime."""
     return st == known and seen_ns is not None and seen_ns - st[1] > _RACY_NS
 
 
@@ -1881,8 +1837,7 @@ def _cache_db(root):
             _ensure_cache_ignored(root)
             db = sqlite3.connect(path, timeout=10, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
-            # No fsync at checkpoints (a third of storing 10,000 fresh rows): all here is
-            # derived and an unreadable cache is rebuilt, so only an OS crash costs a rebuild.
+            # No fsync at checkpoints (1/3 of storing 10,000 rows): an OS crash costs a rebuild
             db.execute("PRAGMA synchronous=OFF")
             db.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT)")
             row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
@@ -1963,8 +1918,7 @@ def _episode_read(root, rel, archived=False):
 
 def _find_episode_path(root, key, archive=True):
     """Direct lookups first (no scan): docs/<cat>/<key>.md, then archive/docs/<cat>/<key>.md."""
-    bases = [("docs", False)] + ([("archive/docs", True)] if archive else [])
-    for base, archived in bases:
+    for base, archived in [("docs", False)] + ([("archive/docs", True)] if archive else []):
         for cat in CATEGORIES:
             rel = f"{base}/{cat}/{key}.md"
             if os.path.isfile(os.path.join(root, rel)) and not _linked(root, rel):
@@ -2008,9 +1962,7 @@ def _render_inputs(root):
 
 
 def _render_key_of(root, fmt, scanned, subdirs, seen):
-    """The one key derived values are remembered under: (a digest of the code, the format, the
-    settings files, the folders and every episode's stamp; {path: SHA-1} of the files written
-    within the timestamp granularity before `seen`, whose content _key_holds compares)."""
+    """The store key: (digest of code, format, settings, folders, stamps; {racy path: SHA-1})."""
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     files = list(scanned)
@@ -2020,8 +1972,7 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
             files.append((rel, False, (st.st_size, st.st_mtime_ns, st.st_ino)))
         except OSError:
             parts.append(f"{rel}\0-")
-    # racy files count by content where the key is used, not here: a key made after the file
-    # has aged is the same key, so a render remembered just after a shelve serves the next read
+    # racy files count by content where the key is used: the key stays the same once they age
     racy = {rel: _content_sha1(root, rel) for rel, _, st in files if seen - st[1] <= _RACY_NS}
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
@@ -2042,8 +1993,7 @@ def _content_sha1(root, rel):
 
 
 def _key_holds(root, entry, key):
-    """Whether a remembered entry was made under `key`: the same stamps, and each file that was
-    racy when it was made (_unchanged) still holds the content it had then."""
+    """Whether `entry` was made under `key`: same stamps, and its racy files' content unchanged."""
     racy = entry.get("racy") if isinstance(entry, dict) else None
     return isinstance(racy, dict) and key is not None and entry.get("key") == key[0] and \
         all(isinstance(rel, str) and ".." not in rel.split("/") and not os.path.isabs(rel) and
@@ -2061,8 +2011,7 @@ def _text_digest(text):
 
 
 def _render_memo_hit(root, key, memo=None, index_only=False):
-    """The last full render read back from disk, when remembered under this key and every
-    derived file still holds what it wrote (by content); `memo`: render_memo if just read."""
+    """The last full render from disk, if made under `key` and every derived file still holds it."""
     memo = _state(root).get("render_memo") if memo is None else memo
     if not _key_holds(root, memo, key) or not isinstance(memo.get("files"), dict):
         return None
