@@ -5861,9 +5861,8 @@ def _shelve_locked(root, a):
         # kept sections meet today's rules too
         kept = dict(zip((h for h, _ in kept), redact_parts(
             [(f"section:{h}", t) for h, t in kept], rules, **_redaction_switches(root))[0]))
-        sections = _canonical_sections(
-            [new.pop(h.casefold(), (h, kept.get(h))) for h, t in olds
-             if h.casefold() not in drop] + list(new.values()))
+        sections = _canonical_sections([new.pop(h.casefold(), (h, kept.get(h))) for h, t in olds
+                                        if h.casefold() not in drop] + list(new.values()))
     date = a["date"] or (old_fields.get("date") if _is_iso_date(old_fields.get("date")) else None) \
         or (slug[:10] if _is_iso_date(slug[:10]) else None) or _today()
     span = a["span"] or (old_fields.get("span") if old and isinstance(old_fields.get("span"), str)
@@ -6089,9 +6088,8 @@ def _episode_aggregate(records, window):
     measured = [r for r in eps if r.get("approx_src") != "unmeasured"]
     return {"episodes": len(eps), "digest_tokens": sum(r["digest_tokens"] for r in eps),
             "mass": sum(min(max(r["approx_tokens"] or 0, 0), window) for r in measured),
-            "unmeasured": len(eps) - len(measured),
-            "unmeasured_digest": sum(r["digest_tokens"] for r in eps
-                                     if r.get("approx_src") == "unmeasured"),
+            "unmeasured": len(eps) - len(measured), "unmeasured_digest": sum(
+                r["digest_tokens"] for r in eps if r.get("approx_src") == "unmeasured"),
             "window": window}
 
 
@@ -6487,8 +6485,7 @@ def _render_chart(rows):
                f'fill="#666666">saved {ratio}:1</text>')
     idx = list(range(n)) if n <= 8 else [0, n // 2, n - 1]
     out.append("  " + "".join(f'<text x="{x(i):.1f}" y="308" text-anchor="middle" '
-                              f'font-size="10" fill="#666666">{dates[i][5:]}</text>'
-                              for i in idx))
+                              f'font-size="10" fill="#666666">{dates[i][5:]}</text>' for i in idx))
     out += ['  <text x="64" y="330" font-size="10" fill="#9a978c">digests only; INDEX adds a '
             'small flat cost per session · chars/4 estimate · redrawn by memshelf rebuild · '
             f'as of {dates[-1]}</text>', "</svg>"]
