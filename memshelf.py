@@ -5252,14 +5252,13 @@ def validate_digest(text, *, patterns=None, strict=False):
             warnings.append({"code": "instruction-shaped", "message": "the digest contains "
                              f"instruction-shaped text ({kinds}); describe it instead of "
                              "quoting it"})
-    passed = not errors and not (strict and warnings)
     if not errors and not warnings:
         report = f"digest ok ({words} words)"
     else:
         report = "\n".join([f"[error] {e['code']}: {e['message']}" for e in errors] +
                            [f"[warning] {w['code']}: {w['message']}" for w in warnings])
-    return {"passed": passed, "word_count": words, "char_count": len(stripped),
-            "errors": errors, "warnings": warnings, "report": report}
+    return {"passed": not errors and not (strict and warnings), "word_count": words,
+            "char_count": len(stripped), "errors": errors, "warnings": warnings, "report": report}
 
 
 def lint_digest(digest=None, strict=False, shelf_path=None, digest_file=None):
@@ -5721,7 +5720,6 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
         section_list = [(n, t) for n, t in section_list if n.casefold() != str(name).casefold()]
         section_list.append((name, body))
     given = {k for k, v in locals().items() if v is not None}   # on amend the rest is kept
-    # 1. validate arguments
     if slug is None:
         raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words")
     slug = _check_slug(slug)
@@ -5799,7 +5797,6 @@ def _shelve_locked(root, a):
     slug, kind = a["slug"], a["kind"]
     git = _Git(root)
     sync_report = _sync_preflight(root, git) if a["sync"] and not a["dry_run"] else None
-    # 4. where does this id live now?
     existing_rel, existing_archived = _find_episode_path(root, slug)
     if existing_rel and not a["amend"]:
         raise ShelfError("episode-exists", f"{slug} is already shelved at {existing_rel}",
@@ -5814,25 +5811,22 @@ def _shelve_locked(root, a):
                          "shelve a new episode instead; archived episodes are read-only")
     old = _read_episode(root, existing_rel) if existing_rel else None
     window = _context_window(root)
-    # 5. redact every free-text part
     rules, problems = _shelf_policy(root)
     warnings.extend(f"POLICY.patterns: line {p['line']}: {p['reason']}" for p in problems)
     fields = ("display_title", "description", "notes", "session", "agent", "model")
     learned = []
-    outs, redaction = redact_parts([("digest", a["digest"])] +
-                                   [(f"section:{n}", t) for n, t in a["section_list"]] +
-                                   [(k, a[k]) for k in fields], rules, learned=learned,
-                                   **_redaction_switches(root))
+    outs, redaction = redact_parts(
+        [("digest", a["digest"])] + [(f"section:{n}", t) for n, t in a["section_list"]] +
+        [(k, a[k]) for k in fields], rules, learned=learned, **_redaction_switches(root))
     sections = [(n, t) for (n, _), t in zip(a["section_list"], outs[1:])]
     free = dict(zip(fields, outs[-len(fields):]))
-    # 6. the digest contract
     digest, demoted = _demote_headings(outs[0].strip())
     report = validate_digest(digest, patterns=rules, strict=a["strict"])
     if not report["passed"]:
         raise ShelfError("digest-rejected", "the digest breaks the contract:\n" + report["report"],
                          "fix the digest (check it with memshelf lint-digest) and shelve again",
                          {"report": report})
-    # 7. defaults; on amend what the call does not give is kept from the episode
+    # defaults; on amend what the call does not give is kept from the episode
     old_fields = old["fields"] if old else {}
     if old:
         for key in fields:
@@ -5875,7 +5869,6 @@ def _shelve_locked(root, a):
         warnings.append("slug-undated: the recommended form is YYYY-MM-DD-latin-words")
     approx, source = (0, "unmeasured") if a["approx_tokens"] is None else \
         (a["approx_tokens"], a["approx_tokens_source"] or "estimate")
-    # 8. compose
     body_sections = []
     for name, text in sections:
         text, n = _demote_headings(text.strip())
@@ -5909,22 +5902,20 @@ def _shelve_locked(root, a):
         warnings.append(f"episode-large: the episode is {size // 1024} KiB; recall it by section")
     warnings.extend(f"supersedes: no episode {sup} on this shelf" for sup in a["supersedes"]
                     if not _find_episode_path(root, sup)[0])
-    flags = scan_instructions(text)
     address = f"docs/{_CATEGORY_OF_KIND[kind]}/{slug}.md"
     moved_from = existing_rel if existing_rel and existing_rel != address else None
     result = {"status": "ok", "id": slug, "address": address, "kind": kind,
               "amended": bool(a["amend"]), "moved_from": moved_from, "committed": False,
               "commit": None, "derived": None, "sync": sync_report, "redaction": redaction,
-              "digest_warnings": report["warnings"], "instruction_flags": flags,
+              "digest_warnings": report["warnings"], "instruction_flags": scan_instructions(text),
               "warnings": warnings}
     if old:
         result.update(_amend_report(old, old_fields, olds, fields, digest, body_sections))
     if a["dry_run"]:
-        result.update(status="dry-run", episode_text=text,
-                      summary=f"dry run: {slug} at {address} composed ({size} bytes; "
-                              f"{redaction['summary']}), nothing written")
+        result.update(status="dry-run", episode_text=text, summary=f"dry run: {slug} at {address} "
+                      f"composed ({size} bytes; {redaction['summary']}), nothing written")
         return result
-    # 10-12. write, render, commit; any failure restores every touched path
+    # write, render, commit; any failure restores every touched path
     _check_cancelled()
     mode = _derived_mode(root)
     if mode == "auto":
@@ -5944,9 +5935,8 @@ def _shelve_locked(root, a):
             if before is not None:
                 # the last render, on disk, with this episode's lines moved (not all re-rendered)
                 st = os.stat(os.path.join(root, address))
-                scanned = sorted([f for f in scanned if f[0] not in (address, moved_from)] +
-                                 [(address, False, _stamp((st.st_size, st.st_mtime_ns,
-                                                           st.st_ino)))])
+                scanned = sorted([f for f in scanned if f[0] not in (address, moved_from)] + [
+                    (address, False, _stamp((st.st_size, st.st_mtime_ns, st.st_ino)))])
                 with _Store(root) as store:
                     records = store.render_records(files=scanned)
                 rendered = _render_one_change(root, before, records, address, old,
@@ -5976,7 +5966,7 @@ def _shelve_locked(root, a):
     _taint_memory(root, learned)   # masked values beyond this episode (docs/redaction.md)
     if mode == "auto":
         _remember_render(root, rendered)
-    # 13. push / publish (git-and-sync.md § 7)
+    # push / publish (git-and-sync.md § 7)
     if git.is_repo() and result["committed"]:
         result["sync"] = _after_commit_sync(root, git, result, sync_report, a)
     ledger_row = _ledger_row(_read_episode(root, address))
@@ -6072,8 +6062,7 @@ class _Journal:
 
 def _ledger_expected(rec):
     """The ledger's expected-tokens cell of a record: its approx_tokens, 0 when unknown."""
-    approx = rec["approx_tokens"]
-    return approx if approx is not None and approx >= 0 else 0
+    return max(rec["approx_tokens"] or 0, 0)
 
 
 def _ledger_row(rec):
