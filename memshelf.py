@@ -6009,12 +6009,8 @@ class _Journal:
                 self.remove(rel)
                 return True
             return False
-        try:
-            with open(path, "rb") as f:
-                if f.read() == content.encode("utf-8"):
-                    return False
-        except OSError:
-            pass
+        if _disk_bytes(path) == content.encode("utf-8"):
+            return False
         self.write(rel, content)
         return True
 
