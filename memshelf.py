@@ -13238,8 +13238,7 @@ class _MirrorMarkdown:
                 href = _safe_href(m.group("href"))
                 inner = self.inline(m.group("ltext"), links=False)
                 if href is None:
-                    out.append(inner + _esc(f" ({m.group('href')})") if m.group("href")
-                               else inner)
+                    out.append(inner + _esc(f" ({m.group('href')})") if m.group("href") else inner)
                 else:
                     rel = "" if href.startswith("#") else ' rel="noopener noreferrer nofollow"'
                     out.append(f'<a href="{_esc(href)}"{rel}>{inner}</a>')
@@ -13297,8 +13296,7 @@ class _MirrorMarkdown:
                 while i < len(lines) and lines[i].lstrip().startswith(">"):
                     quoted.append(re.sub(r"^\s*> ?", "", lines[i]))
                     i += 1
-                out.append("<blockquote>" + "\n".join(self.blocks(quoted, shift)) +
-                           "</blockquote>")
+                out.append("<blockquote>" + "\n".join(self.blocks(quoted, shift)) + "</blockquote>")
                 continue
             if "|" in line and i + 1 < len(lines) and _MD_TABLE_RULE.match(lines[i + 1]) \
                     and "-" in lines[i + 1]:
@@ -13583,8 +13581,7 @@ def _path_rows(name):
         if m:
             row["version"], row["code_hash"] = m.group(2), m.group(3)
         else:
-            row["note"] = "unrecognised --version output: " + (text.split("\n")[0][:80] or
-                                                               "(none)")
+            row["note"] = "unrecognised --version output: " + (text.split("\n")[0][:80] or "(none)")
     return rows
 
 
