@@ -8332,8 +8332,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("semantic", semantic, [
 
 
 _GIT_NETWORK_VERBS = ("fetch", "push", "pull", "ls-remote", "clone")
-# memshelf's own merges, rebases and amends run under the shelf lock; our post-merge and
-# post-rewrite hooks would wait for that lock, so those calls run with hooks switched off.
+# memshelf's merges, rebases and amends hold the shelf lock our hooks would wait for: hooks off
 _NO_HOOKS = "core.hooksPath=" + os.devnull
 _RENDER_POLL_SECONDS = 5
 
@@ -8581,8 +8580,7 @@ _NO_IDENTITY = (b"tell me who you are", b"empty ident", b"unable to auto-detect 
 
 
 def _shelf_status(git, *specs, untracked="all", renames=False, read_only=False):
-    """(index vs HEAD, tree vs index, shelf-relative path) of every shelf file that differs
-    under specs (default the shelf); a rename's source is left out."""
+    """(index vs HEAD, tree vs index, shelf-relative path) of every shelf file changed in specs."""
     p = git.run("status", "--porcelain=v1", "-z", f"--untracked-files={untracked}",
                 *(() if renames else ("--no-renames",)), "--", *(specs or (".",)), check=False,
                 read_only=read_only)
@@ -8960,8 +8958,7 @@ def _push_rejected(words):
 def _push(root, git, result, report, amend=True):
     remote, branch = report["remote"], report["branch"]
     report.update(push_requested=True, performed=True)
-    # the first push of a fresh git-remote shelf also records the upstream, so plain
-    # `git pull` and doctor's judgement of the renderer work from then on
+    # a fresh git-remote shelf's first push records the upstream, for `git pull` and doctor
     local = git.out("symbolic-ref", "--short", "-q", "HEAD", check=False, read_only=True)
     track = [] if git.ok("config", "--get", f"branch.{local}.merge", read_only=True) else ["-u"]
     p = git.run("push", "-q", *track, remote, f"HEAD:refs/heads/{branch}", check=False)
@@ -9284,8 +9281,7 @@ _ROLLUP_MAX_KEYWORDS = 8
 _ROLLUP_RESERVED_SECTION = "Archived"
 _KEYWORD_WORD = _re_lazy(r"[^\W\d_]+")
 _KEYWORD_MASK = _re_lazy(r"«redacted:[^»]*»")
-# function words never name a topic; first-person forms stay out so the keyword sentence can
-# never trip the digest contract's referent rule
+# function words never name a topic; first-person forms would trip the digest's referent rule
 _KEYWORD_STOP = frozenset("""
 a about above after again against all also am an and any are as at be because been before being
 below between both but by can could did do does doing done down during each else even every few
@@ -12600,8 +12596,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
 # ==========================================================================================
 
 
-# The views read the shelf and export it (verbs.md § 4); exports skip episodes tagged by
-# `export_exclude_tags` (shelf-format.md § 2.3). prune-splits is the only view that writes.
+# verbs.md § 4; exports skip `export_exclude_tags` episodes; prune-splits alone writes.
 
 _EXPORT_EXCLUDE_DEFAULT = ("private", "sensitive-*")
 _QUARTER = _re_lazy(r"(\d{4})[Qq]([1-4])\Z")
@@ -13145,8 +13140,7 @@ padding:.4rem .7rem;border-radius:.3rem;font-size:.9rem}
 footer{margin-top:2.5rem;color:var(--muted);font-size:.8rem}
 """.strip()
 
-# The one script: search-as-you-type. The CSP allows exactly this text by its sha256 hash;
-# without it the page is complete and the filter box stays hidden.
+# search-as-you-type, the one script the CSP allows (by sha256); without it the filter box hides
 _MIRROR_SCRIPT = """
 (function(){var box=document.getElementById("filter"),q=document.getElementById("q"),
 n=document.getElementById("shown");if(!box||!q)return;
@@ -13853,9 +13847,8 @@ _EXTRA_VERB_FACTORIES.extend(lambda n=n: _view_verbs()[n] for n in range(7))
 # ==========================================================================================
 
 
-# Claude Code's contract: only SessionStart and Stop output reach the model (as
-# hookSpecificOutput.additionalContext; SessionStart's is previewed above ~10,000 characters);
-# SessionEnd hooks share about 1.5 s; a Stop hook's context avoids the "Stop hook error" of a block.
+# Claude Code: only SessionStart and Stop additionalContext reach the model (SessionStart's is
+# previewed above ~10,000 chars); SessionEnd hooks share ~1.5 s; Stop blocks show "Stop hook error"
 
 _HOOK_INDEX_CHARS = 9500         # memshelf.json hook_index_chars default (whole hook output)
 _HOOK_STDIN_WAIT = 2.0           # seconds to wait for the host's JSON when stdin stays open
@@ -14375,8 +14368,7 @@ class _Verb:
 
 
 def _arg_word(name, value=None, verb="index", cli=None):
-    """How the caller spells argument `name` of `verb` (set to `value`): `outline=true` over MCP
-    and `memshelf call`, `--outline` or `--offset 1` at a terminal."""
+    """Argument `name` of `verb` as the caller spells it: `outline=true` (MCP) or `--outline`."""
     if cli is None:
         cli = _context("client_name") is None
     if not cli:
@@ -14794,8 +14786,7 @@ def _validate_arguments(verb, arguments):
 
 
 def call_tool(name, arguments, *, client_name=None):
-    """Run one MCP tool in-process, validated like the server; the result dict, or ShelfError
-    (KeyError for an unknown tool)."""
+    """One MCP tool run in-process, validated like the server (KeyError: an unknown tool)."""
     verb = _tool(name)
     kwargs = _validate_arguments(verb, arguments if arguments is not None else {})
     if verb.name == "shelve" and client_name and not kwargs.get("agent") and \
@@ -15377,8 +15368,7 @@ def _output_failed(exc):
         except (OSError, ValueError):
             pass
         return 0
-    sys.stderr.write(f"memshelf: error: could not write the output: "
-                     f"{exc.strerror or exc}\n")
+    sys.stderr.write(f"memshelf: error: could not write the output: {exc.strerror or exc}\n")
     return 1
 
 
