@@ -8648,8 +8648,7 @@ def _hook_script(name, launcher):
     guard, tail = ('if [ "${MEMSHELF_SKIP_GUARD:-}" = "1" ]; then\n'
                    '  echo "memshelf pre-commit: MEMSHELF_SKIP_GUARD=1, nothing was scanned" >&2\n'
                    '  exit 0\nfi\n', "exit $rc") if name == "pre-commit" else ("", "exit 0")
-    # git runs a hook at the top of the work tree, which is the shelf (hooks are installed at
-    # a repository's root only): "." follows the shelf when its folder is moved or copied
+    # hooks live only in a repository rooted at the shelf and run there: "." follows a moved shelf
     return ("#!/bin/sh\n# installed by memshelf init; safe to delete\n"
             f"SHELF=.\n{guard}"
             f"{launcher} {_HOOKS[name]} </dev/null\nrc=$?\n"
@@ -9410,8 +9409,7 @@ def _rollup_select(root, records, slug, until, episode_ids, kinds):
                                   "instead of its members", archived=folded)
     else:
         selected = [r for r in live if _rollup_date(r) and _rollup_date(r) <= until and
-                    (not kinds or (r.get("kind") or _KIND_OF_CATEGORY.get(r["category"]))
-                     in kinds)]
+                    (not kinds or (r.get("kind") or _KIND_OF_CATEGORY.get(r["category"])) in kinds)]
         if not selected:
             what = f" of kind {', '.join(kinds)}" if kinds else ""
             raise _rollup_invalid(f"nothing to fold: no live episode{what} dated on or before "
@@ -9563,8 +9561,7 @@ def _rollup_locked(root, a):
         if not os.path.exists(os.path.join(root, "archive", ".docshelf.json")):
             journal.write("archive/.docshelf.json", _archive_config_text(root))
             paths.append("archive/.docshelf.json")
-        # atomic renames: an interruption leaves each episode either live or archived, never
-        # both and never lost; rebuild then re-renders and doctor explains the rest
+        # atomic renames: interrupted, each episode is live or archived, never both nor lost
         for i, move in enumerate(moves):
             progress.update(i, "archiving episodes")
             journal.move(move["from"], move["to"])
@@ -9669,8 +9666,7 @@ def _purge_locked(root, today, apply, autocommit):
     history = git.is_repo()
     n = len(expired)
     result = {"status": "ok", "today": today, "expired": listing, "deleted": [], "count": n,
-              "applied": bool(apply), "committed": False, "commit": None,
-              "warnings": warnings,
+              "applied": bool(apply), "committed": False, "commit": None, "warnings": warnings,
               "note": _PURGE_HISTORY_NOTE if history else _PURGE_PLAIN_NOTE}
     noun = f"{n} episode{'s' if n != 1 else ''}"
     if not apply:
@@ -12770,8 +12766,7 @@ def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=Non
                 if target == r["stem"]:
                     continue
                 e = edges.setdefault((r["stem"], target, "mention"), {
-                    "from": r["stem"], "to": target, "type": "mention", "sections": [],
-                    "count": 0})
+                    "from": r["stem"], "to": target, "type": "mention", "sections": [], "count": 0})
                 e["count"] += 1
                 if heading is not None and heading not in e["sections"]:
                     e["sections"].append(heading)
@@ -13207,8 +13202,7 @@ class _MirrorMarkdown:
     def inline(self, s, links=True):
         out, pos = [], 0
         for m in _MD_INLINE.finditer(s):
-            kind = m.lastgroup
-            if not links and kind in ("link", "auto", "bare", "img"):
+            if not links and m.lastgroup in ("link", "auto", "bare", "img"):
                 continue
             out.append(self.text(s[pos:m.start()], links))
             pos = m.end()
@@ -15148,8 +15142,7 @@ def _build_parser(only=None):
     import argparse
 
     class Formatter(argparse.HelpFormatter):
-        # argparse's default width imports shutil on every parser built; the start-up path
-        # builds several, and only --help output needs the width
+        # argparse's default width imports shutil per parser built; only --help needs the width
         def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
             super().__init__(prog, indent_increment, max_help_position,
                              width or _terminal_columns() - 2)
@@ -15188,8 +15181,7 @@ def _build_parser(only=None):
             kw = {"dest": prm.name, "help": text}
             if prm.type == "boolean":
                 if prm.negate:
-                    # the MCP schema's sentence says what happens by default; the switch
-                    # turns it off: "Default: commit on git shelves; this flag turns it off"
+                    # the MCP sentence says what happens by default; the switch turns that off
                     done = text[:1].lower() + text[1:].rstrip(".")
                     p.add_argument(prm.negate, dest=prm.name, action="store_false", default=None,
                                    help=f"Default: {done}; this flag turns that off.")
