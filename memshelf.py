@@ -14020,8 +14020,7 @@ def _hook_output(event, ctx):
 
 
 def _index_units(text, fmt):
-    """INDEX without title, preamble and footer -> [[heading, [unit lines, ...]], ...]; a unit
-    is one entry: a compact line, or a docshelf `- **…` line or legacy `### ` block."""
+    """INDEX sans preamble and footer -> [[heading, [unit lines, ...]], ...]; a unit per entry."""
     lines = text.rstrip("\n").split("\n")
     start = next((i for i, l in enumerate(lines) if l.startswith("## ")), len(lines))
     end = next((i for i in range(len(lines) - 1, start - 1, -1) if lines[i] == "---"), len(lines))
