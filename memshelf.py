@@ -8082,8 +8082,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("semantic", semantic, [
 
 
 _GIT_NETWORK_VERBS = ("fetch", "push", "pull", "ls-remote", "clone")
-# memshelf's own merges, rebases and amends run under the shelf lock; our post-merge and
-# post-rewrite hooks would wait for that lock, so those calls run with hooks switched off.
+# memshelf's merges, rebases and amends hold the shelf lock our hooks would wait for: hooks off
 _NO_HOOKS = "core.hooksPath=" + os.devnull
 _RENDER_POLL_SECONDS = 5
 
@@ -8331,8 +8330,7 @@ _NO_IDENTITY = (b"tell me who you are", b"empty ident", b"unable to auto-detect 
 
 
 def _shelf_status(git, *specs, untracked="all", renames=False, read_only=False):
-    """(index vs HEAD, tree vs index, shelf-relative path) of every shelf file that differs
-    under specs (default the shelf); a rename's source is left out."""
+    """(index vs HEAD, tree vs index, shelf-relative path) of every shelf file changed in specs."""
     p = git.run("status", "--porcelain=v1", "-z", f"--untracked-files={untracked}",
                 *(() if renames else ("--no-renames",)), "--", *(specs or (".",)), check=False,
                 read_only=read_only)
@@ -8400,8 +8398,7 @@ def _hook_script(name, launcher):
     guard, tail = ('if [ "${MEMSHELF_SKIP_GUARD:-}" = "1" ]; then\n'
                    '  echo "memshelf pre-commit: MEMSHELF_SKIP_GUARD=1, nothing was scanned" >&2\n'
                    '  exit 0\nfi\n', "exit $rc") if name == "pre-commit" else ("", "exit 0")
-    # git runs a hook at the top of the work tree, which is the shelf (hooks are installed at
-    # a repository's root only): "." follows the shelf when its folder is moved or copied
+    # hooks live only in a repository rooted at the shelf and run there: "." follows a moved shelf
     return ("#!/bin/sh\n# installed by memshelf init; safe to delete\n"
             f"SHELF=.\n{guard}"
             f"{launcher} {_HOOKS[name]} </dev/null\nrc=$?\n"
@@ -8710,8 +8707,7 @@ def _push_rejected(words):
 def _push(root, git, result, report, amend=True):
     remote, branch = report["remote"], report["branch"]
     report.update(push_requested=True, performed=True)
-    # the first push of a fresh git-remote shelf also records the upstream, so plain
-    # `git pull` and doctor's judgement of the renderer work from then on
+    # a fresh git-remote shelf's first push records the upstream, for `git pull` and doctor
     local = git.out("symbolic-ref", "--short", "-q", "HEAD", check=False, read_only=True)
     track = [] if git.ok("config", "--get", f"branch.{local}.merge", read_only=True) else ["-u"]
     p = git.run("push", "-q", *track, remote, f"HEAD:refs/heads/{branch}", check=False)
@@ -9034,8 +9030,7 @@ _ROLLUP_MAX_KEYWORDS = 8
 _ROLLUP_RESERVED_SECTION = "Archived"
 _KEYWORD_WORD = _re_lazy(r"[^\W\d_]+")
 _KEYWORD_MASK = _re_lazy(r"«redacted:[^»]*»")
-# function words never name a topic; first-person forms stay out so the keyword sentence can
-# never trip the digest contract's referent rule
+# function words never name a topic; first-person forms would trip the digest's referent rule
 _KEYWORD_STOP = frozenset("""
 a about above after again against all also am an and any are as at be because been before being
 below between both but by can could did do does doing done down during each else even every few
@@ -9164,8 +9159,7 @@ def _rollup_select(root, records, slug, until, episode_ids, kinds):
                                   "instead of its members", archived=folded)
     else:
         selected = [r for r in live if _rollup_date(r) and _rollup_date(r) <= until and
-                    (not kinds or (r.get("kind") or _KIND_OF_CATEGORY.get(r["category"]))
-                     in kinds)]
+                    (not kinds or (r.get("kind") or _KIND_OF_CATEGORY.get(r["category"])) in kinds)]
         if not selected:
             what = f" of kind {', '.join(kinds)}" if kinds else ""
             raise _rollup_invalid(f"nothing to fold: no live episode{what} dated on or before "
@@ -9317,8 +9311,7 @@ def _rollup_locked(root, a):
         if not os.path.exists(os.path.join(root, "archive", ".docshelf.json")):
             journal.write("archive/.docshelf.json", _archive_config_text(root))
             paths.append("archive/.docshelf.json")
-        # atomic renames: an interruption leaves each episode either live or archived, never
-        # both and never lost; rebuild then re-renders and doctor explains the rest
+        # atomic renames: interrupted, each episode is live or archived, never both nor lost
         for i, move in enumerate(moves):
             progress.update(i, "archiving episodes")
             journal.move(move["from"], move["to"])
@@ -9423,8 +9416,7 @@ def _purge_locked(root, today, apply, autocommit):
     history = git.is_repo()
     n = len(expired)
     result = {"status": "ok", "today": today, "expired": listing, "deleted": [], "count": n,
-              "applied": bool(apply), "committed": False, "commit": None,
-              "warnings": warnings,
+              "applied": bool(apply), "committed": False, "commit": None, "warnings": warnings,
               "note": _PURGE_HISTORY_NOTE if history else _PURGE_PLAIN_NOTE}
     noun = f"{n} episode{'s' if n != 1 else ''}"
     if not apply:
@@ -12258,8 +12250,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
 # ==========================================================================================
 
 
-# The views read the shelf and export it (verbs.md § 4); exports skip episodes tagged by
-# `export_exclude_tags` (shelf-format.md § 2.3). prune-splits is the only view that writes.
+# verbs.md § 4; exports skip `export_exclude_tags` episodes; prune-splits alone writes.
 
 _EXPORT_EXCLUDE_DEFAULT = ("private", "sensitive-*")
 _QUARTER = _re_lazy(r"(\d{4})[Qq]([1-4])\Z")
@@ -12433,8 +12424,7 @@ def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=Non
                 if target == r["stem"]:
                     continue
                 e = edges.setdefault((r["stem"], target, "mention"), {
-                    "from": r["stem"], "to": target, "type": "mention", "sections": [],
-                    "count": 0})
+                    "from": r["stem"], "to": target, "type": "mention", "sections": [], "count": 0})
                 e["count"] += 1
                 if heading is not None and heading not in e["sections"]:
                     e["sections"].append(heading)
@@ -12803,8 +12793,7 @@ padding:.4rem .7rem;border-radius:.3rem;font-size:.9rem}
 footer{margin-top:2.5rem;color:var(--muted);font-size:.8rem}
 """.strip()
 
-# The one script: search-as-you-type. The CSP allows exactly this text by its sha256 hash;
-# without it the page is complete and the filter box stays hidden.
+# search-as-you-type, the one script the CSP allows (by sha256); without it the filter box hides
 _MIRROR_SCRIPT = """
 (function(){var box=document.getElementById("filter"),q=document.getElementById("q"),
 n=document.getElementById("shown");if(!box||!q)return;
@@ -12871,8 +12860,7 @@ class _MirrorMarkdown:
     def inline(self, s, links=True):
         out, pos = [], 0
         for m in _MD_INLINE.finditer(s):
-            kind = m.lastgroup
-            if not links and kind in ("link", "auto", "bare", "img"):
+            if not links and m.lastgroup in ("link", "auto", "bare", "img"):
                 continue
             out.append(self.text(s[pos:m.start()], links))
             pos = m.end()
@@ -12896,8 +12884,7 @@ class _MirrorMarkdown:
                 href = _safe_href(m.group("href"))
                 inner = self.inline(m.group("ltext"), links=False)
                 if href is None:
-                    out.append(inner + _esc(f" ({m.group('href')})") if m.group("href")
-                               else inner)
+                    out.append(inner + _esc(f" ({m.group('href')})") if m.group("href") else inner)
                 else:
                     rel = "" if href.startswith("#") else ' rel="noopener noreferrer nofollow"'
                     out.append(f'<a href="{_esc(href)}"{rel}>{inner}</a>')
@@ -12955,8 +12942,7 @@ class _MirrorMarkdown:
                 while i < len(lines) and lines[i].lstrip().startswith(">"):
                     quoted.append(re.sub(r"^\s*> ?", "", lines[i]))
                     i += 1
-                out.append("<blockquote>" + "\n".join(self.blocks(quoted, shift)) +
-                           "</blockquote>")
+                out.append("<blockquote>" + "\n".join(self.blocks(quoted, shift)) + "</blockquote>")
                 continue
             if "|" in line and i + 1 < len(lines) and _MD_TABLE_RULE.match(lines[i + 1]) \
                     and "-" in lines[i + 1]:
@@ -13241,8 +13227,7 @@ def _path_rows(name):
         if m:
             row["version"], row["code_hash"] = m.group(2), m.group(3)
         else:
-            row["note"] = "unrecognised --version output: " + (text.split("\n")[0][:80] or
-                                                               "(none)")
+            row["note"] = "unrecognised --version output: " + (text.split("\n")[0][:80] or "(none)")
     return rows
 
 
@@ -13514,9 +13499,8 @@ _EXTRA_VERB_FACTORIES.extend(lambda n=n: _view_verbs()[n] for n in range(7))
 # ==========================================================================================
 
 
-# Claude Code's contract: only SessionStart and Stop output reach the model (as
-# hookSpecificOutput.additionalContext; SessionStart's is previewed above ~10,000 characters);
-# SessionEnd hooks share about 1.5 s; a Stop hook's context avoids the "Stop hook error" of a block.
+# Claude Code: only SessionStart and Stop additionalContext reach the model (SessionStart's is
+# previewed above ~10,000 chars); SessionEnd hooks share ~1.5 s; Stop blocks show "Stop hook error"
 
 _HOOK_INDEX_CHARS = 9500         # memshelf.json hook_index_chars default (whole hook output)
 _HOOK_STDIN_WAIT = 2.0           # seconds to wait for the host's JSON when stdin stays open
@@ -13694,8 +13678,7 @@ def _hook_output(event, ctx):
 
 
 def _index_units(text, fmt):
-    """INDEX without title, preamble and footer -> [[heading, [unit lines, ...]], ...]; a unit
-    is one entry: a compact line, or a docshelf `- **…` line or legacy `### ` block."""
+    """INDEX sans preamble and footer -> [[heading, [unit lines, ...]], ...]; a unit per entry."""
     lines = text.rstrip("\n").split("\n")
     start = next((i for i, l in enumerate(lines) if l.startswith("## ")), len(lines))
     end = next((i for i in range(len(lines) - 1, start - 1, -1) if lines[i] == "---"), len(lines))
@@ -14036,8 +14019,7 @@ class _Verb:
 
 
 def _arg_word(name, value=None, verb="index", cli=None):
-    """How the caller spells argument `name` of `verb` (set to `value`): `outline=true` over MCP
-    and `memshelf call`, `--outline` or `--offset 1` at a terminal."""
+    """Argument `name` of `verb` as the caller spells it: `outline=true` (MCP) or `--outline`."""
     if cli is None:
         cli = _context("client_name") is None
     if not cli:
@@ -14455,8 +14437,7 @@ def _validate_arguments(verb, arguments):
 
 
 def call_tool(name, arguments, *, client_name=None):
-    """Run one MCP tool in-process, validated like the server; the result dict, or ShelfError
-    (KeyError for an unknown tool)."""
+    """One MCP tool run in-process, validated like the server (KeyError: an unknown tool)."""
     verb = _tool(name)
     kwargs = _validate_arguments(verb, arguments if arguments is not None else {})
     if verb.name == "shelve" and client_name and not kwargs.get("agent") and \
@@ -14818,8 +14799,7 @@ def _build_parser(only=None):
     import argparse
 
     class Formatter(argparse.HelpFormatter):
-        # argparse's default width imports shutil on every parser built; the start-up path
-        # builds several, and only --help output needs the width
+        # argparse's default width imports shutil per parser built; only --help needs the width
         def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
             super().__init__(prog, indent_increment, max_help_position,
                              width or _terminal_columns() - 2)
@@ -14858,8 +14838,7 @@ def _build_parser(only=None):
             kw = {"dest": prm.name, "help": text}
             if prm.type == "boolean":
                 if prm.negate:
-                    # the MCP schema's sentence says what happens by default; the switch
-                    # turns it off: "Default: commit on git shelves; this flag turns it off"
+                    # the MCP sentence says what happens by default; the switch turns that off
                     done = text[:1].lower() + text[1:].rstrip(".")
                     p.add_argument(prm.negate, dest=prm.name, action="store_false", default=None,
                                    help=f"Default: {done}; this flag turns that off.")
@@ -15038,8 +15017,7 @@ def _output_failed(exc):
         except (OSError, ValueError):
             pass
         return 0
-    sys.stderr.write(f"memshelf: error: could not write the output: "
-                     f"{exc.strerror or exc}\n")
+    sys.stderr.write(f"memshelf: error: could not write the output: {exc.strerror or exc}\n")
     return 1
 
 
