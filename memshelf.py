@@ -7578,9 +7578,8 @@ def _fts_update(db, root, gone, fresh):
         db.execute("DELETE FROM search_episodes WHERE ep = ?", (ep,))
     ep = db.execute("SELECT max(ep) FROM search_episodes").fetchone()[0] or 0
     sid = db.execute("SELECT max(sid) FROM search_sections").fetchone()[0] or 0
-    progress = _Progress("building the search index" if first else
-                         "updating the search index", len(fresh)) \
-        if first or len(fresh) > 200 else None
+    progress = _Progress(("building" if first else "updating") + " the search index",
+                         len(fresh)) if first or len(fresh) > 200 else None
     eps, secs, fts = [], [], []
     for n, (rel, st, seen) in enumerate(fresh, 1):
         try:
@@ -7671,8 +7670,7 @@ class _ScanColumn:
     def __init__(self, value):
         self.text = _fold(_index_text(value))
         self.tokens = _SEARCH_TOKEN.findall(self.text)
-        self._counts = None
-        self._sorted = None
+        self._counts = self._sorted = None
 
     def hits(self, toks, prefix):
         """How often a phrase occurs here, counted as FTS5 counts instances."""
@@ -8277,10 +8275,8 @@ class _Embedder:
     """Texts -> unit-length float32 vectors (numpy rows) with one loaded model."""
 
     def __init__(self, backend, name, encode):
-        self.name = name
+        self.name, self._encode, self.dim = name, encode, None
         self.model_id = _semantic_model_id((backend, name))
-        self._encode = encode
-        self.dim = None
 
     def encode(self, texts):
         import numpy
@@ -8362,9 +8358,8 @@ def _semantic_stale(db, root):
     files = [(rel, archived, st[0], st[1]) for rel, archived, st in _scan_episode_files(root)]
     known = {p: (s, m) for p, s, m in db.execute(
         "SELECT path, size, mtime_ns FROM semantic_files")}
-    present = {f[0] for f in files}
     return files, known, [f for f in files if known.get(f[0]) != (f[2], f[3])], \
-        sorted(p for p in known if p not in present)
+        sorted(set(known) - {f[0] for f in files})
 
 
 def _semantic_build(root, force):
