@@ -7711,8 +7711,7 @@ def _scan_candidates(root, terms, excluded):
     phrases += _adjacent_phrases(terms)   # held, not scored
     negated = [alt for term in excluded for alt in term]
     n_rows = n_tokens = 0
-    df = [0] * len(phrases)
-    term_df = [0] * len(terms)
+    df, term_df = [0] * len(phrases), [0] * len(terms)
     ends = list(itertools.accumulate(len(term) for term in terms))
     spans = [range(end - len(term), end) for term, end in zip(terms, ends)]
     kept, banned, superseded = [], set(), {}
@@ -7763,11 +7762,9 @@ def _scan_candidates(root, terms, excluded):
             len(own.intersection(range(n_alts, len(phrases))))
         if episode["path"] in banned or not held and ordinal:
             continue
-        score = 0.0
         norm = _BM25_K1 * (1 - _BM25_B + _BM25_B * length / avgdl)
-        for i, f in enumerate(freq[:n_alts]):
-            if f:
-                score += idf[i] * (f * (_BM25_K1 + 1.0)) / (f + norm)
+        score = sum((idf[i] * (f * (_BM25_K1 + 1.0)) / (f + norm)
+                     for i, f in enumerate(freq[:n_alts]) if f), 0.0)
         matched = sum(1 for span in spans if any(freq[i] for i in span))
         held *= 0.5 if heading == "Digest" else 1
         scored.append((held + score / (score + 1), episode, ordinal, heading, chars, matched))
@@ -7812,11 +7809,8 @@ def _snippet(text, pattern, needles):
     """About 200 characters of the text around the densest cluster of query words, with …"""
     best = 0
     if pattern is not None:
-        found = []
-        for m in pattern.finditer(text):
-            found.append((m.start(), needles.get(m.group().lower(), -1)))
-            if len(found) >= 300:
-                break
+        found = [(m.start(), needles.get(m.group().lower(), -1))
+                 for m in itertools.islice(pattern.finditer(text), 300)]
         top = -1
         for i, (pos, _) in enumerate(found):
             terms = {t for p, t in found[i:] if p - pos <= _SNIPPET_CHARS * 0.6}
