@@ -7232,8 +7232,7 @@ import itertools
 
 _SEARCH_SCHEMA = "2"
 _SEARCH_WEIGHTS = (3.0, 2.0, 1.0)          # title, heading, body
-_BM25_K1 = 1.2                              # the constants FTS5's bm25() hard-codes
-_BM25_B = 0.75
+_BM25_K1, _BM25_B = 1.2, 0.75               # the constants FTS5's bm25() hard-codes
 _SNIPPET_CHARS = 200
 _RRF_K = 60
 _SEARCH_MAX_TERMS = 32
@@ -8062,8 +8061,7 @@ def _search_scan(root, terms, excluded, filters, limit, per_episode):
     accepted = [s for s in scored if filters.accepts(s[1])]
     picked = [s for s in accepted if s[5] == len(terms)]
     if not picked and len(terms) > 1:
-        match_mode = "any"
-        picked = accepted
+        match_mode, picked = "any", accepted
     cands = [(score, ep["date"], ep["stem"], ordinal, ep["path"], (ep["path"], ordinal))
              for score, ep, ordinal, _, _, _ in picked]
     chosen, total = _cap_per_episode(_rank_candidates(cands), per_episode, limit)
