@@ -6712,8 +6712,7 @@ import itertools
 
 _SEARCH_SCHEMA = "2"
 _SEARCH_WEIGHTS = (3.0, 2.0, 1.0)          # title, heading, body
-_BM25_K1 = 1.2                              # the constants FTS5's bm25() hard-codes
-_BM25_B = 0.75
+_BM25_K1, _BM25_B = 1.2, 0.75               # the constants FTS5's bm25() hard-codes
 _SNIPPET_CHARS = 200
 _RRF_K = 60
 _SEARCH_MAX_TERMS = 32
@@ -6765,17 +6764,12 @@ def _cjk_rewrite(text):
     return _CJK_RUN.sub(lambda m: " " + " ".join(_cjk_bigrams(m.group())) + " ", text)
 
 
-_FOLDED = {}
-
-
-def _fold_char(match):
-    ch = match.group()
-    if ch not in _FOLDED:
-        parts = unicodedata.normalize("NFD", ch)
-        bare = len(parts) > 1 and parts[0] < "\x80" and parts[0].isalpha() and \
-            all("\u0300" <= c <= "\u036f" for c in parts[1:])
-        _FOLDED[ch] = "" if "\u0300" <= ch <= "\u036f" else parts[0] if bare else ch
-    return _FOLDED[ch]
+@functools.lru_cache(maxsize=None)
+def _fold_char(ch):
+    parts = unicodedata.normalize("NFD", ch)
+    bare = len(parts) > 1 and parts[0] < "\x80" and parts[0].isalpha() and \
+        all("\u0300" <= c <= "\u036f" for c in parts[1:])
+    return "" if "\u0300" <= ch <= "\u036f" else parts[0] if bare else ch
 
 
 def _fold(text):
@@ -6783,7 +6777,7 @@ def _fold(text):
     text = text.lower()
     if text.isascii():
         return text
-    return _FOLDABLE.sub(_fold_char, text)
+    return _FOLDABLE.sub(lambda m: _fold_char(m.group()), text)
 
 
 def _search_tokens(text):
@@ -6850,8 +6844,7 @@ def _parse_query(query):
                 (excluded if negated else terms).append([(toks, False)])
             continue
         toks = _search_tokens(word)
-        (stop if toks and all(t in _STOPWORDS for t in toks) else terms).extend(
-            _word_terms(word))
+        (stop if toks and all(t in _STOPWORDS for t in toks) else terms).extend(_word_terms(word))
     return _unique_terms(terms or stop)[:_SEARCH_MAX_TERMS], \
         _unique_terms(excluded)[:_SEARCH_MAX_TERMS]
 
@@ -6870,15 +6863,9 @@ def _unique_terms(terms):
     return list({tuple(term): term for term in terms}.values())
 
 
-def _fts_phrase(toks, prefix):
-    # tokens are letters and digits only, so quoting them leaves no FTS5 syntax to inject
-    return '"' + " ".join(toks) + '"' + ("*" if prefix else "")
-
-
 def _held_weights(counts, n_rows):
     """What holding each query word is worth to a section: 1, up to 2 for a rare word."""
-    idf = [max(math.log((n_rows - d + 0.5) / (d + 0.5)), 0.0) if n_rows else 0.0
-           for d in counts]
+    idf = [max(math.log((n_rows - d + 0.5) / (d + 0.5)), 0.0) if n_rows else 0.0 for d in counts]
     return [1 + v / (1 + v) for v in idf]
 
 
@@ -6890,9 +6877,9 @@ def _held(weights, terms, first, any_alt):
 
 
 def _fts_expression(terms, any_word):
-    def term(alts):
-        return "(" + " OR ".join(_fts_phrase(t, p) for t, p in alts) + ")"
-    return (" OR " if any_word else " AND ").join(term(t) for t in terms)
+    # tokens are letters and digits only, so quoting them leaves no FTS5 syntax to inject
+    return (" OR " if any_word else " AND ").join(
+        "(" + " OR ".join(f'"{" ".join(t)}"' + "*" * p for t, p in alts) + ")" for alts in terms)
 
 
 # --- episodes as search rows ----------------------------------------------------------------
@@ -6946,9 +6933,7 @@ class _SearchFilters:
         # what the episode's tag field holds for each tag; a prefix (tag*) has no closing mark
         self.tags = [_TAG_SEP + t.lower() + _TAG_SEP for t in tags if not t.endswith("*")] + \
             [_TAG_SEP + t[:-1].lower() for t in tags if t.endswith("*")]
-        self.since = since
-        self.until = until
-        self.archive = archive
+        self.since, self.until, self.archive = since, until, archive
 
     def sql(self):
         where, params = [], []
@@ -7063,8 +7048,7 @@ def _fts_plan(db, root):
 
 
 def _fts_update(db, root, gone, fresh):
-    """Delete the gone episodes' rows, then index the fresh ones (one executemany per table
-    for every 256 files)."""
+    """Delete the gone episodes' rows, then index the fresh ones, 256 files per executemany."""
     first = db.execute("SELECT 1 FROM search_episodes LIMIT 1").fetchone() is None
     for ep in gone:
         db.execute("DELETE FROM search_fts WHERE rowid IN "
@@ -7073,9 +7057,8 @@ def _fts_update(db, root, gone, fresh):
         db.execute("DELETE FROM search_episodes WHERE ep = ?", (ep,))
     ep = db.execute("SELECT max(ep) FROM search_episodes").fetchone()[0] or 0
     sid = db.execute("SELECT max(sid) FROM search_sections").fetchone()[0] or 0
-    progress = _Progress("building the search index" if first else
-                         "updating the search index", len(fresh)) \
-        if first or len(fresh) > 200 else None
+    progress = _Progress(("building" if first else "updating") + " the search index",
+                         len(fresh)) if first or len(fresh) > 200 else None
     eps, secs, fts = [], [], []
     for n, (rel, st, seen) in enumerate(fresh, 1):
         try:
@@ -7106,9 +7089,7 @@ def _fts_update(db, root, gone, fresh):
 
 def _fts_candidates(db, terms, excluded, filters, any_word, weights):
     """A cursor over the matching sections, (score, date, stem, ord, path, sid) best first as
-    _rank_candidates ranks. An excluded word removes every section of an episode that holds it.
-    Score: _held (halved in a Digest) + BM25/(BM25+1); a section holding no query word is a hit
-    only as a Digest."""
+    _rank_candidates ranks: _held (halved in a Digest) + BM25/(BM25+1), as the scan scores."""
     where, params = filters.sql()
     own = "(s.sid IN (SELECT rowid FROM search_fts WHERE search_fts MATCH '{heading body}: ' || ?))"
     held, hp = [], []
@@ -7168,8 +7149,7 @@ class _ScanColumn:
     def __init__(self, value):
         self.text = _fold(_index_text(value))
         self.tokens = _SEARCH_TOKEN.findall(self.text)
-        self._counts = None
-        self._sorted = None
+        self._counts = self._sorted = None
 
     def hits(self, toks, prefix):
         """How often a phrase occurs here, counted as FTS5 counts instances."""
@@ -7210,8 +7190,7 @@ def _scan_candidates(root, terms, excluded):
     phrases += _adjacent_phrases(terms)   # held, not scored
     negated = [alt for term in excluded for alt in term]
     n_rows = n_tokens = 0
-    df = [0] * len(phrases)
-    term_df = [0] * len(terms)
+    df, term_df = [0] * len(phrases), [0] * len(terms)
     ends = list(itertools.accumulate(len(term) for term in terms))
     spans = [range(end - len(term), end) for term, end in zip(terms, ends)]
     kept, banned, superseded = [], set(), {}
@@ -7262,11 +7241,9 @@ def _scan_candidates(root, terms, excluded):
             len(own.intersection(range(n_alts, len(phrases))))
         if episode["path"] in banned or not held and ordinal:
             continue
-        score = 0.0
         norm = _BM25_K1 * (1 - _BM25_B + _BM25_B * length / avgdl)
-        for i, f in enumerate(freq[:n_alts]):
-            if f:
-                score += idf[i] * (f * (_BM25_K1 + 1.0)) / (f + norm)
+        score = sum((idf[i] * (f * (_BM25_K1 + 1.0)) / (f + norm)
+                     for i, f in enumerate(freq[:n_alts]) if f), 0.0)
         matched = sum(1 for span in spans if any(freq[i] for i in span))
         held *= 0.5 if heading == "Digest" else 1
         scored.append((held + score / (score + 1), episode, ordinal, heading, chars, matched))
@@ -7311,11 +7288,8 @@ def _snippet(text, pattern, needles):
     """About 200 characters of the text around the densest cluster of query words, with …"""
     best = 0
     if pattern is not None:
-        found = []
-        for m in pattern.finditer(text):
-            found.append((m.start(), needles.get(m.group().lower(), -1)))
-            if len(found) >= 300:
-                break
+        found = [(m.start(), needles.get(m.group().lower(), -1))
+                 for m in itertools.islice(pattern.finditer(text), 300)]
         top = -1
         for i, (pos, _) in enumerate(found):
             terms = {t for p, t in found[i:] if p - pos <= _SNIPPET_CHARS * 0.6}
@@ -7389,8 +7363,7 @@ def _did_you_mean(root, query, unknown, fts):
             "SELECT term FROM temp.search_vocab WHERE term >= ? AND term < ? AND length(term)"
             " BETWEEN ? AND ?", span)] if db is not None else \
             sorted(v for v in vocab if span[0] <= v < span[1] and span[2] <= len(v) <= span[3])
-        close = difflib.get_close_matches(word, [v for v in found if _IDENT_MARK not in v],
-                                          3, 0.8)
+        close = difflib.get_close_matches(word, [v for v in found if _IDENT_MARK not in v], 3, 0.8)
         near += [c for c in close if c not in near]
         if close:
             corrected = re.sub(rf"(?i)(?<!\w){re.escape(word)}(?!\w)", close[0], corrected)
@@ -7415,8 +7388,8 @@ def _semantic_list(root, query, k, requested):
 
 
 def _semantic_unavailable(mode, why):
-    return ShelfError("semantic-unavailable", f"search mode {mode!r} needs semantic vectors, "
-                      f"and {why}", _SEMANTIC_FIX, {"mode": mode})
+    return _semantic_unavailable_error(f"search mode {mode!r} needs semantic vectors, and {why}",
+                                       _SEMANTIC_FIX, mode=mode)
 
 
 def _fuse(lexical, semantic):
@@ -7470,8 +7443,7 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
            until=None, archive="include", per_episode=2, mode="auto", reindex=False):
     """Rank episode sections for a query (verbs.md § 2.3, docs/search.md), at most per_episode
     of one episode (True: 1, False: 2); did_you_mean, corrected_query for unknown words."""
-    kinds, tags = _check_search_args(query, max_results, kinds, tags, since, until, archive,
-                                     mode)
+    kinds, tags = _check_search_args(query, max_results, kinds, tags, since, until, archive, mode)
     per_episode = (1 if per_episode else 2) if isinstance(per_episode, bool) else per_episode
     if not isinstance(per_episode, int) or not 1 <= per_episode <= 100:
         raise _usage(f"per_episode must be 1..100 (got {per_episode!r})")
@@ -7569,8 +7541,7 @@ def _search_scan(root, terms, excluded, filters, limit, per_episode):
     accepted = [s for s in scored if filters.accepts(s[1])]
     picked = [s for s in accepted if s[5] == len(terms)]
     if not picked and len(terms) > 1:
-        match_mode = "any"
-        picked = accepted
+        match_mode, picked = "any", accepted
     cands = [(score, ep["date"], ep["stem"], ordinal, ep["path"], (ep["path"], ordinal))
              for score, ep, ordinal, _, _, _ in picked]
     chosen, total = _cap_per_episode(_rank_candidates(cands), per_episode, limit)
@@ -7689,8 +7660,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("search-bench", search_bench, [
     _Param("mode", "string", default="lexical", enum=["lexical", "semantic", "hybrid", "all"],
            help="Which ranking to measure."),
     _Param("verbose", "boolean", default=False, help="List the misses."),
-], title="Measure search quality on a labelled query set", mcp=False,
-    text=_text_search_bench))
+], title="Measure search quality on a labelled query set", mcp=False, text=_text_search_bench))
 
 
 # The optional semantic extra (verbs.md § 4.8): one vector per section in the cache, used by
@@ -7777,10 +7747,8 @@ class _Embedder:
     """Texts -> unit-length float32 vectors (numpy rows) with one loaded model."""
 
     def __init__(self, backend, name, encode):
-        self.name = name
+        self.name, self._encode, self.dim = name, encode, None
         self.model_id = _semantic_model_id((backend, name))
-        self._encode = encode
-        self.dim = None
 
     def encode(self, texts):
         import numpy
@@ -7822,8 +7790,7 @@ def _semantic_embedder(choice=None):
                     package="sentence_transformers")
             from sentence_transformers import SentenceTransformer
             model = SentenceTransformer(location, device="cpu")
-            encode = functools.partial(model.encode, convert_to_numpy=True,
-                                       show_progress_bar=False)
+            encode = functools.partial(model.encode, convert_to_numpy=True, show_progress_bar=False)
     except ShelfError:
         raise
     except Exception as exc:  # a model that cannot load: any exception type of the package
@@ -7836,41 +7803,35 @@ def _semantic_embedder(choice=None):
 
 
 def _semantic_tables(db):
-    db.execute("CREATE TABLE IF NOT EXISTS semantic_meta(key TEXT PRIMARY KEY, value TEXT)")
-    db.execute("CREATE TABLE IF NOT EXISTS semantic_files(path TEXT PRIMARY KEY, size INTEGER, "
-               "mtime_ns INTEGER)")
-    db.execute("CREATE TABLE IF NOT EXISTS semantic_vectors(path TEXT, ord INTEGER, "
-               "heading TEXT, hash TEXT, vec BLOB, PRIMARY KEY(path, ord))")
-    db.commit()
+    db.executescript("CREATE TABLE IF NOT EXISTS semantic_meta(key TEXT PRIMARY KEY, value TEXT);"
+                     " CREATE TABLE IF NOT EXISTS semantic_files(path TEXT PRIMARY KEY,"
+                     " size INTEGER, mtime_ns INTEGER); CREATE TABLE IF NOT EXISTS"
+                     " semantic_vectors(path TEXT, ord INTEGER, heading TEXT, hash TEXT, vec BLOB,"
+                     " PRIMARY KEY(path, ord))")
+
+
+def _semantic_table(db, name):
+    return db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
+                      (name,)).fetchone() is not None
 
 
 def _semantic_has_vectors(db):
-    row = db.execute("SELECT name FROM sqlite_master WHERE type='table' AND "
-                     "name='semantic_vectors'").fetchone()
-    return bool(row) and db.execute("SELECT 1 FROM semantic_vectors LIMIT 1").fetchone() \
-        is not None
+    return _semantic_table(db, "semantic_vectors") and \
+        db.execute("SELECT 1 FROM semantic_vectors LIMIT 1").fetchone() is not None
 
 
 def _semantic_meta(db):
-    row = db.execute("SELECT name FROM sqlite_master WHERE type='table' AND "
-                     "name='semantic_meta'").fetchone()
-    return dict(db.execute("SELECT key, value FROM semantic_meta")) if row else {}
+    table = _semantic_table(db, "semantic_meta")
+    return dict(db.execute("SELECT key, value FROM semantic_meta")) if table else {}
 
 
 def _semantic_stale(db, root):
-    """(every episode file as (rel, archived, size, mtime_ns), {path: (size, mtime_ns)} as last
-    embedded, the files changed since, the paths gone since)."""
+    """(files as (rel, archived, size, mtime_ns), {path: (size, mtime_ns)}, changed, gone)."""
     files = [(rel, archived, st[0], st[1]) for rel, archived, st in _scan_episode_files(root)]
     known = {p: (s, m) for p, s, m in db.execute(
         "SELECT path, size, mtime_ns FROM semantic_files")}
-    present = {f[0] for f in files}
     return files, known, [f for f in files if known.get(f[0]) != (f[2], f[3])], \
-        sorted(p for p in known if p not in present)
-
-
-def _semantic_text(doc, heading, body):
-    """What one section's vector stands for: title, heading and the head of the body."""
-    return f"{doc['title']}\n{heading or ''}\n{body[:_SEMANTIC_HEAD_CHARS]}"
+        sorted(set(known) - {f[0] for f in files})
 
 
 def _semantic_build(root, force):
@@ -7889,12 +7850,10 @@ def _semantic_build(root, force):
                 for table in _SEMANTIC_TABLES:
                     db.execute(f"DELETE FROM {table}")
         files, _, changed, gone = _semantic_stale(db, root)
-        removed = 0
         with db:
-            for p in gone:
-                removed += db.execute("DELETE FROM semantic_vectors WHERE path = ?",
-                                      (p,)).rowcount
-                db.execute("DELETE FROM semantic_files WHERE path = ?", (p,))
+            removed = db.executemany("DELETE FROM semantic_vectors WHERE path = ?",
+                                     [(p,) for p in gone]).rowcount
+            db.executemany("DELETE FROM semantic_files WHERE path = ?", [(p,) for p in gone])
         pending, kept, stamps = [], 0, []
         progress = _Progress("reading episodes", len(changed))
         try:
@@ -7907,16 +7866,16 @@ def _semantic_build(root, force):
                 stale = {o: (h, hh) for o, h, hh in db.execute(
                     "SELECT ord, heading, hash FROM semantic_vectors WHERE path = ?", (rel,))}
                 for ordinal, heading, body in _search_rows(doc):
-                    text = _semantic_text(doc, heading, body)
+                    # what a section's vector stands for: title, heading, the head of the body
+                    text = f"{doc['title']}\n{heading or ''}\n{body[:_SEMANTIC_HEAD_CHARS]}"
                     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
                     if stale.pop(ordinal, None) == (heading, digest):
                         kept += 1
                     else:
                         pending.append((rel, ordinal, heading, digest, text))
                 with db:
-                    for o in stale:
-                        removed += db.execute("DELETE FROM semantic_vectors WHERE path = ? AND "
-                                              "ord = ?", (rel, o)).rowcount
+                    removed += db.executemany("DELETE FROM semantic_vectors WHERE path = ? AND"
+                                              " ord = ?", [(rel, o) for o in stale]).rowcount
                 stamps.append((rel, size, mtime))
         finally:
             progress.done()
