@@ -5695,11 +5695,10 @@ def _shelve_locked(root, a):
     # write, render, commit; any failure restores every touched path
     _check_cancelled()
     mode = _derived_mode(root)
-    if mode == "auto":
-        fmt = _index_format(root)
+    before = None
+    if mode == "auto" and _index_format(root) == "compact":
         seen, scanned, subdirs = _render_inputs(root)
-        before = _render_memo_hit(root, _render_key_of(root, fmt, scanned, subdirs, seen)) \
-            if fmt == "compact" else None
+        before = _render_memo_hit(root, _render_key_of(root, "compact", scanned, subdirs, seen))
     journal = _Journal(root)
     try:
         journal.write(address, text)
@@ -5717,7 +5716,8 @@ def _shelve_locked(root, a):
                 with _Store(root) as store:
                     records = store.render_records(files=scanned)
                 rendered = _render_one_change(root, before, records, address, old,
-                                              _render_key_of(root, fmt, scanned, subdirs, seen))
+                                              _render_key_of(root, "compact", scanned, subdirs,
+                                                             seen))
             rendered = rendered or _render_derived(root)
             rendered_records = rendered["records"]
             for rel, content in rendered["files"].items():
@@ -6382,8 +6382,8 @@ def _splice_sorted(lines, start, end, line, add, keys, mine):
             return False
         lines.insert(start + sum(k < mine for k in keys), line)
         return True
-    if end - start != len(keys) + 1 or line not in lines[start:end]:
-        return False
+    if not keys or end - start != len(keys) + 1 or line not in lines[start:end]:
+        return False   # not there, or the last of its block: a heading or a file goes too
     del lines[lines.index(line, start, end)]
     return True
 

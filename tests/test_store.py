@@ -242,6 +242,21 @@ def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp
             assert memshelf.rebuild(root, check=True)["ok"]
     finally:
         memshelf._render_derived = real
+    # moving the last episode out of its category takes its heading and .meta.json with it
+    for kind in ("session", "topic"):
+        slug = "2026-04-01-only-session"
+        assert memshelf.shelve(root, slug=slug, kind=kind, amend=kind == "topic",
+                               digest="Ana closed the lone session. Open: none.",
+                               sections=sections[kind])["status"] == "ok"
+    for base in ("sessions", "research"):
+        for name in os.listdir(os.path.join(root, "docs", base)):
+            if name.endswith(".md"):
+                memshelf.shelve(root, slug=name[:-3], kind="topic", amend=True,
+                                digest="Ana moved it to topics. Open: none.",
+                                sections=sections["topic"])
+    full = real(root, verify=True)["files"]
+    assert [rel for rel in full if _text_or_none(os.path.join(root, rel)) != full[rel]] == []
+    assert "## Sessions" not in _text_or_none(os.path.join(root, "INDEX.md"))
     # most shelves rendered their one change, not the shelf (a heading's first episode, an
     # episode that supersedes others, or an amended one that did render it all)
     assert calls.count(0) >= 40, (calls.count(0), calls.count(1))
