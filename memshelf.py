@@ -2000,11 +2000,6 @@ def _key_holds(root, entry, key):
             _content_sha1(root, rel) == h for rel, h in racy.items())
 
 
-def _render_is_current(root, fmt=None):
-    """True when the derived files on disk are the last full render of the current inputs."""
-    return _render_memo_hit(root, _render_key(root, fmt or _index_format(root))[0]) is not None
-
-
 def _text_digest(text):
     import hashlib
     return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
@@ -2054,6 +2049,12 @@ def _remember_render(root, rendered, files=None):
     _save_state(root, render_memo={"key": rendered["key"][0], "racy": rendered["key"][1],
                                    "files": digests, "episodes": rendered["episodes"],
                                    "warnings": rendered["warnings"]})
+
+
+def _forget_render(root):
+    """Drop the render memo: the derived files on disk were found to differ from a render."""
+    if _state(root).get("render_memo") is not None:
+        _save_state(root, render_memo=None)
 
 
 def _remembered(root, name, key):
@@ -6262,17 +6263,18 @@ def _superseded_map(records):
     return {k: sorted(v) for k, v in sup.items()}
 
 
-def _render_derived(root, records=None, fmt=None, progress=None, index_only=False, verify=False):
+def _render_derived(root, records=None, fmt=None, progress=None, index_only=False, verify=False,
+                    memo=True):
     """{derived path: text or None (delete)}, from `records` or the whole shelf, or the render
-    remembered on disk (records: None). verify: no memo, no cached row trusted (index --verify)."""
+    remembered on disk (records: None; memo). verify: no memo, no cached row (index --verify)."""
     fmt = fmt or _index_format(root)
     if records is None:
-        remembered = None if verify else _state(root).get("render_memo")
+        remembered = None if verify or not memo else _state(root).get("render_memo")
         key, scanned = _render_key(root, fmt)
         if remembered and isinstance(remembered, dict):
-            memo = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
-            if memo is not None:
-                return memo
+            hit = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
+            if hit is not None:
+                return hit
         with _Store(root, use_cache=not verify) as store:
             records = store.render_records(progress=progress, files=scanned)
         del scanned   # a few hundred bytes per episode, not needed while rendering
@@ -6451,13 +6453,16 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
         changed_sources.append("shelf.yml")
     adoption = _adopt(root) if adopt else None
     changed_sources += [a["path"] for a in adoption.pop("_written")] if adopt else []
-    if full:
+    if full:   # nothing remembered is trusted: no cached row, no render memo
+        _forget_render(root)
         db = _cache_db(root)
         if db is not None:
             with db:
                 db.execute("DELETE FROM episodes")
             db.close()
-    rendered = _render_derived(root, fmt=index_format if check else None, progress=progress)
+    # --check verifies: it renders from the episodes, never trusting the memo
+    rendered = _render_derived(root, fmt=index_format if check else None, progress=progress,
+                               memo=not check)
     files = rendered["files"]
     # stale derived files that should not exist (e.g. a .meta.json of an emptied category)
     for rel in [f"{base}/{cat}/.meta.json" for base in ("docs", "archive/docs")
@@ -6477,6 +6482,7 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
             same = _disk_bytes(os.path.join(root, rel)) == data
             (result["unchanged"] if same else result["drifted"]).append(rel)
         if result["drifted"]:
+            _forget_render(root)
             result.update(status="drift", ok=False)
             _note("derived files diverge from the episodes: " + ", ".join(result["drifted"]))
         else:
@@ -11511,8 +11517,9 @@ class _DoctorRun:
         # compared as bytes, decoded after: at 100k entries each text copy is ~20 MB
         raw = _read_bytes(root, "INDEX.md") if os.path.isfile(os.path.join(root, "INDEX.md")) \
             else None
-        # a render remembered as on disk for these very inputs needs no second render
-        if self.fmt != "manual" and not _render_is_current(root, self.fmt):
+        # rendered from the episodes, never the memo: doctor checks what the fast paths trust
+        # (and this is cheaper than checking the memo, which scans the shelf again)
+        if self.fmt != "manual":
             rendered = _render_derived(root, self.records, self.fmt, index_only=True)["files"]
             level = "info" if self.mode == "bot" else "warning"
             fix = "wait for the renderer; it rewrites INDEX.md" if self.mode == "bot" \
@@ -11528,6 +11535,7 @@ class _DoctorRun:
                 elif current != rendered[rel].encode("utf-8", "surrogatepass"):
                     have = len(_index_entries(current.decode("utf-8", "replace"), self.fmt))
                     want = len(_index_entries(rendered[rel], self.fmt))
+                    _forget_render(root)   # if it vouched for this file, rebuild must not trust it
                     yield _finding("stale-index", rel, f"{rel} differs from a fresh render "
                                    f"({have} entries on disk, {want} rendered)", fix, level)
                 rendered[rel] = None

@@ -135,3 +135,10 @@ def age_files(root, seconds=30):
         dirnames[:] = [d for d in dirnames if d not in (".git", ".memshelf")]
         for name in names:
             os.utime(os.path.join(dirpath, name), (past, past))
+
+
+def memo_current(root):
+    """Whether the derived files on disk are the render remembered under the current store key."""
+    import memshelf
+    key, _ = memshelf._render_key(root, memshelf._index_format(root))
+    return memshelf._render_memo_hit(root, key) is not None

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from conftest import age_files
+from conftest import age_files, memo_current
 
 EPISODES = [
     ("2026-03-01-cache-layer", "Mira chose a write-through cache for the billing reads. "
@@ -73,7 +73,7 @@ def test_a_render_on_a_dropped_cache_is_remembered_like_any_other(filled, cli):
             sorted(first["written"] + first["unchanged"])
         key, _ = memshelf._render_key(str(filled), memshelf._index_format(str(filled)))
         assert memo(filled)["key"] == key[0]
-        assert memshelf._render_is_current(str(filled))
+        assert memo_current(str(filled))
     # an episode that goes between the listing and its read is an unreadable file, not a crash
     assert memshelf._read_episode(str(filled), "docs/topics/gone.md")["fm_error"].startswith("io")
 

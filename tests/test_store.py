@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import age_files, run_cli
+from conftest import age_files, memo_current, run_cli
 
 DIGEST = "Ana chose option A over option B for speed. Open: none."
 SLUGS = ("2026-01-01-alpha-cache", "2026-01-02-beta-queue", "2026-01-03-gamma-auth")
@@ -151,10 +151,10 @@ def test_a_render_of_files_just_written_is_remembered_by_their_content(tmp_path)
     r = run_cli("shelve", "--shelf", root, "--slug", SLUGS[0], "--kind", "topic", "--digest",
                 DIGEST, "--description", "Ana picked a plan", "--section", "Decisions=- A")
     assert r.code == 0, r
-    assert memshelf._render_is_current(str(root))
+    assert memo_current(str(root))
     path = os.path.join(root, "docs", "topics", SLUGS[0] + ".md")
     edit_in_place(path, "Ana picked", "Bob picked", keep_mtime=True)
-    assert not memshelf._render_is_current(str(root))
+    assert not memo_current(str(root))
     assert "Bob picked" in run_cli("index", "--shelf", root).out
 
 
@@ -260,3 +260,57 @@ def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp
     # most shelves rendered their one change, not the shelf (a heading's first episode, an
     # episode that supersedes others, or an amended one that did render it all)
     assert calls.count(0) >= 40, (calls.count(0), calls.count(1))
+
+
+def test_doctor_renders_the_index_itself_and_never_trusts_the_memo(three):
+    """A wrong INDEX remembered as a full render (what a faulty one-change render would leave)
+    is current to the fast readers, but doctor renders from the episodes and names it."""
+    import memshelf
+    root = str(three)
+    path = os.path.join(root, "INDEX.md")
+    with open(path, encoding="utf-8") as f:
+        good = f.read()
+    wrong = good.replace("Ana picked a plan for", "Ana picked no plan for", 1)
+    assert wrong != good
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(wrong)
+    state_path = os.path.join(root, ".memshelf", "state.json")
+    with open(state_path, encoding="utf-8") as f:
+        state = json.load(f)
+    state["render_memo"]["files"]["INDEX.md"] = memshelf._text_digest(wrong)
+    with open(state_path, "w", encoding="utf-8") as f:
+        json.dump(state, f)
+    assert memo_current(root)   # the memo now vouches for the wrong file
+    r = run_cli("doctor", "--shelf", root, "--json")
+    found = [f for f in r.json()["findings"] if f["code"] == "stale-index"]
+    assert found, r.out
+    # the memo proven wrong is forgotten: the fix doctor names repairs the file
+    assert not memo_current(root)
+    assert run_cli("rebuild", "--shelf", root).code == 0
+    with open(path, encoding="utf-8") as f:
+        assert f.read() == good
+    assert "stale-index" not in doctor_codes(run_cli("doctor", "--shelf", root, "--json"))
+
+
+def test_rebuild_check_renders_from_the_episodes_and_forgets_a_wrong_memo(three):
+    import memshelf
+    root = str(three)
+    path = os.path.join(root, "ledger.tsv")
+    with open(path, encoding="utf-8") as f:
+        good = f.read()
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("2026-01-01-ghost\tx\n")
+    state_path = os.path.join(root, ".memshelf", "state.json")
+    with open(state_path, encoding="utf-8") as f:
+        state = json.load(f)
+    with open(path, encoding="utf-8") as f:
+        state["render_memo"]["files"]["ledger.tsv"] = memshelf._text_digest(f.read())
+    with open(state_path, "w", encoding="utf-8") as f:
+        json.dump(state, f)
+    assert memo_current(root)
+    r = run_cli("rebuild", "--shelf", root, "--check", "--json")
+    assert r.code != 0 and r.json()["drifted"] == ["ledger.tsv"], r.out
+    assert run_cli("rebuild", "--shelf", root).code == 0
+    with open(path, encoding="utf-8") as f:
+        assert f.read() == good
+    assert run_cli("rebuild", "--shelf", root, "--check").code == 0
