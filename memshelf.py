@@ -1862,21 +1862,20 @@ def _cache_db(root):
 
 
 def _ensure_cache_ignored(root):
-    """On a git shelf where .memshelf/ is not ignored, add it to .git/info/exclude (local)."""
+    """On a git shelf where .memshelf/ is not ignored, add it to .git/info/exclude (local).
+    Both files are read as bytes: git does not ask them to be UTF-8."""
     try:
-        with open(os.path.join(root, ".gitignore"), encoding="utf-8") as f:
-            if any(line.strip() in (".memshelf/", ".memshelf", "/.memshelf/", "/.memshelf")
-                   for line in f):
-                return
+        if any(line.strip() in (b".memshelf/", b".memshelf", b"/.memshelf/", b"/.memshelf")
+               for line in _file_bytes(os.path.join(root, ".gitignore")).splitlines()):
+            return
     except OSError:
         pass
     if not os.path.isdir(os.path.join(root, ".git")):
         return
     exclude = os.path.join(root, ".git", "info", "exclude")
     try:
-        with open(exclude, encoding="utf-8") as f:
-            if ".memshelf/" in f.read().split():
-                return
+        if b".memshelf/" in _file_bytes(exclude).split():
+            return
     except OSError:
         pass
     try:
