@@ -1862,21 +1862,20 @@ def _cache_db(root):
 
 
 def _ensure_cache_ignored(root):
-    """On a git shelf where .memshelf/ is not ignored, add it to .git/info/exclude (local)."""
+    """On a git shelf where .memshelf/ is not ignored, add it to .git/info/exclude (local).
+    Both files are read as bytes: git does not ask them to be UTF-8."""
     try:
-        with open(os.path.join(root, ".gitignore"), encoding="utf-8") as f:
-            if any(line.strip() in (".memshelf/", ".memshelf", "/.memshelf/", "/.memshelf")
-                   for line in f):
-                return
+        if any(line.strip() in (b".memshelf/", b".memshelf", b"/.memshelf/", b"/.memshelf")
+               for line in _file_bytes(os.path.join(root, ".gitignore")).splitlines()):
+            return
     except OSError:
         pass
     if not os.path.isdir(os.path.join(root, ".git")):
         return
     exclude = os.path.join(root, ".git", "info", "exclude")
     try:
-        with open(exclude, encoding="utf-8") as f:
-            if ".memshelf/" in f.read().split():
-                return
+        if b".memshelf/" in _file_bytes(exclude).split():
+            return
     except OSError:
         pass
     try:
@@ -7814,6 +7813,11 @@ def _semantic_tables(db):
                      " size INTEGER, mtime_ns INTEGER); CREATE TABLE IF NOT EXISTS"
                      " semantic_vectors(path TEXT, ord INTEGER, heading TEXT, hash TEXT, vec BLOB,"
                      " PRIMARY KEY(path, ord))")
+    # the racy rule's columns, added to a table made before them too: NULL makes a row stale
+    have = {row[1] for row in db.execute("PRAGMA table_info(semantic_files)")}
+    for column in ("ino INTEGER", "seen_ns INTEGER", "sha1 TEXT"):
+        if column.split()[0] not in have:
+            db.execute(f"ALTER TABLE semantic_files ADD COLUMN {column}")
 
 
 def _semantic_table(db, name):
@@ -7832,12 +7836,23 @@ def _semantic_meta(db):
 
 
 def _semantic_stale(db, root):
-    """(files as (rel, archived, size, mtime_ns), {path: (size, mtime_ns)}, changed, gone)."""
-    files = [(rel, archived, st[0], st[1]) for rel, archived, st in _scan_episode_files(root)]
-    known = {p: (s, m) for p, s, m in db.execute(
-        "SELECT path, size, mtime_ns FROM semantic_files")}
-    return files, known, [f for f in files if known.get(f[0]) != (f[2], f[3])], \
-        sorted(set(known) - {f[0] for f in files})
+    """(time of the scan, the scan, {path: row}, changed files, new rows of the files vouched
+    for by content, gone paths): a file is unchanged when _unchanged, or when its stamp is the
+    same and its content still has the SHA-1 read at build (a racy file, shelf-format.md § 6.3;
+    stamped anew, it needs no read once aged)."""
+    seen = time.time_ns()   # before the scan: a later write is after it (_unchanged)
+    files = _scan_episode_files(root)
+    known = {row[0]: row[1:] for row in db.execute(
+        "SELECT path, size, mtime_ns, ino, seen_ns, sha1 FROM semantic_files")}
+    changed, vouched = [], []
+    for rel, archived, st in files:
+        row = known.get(rel)
+        if row is None or not _unchanged(st, row[:3], row[3]):
+            if row is not None and st == row[:3] and _content_sha1(root, rel) == row[4]:
+                vouched.append((rel, *st, seen, row[4]))
+            else:
+                changed.append((rel, archived, st))
+    return seen, files, known, changed, vouched, sorted(set(known) - {f[0] for f in files})
 
 
 def _semantic_build(root, force):
@@ -7855,16 +7870,17 @@ def _semantic_build(root, force):
             with db:
                 for table in _SEMANTIC_TABLES:
                     db.execute(f"DELETE FROM {table}")
-        files, _, changed, gone = _semantic_stale(db, root)
+        seen, files, _, changed, stamps, gone = _semantic_stale(db, root)
         with db:
             removed = db.executemany("DELETE FROM semantic_vectors WHERE path = ?",
                                      [(p,) for p in gone]).rowcount
             db.executemany("DELETE FROM semantic_files WHERE path = ?", [(p,) for p in gone])
-        pending, kept, stamps = [], 0, []
+        pending, kept = [], 0
         progress = _Progress("reading episodes", len(changed))
         try:
-            for n, (rel, archived, size, mtime) in enumerate(changed):
+            for n, (rel, archived, st) in enumerate(changed):
                 progress.update(n)
+                sha1 = _content_sha1(root, rel)   # before the read: a later edit is stale
                 try:
                     doc = _search_document(root, rel, archived)
                 except OSError:
@@ -7882,7 +7898,7 @@ def _semantic_build(root, force):
                 with db:
                     removed += db.executemany("DELETE FROM semantic_vectors WHERE path = ? AND"
                                               " ord = ?", [(rel, o) for o in stale]).rowcount
-                stamps.append((rel, size, mtime))
+                stamps.append((rel, *st, seen, sha1))
         finally:
             progress.done()
         progress = _Progress("embedding sections", len(pending))
@@ -7901,8 +7917,8 @@ def _semantic_build(root, force):
         row = db.execute("SELECT vec FROM semantic_vectors LIMIT 1").fetchone()
         dim = embedder.dim or int(meta.get("dim") or 0) or (len(row[0]) // 4 if row else None)
         with db:
-            db.executemany("INSERT OR REPLACE INTO semantic_files(path, size, mtime_ns) "
-                           "VALUES (?, ?, ?)", stamps)
+            db.executemany("INSERT OR REPLACE INTO semantic_files(path, size, mtime_ns, ino, "
+                           "seen_ns, sha1) VALUES (?, ?, ?, ?, ?, ?)", stamps)
             db.executemany("INSERT OR REPLACE INTO semantic_meta(key, value) VALUES (?, ?)",
                            [("model", embedder.model_id), ("dim", str(dim or ""))])
         total = db.execute("SELECT COUNT(*) FROM semantic_vectors").fetchone()[0]
@@ -7930,7 +7946,8 @@ def _semantic_status(root):
     try:
         meta = _semantic_meta(db)
         if meta:
-            _, known, changed, gone = _semantic_stale(db, root)
+            _semantic_tables(db)
+            _, _, known, changed, _, gone = _semantic_stale(db, root)
             result.update(
                 built_model=meta.get("model"),
                 dim=int(meta["dim"]) if (meta.get("dim") or "").isdigit() else None,

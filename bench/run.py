@@ -86,10 +86,12 @@ CASE_GROUPS = {
              "doctor-empty", "doctor-warm", "search-build", "search", "shelve-auto",
              "shelve-bot", "shelve-script"],
     "mcp": ["mcp-initialize", "mcp-recall", "mcp-search"],
-    "search": ["search-build", "search", "mcp-search", "search-incremental", "retrieval",
-               "questions"],
+    "find": ["search-build", "search", "mcp-search", "search-incremental", "retrieval",
+             "questions"],
     "write": ["shelve-auto", "shelve-bot", "shelve-script"],
 }
+# --cases takes both: a group named like a case would select more than that case
+assert not set(CASE_GROUPS) & set(CASE_NAMES), "a case group is named like a case"
 HEAVY = {"rebuild-empty", "doctor-empty", "search-build"}
 MEMORY_CASES = ("rebuild-empty", "rebuild-warm", "doctor-empty", "doctor-warm", "search-build")
 
@@ -1574,7 +1576,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description="memshelf benchmark harness (quality-bars.md).")
     ap.add_argument("--sizes", default="1000,10000", help="comma-separated shelf sizes")
     ap.add_argument("--cases", default="all",
-                    help="comma-separated case names or groups (cold, mcp, search, write); "
+                    help=f"comma-separated case names or groups ({', '.join(CASE_GROUPS)}); "
                          "all: " + ",".join(CASE_NAMES))
     ap.add_argument("--repeat", type=int, default=None, help="timed runs per cold case (7)")
     ap.add_argument("--smoke", action="store_true",

@@ -124,6 +124,25 @@ def chart_rows(ledger):
     return rows
 
 
+def edit_in_place(path, old, new, keep_mtime=False):
+    """Rewrite a file through the same inode (open, rewrite, truncate), as many editors do;
+    the directory's mtime does not move. keep_mtime: the file's mtime is put back too."""
+    assert len(old) == len(new)
+    st = os.stat(path)
+    parent = os.stat(os.path.dirname(path))
+    with open(path, "r+", encoding="utf-8") as f:
+        text = f.read()
+        assert old in text
+        f.seek(0)
+        f.write(text.replace(old, new))
+        f.truncate()
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(os.path.dirname(path), ns=(parent.st_atime_ns, parent.st_mtime_ns))
+    after = os.stat(path)
+    assert after.st_size == st.st_size and after.st_ino == st.st_ino
+
+
 def age_files(root, seconds=30):
     """Put every shelf file `seconds` in the past. A file written within the file system's
     timestamp granularity of a read could change again without its stamp moving, so nothing

@@ -474,6 +474,31 @@ def test_git_local_shelf_never_commits_the_sidecar(tmp_path):
     assert ids(search(root, "tenant"))[0] == "2026-06-01-queue-split"
 
 
+@pytest.mark.parametrize("ignored_in", [".gitignore", "exclude", None])
+def test_a_latin1_gitignore_keeps_the_cache(tmp_path, ignored_in):
+    """git does not ask .gitignore or .git/info/exclude to be UTF-8: a Latin-1 byte in either
+    must not make the cache look unreadable (and deleted) on every run."""
+    import sqlite3
+    root = make_shelf(tmp_path / "g", storage="git-local", episodes=EPISODES[1:2],
+                      archive=False)
+    exclude = os.path.join(root, ".git", "info", "exclude")
+    for path, where in ((os.path.join(root, ".gitignore"), ".gitignore"), (exclude, "exclude")):
+        with open(path, "wb") as f:
+            f.write(b"# caf\xe9\n" + (b".memshelf/\n" if ignored_in == where else b""))
+    assert ids(search(root, "signed cookies"))[0] == "2026-02-10-auth-refactor"
+    cache = os.path.join(root, ".memshelf", "shelf.sqlite")
+    with sqlite3.connect(cache) as db:
+        db.execute("INSERT INTO meta VALUES ('probe', 'kept')")
+    db.close()
+    for _ in range(2):
+        assert ids(search(root, "signed cookies"))[0] == "2026-02-10-auth-refactor"
+    with sqlite3.connect(cache) as db:
+        assert db.execute("SELECT value FROM meta WHERE key = 'probe'").fetchone() == ("kept",)
+    db.close()
+    with open(exclude, "rb") as f:   # added once when neither file ignores it, never twice
+        assert f.read().split().count(b".memshelf/") == (ignored_in != ".gitignore")
+
+
 # --- the scan engine -----------------------------------------------------------------------
 
 ENGINE_QUERIES = [

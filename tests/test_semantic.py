@@ -4,13 +4,15 @@ tiny model the test builds itself (no hub download): build embeds only changed s
 drop, MEMSHELF_SEMANTIC=off, and search/search-bench using the vectors."""
 import json
 import os
+import sqlite3
 import subprocess
 import sys
+import time
 
 import pytest
 
 import memshelf
-from conftest import ROOT, run_cli
+from conftest import ROOT, age_files, edit_in_place, run_cli
 
 AUTH = "2026-07-20-auth-middleware"
 REDIS = "2026-07-25-redis-eviction"
@@ -149,6 +151,72 @@ def test_build_status_incremental_and_drop(shelf, tiny_model, monkeypatch):
     assert dropped.code == 0 and "dropped 7 vector(s)" in dropped.out
     assert run_cli("semantic", "status", "--shelf", shelf, "--json", env=env).json()[
         "vectors"] == 0
+
+
+@pytest.fixture
+def aged(tmp_path):
+    """A shelf of EPISODES whose files are old, as a shelf is between sessions."""
+    root = str(tmp_path / "shelf")
+    memshelf.init(shelf_path=root, storage="plain")
+    for ep in EPISODES:
+        memshelf.shelve(shelf_path=root, **ep)
+    age_files(root)
+    return root
+
+
+def semantic(action, root, model):
+    r = run_cli("semantic", action, "--shelf", root, "--json",
+                env={"MEMSHELF_SEMANTIC_MODEL": model})
+    assert r.code == 0, r
+    return r.json()
+
+
+def test_an_edit_in_place_with_the_same_stamp_is_stale(aged, tiny_model):
+    """A file built within the timestamp granularity of its mtime (here an mtime ahead of the
+    clock, racy at any build) is vouched for by its content: an edit in place that puts size,
+    mtime and inode back is stale (shelf-format.md § 6.3)."""
+    path = os.path.join(aged, "docs", "research", REDIS + ".md")
+    ahead = time.time_ns() + 60 * 10**9
+    os.utime(path, ns=(ahead, ahead))
+    assert semantic("build", aged, tiny_model)["embedded"] == 7
+    assert semantic("status", aged, tiny_model)["stale_files"] == 0   # racy, content the same
+    edit_in_place(path, "load test", "LOAD TEST", keep_mtime=True)
+    assert semantic("status", aged, tiny_model)["stale_files"] == 1
+    again = semantic("build", aged, tiny_model)
+    assert (again["embedded"], again["unchanged"], again["vectors"]) == (1, 1, 7)
+    assert semantic("status", aged, tiny_model)["stale_files"] == 0
+
+
+def test_renamed_and_deleted_behind_the_tools_back(aged, tiny_model):
+    assert semantic("build", aged, tiny_model)["vectors"] == 7
+    research = os.path.join(aged, "docs", "research")
+    os.rename(os.path.join(research, REDIS + ".md"), os.path.join(research, REDIS + "-x.md"))
+    os.unlink(os.path.join(aged, "docs", "sessions", RELEASE + ".md"))
+    st = semantic("status", aged, tiny_model)
+    assert (st["stale_files"], st["files"]) == (3, 3)     # one new path, two gone
+    again = semantic("build", aged, tiny_model)
+    assert (again["embedded"], again["removed"], again["vectors"], again["files"]) == (2, 5, 4, 2)
+    assert semantic("status", aged, tiny_model)["stale_files"] == 0
+
+
+def test_a_table_from_before_the_racy_rule(aged, tiny_model):
+    """semantic_files as an older memshelf made it, (path, size, mtime_ns): every file is stale
+    once, and a build re-reads them without embedding anything again."""
+    assert semantic("build", aged, tiny_model)["vectors"] == 7
+    db = sqlite3.connect(os.path.join(aged, ".memshelf", "shelf.sqlite"))
+    with db:
+        rows = db.execute("SELECT path, size, mtime_ns FROM semantic_files").fetchall()
+        db.execute("DROP TABLE semantic_files")
+        db.execute("CREATE TABLE semantic_files(path TEXT PRIMARY KEY, size INTEGER,"
+                   " mtime_ns INTEGER)")
+        db.executemany("INSERT INTO semantic_files VALUES (?, ?, ?)", rows)
+    db.close()
+    os.unlink(os.path.join(aged, "docs", "sessions", RELEASE + ".md"))
+    st = semantic("status", aged, tiny_model)
+    assert (st["stale_files"], st["files"], st["vectors"]) == (3, 3, 7)
+    again = semantic("build", aged, tiny_model)
+    assert (again["embedded"], again["unchanged"], again["removed"]) == (0, 4, 3)
+    assert semantic("status", aged, tiny_model)["stale_files"] == 0
 
 
 def test_search_and_bench_use_the_vectors(shelf, tiny_model, tmp_path):

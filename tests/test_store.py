@@ -7,29 +7,10 @@ import time
 
 import pytest
 
-from conftest import age_files, memo_current, run_cli
+from conftest import age_files, edit_in_place, memo_current, run_cli
 
 DIGEST = "Ana chose option A over option B for speed. Open: none."
 SLUGS = ("2026-01-01-alpha-cache", "2026-01-02-beta-queue", "2026-01-03-gamma-auth")
-
-
-def edit_in_place(path, old, new, keep_mtime=False):
-    """Rewrite a file through the same inode (open, rewrite, truncate), as many editors do;
-    the directory's mtime does not move. keep_mtime: the file's mtime is put back too."""
-    assert len(old) == len(new)
-    st = os.stat(path)
-    parent = os.stat(os.path.dirname(path))
-    with open(path, "r+", encoding="utf-8") as f:
-        text = f.read()
-        assert old in text
-        f.seek(0)
-        f.write(text.replace(old, new))
-        f.truncate()
-    if keep_mtime:
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    os.utime(os.path.dirname(path), ns=(parent.st_atime_ns, parent.st_mtime_ns))
-    after = os.stat(path)
-    assert after.st_size == st.st_size and after.st_ino == st.st_ino
 
 
 @pytest.fixture
