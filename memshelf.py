@@ -427,7 +427,7 @@ def _file_bytes_stamped(path):
     fd = os.open(path, _O_READ)
     try:
         st = os.fstat(fd)
-        return _fd_bytes(fd, st.st_size), _stamp((st.st_size, st.st_mtime_ns, st.st_ino))
+        return _fd_bytes(fd, st.st_size), _stamp_of(st)
     finally:
         os.close(fd)
 
@@ -1452,10 +1452,11 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
             raw = _file_bytes(path, st.st_size)
     except OSError as exc:
         error = f"io: {exc.strerror}"
-        st = st or _stamp((0, 0, 0))   # gone since the listing
+        st = st or _stamp((0, 0, 0, 0))   # gone since the listing
     rec = {"path": rel, "stem": rel.rsplit("/", 1)[-1][:-3],
            "category": sys.intern(rel.split("/")[-2]), "archived": archived,
-           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "fm_ok": False,
+           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,
+           "ctime_ns": st.st_ctime_ns, "fm_ok": False,
            "fm_error": error, "fields": {}, "has_block": False, "portability": []}
     try:
         text = raw.decode("utf-8")   # b"" after an io error
@@ -1555,7 +1556,7 @@ def _canonical_sections(sections):
 
 # --- the episode catalog and its row cache -------------------------------------------------
 
-_CACHE_SCHEMA = "10"   # bump when the cached record or the cache columns change shape
+_CACHE_SCHEMA = "11"   # bump when the cached record or the cache columns change shape
 
 
 class _Store:
@@ -1585,6 +1586,8 @@ class _Store:
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
             fresh = row is not None and st is not None and _unchanged(st, row[1:4], row[4])
             obj = from_row(rel, archived, row[5:]) if fresh else None
+            if whole and obj is not None:
+                obj["ctime_ns"] = st[3]   # now's, not the parse's: doctor dates its verdicts by it
             if obj is None:
                 missing.append((len(out), rel, archived, st))
             out.append(obj)
@@ -1644,10 +1647,11 @@ class _Store:
 
 
 # A cached record is a JSON array in this key order: keys per record, a third of memory at 100k
-_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "fm_ok",
-                "fm_error", "fields", "has_block", "portability", "id", "kind", "date", "span",
-                "display_title", "description", "tags", "supersedes", "approx_tokens", "approx_src",
-                "mode", "notes", "retain_until", "digest_tokens", "digest", "sections")
+_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "ctime_ns",
+                "fm_ok", "fm_error", "fields", "has_block", "portability", "id", "kind", "date",
+                "span", "display_title", "description", "tags", "supersedes", "approx_tokens",
+                "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
+                "sections")
 # What renders and accounting read, as cache columns: no record decoded, entries formatted once
 _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
@@ -1794,23 +1798,34 @@ def _scan_episode_files(root, archive=True, subdirs=None):
                         subdirs.append((prefix + e.name, e.stat().st_mtime_ns))
                     continue
                 st = e.stat()
-                found.append((prefix + e.name, archived,
-                              _stamp((st.st_size, st.st_mtime_ns, st.st_ino))))
+                found.append((prefix + e.name, archived, _stamp_of(st)))
     found.sort()   # paths are unique: the comparison never goes past them
     return found
 
 
-# A file's (size, mtime_ns, inode), read like a stat result (~50 MB less at 100,000 files).
-_FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns st_ino")
-# _FileStamp((size, mtime_ns, ino)) without the Python-level constructor: one C call per file
+# A file's (size, mtime_ns, inode) and its ctime, read like a stat result (~50 MB less at
+# 100,000 files). The first three are the stamp a cache keeps; ctime only dates the last change.
+_FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns st_ino st_ctime_ns")
+# _FileStamp((size, mtime_ns, ino, ctime_ns)) without the Python-level constructor
 _stamp = functools.partial(tuple.__new__, _FileStamp)
 # Coarsest mtime granularity (FAT's 2 s): a file read this soon may change with the same mtime.
 _RACY_NS = 2_000_000_000
 
 
+def _stamp_of(st):
+    return _stamp((st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns))
+
+
+def _racy(st, seen_ns):
+    """Whether the file may have changed after `seen_ns` with its stamp unchanged: its mtime or
+    its ctime (which every write and every mtime put back moves; POSIX) within _RACY_NS."""
+    return seen_ns - max(st[1], st[3]) <= _RACY_NS
+
+
 def _unchanged(st, known, seen_ns):
-    """Git's racy rule (shelf-format.md § 6.3): stamp == `known`, read > _RACY_NS after mtime."""
-    return st == known and seen_ns is not None and seen_ns - st[1] > _RACY_NS
+    """Git's racy rule (shelf-format.md § 6.3): the stamp st[:3] == `known`, and the file last
+    changed more than _RACY_NS before it was read at seen_ns (_racy)."""
+    return st[:3] == tuple(known) and seen_ns is not None and not _racy(st, seen_ns)
 
 
 def _close_db(db):
@@ -1967,12 +1982,11 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
     files = list(scanned)
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
         try:
-            st = os.stat(os.path.join(root, rel))
-            files.append((rel, False, (st.st_size, st.st_mtime_ns, st.st_ino)))
+            files.append((rel, False, _stamp_of(os.stat(os.path.join(root, rel)))))
         except OSError:
             parts.append(f"{rel}\0-")
     # racy files count by content where the key is used: the key stays the same once they age
-    racy = {rel: _content_sha1(root, rel) for rel, _, st in files if seen - st[1] <= _RACY_NS}
+    racy = {rel: _content_sha1(root, rel) for rel, _, st in files if _racy(st, seen)}
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
         parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
@@ -5712,7 +5726,7 @@ def _shelve_locked(root, a):
                 # the last render, on disk, with this episode's lines moved (not all re-rendered)
                 st = os.stat(os.path.join(root, address))
                 scanned = sorted([f for f in scanned if f[0] not in (address, moved_from)] + [
-                    (address, False, _stamp((st.st_size, st.st_mtime_ns, st.st_ino)))])
+                    (address, False, _stamp_of(st))])
                 with _Store(root) as store:
                     records = store.render_records(files=scanned)
                 rendered = _render_one_change(root, before, records, address, old,
@@ -7072,7 +7086,7 @@ def _fts_update(db, root, gone, fresh):
             doc = None   # vanished between the listing and the read; the next search retries
         if doc is not None:
             ep += 1
-            eps.append((ep, rel, *st, seen, doc["stem"], doc["kind"], doc["date"], doc["title"],
+            eps.append((ep, rel, *st[:3], seen, doc["stem"], doc["kind"], doc["date"], doc["title"],
                         int(doc["archived"]), _tag_field(doc["tags"]),
                         _tag_field(doc["supersedes"])))
             title = _index_text(doc["title_text"])
@@ -7848,8 +7862,8 @@ def _semantic_stale(db, root):
     for rel, archived, st in files:
         row = known.get(rel)
         if row is None or not _unchanged(st, row[:3], row[3]):
-            if row is not None and st == row[:3] and _content_sha1(root, rel) == row[4]:
-                vouched.append((rel, *st, seen, row[4]))
+            if row is not None and st[:3] == row[:3] and _content_sha1(root, rel) == row[4]:
+                vouched.append((rel, *st[:3], seen, row[4]))
             else:
                 changed.append((rel, archived, st))
     return seen, files, known, changed, vouched, sorted(set(known) - {f[0] for f in files})
@@ -7898,7 +7912,7 @@ def _semantic_build(root, force):
                 with db:
                     removed += db.executemany("DELETE FROM semantic_vectors WHERE path = ? AND"
                                               " ord = ?", [(rel, o) for o in stale]).rowcount
-                stamps.append((rel, *st, seen, sha1))
+                stamps.append((rel, *st[:3], seen, sha1))
         finally:
             progress.done()
         progress = _Progress("embedding sections", len(pending))
@@ -10725,14 +10739,14 @@ class _DoctorFileCache:
                 todo.append(rec)
                 continue
             path, size, mtime_ns, ino, seen, digest, cached = row
-            stamp = (rec["size"], rec["mtime_ns"], rec.get("ino"))
+            stamp = (rec["size"], rec["mtime_ns"], rec.get("ino"), rec.get("ctime_ns") or 0)
             if not _unchanged(stamp, (size, mtime_ns, ino), seen):
                 seen = time.time_ns()
                 data = read(rec)
                 if size != len(data) or digest != _content_hash(data):
                     todo.append(rec)
                     continue
-                self.fresh.append((path, *stamp, seen, digest, cached))
+                self.fresh.append((path, *stamp[:3], seen, digest, cached))
             # the usual empty answer is one shared empty tuple, not a list each
             known[rec["path"]] = () if cached == "[]" else json.loads(cached)
         return known, todo

@@ -57,6 +57,8 @@ CASES = [
     ("version", "`--version`, cold, console script"),
     ("index", "`index`, cold, INDEX current (fast path)"),
     ("index-script", "`python3 memshelf.py index`, cold, script mode (0.4.0: its console script)"),
+    ("index-floor", "floor of any `index` under the freshness rule: the interpreter, a stat "
+                    "of every episode file, INDEX.md to stdout; no memshelf code (ours only)"),
     ("recall-section", "`recall --section`, cold CLI"),
     ("recall-script", "`python3 memshelf.py recall --section`, script mode (0.4.0: console)"),
     ("stats", "`stats`, cold CLI"),
@@ -81,7 +83,7 @@ CASES = [
 ]
 CASE_NAMES = [c[0] for c in CASES]
 CASE_GROUPS = {
-    "cold": ["version", "index", "index-script", "recall-section", "recall-script", "stats",
+    "cold": ["version", "index", "index-script", "index-floor", "recall-section", "recall-script", "stats",
              "hook-session-start", "rebuild-empty", "rebuild-warm", "rebuild-check",
              "doctor-empty", "doctor-warm", "search-build", "search", "shelve-auto",
              "shelve-bot", "shelve-script"],
@@ -94,6 +96,25 @@ CASE_GROUPS = {
 assert not set(CASE_GROUPS) & set(CASE_NAMES), "a case group is named like a case"
 HEAVY = {"rebuild-empty", "doctor-empty", "search-build"}
 MEMORY_CASES = ("rebuild-empty", "rebuild-warm", "doctor-empty", "doctor-warm", "search-build")
+
+# What any `index` must do under the one freshness rule (shelf-format.md § 6.3), and no more:
+# start the interpreter, stat every episode file, print INDEX.md. Its time bounds the ratio an
+# `index` can reach against 0.4.0 on this machine.
+FLOOR = r'''
+import os, sys
+root = sys.argv[1]
+for base in ("docs", "archive/docs"):
+    for cat in ("topics", "research", "sessions"):
+        try:
+            entries = list(os.scandir(os.path.join(root, base, cat)))
+        except OSError:
+            continue
+        for e in entries:
+            if e.name.endswith(".md") and e.is_file(follow_symlinks=False):
+                e.stat()
+with open(os.path.join(root, "INDEX.md"), encoding="utf-8") as f:
+    sys.stdout.write(f.read())
+'''
 
 # The measured child runs under this wrapper: its RUSAGE_CHILDREN is that one child.
 WRAPPER = r'''
@@ -714,6 +735,9 @@ def work_copy(base_shelf, impl, key):
             subprocess.run([impl.console[0], "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                             "import memshelf; memshelf._install_git_hooks(memshelf._Git(sys.argv[2]))",
                             impl.code_dir, dest], check=True, env=clean_env({}))
+    # a copy's ctimes are now, and no call can age them: wait out the racy window (two seconds,
+    # shelf-format.md § 6.3), as a real shelf ages between the sessions that read it
+    time.sleep(2.1)
     return dest
 
 
@@ -879,6 +903,12 @@ class Bench:
 
     def case_index_script(self, ctx):
         return self._cold(ctx, "index-script", "index-script")
+
+    def case_index_floor(self, ctx):
+        impl, shelf = ctx["impl"], ctx["shelf"]
+        if impl.ref:
+            return {"status": "n/a", "reason": "a property of the shelf and the machine"}
+        return self.cold(ctx, "index-floor", lambda k: [impl.console[0], "-c", FLOOR, shelf])
 
     def case_recall_section(self, ctx):
         return self._cold(ctx, "recall-section", "recall", episode=ctx["episode"],

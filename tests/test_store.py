@@ -83,9 +83,28 @@ def test_an_edit_in_place_is_seen_by_every_reader(three, keep_mtime):
     assert again["check"].code == 0
 
 
+def test_an_edit_that_puts_the_old_mtime_back_is_seen_by_its_ctime(three):
+    """An old file, read long after its last change, then rewritten in place with its size,
+    inode and mtime put back (cp -p over it, rsync --inplace -t): the stamp is the same, but the
+    change moved its ctime, which no caller can set, so every reader re-reads it."""
+    root = three
+    time.sleep(2.2)   # a ctime cannot be put in the past: let the aged files' ctimes age
+    for args in (("index",), ("stats",), ("search", "option"), ("doctor",), ("rebuild",)):
+        run_cli(*args, "--shelf", root)   # every cache row and memo now dated after the ctimes
+    path = os.path.join(root, "docs", "topics", SLUGS[1] + ".md")
+    before = os.stat(path)
+    edit_in_place(path, "Ana picked", "Bob picked", keep_mtime=True)
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == \
+        (before.st_size, before.st_mtime_ns, before.st_ino)
+    seen = readers(root)
+    assert "Bob picked" in seen["index"]["index"] and seen["index"]["on_disk"] == "stale"
+    assert "Bob picked" in seen["hook"] and SLUGS[1] in seen["search"]
+    assert "stale-index" in doctor_codes(seen["doctor"]) and seen["check"].code == 1
+
+
 def test_index_verify_compares_content(three):
-    """An edit that restores the old stamp exactly (size, mtime, inode) on an old file is past
-    what any stamp can tell; --verify parses every episode and compares."""
+    """--verify parses every episode and compares, trusting no cached row and no memo."""
     root = three
     path = os.path.join(root, "docs", "topics", SLUGS[0] + ".md")
     edit_in_place(path, "Ana picked", "Eve picked", keep_mtime=True)
