@@ -311,9 +311,13 @@ def test_install_launcher_compiles_once_into_home_and_says_where(tmp_path):
         time.sleep(step * 0.002)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
-        frames = re.findall(r'File "([^"]+)", line (\d+)', err)
-        assert "memshelf.py" not in err and frames in ([], [(str(launcher), "0")]), (step, err)
-        assert p.returncode in (0, 130, -signal.SIGINT), (step, p.returncode, err)
+        ours = [(path, line) for path, line in re.findall(r'File "([^"]+)", line (\d+)', err)
+                if path == str(launcher) and line != "0" or path.endswith("memshelf.py")]
+        assert not ours, (step, err)
+        # CPython's own start-up may die of it too (a frozen module's traceback, a "Fatal
+        # Python error"), before any line of a file runs: its exit code is its own
+        assert p.returncode in (0, 130, -signal.SIGINT) or "KeyboardInterrupt" in err or \
+            "Fatal Python error" in err, (step, p.returncode, err)
     compiled = pyc.read_bytes()
     with open(copy / "memshelf.py", "a") as f:
         f.write("\n# changed\n")
