@@ -1816,16 +1816,11 @@ def _stamp_of(st):
     return _stamp((st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns))
 
 
-def _racy(st, seen_ns):
-    """Whether the file may have changed after `seen_ns` with its stamp unchanged: its mtime or
-    its ctime (which every write and every mtime put back moves; POSIX) within _RACY_NS."""
-    return seen_ns - max(st[1], st[3]) <= _RACY_NS
-
-
 def _unchanged(st, known, seen_ns):
-    """Git's racy rule (shelf-format.md § 6.3): the stamp st[:3] == `known`, and the file last
-    changed more than _RACY_NS before it was read at seen_ns (_racy)."""
-    return st[:3] == tuple(known) and seen_ns is not None and not _racy(st, seen_ns)
+    """Git's racy rule (shelf-format.md § 6.3): the stamp st[:3] == `known` (a tuple), and the
+    file last changed more than _RACY_NS before it was read at seen_ns. Its last change is its
+    mtime or its ctime, which every write and every mtime put back moves (POSIX)."""
+    return st[:3] == known and seen_ns is not None and seen_ns - max(st[1], st[3]) > _RACY_NS
 
 
 def _close_db(db):
@@ -1986,7 +1981,8 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
         except OSError:
             parts.append(f"{rel}\0-")
     # racy files count by content where the key is used: the key stays the same once they age
-    racy = {rel: _content_sha1(root, rel) for rel, _, st in files if _racy(st, seen)}
+    racy = {rel: _content_sha1(root, rel) for rel, _, st in files
+            if seen - max(st[1], st[3]) <= _RACY_NS}   # changed within _RACY_NS (_unchanged)
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
         parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
