@@ -83,8 +83,9 @@ CASES = [
 ]
 CASE_NAMES = [c[0] for c in CASES]
 CASE_GROUPS = {
-    "cold": ["version", "index", "index-script", "index-floor", "recall-section", "recall-script", "stats",
-             "hook-session-start", "rebuild-empty", "rebuild-warm", "rebuild-check",
+    "cold": ["version", "index", "index-script", "index-floor", "recall-section",
+             "recall-script", "stats", "hook-session-start", "rebuild-empty", "rebuild-warm",
+             "rebuild-check",
              "doctor-empty", "doctor-warm", "search-build", "search", "shelve-auto",
              "shelve-bot", "shelve-script"],
     "mcp": ["mcp-initialize", "mcp-recall", "mcp-search"],
