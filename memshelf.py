@@ -2033,7 +2033,7 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
         if (os.path.lexists(path) if digest is None else _text_digest(files[rel]) != digest):
             return None
     return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
-            "key": key, "episodes": memo.get("episodes") or 0}
+            "key": key, "episodes": memo.get("episodes") or 0, "spliced": memo.get("spliced")}
 
 
 def _remember_if_on_disk(root, rendered):
@@ -2057,7 +2057,8 @@ def _remember_render(root, rendered, files=None):
                for rel, content in (rendered["files"] if files is None else files).items()}
     _save_state(root, render_memo={"key": rendered["key"][0], "racy": rendered["key"][1],
                                    "files": digests, "episodes": rendered["episodes"],
-                                   "warnings": rendered["warnings"]})
+                                   "warnings": rendered["warnings"],
+                                   "spliced": bool(rendered.get("spliced"))})
 
 
 def _forget_render(root):
@@ -6273,12 +6274,15 @@ def _superseded_map(records):
 
 
 def _render_derived(root, records=None, fmt=None, progress=None, index_only=False, verify=False,
-                    memo=True):
+                    memo="any"):
     """{derived path: text or None (delete)}, from `records` or the whole shelf, or the render
-    remembered on disk (records: None; memo). verify: no memo, no cached row (index --verify)."""
+    remembered on disk (records: None; memo "full": only one a full render made, not shelve's
+    one-change render). verify: no memo, no cached row trusted (index --verify)."""
     fmt = fmt or _index_format(root)
     if records is None:
-        remembered = None if verify or not memo else _state(root).get("render_memo")
+        remembered = None if verify else _state(root).get("render_memo")
+        if memo == "full" and isinstance(remembered, dict) and remembered.get("spliced"):
+            remembered = None
         key, scanned = _render_key(root, fmt)
         if remembered and isinstance(remembered, dict):
             hit = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
@@ -6382,7 +6386,7 @@ def _render_one_change(root, memo, records, new_rel, old, key):
     files["ledger.tsv"] = "\n".join(ledger)
     files["stats.svg"] = _render_chart(rows)
     return {"files": files, "warnings": memo["warnings"], "records": records, "key": key,
-            "episodes": len(rows)}
+            "episodes": len(rows), "spliced": True}
 
 
 def _splice_sorted(lines, start, end, line, add, keys, mine):
@@ -6469,9 +6473,9 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
             with db:
                 db.execute("DELETE FROM episodes")
             db.close()
-    # --check verifies: it renders from the episodes, never trusting the memo
+    # --check verifies what shelve's one-change render left: it trusts a full render's memo only
     rendered = _render_derived(root, fmt=index_format if check else None, progress=progress,
-                               memo=not check)
+                               memo="full" if check else "any")
     files = rendered["files"]
     # stale derived files that should not exist (e.g. a .meta.json of an emptied category)
     for rel in [f"{base}/{cat}/.meta.json" for base in ("docs", "archive/docs")

@@ -293,6 +293,9 @@ def test_doctor_renders_the_index_itself_and_never_trusts_the_memo(three):
 
 
 def test_rebuild_check_renders_from_the_episodes_and_forgets_a_wrong_memo(three):
+    """rebuild --check does not trust what shelve's one-change render remembered (`spliced`):
+    it renders from the episodes, names the drift and forgets the memo; a render it verified
+    is remembered as a full one."""
     import memshelf
     root = str(three)
     path = os.path.join(root, "ledger.tsv")
@@ -305,12 +308,29 @@ def test_rebuild_check_renders_from_the_episodes_and_forgets_a_wrong_memo(three)
         state = json.load(f)
     with open(path, encoding="utf-8") as f:
         state["render_memo"]["files"]["ledger.tsv"] = memshelf._text_digest(f.read())
+    state["render_memo"]["spliced"] = True   # as shelve's one-change render remembers
     with open(state_path, "w", encoding="utf-8") as f:
         json.dump(state, f)
     assert memo_current(root)
+    assert run_cli("rebuild", "--shelf", root).code == 0    # plain rebuild trusts it: writes nothing
     r = run_cli("rebuild", "--shelf", root, "--check", "--json")
     assert r.code != 0 and r.json()["drifted"] == ["ledger.tsv"], r.out
+    assert not memo_current(root)
     assert run_cli("rebuild", "--shelf", root).code == 0
     with open(path, encoding="utf-8") as f:
         assert f.read() == good
     assert run_cli("rebuild", "--shelf", root, "--check").code == 0
+
+
+def test_a_shelve_leaves_a_spliced_memo_that_rebuild_check_verifies(three):
+    root = str(three)
+    r = run_cli("shelve", "--shelf", root, "--slug", "2026-01-04-delta-cache", "--kind", "topic",
+                "--digest", DIGEST, "--section", "Decisions=- option A")
+    assert r.code == 0, r
+
+    def spliced():
+        with open(os.path.join(root, ".memshelf", "state.json"), encoding="utf-8") as f:
+            return json.load(f)["render_memo"].get("spliced")
+    assert spliced() is True
+    assert run_cli("rebuild", "--shelf", root, "--check").code == 0
+    assert spliced() is False and memo_current(root)
