@@ -5866,17 +5866,19 @@ def _episode_aggregate(records, window):
             "window": window}
 
 
-def _shelf_totals(root, records=None, window=None, aggregate=None):
+def _shelf_totals(root, records=None, window=None, key=None):
+    """The banner's totals, from `records`, else remembered under the store key (key: a
+    _render_key the caller made; its scan is the one read)."""
     window = window or _context_window(root)
-    if aggregate is None and records is None:
-        key = _render_key(root, _index_format(root))[0]
+    if records is None:
+        key, scanned = key or _render_key(root, _index_format(root))
         aggregate = _remembered(root, "aggregate", key)
         if not isinstance(aggregate, dict) or aggregate.get("window") != window:
-            with _Store(root) as cat:
-                records = cat.render_records()   # what the aggregate sums, no whole records
+            with _Store(root) as cat:   # what the aggregate sums, no whole records
+                records = cat.render_records(files=scanned)
             aggregate = _episode_aggregate(records, window)
             _remember(root, "aggregate", key, aggregate)
-    elif aggregate is None:
+    else:
         aggregate = _episode_aggregate(records, window)
     try:
         index_tokens = tokens(_read_text(os.path.join(root, "INDEX.md")))
@@ -6274,16 +6276,17 @@ def _superseded_map(records):
 
 
 def _render_derived(root, records=None, fmt=None, progress=None, index_only=False, verify=False,
-                    memo="any"):
+                    memo="any", key=None):
     """{derived path: text or None (delete)}, from `records` or the whole shelf, or the render
     remembered on disk (records: None; memo "full": only one a full render made, not shelve's
-    one-change render). verify: no memo, no cached row trusted (index --verify)."""
+    one-change render). verify: no memo, no cached row trusted (index --verify). key: a
+    _render_key(root, fmt) the caller made, so a verb lists the shelf once."""
     fmt = fmt or _index_format(root)
     if records is None:
         remembered = None if verify else _state(root).get("render_memo")
         if memo == "full" and isinstance(remembered, dict) and remembered.get("spliced"):
             remembered = None
-        key, scanned = _render_key(root, fmt)
+        key, scanned = key or _render_key(root, fmt)
         if remembered and isinstance(remembered, dict):
             hit = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
             if hit is not None:
@@ -6606,7 +6609,7 @@ _ENTRY_LINE = _re_lazy(r"^- (?:`([^`]+)`|(\S+))(?: \*\*(.+?)\*\*)?(?: — (.*?))
 
 
 def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, archive=False,
-          verify=False):
+          verify=False, *, _key=None):
     """The shelf's INDEX, never stale: the file when current, else a fresh render (§ 2.1)."""
     if max_chars is None:
         max_chars = 32000 if _context("mcp") else 0
@@ -6622,7 +6625,7 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     fmt = _index_format(root)
     rel = "archive/INDEX.md" if archive else "INDEX.md"
     rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
-                               index_only=True, verify=verify)
+                               index_only=True, verify=verify, key=_key)
     text = on_disk_text = rendered["files"].get(rel)   # a memo hit has just read the file
     if rendered["records"] is not None or text is None:
         try:
@@ -8252,7 +8255,10 @@ class _Git:
                                                            else ("-m", message)),
                                        config, private)
                     sha = self.head()
-                self.run("reset", "-q", "--", *staged, check=False)
+                # the real index: those paths as committed, without a stat of every file
+                # (git before 2.36 has no --no-refresh and refreshes only without -q)
+                if not self.ok("reset", "-q", "--no-refresh", "--", *staged):
+                    self.run("reset", "-q", "--", *staged, check=False)
             return sha
         finally:
             for leftover in (index, index + ".lock"):
@@ -13634,13 +13640,16 @@ def _hook_session_start(root, payload):
     cap = _memshelf_config(root).get("hook_index_chars")
     if _not_count(cap):
         cap = _HOOK_INDEX_CHARS
-    state = _state(root)
+    state, key = _state(root), None
     try:
-        idx = index(shelf_path=root)
+        fmt = _index_format(root)
+        key = _render_key(root, "compact" if fmt == "manual" else fmt)   # one scan for both
+        idx = index(shelf_path=root, _key=key)
     except (OSError, ShelfError):
         # a read-only or half-broken shelf still shows the INDEX file it has
         idx = {"index": _read_text(os.path.join(root, "INDEX.md")), "format": _index_format(root)}
-    head = [_HOOK_HEADING, _banner_core(_shelf_totals(root)), f"Shelf: {root}", "", _HOOK_RULE]
+    head = [_HOOK_HEADING, _banner_core(_shelf_totals(root, key=key)), f"Shelf: {root}", "",
+            _HOOK_RULE]
     crumb = state.get("precompact") if isinstance(state.get("precompact"), dict) else None
     if source == "compact":
         detail = ""
