@@ -1789,16 +1789,17 @@ def _scan_episode_files(root, archive=True, subdirs=None):
                 entries = [] if _linked(root, f"{base}/{cat}") else list(os.scandir(d))
             except OSError:
                 continue
-            prefix = f"{base}/{cat}/"
+            prefix, add = f"{base}/{cat}/", found.append
             for e in entries:
                 # a regular file, never a symlink (d_type answers without a system call)
-                if not e.name.endswith(".md") or e.name.startswith(".") or \
-                        not e.is_file(follow_symlinks=False):
+                name = e.name
+                if name[-3:] != ".md" or name[:1] == "." or not e.is_file(follow_symlinks=False):
                     if subdirs is not None and e.is_dir(follow_symlinks=False):
-                        subdirs.append((prefix + e.name, e.stat().st_mtime_ns))
+                        subdirs.append((prefix + name, e.stat().st_mtime_ns))
                     continue
-                st = e.stat()
-                found.append((prefix + e.name, archived, _stamp_of(st)))
+                st = e.stat()   # _stamp_of, inline: this loop runs once per episode file
+                add((prefix + name, archived,
+                     _stamp((st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns))))
     found.sort()   # paths are unique: the comparison never goes past them
     return found
 
@@ -8255,10 +8256,9 @@ class _Git:
                                                            else ("-m", message)),
                                        config, private)
                     sha = self.head()
-                # the real index: those paths as committed, without a stat of every file
-                # (git before 2.36 has no --no-refresh and refreshes only without -q)
-                if not self.ok("reset", "-q", "--no-refresh", "--", *staged):
-                    self.run("reset", "-q", "--", *staged, check=False)
+                # the real index: those paths as committed, what `reset -- paths` does at a
+                # quarter of its cost (it compares trees; this only writes the entries)
+                self._index_as(sha, staged)
             return sha
         finally:
             for leftover in (index, index + ".lock"):
@@ -8266,6 +8266,16 @@ class _Git:
                     os.unlink(leftover)
                 except OSError:
                     pass
+
+    def _index_as(self, sha, paths):
+        """Set the real index's entries of these shelf-relative paths to commit sha's."""
+        listed = self.run("ls-tree", "-z", "--full-name", sha, "--", *paths, check=False,
+                          read_only=True).stdout
+        have = {entry.split(b"\t", 1)[-1] for entry in listed.split(b"\0")}
+        gone = [full for full in ((self.prefix() + p).encode("utf-8", "surrogateescape")
+                                  for p in paths) if full not in have]   # mode 0: removed
+        self.run("update-index", "-z", "--index-info", check=False, input=listed + b"".join(
+            b"0 " + b"0" * len(sha) + b"\t" + full + b"\0" for full in gone))
 
     def _commit_point(self, args, config, env=None):
         """A git call that moves HEAD (once an identity is found); from its success on, the verb

@@ -123,6 +123,29 @@ def test_init_inside_a_project_repository(tmp_path, cli):
     assert "A  README" in git(proj, "status", "--porcelain")
 
 
+def test_commits_in_a_project_repository_leave_its_index_as_committed(tmp_path, cli):
+    """After each commit the real index holds exactly what was committed for memshelf's paths
+    (added, changed, moved and deleted ones), and the user's staged file stays staged."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    subprocess.run(["git", "init", "-q", str(proj)], check=True)
+    assert cli("init", "--shelf", proj / "shelf").code == 0
+    (proj / "README").write_text("x")
+    subprocess.run(["git", "-C", str(proj), "add", "README"], check=True)
+    shelf = proj / "shelf"
+    steps = [shelve_args(shelf, extra=["--retain-until", "2020-01-01"]),
+             shelve_args(shelf, slug="2026-07-23-cache", kind="research"),
+             shelve_args(shelf, slug="2026-07-23-cache", kind="topic", extra=["--amend"]),
+             ["purge", "--shelf", shelf, "--apply", "--today", "2026-08-01"]]
+    for args in steps:
+        r = cli(*args)
+        assert r.code == 0, r
+        assert git(proj, "status", "--porcelain").split("\n") == ["A  README", ""], args
+        assert git(proj, "diff", "--cached", "--name-only").split() == ["README"]
+    assert git(proj, "ls-files", "shelf/docs").split() == \
+        ["shelf/docs/topics/.meta.json", "shelf/docs/topics/2026-07-23-cache.md"]
+
+
 # --- shelve ---------------------------------------------------------------------------------
 
 def test_shelve_writes_one_commit_with_derived_files(shelf, cli):
