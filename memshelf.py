@@ -8257,7 +8257,7 @@ class _Git:
                                        config, private)
                     sha = self.head()
                 # the real index: those paths as committed, what `reset -- paths` does at a
-                # quarter of its cost (it compares trees; this only writes the entries)
+                # third of its cost (it compares trees; this writes the entries)
                 self._index_as(sha, staged)
             return sha
         finally:
@@ -8268,14 +8268,17 @@ class _Git:
                     pass
 
     def _index_as(self, sha, paths):
-        """Set the real index's entries of these shelf-relative paths to commit sha's."""
+        """Set the real index's entries of these shelf-relative paths to commit sha's, after a
+        refresh of the others' stat data (stale after a copy of the shelf, it would make every
+        commit's private index re-read every file)."""
         listed = self.run("ls-tree", "-z", "--full-name", sha, "--", *paths, check=False,
                           read_only=True).stdout
         have = {entry.split(b"\t", 1)[-1] for entry in listed.split(b"\0")}
         gone = [full for full in ((self.prefix() + p).encode("utf-8", "surrogateescape")
                                   for p in paths) if full not in have]   # mode 0: removed
-        self.run("update-index", "-z", "--index-info", check=False, input=listed + b"".join(
-            b"0 " + b"0" * len(sha) + b"\t" + full + b"\0" for full in gone))
+        self.run("update-index", "-q", "--refresh", "-z", "--index-info", check=False,
+                 input=listed + b"".join(
+                     b"0 " + b"0" * len(sha) + b"\t" + full + b"\0" for full in gone))
 
     def _commit_point(self, args, config, env=None):
         """A git call that moves HEAD (once an identity is found); from its success on, the verb

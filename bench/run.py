@@ -59,6 +59,8 @@ CASES = [
     ("index-script", "`python3 memshelf.py index`, cold, script mode (0.4.0: its console script)"),
     ("index-floor", "floor of any `index` under the freshness rule: the interpreter, a stat "
                     "of every episode file, INDEX.md to stdout; no memshelf code (ours only)"),
+    ("index-script-floor", "floor of `python3 memshelf.py index`: index-floor plus compiling "
+                           "memshelf.py, which script mode does on every call (ours only)"),
     ("recall-section", "`recall --section`, cold CLI"),
     ("recall-script", "`python3 memshelf.py recall --section`, script mode (0.4.0: console)"),
     ("stats", "`stats`, cold CLI"),
@@ -77,26 +79,63 @@ CASES = [
     ("shelve-auto", "`shelve`, derived: auto, cold CLI, git"),
     ("shelve-bot", "`shelve`, derived: bot, cold CLI, episode-only commit"),
     ("shelve-script", "`python3 memshelf.py shelve`, derived: auto, script mode (0.4.0: console)"),
+    ("shelve-floor", "floor of a `shelve` in auto mode: its git commands alone, the pre-commit "
+                     "guard running; no other memshelf code (ours only)"),
     ("retrieval", "lexical hit@5 / MRR per query label"),
     ("questions", "section hit@1 / hit@5 of bench/questions.tsv on bench/design_docs.py"),
     ("tokens", "token economy (§ 4)"),
 ]
 CASE_NAMES = [c[0] for c in CASES]
 CASE_GROUPS = {
-    "cold": ["version", "index", "index-script", "index-floor", "recall-section",
+    "cold": ["version", "index", "index-script", "index-floor", "index-script-floor",
+             "recall-section",
              "recall-script", "stats", "hook-session-start", "rebuild-empty", "rebuild-warm",
              "rebuild-check",
              "doctor-empty", "doctor-warm", "search-build", "search", "shelve-auto",
-             "shelve-bot", "shelve-script"],
+             "shelve-bot", "shelve-script", "shelve-floor"],
     "mcp": ["mcp-initialize", "mcp-recall", "mcp-search"],
     "find": ["search-build", "search", "mcp-search", "search-incremental", "retrieval",
              "questions"],
-    "write": ["shelve-auto", "shelve-bot", "shelve-script"],
+    "write": ["shelve-auto", "shelve-bot", "shelve-script", "shelve-floor"],
 }
 # --cases takes both: a group named like a case would select more than that case
 assert not set(CASE_GROUPS) & set(CASE_NAMES), "a case group is named like a case"
 HEAVY = {"rebuild-empty", "doctor-empty", "search-build"}
 MEMORY_CASES = ("rebuild-empty", "rebuild-warm", "doctor-empty", "doctor-warm", "search-build")
+
+# Script mode compiles memshelf.py before its first line runs (argv[2]: its path).
+COMPILE = "import sys\ncompile(open(sys.argv[2], 'rb').read(), sys.argv[2], 'exec')\n"
+
+# What an auto-mode `shelve` must do in git (git-and-sync.md § 2) and no more: in a private
+# index, stage the new episode and the derived files it changes (each a line longer here, as a
+# render makes them), commit with the hooks running (the pre-commit secret guard runs
+# memshelf), set the real index's entries to the commit's. Its time bounds a shelve's ratio.
+SHELVE_FLOOR = r'''
+import os, shutil, subprocess, sys
+root, k = sys.argv[1], sys.argv[2]
+def git(*args, env=None, input=None):
+    return subprocess.run(["git", "-C", root, *args], env=env, input=input, check=True,
+                          capture_output=True).stdout
+slug = "2026-01-15-bench-floor-" + k
+paths = ["docs/topics/%s.md" % slug, "INDEX.md", "ledger.tsv", "docs/topics/.meta.json",
+         "stats.svg"]
+with open(os.path.join(root, paths[0]), "w", encoding="utf-8") as f:
+    f.write("# %s\n\n---\nid: %s\nkind: topic\n---\n\n## Digest\nBench Runner kept the "
+            "floor fixed. Open: nothing left.\n\n## Decisions\n- Keep it small.\n" % (slug, slug))
+for rel in paths[1:]:
+    with open(os.path.join(root, rel), "a", encoding="utf-8") as f:
+        f.write("floor %s\n" % k)
+private = os.path.join(git("rev-parse", "--absolute-git-dir").decode().strip(), "floor-index")
+env = dict(os.environ, GIT_INDEX_FILE=private)
+shutil.copyfile(os.path.join(os.path.dirname(private), "index"), private)
+git("read-tree", "-m", "HEAD", env=env)
+git("add", "-A", "--", *paths, env=env)
+git("diff", "--cached", "--name-only", "-z", "--", *paths, env=env)
+git("commit", "-q", "-m", "shelve: " + slug, env=env)
+git("update-index", "-q", "--refresh", "-z", "--index-info",
+    input=git("ls-tree", "-z", "--full-name", "HEAD", "--", *paths))
+os.unlink(private)
+'''
 
 # What any `index` must do under the one freshness rule (shelf-format.md § 6.3), and no more:
 # start the interpreter, stat every episode file, print INDEX.md. Its time bounds the ratio an
@@ -911,6 +950,14 @@ class Bench:
             return {"status": "n/a", "reason": "a property of the shelf and the machine"}
         return self.cold(ctx, "index-floor", lambda k: [impl.console[0], "-c", FLOOR, shelf])
 
+    def case_index_script_floor(self, ctx):
+        impl, shelf = ctx["impl"], ctx["shelf"]
+        if impl.ref:
+            return {"status": "n/a", "reason": "a property of the shelf, the code and the machine"}
+        return self.cold(ctx, "index-script-floor", lambda k: [
+            impl.console[0], "-c", COMPILE + FLOOR, shelf, os.path.join(impl.code_dir,
+                                                                       "memshelf.py")])
+
     def case_recall_section(self, ctx):
         return self._cold(ctx, "recall-section", "recall", episode=ctx["episode"],
                           section="Decisions")
@@ -988,6 +1035,17 @@ class Bench:
 
     def case_shelve_script(self, ctx):
         return self._shelve(ctx, "shelve-script", "auto", "shelve-script")
+
+    def case_shelve_floor(self, ctx):
+        impl, shelf = ctx["impl"], ctx["shelf"]
+        if impl.ref:
+            return {"status": "n/a", "reason": "a property of the shelf, git and the machine"}
+        res = self.cold(ctx, "shelve-floor", lambda k: [impl.console[0], "-c", SHELVE_FLOOR,
+                                                          shelf, str(k)])
+        # its derived files are only a line longer: render and commit them for the cases after
+        subprocess.run(impl.argv("rebuild", shelf) + ["--commit"], env=impl.env(),
+                       capture_output=True, timeout=RUN_TIMEOUT)
+        return res
 
     # --- in-process and MCP cases ----------------------------------------------------------
 
