@@ -8271,8 +8271,11 @@ class _Git:
         """Set the real index's entries of these shelf-relative paths to commit sha's, after a
         refresh of the others' stat data (stale after a copy of the shelf, it would make every
         commit's private index re-read every file)."""
-        listed = self.run("ls-tree", "-z", "--full-name", sha, "--", *paths, check=False,
-                          read_only=True).stdout
+        proc = self.run("ls-tree", "-z", "--full-name", sha, "--", *paths, check=False,
+                        read_only=True)
+        if proc.returncode != 0:
+            return   # not read as "all removed": doctor names the index left behind (git-staged)
+        listed = proc.stdout
         have = {entry.split(b"\t", 1)[-1] for entry in listed.split(b"\0")}
         gone = [full for full in ((self.prefix() + p).encode("utf-8", "surrogateescape")
                                   for p in paths) if full not in have]   # mode 0: removed
