@@ -1567,7 +1567,8 @@ class _Store:
         self.db = _cache_db(root) if use_cache else None
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
-        """Every record; also(rec, bytes, _EpisodeText) fills self.extras; trim(rec) is kept."""
+        """Every record; self.extras[path] = (also(rec, bytes, _EpisodeText), the time before
+        the read) for each file parsed afresh; trim(rec) is kept."""
         return self._merge(archive, progress, files, None,
                            lambda rel, archived, row: _record_from_row(row[0]), also, trim)
 
@@ -1614,7 +1615,7 @@ class _Store:
             slot, rel, archived, _ = missing[n]
             out[slot] = _share_values(rec) if whole else from_row(rel, archived, take(row))
             if also is not None:
-                self.extras[rel] = extra
+                self.extras[rel] = (extra, row[4])   # and when the file was read
             if cached:
                 batch.append(row)
                 if len(batch) >= 2000:
@@ -10927,7 +10928,7 @@ class _DoctorRun:
         self.git = _Git(root) if _git_available() else None
         self.in_git = bool(self.git and self.git.is_repo())
         self.records = []
-        self.prechecked = {}             # {path: (findings, content hash)} from the catalog pass
+        self.prechecked = {}             # {path: ((findings, content hash), read at)}: catalog
         self.manifest = {}               # shelf.yml as parsed (step 1); {} when unreadable
         self.policy = ([], {})           # POLICY.patterns rules and redaction switches (run)
         self.policy_problems = []        # lines of POLICY.patterns that do not parse (run)
@@ -11321,8 +11322,8 @@ class _DoctorRun:
         known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec["path"]))
         for rec in todo:
             if rec["path"] in self.prechecked:
-                findings, digest = self.prechecked[rec["path"]]
-                cache.store(rec, digest, list(findings))
+                (findings, digest), seen = self.prechecked[rec["path"]]
+                cache.store(rec, digest, list(findings), seen)
                 known[rec["path"]] = findings
         todo = [rec for rec in todo if rec["path"] not in self.prechecked]
 

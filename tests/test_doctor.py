@@ -502,6 +502,20 @@ def test_cache_serves_unchanged_files_and_no_cache_ignores_it(tmp_path, three):
     assert not find(run(root), "hidden-characters", rel)
 
 
+def test_a_cold_runs_verdicts_carry_the_time_of_their_read(tmp_path, three):
+    """Verdicts checked while the catalog parses (an empty cache) are stored with the time
+    before their file was read, as every other verdict is: a later run trusts them by the file's
+    stamp instead of reading every file again to compare its hash."""
+    root = three()
+    shutil.rmtree(os.path.join(root, ".memshelf"))
+    before = time.time_ns()
+    run(root)
+    db = sqlite3.connect(os.path.join(root, ".memshelf", "shelf.sqlite"))
+    seen = [s for (s,) in db.execute("SELECT seen_ns FROM doctor_files")]
+    db.close()
+    assert len(seen) == 3 and all(s is not None and before <= s <= time.time_ns() for s in seen)
+
+
 # --- ledger, recall log, derived freshness ------------------------------------------------
 
 def test_ledger_findings(tmp_path, three):
