@@ -1790,17 +1790,16 @@ def _scan_episode_files(root, archive=True, subdirs=None):
                 entries = [] if _linked(root, f"{base}/{cat}") else list(os.scandir(d))
             except OSError:
                 continue
-            prefix, add = f"{base}/{cat}/", found.append
+            prefix = f"{base}/{cat}/"
             for e in entries:
                 # a regular file, never a symlink (d_type answers without a system call)
-                name = e.name
-                if name[-3:] != ".md" or name[:1] == "." or not e.is_file(follow_symlinks=False):
+                if not e.name.endswith(".md") or e.name.startswith(".") or \
+                        not e.is_file(follow_symlinks=False):
                     if subdirs is not None and e.is_dir(follow_symlinks=False):
-                        subdirs.append((prefix + name, e.stat().st_mtime_ns))
+                        subdirs.append((prefix + e.name, e.stat().st_mtime_ns))
                     continue
-                st = e.stat()   # _stamp_of, inline: this loop runs once per episode file
-                add((prefix + name, archived,
-                     _stamp((st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns))))
+                st = e.stat()
+                found.append((prefix + e.name, archived, _stamp_of(st)))
     found.sort()   # paths are unique: the comparison never goes past them
     return found
 
@@ -5744,7 +5743,8 @@ def _shelve_locked(root, a):
             # every derived file, not only those written: a hand rebuild's (0.4.0) uncommitted too
             paths = [address] + ([moved_from] if moved_from else []) + written + \
                 (list(rendered["files"]) if mode == "auto" else [])
-            if _git_has_pending(git, _RECALL_LOG):
+            if git.run("status", "--porcelain", "--", _RECALL_LOG, check=False,
+                       read_only=True).stdout.strip():   # recall rows ride along
                 paths.append(_RECALL_LOG)
             message = f"shelve: {slug}" + (" (amend)" if a["amend"] else "")
             _check_cancelled()
@@ -5869,8 +5869,7 @@ def _episode_aggregate(records, window):
 
 
 def _shelf_totals(root, records=None, window=None, key=None):
-    """The banner's totals, from `records`, else remembered under the store key (key: a
-    _render_key the caller made; its scan is the one read)."""
+    """Banner totals: from `records`, else remembered under the store `key` (made if None)."""
     window = window or _context_window(root)
     if records is None:
         key, scanned = key or _render_key(root, _index_format(root))
@@ -6111,10 +6110,6 @@ def _render_compact(name, preamble, records, superseded):
     return "\n".join(out)
 
 
-def _title_from_stem(stem):
-    return " ".join(p.capitalize() if p.islower() else p for p in re.split(r"[-_]+", stem) if p)
-
-
 def _render_docshelf(cfg, records, metas, root, base):
     out = [f"# {cfg['name']}", ""]
     if cfg.get("remote"):
@@ -6134,14 +6129,17 @@ def _render_docshelf(cfg, records, metas, root, base):
         entries = []
         for r in groups[cat]:
             m = metas.get(cat, {}).get(r["stem"] + ".md") or {}
-            title = m.get("title") or _title_from_stem(r["stem"])
+            title = m.get("title") or " ".join(p.capitalize() if p.islower() else p
+                                               for p in re.split(r"[-_]+", r["stem"]) if p)
             entries.append((title, (m.get("description") or "").strip(), r))
         out += [f"## {re.sub(r'[-_]', ' ', cat).strip().title()}", ""]
         for title, desc, r in sorted(entries, key=lambda e: e[0].lower()):
             d = f" — {desc}" if desc else ""
             fname = r["stem"] + ".md"
             folder = f"{base}/{cat}/{r['stem']}"
-            split = _legacy_split_sections(os.path.join(root, folder))
+            where = os.path.join(root, folder)   # a legacy split folder: NNN-<label>.md
+            split = sorted(n for n in os.listdir(where) if re.match(r"\d{3}-.*\.md\Z", n)) \
+                if os.path.isdir(where) and not os.path.islink(where) else []
             if not split:
                 out.append(f"- **{title}**{d} — `{fname}`")
                 continue
@@ -6156,12 +6154,6 @@ def _render_docshelf(cfg, records, metas, root, base):
         out.append("")
     out.append(_DOCSHELF_FOOTER)
     return "\n".join(out)
-
-
-def _legacy_split_sections(d):
-    if not os.path.isdir(d) or os.path.islink(d):
-        return []
-    return sorted(n for n in os.listdir(d) if re.match(r"\d{3}-.*\.md\Z", n))
 
 
 def _split_label(name):
@@ -6279,10 +6271,9 @@ def _superseded_map(records):
 
 def _render_derived(root, records=None, fmt=None, progress=None, index_only=False, verify=False,
                     memo="any", key=None):
-    """{derived path: text or None (delete)}, from `records` or the whole shelf, or the render
-    remembered on disk (records: None; memo "full": only one a full render made, not shelve's
-    one-change render). verify: no memo, no cached row trusted (index --verify). key: a
-    _render_key(root, fmt) the caller made, so a verb lists the shelf once."""
+    """{derived path: text or None (delete)}, from `records` or the whole shelf (`key`: its
+    _render_key if the caller made it), or the render remembered on disk (memo "full": only one a
+    full render made, not shelve's one-change render). verify: no memo, no cached row trusted."""
     fmt = fmt or _index_format(root)
     if records is None:
         remembered = None if verify else _state(root).get("render_memo")
@@ -6597,14 +6588,6 @@ def _adopt(root):
 
 
 # --- index ---------------------------------------------------------------------------------
-
-def _empty_index_result(root):
-    text = _render_compact(DEFAULT_NAME, MEMORY_PREAMBLE, [], {})
-    return {"status": "ok", "index": text, "format": "compact", "source": "rendered",
-            "on_disk": "missing", "lag_episodes": 0, "entries_total": 0, "entries_shown": 0,
-            "truncated": False, "next_offset": None, "tokens": tokens(text),
-            "note": f"the default shelf {root} does not exist yet; the first shelve creates it"}
-
 
 _ENTRY_LINE = _re_lazy(r"^- (?:`([^`]+)`|(\S+))(?: \*\*(.+?)\*\*)?(?: — (.*?))?"
                          r"(?: \[superseded by ([^\]]+)\])?$")
@@ -8257,9 +8240,7 @@ class _Git:
                                                            else ("-m", message)),
                                        config, private)
                     sha = self.head()
-                # the real index: those paths as committed, what `reset -- paths` does at a
-                # third of its cost (it compares trees; this writes the entries)
-                self._index_as(sha, staged)
+                self._index_as(sha, staged)   # as `git reset -- paths` does, at a third of the cost
             return sha
         finally:
             for leftover in (index, index + ".lock"):
@@ -8269,20 +8250,17 @@ class _Git:
                     pass
 
     def _index_as(self, sha, paths):
-        """Set the real index's entries of these shelf-relative paths to commit sha's, after a
-        refresh of the others' stat data (stale after a copy of the shelf, it would make every
-        commit's private index re-read every file)."""
-        proc = self.run("ls-tree", "-z", "--full-name", sha, "--", *paths, check=False,
-                        read_only=True)
-        if proc.returncode != 0:
+        """The real index's entries of these shelf-relative paths set to commit sha's, and the
+        others' stat data refreshed (a copied shelf's stale data makes commits re-read all)."""
+        listed = self.run("ls-tree", "-z", "--full-name", sha, "--", *paths, check=False,
+                          read_only=True)
+        if listed.returncode != 0:
             return   # not read as "all removed": doctor names the index left behind (git-staged)
-        listed = proc.stdout
-        have = {entry.split(b"\t", 1)[-1] for entry in listed.split(b"\0")}
-        gone = [full for full in ((self.prefix() + p).encode("utf-8", "surrogateescape")
-                                  for p in paths) if full not in have]   # mode 0: removed
+        have = {entry.split(b"\t", 1)[-1] for entry in listed.stdout.split(b"\0")}
+        full = [(self.prefix() + p).encode("utf-8", "surrogateescape") for p in paths]
+        removed = [b"0 " + b"0" * len(sha) + b"\t" + f + b"\0" for f in full if f not in have]
         self.run("update-index", "-q", "--refresh", "-z", "--index-info", check=False,
-                 input=listed + b"".join(
-                     b"0 " + b"0" * len(sha) + b"\t" + full + b"\0" for full in gone))
+                 input=listed.stdout + b"".join(removed))
 
     def _commit_point(self, args, config, env=None):
         """A git call that moves HEAD (once an identity is found); from its success on, the verb
@@ -8366,11 +8344,6 @@ def _shelf_status(git, *specs, untracked="all", renames=False, read_only=False):
         if item[3:].startswith(prefix):
             out.append((item[0], item[1], item[3 + len(prefix):]))
     return out
-
-
-def _git_has_pending(git, rel):
-    p = git.run("status", "--porcelain", "--", rel, check=False, read_only=True)
-    return p.returncode == 0 and bool(p.stdout.strip())
 
 
 def _is_derived_path(path):
@@ -11459,9 +11432,10 @@ class _DoctorRun:
                 unknown.append(rec)
         if proven:
             longest = max(s for _, s in proven)
+            held = f"{longest / 3600:.0f} h" if longest >= 3600 else f"{longest / 60:.0f} min"
             return [_finding("derived-stale", "ledger.tsv",
                              f"{_no_row([r for r, _ in proven], short_render)}; the renderer has "
-                             f"had them for at least {_hours_text(longest)} (threshold "
+                             f"had them for at least {held} (threshold "
                              f"{self.stale_hours:g} h)", self.derived_fix("derived-stale"))]
         if unknown:
             return [_finding("renderer-wait-unknown", "ledger.tsv",
@@ -11741,11 +11715,6 @@ def _manifest_typing(text):
             what = f"{key.strip()}: {value}" if key else f"- {value}"
             yield _finding("manifest-invalid", "shelf.yml", f"line {number}: a YAML loader "
                            f"reads {what!r} as a {kind}, not a string; quote it")
-
-
-def _hours_text(seconds):
-    hours = seconds / 3600
-    return f"{hours:.0f} h" if hours >= 1 else f"{seconds / 60:.0f} min"
 
 
 def _no_row(records, branch=None, limit=5):
@@ -14495,8 +14464,13 @@ def _with_default_shelf(verb, kwargs):
     if not os.path.isabs(root) or _is_shelf(root):   # also when there is no default shelf
         return verb.func(**kwargs)
     if verb.read_only:
-        if verb.name == "index":
-            return _empty_index_result(root)
+        if verb.name == "index":   # the INDEX an empty shelf would have
+            text = _render_compact(DEFAULT_NAME, MEMORY_PREAMBLE, [], {})
+            return {"status": "ok", "index": text, "format": "compact", "source": "rendered",
+                    "on_disk": "missing", "lag_episodes": 0, "entries_total": 0,
+                    "entries_shown": 0, "truncated": False, "next_offset": None,
+                    "tokens": tokens(text), "note": f"the default shelf {root} does not exist "
+                    "yet; the first shelve creates it"}
         raise ShelfError("not-a-shelf", f"the default shelf {root} does not exist yet",
                          "shelve something first; the default shelf is created on the first write")
     created = init(shelf_path=root, storage="git-local" if _git_available() else "plain")
