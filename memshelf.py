@@ -13629,7 +13629,7 @@ def _hook_session_start(root, payload):
     state, key = _state(root), None
     try:
         fmt = _index_format(root)
-        key = _render_key(root, "compact" if fmt == "manual" else fmt)   # one scan for both
+        key = _render_key(root, "compact" if fmt == "manual" else fmt)   # index's; one listing
         idx = index(shelf_path=root, _key=key)
     except (OSError, ShelfError):
         # a read-only or half-broken shelf still shows the INDEX file it has

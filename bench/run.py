@@ -120,8 +120,9 @@ slug = "2026-01-15-bench-floor-" + k
 paths = ["docs/topics/%s.md" % slug, "INDEX.md", "ledger.tsv", "docs/topics/.meta.json",
          "stats.svg"]
 with open(os.path.join(root, paths[0]), "w", encoding="utf-8") as f:
-    f.write("# %s\n\n---\nid: %s\nkind: topic\n---\n\n## Digest\nBench Runner kept the "
-            "floor fixed. Open: nothing left.\n\n## Decisions\n- Keep it small.\n" % (slug, slug))
+    f.write("# %s\n\n---\nid: %s\nkind: topic\ndate: 2026-01-15\n---\n\n## Digest\nBench "
+            "Runner kept the floor fixed. Open: nothing left.\n\n## Decisions\n- Keep it small.\n"
+            % (slug, slug))
 for rel in paths[1:]:
     with open(os.path.join(root, rel), "a", encoding="utf-8") as f:
         f.write("floor %s\n" % k)
