@@ -1565,6 +1565,13 @@ class _Store:
     def __init__(self, root, use_cache=True):
         self.root, self.extras = root, {}
         self.db = _cache_db(root) if use_cache else None
+        # once search has built its tables, every parse also fills the episode's search rows
+        self.search = self.db is not None and _search_ready(self.db)
+
+    def refresh(self, archive=True, progress=None):
+        """Re-parse what changed (and fill its search rows); nothing decoded from the cache."""
+        self._merge(archive, progress, None, ("size",), lambda rel, archived, columns: True,
+                    message=None)
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
         """Every record; self.extras[path] = (also(rec, bytes, _EpisodeText), the time before
@@ -1577,7 +1584,8 @@ class _Store:
         return self._merge(True, progress, files, ("size",) + _CACHE_COLUMNS,
                            _render_record_from_row)
 
-    def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None):
+    def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None,
+               message="reading episodes"):
         """from_row(path, archived, `columns`; None: the record) while _unchanged, else a parse."""
         files = _scan_episode_files(self.root, archive) if files is None else files
         whole = columns is None
@@ -1593,39 +1601,47 @@ class _Store:
                 missing.append((len(out), rel, archived, st))
             out.append(obj)
         gone = [p for p in gone if archive or not p.startswith("archive/")]
-        root, cached = self.root, self.db is not None
+        root, cached, search = self.root, self.db is not None, self.search
+
+        def both(rec, raw, episode):
+            return also(rec, raw, episode) if also else None, _search_doc(rec, episode)
 
         def parse(job):
             # the cache row is made in the worker: the parent only stores it
             seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
-            rec, extra = _read_episode(root, *job[1:], also=also) if also else \
-                (_read_episode(root, *job[1:]), None)
+            if search:
+                rec, (extra, doc) = _read_episode(root, *job[1:], also=both)
+            else:
+                rec, extra = _read_episode(root, *job[1:], also=also) if also else \
+                    (_read_episode(root, *job[1:]), None)
+                doc = None
             # columns alone for their reader: encoding records is 1/7 of a rebuild (performance.md)
             row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
                    _record_to_row(rec) if cached and whole else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
             rec = (trim(rec) if trim else rec) if whole else None
-            return rec, row, extra
+            return rec, row, extra, doc
 
         take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
         if also is not None:
             self.extras = {}
-        batch = []   # cache rows are stored as they come: they never pile up in memory
-        for n, (rec, row, extra) in _parallel_map(parse, missing, progress, "reading episodes"):
+        batch, docs = [], []   # cache rows are stored as they come: never piled up in memory
+        for n, (rec, row, extra, doc) in _parallel_map(parse, missing, progress, message):
             slot, rel, archived, _ = missing[n]
             out[slot] = _share_values(rec) if whole else from_row(rel, archived, take(row))
             if also is not None:
                 self.extras[rel] = (extra, row[4])   # and when the file was read
             if cached:
                 batch.append(row)
+                docs.append(doc)
                 if len(batch) >= 2000:
-                    self._store(batch, ())
-                    batch = []
-        self._store(batch, gone)
+                    self._store(batch, docs, ())
+                    batch, docs = [], []
+        self._store(batch, docs, gone)
         return out
 
-    def _store(self, rows, gone):
-        """Store the cache rows of fresh parses; drop the rows of gone paths."""
+    def _store(self, rows, docs, gone):
+        """Store the cache rows of fresh parses (and their search rows); drop gone paths' rows."""
         if self.db is None or not (rows or gone):
             return
         try:
@@ -1634,6 +1650,9 @@ class _Store:
                                     f"seen_ns, rec, {', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, "
                                     f"?, ?, ?{', ?' * len(_CACHE_COLUMNS)})", rows)
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
+                if self.search:
+                    _search_store(self.db, [r[0] for r in rows] + list(gone),
+                                  [d for d in docs if d is not None])
         except Exception:
             pass
 
@@ -1854,7 +1873,9 @@ def _cache_db(root):
             row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             stamp = f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}"
             if row is None or row[0] != stamp:
-                db.execute("DROP TABLE IF EXISTS episodes")
+                for table in ("episodes", "search_dirs") + _SEARCH_TABLES:   # and its children
+                    db.execute(f"DROP TABLE IF EXISTS {table}")
+                db.execute("DELETE FROM meta WHERE key = 'search_schema'")
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
                 db.commit()
             db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
@@ -6466,8 +6487,7 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
         _forget_render(root)
         db = _cache_db(root)
         if db is not None:
-            with db:
-                db.execute("DELETE FROM episodes")
+            _forget_rows(db)
             db.close()
     # --check verifies what shelve's one-change render left: it trusts a full render's memo only
     rendered = _render_derived(root, fmt=index_format if check else None, progress=progress,
@@ -6709,22 +6729,33 @@ def _cap_index(lines, max_chars, offset):
 # ==========================================================================================
 
 
-# Search ranks sections, not episodes: one row per section (Digest included) with three columns,
-# title (display title, description, tags, id words), heading and body, scored by BM25 with
-# column weights 3/2/1. The rows live in a derived, untracked SQLite FTS5 sidecar
-# (.memshelf/shelf.sqlite, tables search_*); without sqlite3 or FTS5 the same tokens and the same
-# BM25 run as a streaming scan over the episode files (verbs.md § 2.3).
+# Search ranks sections, not episodes. Each section (Digest included) is one row of an SQLite
+# FTS5 table with four columns: the episode's identity (id words, display title, description,
+# tags), its digest, the section's heading and its body. FTS5's own bm25() orders the rows, with
+# the column weights _SEARCH_WEIGHTS (chosen on three labelled sets: bench/search_quality.py,
+# docs/search.md). The tokenizer folds case and accents and stems English (porter); CJK runs
+# become character bigrams before it, identifiers are indexed whole as well, and Cyrillic words
+# match by a prefix stem. The rows are children of the store's episode rows: _Store fills them
+# from its one parse and drops them with the row, so search keeps no stamps of its own. Without
+# sqlite3 or FTS5 a scan finds the sections that hold the query's words, most words first.
 
 import itertools
 
-_SEARCH_SCHEMA = "2"
-_SEARCH_WEIGHTS = (3.0, 2.0, 1.0)          # title, heading, body
-_BM25_K1, _BM25_B = 1.2, 0.75               # the constants FTS5's bm25() hard-codes
+_SEARCH_SCHEMA = "3"
+_SEARCH_TOKENIZER = "porter unicode61 remove_diacritics 2"
+# bm25() column weights (identity, digest, heading, body) and a factor per section kind: a
+# Digest restates its episode and Raw excerpts quote the source the other sections distil, so
+# both yield to the section that states the answer. Chosen on rfc16, bench/questions.tsv and
+# bench/relnotes_questions.tsv (bench/search_quality.py); weights other than equal measured
+# worse or the same, and Open threads 0.95 only breaks ties with the sections beside it.
+_SEARCH_WEIGHTS = (1.0, 1.0, 1.0, 1.0)
+_SECTION_PRIORS = {"Digest": 0.5, "Raw excerpts": 0.7, "Open threads": 0.95}
+_SEARCH_PER_EPISODE = 3
 _SNIPPET_CHARS = 200
 _RRF_K = 60
 _SEARCH_MAX_TERMS = 32
 _SEARCH_MAX_QUERY = 4000
-_SEARCH_TABLES = ("search_fts", "search_sections", "search_episodes", "search_dirs")
+_SEARCH_TABLES = ("search_fts", "search_sections", "search_episodes")
 _SEARCH_ARCHIVE = ("include", "exclude", "only")
 _SEARCH_MODES = ("auto", "lexical", "semantic", "hybrid")
 _SEMANTIC_FIX = "pip install 'memshelf[semantic]' then memshelf semantic build"
@@ -6739,6 +6770,7 @@ _SEARCH_TOKEN = _re_lazy(r"[^\W_]+")
 # the only characters remove_diacritics=2 changes: Latin letters with marks, and the marks
 _FOLDABLE = _re_lazy("[\u00c0-\u036f\u1e00-\u1eff]")
 _CYRILLIC_WORD = _re_lazy("[\u0400-\u04ff]+\\Z")
+# a quoted phrase (-"phrase" excludes it) or a word; -word excludes only when a letter follows
 _QUERY_PART = _re_lazy(r'(-?)"([^"]*)"|(\S+)')
 # an identifier (pg_upgrade, max.poll.records, runbooks/pg16-upgrade.md) is also indexed whole:
 # its pieces joined by a letter no text holds, so unicode61 keeps them one token
@@ -6746,15 +6778,16 @@ _QUERY_PART = _re_lazy(r'(-?)"([^"]*)"|(\S+)')
 _IDENTIFIER = _re_lazy(r"(\b(?=([^\W_]+))\2(?:[-_./](?=([^\W_]+))\3)+)")
 _IDENT_PART = _re_lazy(r"[^\s/.]*[-_][^\s/.]*")
 _IDENT_MARK = "\ua78c"
+_IDENT_MARKS = _re_lazy(r"\w[-_.]\w")
 _IDENT_JOIN = str.maketrans("-_./", _IDENT_MARK * 4)
-_EN_SUFFIX = _re_lazy(r"(?:ing|ed|es|e|s)\Z")
+_WORD_EDGE = _re_lazy(r"^[^\w$]+|[^\w$]+$")
 # words a question is made of; dropped from a query that has other words
 _STOPWORDS = frozenset("a about an and are as at be by can did do does for from had has have how "
                        "i in is it its of on or our should that the their there this to was we "
                        "were what when where which who why will with would you not".split())
 _SPACE = _re_lazy(r"\s")
 _DAMAGE = _re_lazy(r"malformed|corrupt|not a database|no such (table|column)|disk image",
-                     re.IGNORECASE)
+                   re.IGNORECASE)
 
 
 # --- tokens: the one pipeline both engines share ------------------------------------------
@@ -6795,6 +6828,8 @@ def _search_tokens(text):
 def _identifier_tokens(text):
     """Each identifier in text, and each /- or .-separated part that is one, as one token."""
     runs = [m[0] for m in _IDENTIFIER.findall(text)]
+    paths = [r for r in runs if "/" in r]
+    runs += [p for r in paths for p in r.split("/") if _IDENT_MARKS.search(p)]   # ratelimit.lua
     runs += _IDENT_PART.findall(" ".join(r for r in runs if "/" in r or "." in r))
     return " ".join(runs).translate(_IDENT_JOIN)
 
@@ -6807,48 +6842,47 @@ def _index_text(text):
 
 # --- the query language ---------------------------------------------------------------------
 
-def _prefix_alternatives(toks):
-    """A word matches as written, and as a prefix: >= 4 letters (less an English ending),
-    or a Cyrillic stem."""
-    alts = [(toks, False)]
-    last = toks[-1]
-    if _CYRILLIC_WORD.match(last) and len(last) >= 5:
-        alts.append((toks[:-1] + (last[:max(len(last) - 2, 4)],), True))
-    elif sum(1 for c in last if c.isalpha()) >= 4:
-        stem = _EN_SUFFIX.sub("", last) if last.isascii() else last   # decided -> decid*
-        alts.append((toks[:-1] + (stem if len(stem) >= 4 else last,), True))
-    return alts
+# One query word (or quoted phrase) as typed, and the phrases that match it: (tokens, the last
+# token is a prefix). A term matches a section when any of its phrases does.
+_Term = collections.namedtuple("_Term", "word phrases")
 
 
 def _word_terms(word):
-    """One query word -> terms. Latin/Cyrillic parts are one term (a phrase when the word holds
-    several tokens, e.g. an id); each CJK bigram is a term of its own."""
+    """One query word -> terms. Latin and Cyrillic parts are one term (a phrase when the word
+    holds several tokens, and the identifier whole); each CJK bigram is a term of its own."""
     terms, pos = [], 0
     for m in itertools.chain(_CJK_RUN.finditer(word), [None]):
         piece = word[pos:m.start() if m else len(word)]
         toks = tuple(_search_tokens(piece))
         if toks:
+            # an identifier matches whole; a hyphenated word (keyword-ordering) also as words
             whole = _identifier_tokens(piece).split()
-            terms.append(([((_fold(max(whole, key=len)),), False)] if whole else []) +
-                         _prefix_alternatives(toks))
+            phrases = [((_fold(max(whole, key=len)),), False)] if whole else []
+            if not whole or not re.search(r"[_./]", piece.strip("_./")):
+                phrases.append((toks, False))
+            last = toks[-1]
+            if _CYRILLIC_WORD.match(last) and len(last) >= 5:   # no stemmer: a prefix stem
+                phrases.append((toks[:-1] + (last[:max(len(last) - 2, 4)],), True))
+            terms.append(_Term(_WORD_EDGE.sub("", piece).lower() or " ".join(toks), phrases))
         if m:
-            terms += [[((b,), len(m.group()) == 1)] for b in _cjk_bigrams(m.group())]
+            terms += [_Term(b, [((b,), len(m.group()) == 1)]) for b in _cjk_bigrams(m.group())]
             pos = m.end()
     return terms
 
 
 def _parse_query(query):
-    """Query text -> (terms, excluded). A term is a list of alternative phrases; a phrase is
-    (tokens, last-token-is-a-prefix). Words must all match; quoted phrases match as written."""
+    """Query text -> (terms, excluded terms). Question words are dropped when others remain;
+    -word excludes only when a letter follows the dash (-1 is the word 1)."""
     terms, excluded, stop = [], [], []
     for m in _QUERY_PART.finditer(query):
         negated, phrase, word = m.groups()
-        if phrase is None and word.startswith("-") and len(word) > 1:
-            negated, phrase = "-", word[1:]
+        if phrase is None and len(word) > 2 and word[0] == "-" and word[1].isalpha():
+            excluded += _word_terms(word[1:])
+            continue
         if phrase is not None:
             toks = tuple(_search_tokens(phrase))
             if toks:
-                (excluded if negated else terms).append([(toks, False)])
+                (excluded if negated else terms).append(_Term(" ".join(toks), [(toks, False)]))
             continue
         toks = _search_tokens(word)
         (stop if toks and all(t in _STOPWORDS for t in toks) else terms).extend(_word_terms(word))
@@ -6856,47 +6890,30 @@ def _parse_query(query):
         _unique_terms(excluded)[:_SEARCH_MAX_TERMS]
 
 
-def _adjacent_phrases(terms):
-    """Query words side by side, as phrases: held, they add weight; they never decide a match."""
-    pairs = []
-    for a, b in zip(terms, terms[1:]):
-        head = next(t for t, _ in a if _IDENT_MARK not in t[0])
-        if not _CJK_RUN.match(head[0]) and not _CJK_RUN.match(b[-1][0][0]):
-            pairs.append((head + b[-1][0], b[-1][1]))
-    return pairs
-
-
 def _unique_terms(terms):
-    return list({tuple(term): term for term in terms}.values())
+    return list({tuple(term.phrases): term for term in terms}.values())
 
 
-def _held_weights(counts, n_rows):
-    """What holding each query word is worth to a section: 1, up to 2 for a rare word."""
-    idf = [max(math.log((n_rows - d + 0.5) / (d + 0.5)), 0.0) if n_rows else 0.0 for d in counts]
-    return [1 + v / (1 + v) for v in idf]
-
-
-def _held(weights, terms, first, any_alt):
-    """The weight of the query words a section's own text holds (an identifier in pieces: half)."""
-    return sum(w * (1.0 if first(i) else 0.5 if any_alt(i) and _IDENT_MARK in t[0][0][0]
-                    else 1.0 if any_alt(i) else 0.0)
-               for i, (w, t) in enumerate(zip(weights, terms)))
-
-
-def _fts_expression(terms, any_word):
-    # tokens are letters and digits only, so quoting them leaves no FTS5 syntax to inject
-    return (" OR " if any_word else " AND ").join(
-        "(" + " OR ".join(f'"{" ".join(t)}"' + "*" * p for t, p in alts) + ")" for alts in terms)
+def _fts_expression(terms):
+    """Any of the terms, as an FTS5 query; tokens are letters and digits only, so quoting them
+    leaves no FTS5 syntax to inject."""
+    return " OR ".join("(" + " OR ".join(f'"{" ".join(t)}"' + "*" * p for t, p in term.phrases)
+                       + ")" for term in terms)
 
 
 # --- episodes as search rows ----------------------------------------------------------------
 
 def _search_document(root, rel, archived):
-    """An episode file -> its metadata and sections, as both engines index it (read through
-    the store's one reader: a broken frontmatter block leaves the whole text as the body)."""
+    """An episode file -> its search document (_search_doc); OSError when it cannot be read."""
     rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
     if (rec["fm_error"] or "").startswith("io:"):
         raise OSError(rec["fm_error"])
+    return _search_doc(rec, episode)
+
+
+def _search_doc(rec, episode):
+    """A parsed episode's metadata and sections as search indexes them (a broken frontmatter
+    block leaves the whole text as the body; a file that could not be read has no rows)."""
     fields, body, sections, stem = rec["fields"], episode.body, episode.sections, rec["stem"]
 
     def field(key):
@@ -6913,10 +6930,13 @@ def _search_document(root, rel, archived):
     rows = [(h, t.strip()) for h, t in sections] if sections else [(None, body.strip())]
     if "\x00" in body:
         rows = [(h, t.replace("\x00", "\ufffd")) for h, t in rows]   # never printed raw
-    return {"path": rel, "stem": stem, "kind": kind, "date": _episode_date(fields, stem),
-            "title": title or stem, "archived": bool(archived), "tags": tags,
-            "supersedes": strings("supersedes"), "title_text": " ".join(w for w in words if w),
-            "rows": rows}
+    if (rec["fm_error"] or "").startswith("io:"):
+        rows = []
+    return {"path": rec["path"], "stem": stem, "kind": kind,
+            "date": _episode_date(fields, stem), "title": title or stem,
+            "archived": bool(rec["archived"]), "tags": tags, "supersedes": strings("supersedes"),
+            "status": field("status"), "title_text": " ".join(w for w in words if w),
+            "digest": rec.get("digest") or "", "rows": rows}
 
 
 def _search_rows(doc):
@@ -6931,6 +6951,7 @@ def _tag_field(values):
 
 
 # --- filters --------------------------------------------------------------------------------
+
 
 class _SearchFilters:
     """kinds, tags, date range and archive, applied alike in SQL and in the scan."""
@@ -6964,10 +6985,10 @@ class _SearchFilters:
             all(tag in tags for tag in self.tags)
 
 
-# --- the FTS5 sidecar -----------------------------------------------------------------------
+# --- the FTS5 tables: children of the store's episode rows ---------------------------------
 
 def _fts_open(root):
-    """The sidecar connection in autocommit mode, or None (no sqlite3, no FTS5, forced scan)."""
+    """The cache connection in autocommit mode, or None (no sqlite3, no FTS5, forced scan)."""
     if os.environ.get("MEMSHELF_SEARCH_ENGINE", "").strip().lower() == "scan":
         return None
     db = _cache_db(root)
@@ -6982,152 +7003,160 @@ def _fts_open(root):
     return db
 
 
-def _fts_create(db):
-    for table in _SEARCH_TABLES:
-        db.execute(f"DROP TABLE IF EXISTS {table}")
-    db.execute("CREATE TABLE search_episodes(ep INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL,"
-               " size INTEGER, mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, stem TEXT,"
-               " kind TEXT, date TEXT, title TEXT, archived INTEGER, tags TEXT, supersedes TEXT)")
-    db.execute("CREATE TABLE search_sections(sid INTEGER PRIMARY KEY, ep INTEGER NOT NULL,"
-               " ord INTEGER, heading TEXT, chars INTEGER)")
-    db.execute("CREATE INDEX search_sections_ep ON search_sections(ep)")
-    db.execute("CREATE VIRTUAL TABLE search_fts USING fts5(title, heading, body,"
-               " tokenize='unicode61 remove_diacritics 2')")
-    db.execute("INSERT OR REPLACE INTO meta VALUES ('search_schema', ?)", (_search_stamp(),))
-
-
 def _search_stamp():
-    return f"{_SEARCH_SCHEMA}/{__version__}/{_self_hash()}"
+    return f"{_SEARCH_SCHEMA}/{_SEARCH_TOKENIZER}"
 
 
-def _fts_current(db):
-    row = db.execute("SELECT value FROM meta WHERE key='search_schema'").fetchone()
+def _search_ready(db):
+    """Whether the search tables exist in their current shape (then the store fills them)."""
+    try:
+        row = db.execute("SELECT value FROM meta WHERE key='search_schema'").fetchone()
+    except Exception:
+        return False
     return bool(row) and row[0] == _search_stamp()
 
 
-class _SidecarBusy(Exception):
-    """Another process is (re)building the sidecar and nothing usable is committed yet."""
+def _forget_rows(db):
+    """Drop every cached episode row and, with them, their search rows."""
+    try:
+        with db:
+            db.execute("DELETE FROM episodes")
+            if _search_ready(db):
+                for table in _SEARCH_TABLES:
+                    db.execute(f"DELETE FROM {table}")
+    except Exception:
+        pass
 
 
-def _fts_sync(db, root, rebuild=False):
-    """Re-index the new, changed or deleted episodes (_unchanged); no write when none changed."""
-    import sqlite3
-    plan = None
-    if not rebuild:
-        try:
-            plan = _fts_plan(db, root) if _fts_current(db) else None
-        except Exception:
-            pass
-        if plan == ([], []):
-            return
+def _search_reset(db):
+    """(Re)create the search tables and forget the episode rows: the store's next refresh
+    parses every file once and fills both."""
+    db.execute("BEGIN IMMEDIATE")
     try:
-        db.execute("BEGIN IMMEDIATE")
-    except sqlite3.OperationalError:
-        if plan is not None:
-            return   # another process holds the write lock; its last commit still answers
-        raise _SidecarBusy() from None
-    try:
-        if rebuild or not _fts_current(db):
-            _fts_create(db)
-        _fts_update(db, root, *_fts_plan(db, root))
+        for table in _SEARCH_TABLES:
+            db.execute(f"DROP TABLE IF EXISTS {table}")
+        db.execute("CREATE TABLE search_episodes(ep INTEGER PRIMARY KEY, path TEXT UNIQUE NOT NULL,"
+                   " stem TEXT, kind TEXT, date TEXT, title TEXT, archived INTEGER, tags TEXT,"
+                   " supersedes TEXT, status TEXT)")
+        db.execute("CREATE TABLE search_sections(sid INTEGER PRIMARY KEY, ep INTEGER NOT NULL,"
+                   " ord INTEGER, heading TEXT, chars INTEGER)")
+        db.execute("CREATE INDEX search_sections_ep ON search_sections(ep)")
+        db.execute("CREATE VIRTUAL TABLE search_fts USING fts5(identity, digest, heading, body,"
+                   f" tokenize='{_SEARCH_TOKENIZER}')")
+        db.execute("DELETE FROM episodes")
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('search_schema', ?)", (_search_stamp(),))
         db.execute("COMMIT")
     except BaseException:
-        try:
-            db.execute("ROLLBACK")
-        except Exception:
-            pass
+        db.execute("ROLLBACK")
         raise
 
 
-def _fts_plan(db, root):
-    """(sidecar ids of changed or deleted episodes, [(rel, stamp, seen)] to index afresh)."""
-    stored = {p: (s, m, i, seen, ep) for p, s, m, i, seen, ep in db.execute(
-        "SELECT path, size, mtime_ns, ino, seen_ns, ep FROM search_episodes")}
-    gone, fresh, seen = [], [], time.time_ns()
-    for rel, _, st in _scan_episode_files(root):
-        old = stored.pop(rel, None)
-        if old and _unchanged(st, old[:3], old[3]):
-            continue
-        if old:
-            gone.append(old[4])
-        fresh.append((rel, st, seen))
-    return gone + [v[4] for v in stored.values()], fresh
-
-
-def _fts_update(db, root, gone, fresh):
-    """Delete the gone episodes' rows, then index the fresh ones, 256 files per executemany."""
-    first = db.execute("SELECT 1 FROM search_episodes LIMIT 1").fetchone() is None
-    for ep in gone:
-        db.execute("DELETE FROM search_fts WHERE rowid IN "
-                   "(SELECT sid FROM search_sections WHERE ep = ?)", (ep,))
-        db.execute("DELETE FROM search_sections WHERE ep = ?", (ep,))
-        db.execute("DELETE FROM search_episodes WHERE ep = ?", (ep,))
+def _search_store(db, paths, docs):
+    """Inside the store's transaction: replace the search rows of `paths` by `docs`."""
+    keys = [(p,) for p in paths]
+    db.executemany("DELETE FROM search_fts WHERE rowid IN (SELECT s.sid FROM search_sections s"
+                   " JOIN search_episodes e ON e.ep = s.ep WHERE e.path = ?)", keys)
+    db.executemany("DELETE FROM search_sections WHERE ep IN"
+                   " (SELECT ep FROM search_episodes WHERE path = ?)", keys)
+    db.executemany("DELETE FROM search_episodes WHERE path = ?", keys)
     ep = db.execute("SELECT max(ep) FROM search_episodes").fetchone()[0] or 0
     sid = db.execute("SELECT max(sid) FROM search_sections").fetchone()[0] or 0
-    progress = _Progress(("building" if first else "updating") + " the search index",
-                         len(fresh)) if first or len(fresh) > 200 else None
     eps, secs, fts = [], [], []
-    for n, (rel, st, seen) in enumerate(fresh, 1):
-        try:
-            doc = _search_document(root, rel, rel.startswith("archive/"))
-        except OSError:
-            doc = None   # vanished between the listing and the read; the next search retries
-        if doc is not None:
-            ep += 1
-            eps.append((ep, rel, *st[:3], seen, doc["stem"], doc["kind"], doc["date"], doc["title"],
-                        int(doc["archived"]), _tag_field(doc["tags"]),
-                        _tag_field(doc["supersedes"])))
-            title = _index_text(doc["title_text"])
-            for ordinal, heading, body in _search_rows(doc):
-                sid += 1
-                secs.append((sid, ep, ordinal, heading, len(body)))
-                fts.append((sid, title, _index_text(heading or ""), _index_text(body)))
-        if n % 256 == 0 or n == len(fresh):
-            db.executemany("INSERT INTO search_episodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", eps)
-            db.executemany("INSERT INTO search_sections VALUES (?,?,?,?,?)", secs)
-            db.executemany("INSERT INTO search_fts(rowid, title, heading, body) VALUES (?,?,?,?)",
-                           fts)
-            eps, secs, fts = [], [], []
-        if progress is not None:
-            progress.update(n)
-    if progress is not None:
-        progress.done()
+    for doc in docs:
+        ep += 1
+        eps.append((ep, doc["path"], doc["stem"], doc["kind"], doc["date"], doc["title"],
+                    int(doc["archived"]), _tag_field(doc["tags"]), _tag_field(doc["supersedes"]),
+                    doc["status"]))
+        identity, digest = _index_text(doc["title_text"]), _index_text(doc["digest"])
+        for ordinal, heading, body in _search_rows(doc):
+            sid += 1
+            secs.append((sid, ep, ordinal, heading, len(body)))
+            fts.append((sid, identity, digest, _index_text(heading or ""), _index_text(body)))
+    db.executemany("INSERT INTO search_episodes VALUES (?,?,?,?,?,?,?,?,?,?)", eps)
+    db.executemany("INSERT INTO search_sections VALUES (?,?,?,?,?)", secs)
+    db.executemany("INSERT INTO search_fts(rowid, identity, digest, heading, body)"
+                   " VALUES (?,?,?,?,?)", fts)
 
 
-def _fts_candidates(db, terms, excluded, filters, any_word, weights):
-    """A cursor over the matching sections, (score, date, stem, ord, path, sid) best first as
-    _rank_candidates ranks: _held (halved in a Digest) + BM25/(BM25+1), as the scan scores."""
+def _search_refresh(db, root, reindex):
+    """Bring the search rows up to date through the store (one parse of what changed)."""
+    building = reindex or not _search_ready(db)
+    if building:
+        _search_reset(db)
+    for _attempt in (1, 2):
+        with _Store(root) as store:
+            progress = _Progress("building the search index") if building else None
+            store.refresh(progress=progress)
+            if progress is not None:
+                progress.done()
+        # a row another process stored before the search tables existed has no search rows
+        orphans = db.execute("SELECT path FROM episodes e WHERE NOT EXISTS (SELECT 1 FROM"
+                             " search_episodes s WHERE s.path = e.path)").fetchall()
+        if not orphans:
+            return
+        db.executemany("DELETE FROM episodes WHERE path = ?", orphans)
+
+
+def _fts_candidates(db, terms, excluded, filters):
+    """A cursor over the sections that hold any term, (score, date, stem, ord, path, sid), best
+    first: FTS5's bm25() with the column weights, then newer date, id, place in the file."""
     where, params = filters.sql()
-    own = "(s.sid IN (SELECT rowid FROM search_fts WHERE search_fts MATCH '{heading body}: ' || ?))"
-    held, hp = [], []
-    for w, t in zip(weights, terms):   # as _held: an identifier held in pieces counts half
-        whole = _IDENT_MARK in t[0][0][0]
-        held.append(f"? * max({own}, 0.5 * {own})" if whole else f"? * {own}")
-        hp += [w] + [_fts_expression([t[:1]], True)] * whole + [_fts_expression([t], True)]
-    pairs = _adjacent_phrases(terms)   # two query words side by side: one word more
-    held += [own] * len(pairs)
-    params = hp + [_fts_expression([[p]], True) for p in pairs] + \
-        [_fts_expression(terms, any_word)] + params
     if excluded:
         where += (" AND s.ep NOT IN (SELECT x.ep FROM search_fts CROSS JOIN search_sections x"
                   " ON x.sid = search_fts.rowid WHERE search_fts MATCH ?)")
-        params.append(_fts_expression(excluded, True))
-    w = _SEARCH_WEIGHTS
-    sql = ("SELECT held * (CASE WHEN heading = 'Digest' THEN 0.5 ELSE 1 END)"
-           " + score / (score + 1) AS rank, date, stem, ord, path, sid FROM"
-           f" (SELECT -bm25(search_fts, {w[0]}, {w[1]}, {w[2]}) AS score,"
-           f" {' + '.join(held)} AS held,"
-           " e.date AS date, e.stem AS stem, s.ord AS ord, e.path AS path, s.sid AS sid,"
-           " s.heading AS heading"
-           " FROM search_fts CROSS JOIN search_sections s"
-           " ON s.sid = search_fts.rowid CROSS JOIN search_episodes e ON e.ep = s.ep"
-           " WHERE search_fts MATCH ?" + where + ") WHERE held > 0 OR ord = 0"
-           " ORDER BY round(rank, 6) DESC, date DESC, stem, ord")
-    return db.execute(sql, params)
+        params.append(_fts_expression(excluded))
+    weights = ", ".join(str(w) for w in _SEARCH_WEIGHTS)
+    prior = " ".join(f"WHEN '{h}' THEN {f}" for h, f in _SECTION_PRIORS.items())
+    return db.execute(
+        f"SELECT -bm25(search_fts, {weights}) * (CASE s.heading {prior} ELSE 1 END) AS score,"
+        " e.date AS date, e.stem AS stem, s.ord AS ord, e.path AS path, s.sid AS sid"
+        " FROM search_fts CROSS JOIN search_sections s ON s.sid = search_fts.rowid"
+        " CROSS JOIN search_episodes e ON e.ep = s.ep WHERE search_fts MATCH ?" + where +
+        # a section's own text must hold a word; the first stands for its episode's identity
+        " AND (s.ord = 0 OR s.sid IN (SELECT rowid FROM search_fts WHERE search_fts MATCH ?))"
+        " ORDER BY round(score, 6) DESC, date DESC, stem, ord",
+        [_fts_expression(terms)] + params + [_own_text(terms)])
+
+
+def _own_text(terms):
+    """The FTS5 query for terms held by a section's own heading and body."""
+    return "{heading body} : (" + _fts_expression(terms) + ")"
+
+
+def _fts_terms_found(db, terms, filters):
+    """Whether each term is held by any section the filters admit."""
+    where, params = filters.sql()
+    sql = ("SELECT 1 FROM search_fts CROSS JOIN search_sections s ON s.sid = search_fts.rowid"
+           " CROSS JOIN search_episodes e ON e.ep = s.ep WHERE search_fts MATCH ?" + where +
+           " LIMIT 1")
+    return [db.execute(sql, [_fts_expression([t])] + params).fetchone() is not None
+            for t in terms]
+
+
+def _fts_terms_held(db, terms, chosen):
+    """sid -> the words of the query a chosen section holds (after stemming): in its own
+    heading and body, and for an episode's first section in the identity and digest too."""
+    held = {c[5]: [] for c in chosen}
+    sids = [c[5] for c in chosen]
+    marks = ",".join("?" * len(sids))
+    for term in terms if sids else ():
+        own = {sid for (sid,) in db.execute(f"SELECT rowid FROM search_fts WHERE search_fts"
+                                            f" MATCH ? AND rowid IN ({marks})",
+                                            [_own_text([term])] + sids)}
+        first = [c[5] for c in chosen if c[3] == 0 and c[5] not in own]
+        if first:
+            own.update(sid for (sid,) in db.execute(
+                "SELECT rowid FROM search_fts WHERE search_fts MATCH ? AND rowid IN"
+                f" ({','.join('?' * len(first))})", [_fts_expression([term])] + first))
+        for sid in sids:
+            if sid in own:
+                held[sid].append(term.word)
+    return held
 
 
 # What _build_hits reads of a chosen section, in the order both engines hold it.
-_HIT_ROW = ("ord", "section", "chars", "address", "id", "kind", "date", "title", "archived")
+_HIT_ROW = ("ord", "section", "chars", "address", "id", "kind", "date", "title", "archived",
+            "status")
 
 
 def _fts_hit_rows(db, chosen):
@@ -7138,7 +7167,7 @@ def _fts_hit_rows(db, chosen):
         part = sids[i:i + 500]
         for r in db.execute(
                 "SELECT s.sid, s.ord, s.heading, s.chars, e.path, e.stem, e.kind, e.date,"
-                " e.title, e.archived FROM search_sections s JOIN search_episodes e"
+                " e.title, e.archived, e.status FROM search_sections s JOIN search_episodes e"
                 " ON e.ep = s.ep WHERE s.sid IN (" + ",".join("?" * len(part)) + ")", part):
             rows[r[0]] = dict(zip(_HIT_ROW, r[1:]), archived=bool(r[9]))
     return rows, {stem: sorted(x for (x,) in db.execute(
@@ -7146,115 +7175,102 @@ def _fts_hit_rows(db, chosen):
         (_TAG_SEP + stem + _TAG_SEP,))) for stem in {r["id"] for r in rows.values()}}
 
 
-# --- the scan engine ------------------------------------------------------------------------
+def _fts_suggestions(db, words):
+    """word -> the indexed word nearest to it (porter stems compared, spelled as the text
+    spells them), for words no section holds; only above a similarity floor."""
+    import difflib
+    db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_vocab USING "
+               "fts5vocab(main, search_fts, row)")
+    db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_words USING fts5(word, "
+               f"tokenize='{_SEARCH_TOKENIZER}')")
+    db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_word_stems USING "
+               "fts5vocab(temp, search_words, instance)")
+    db.execute("DELETE FROM temp.search_words")
+    db.executemany("INSERT INTO temp.search_words(rowid, word) VALUES (?, ?)",
+                   list(enumerate(words, 1)))
+    stems = dict((doc, term) for term, doc in db.execute(
+        "SELECT term, doc FROM temp.search_word_stems"))
+    out = {}
+    for n, word in enumerate(words, 1):
+        stem = stems.get(n)
+        if not stem:
+            continue
+        found = [v for (v,) in db.execute(
+            "SELECT term FROM temp.search_vocab WHERE term >= ? AND term < ? AND length(term)"
+            " BETWEEN ? AND ?", (stem[0], chr(ord(stem[0]) + 1), len(stem) - 2, len(stem) + 2))
+            if _IDENT_MARK not in v]
+        spelled = [_spelled(db, c) for c in difflib.get_close_matches(stem, found, 3, 0.8)]
+        spelled = [w for w in dict.fromkeys(spelled) if w and w != word.lower()]
+        if spelled:
+            out[word] = spelled
+    return out
 
-class _ScanColumn:
-    """One column of a row for the scan: its folded text, tokens, and counts when needed."""
 
-    __slots__ = ("text", "tokens", "_counts", "_sorted")
+def _spelled(db, stem):
+    """The commonest word of the sections holding `stem` that the stem spells."""
+    row = db.execute("SELECT identity || ' ' || heading || ' ' || body FROM search_fts"
+                     " WHERE search_fts MATCH ? LIMIT 1", (f'"{stem}"',)).fetchone()
+    head = stem[:-1] if len(stem) > 4 else stem   # porter writes retry's y as i: retri
+    words = [w.lower() for w in re.findall(rf"(?i)\b{re.escape(head)}\w*", row[0] if row else "")]
+    return max(sorted(set(words), key=len), key=words.count) if words else None
 
-    def __init__(self, value):
-        self.text = _fold(_index_text(value))
-        self.tokens = _SEARCH_TOKEN.findall(self.text)
-        self._counts = self._sorted = None
 
-    def hits(self, toks, prefix):
-        """How often a phrase occurs here, counted as FTS5 counts instances."""
-        if toks[0] not in self.text:
-            return 0     # a token that is not even a substring cannot match
-        if self._counts is None:
-            self._counts = collections.Counter(self.tokens)
-        counts, first, n = self._counts, toks[0], len(toks)
-        if n == 1 and not prefix:
-            return counts.get(first, 0)
-        if n == 1:
-            if self._sorted is None:
-                self._sorted = sorted(counts)
-            import bisect
-            found = itertools.islice(self._sorted, bisect.bisect_left(self._sorted, first), None)
-            return sum(counts[t] for t in itertools.takewhile(lambda t: t.startswith(first), found))
-        if first not in counts:
-            return 0
-        tokens, last = self.tokens, toks[-1]
-        found, i = 0, -1
-        while True:
-            try:
-                i = tokens.index(first, i + 1, max(len(tokens) - n + 1, 0))
-            except ValueError:
-                return found
-            end = tokens[i + n - 1]
+# --- the scan engine: no sqlite3 or no FTS5 -----------------------------------------------
+
+def _scan_holds(tokens, present, phrases):
+    """Whether a token list holds any of the phrases (tokens, last token a prefix)."""
+    for toks, prefix in phrases:
+        if not prefix and toks[0] not in present:
+            continue
+        n = len(toks)
+        for i in range(len(tokens) - n + 1):
+            last = tokens[i + n - 1]
             if tuple(tokens[i:i + n - 1]) == toks[:-1] and (
-                    end.startswith(last) if prefix else end == last):
-                found += 1
+                    last.startswith(toks[-1]) if prefix else last == toks[-1]):
+                return True
+    return False
 
 
-def _scan_candidates(root, terms, excluded):
-    """Stream every episode file once and score its sections with FTS5's BM25 (IDF and the
-    average row length over every row, as in the sidecar, so the filters apply afterwards).
-    ([(score, episode, ord, heading, chars, terms matched)], {stem: superseded by}, term df)"""
-    phrases = [alt for term in terms for alt in term]
-    n_alts = len(phrases)
-    phrases += _adjacent_phrases(terms)   # held, not scored
-    negated = [alt for term in excluded for alt in term]
-    n_rows = n_tokens = 0
-    df, term_df = [0] * len(phrases), [0] * len(terms)
-    ends = list(itertools.accumulate(len(term) for term in terms))
-    spans = [range(end - len(term), end) for term, end in zip(terms, ends)]
-    kept, banned, superseded = [], set(), {}
-    for n, (rel, _, _) in enumerate(_scan_episode_files(root)):
+def _search_scan(root, terms, excluded, filters, limit, per_episode):
+    """Read every episode file and keep the sections that hold query words, the ones holding
+    the most words first (then newer date, id, place): it finds, it does not rank like BM25."""
+    found, superseded, info, held_words = [], {}, {}, {}
+    seen_terms = [False] * len(terms)
+    for n, (rel, archived, _) in enumerate(_scan_episode_files(root)):
         if n % 64 == 0:
             _check_cancelled()
         try:
-            doc = _search_document(root, rel, rel.startswith("archive/"))
+            doc = _search_document(root, rel, archived)
         except OSError:
             continue
         for target in doc["supersedes"]:
             superseded.setdefault(target, []).append(doc["stem"])
-        episode = None
-        title = _ScanColumn(doc["title_text"])
-        for ordinal, heading, body in _search_rows(doc):
-            columns = (title, _ScanColumn(heading or ""), _ScanColumn(body))
-            length = sum(len(col.tokens) for col in columns)
-            n_rows += 1
-            n_tokens += length
-            freq, own = None, set()
-            for i, (toks, prefix) in enumerate(phrases):
-                hits = [col.hits(toks, prefix) for col in columns]
-                if any(hits):
-                    df[i] += 1
-                    if freq is None:
-                        freq = [0.0] * len(phrases)
-                    freq[i] = sum(_SEARCH_WEIGHTS[c] * hits[c] for c in range(3))
-                    if hits[1] or hits[2]:   # the section's own heading and body
-                        own.add(i)
-            if doc["path"] not in banned and any(
-                    col.hits(toks, prefix) for toks, prefix in negated for col in columns):
-                banned.add(doc["path"])
-            if freq is None:
-                continue
-            for t, span in enumerate(spans):
-                term_df[t] += any(freq[i] for i in span)
-            episode = episode or {k: doc[k] for k in ("path", "stem", "kind", "date", "title",
-                                                      "archived", "tags")}
-            kept.append((episode, ordinal, heading, len(body), freq, length, own))
-    idf = [math.log((n_rows - d + 0.5) / (d + 0.5)) if n_rows else 0.0 for d in df]
-    idf = [v if v > 0 else 1e-6 for v in idf]
-    avgdl = (n_tokens / n_rows) if n_rows else 1.0
-    scored = []
-    weights = _held_weights(term_df, n_rows)
-    for episode, ordinal, heading, chars, freq, length, own in kept:
-        held = _held(weights, terms, lambda t: spans[t][0] in own,
-                     lambda t: own.intersection(spans[t])) + \
-            len(own.intersection(range(n_alts, len(phrases))))
-        if episode["path"] in banned or not held and ordinal:
+        if not filters.accepts(doc):
             continue
-        norm = _BM25_K1 * (1 - _BM25_B + _BM25_B * length / avgdl)
-        score = sum((idf[i] * (f * (_BM25_K1 + 1.0)) / (f + norm)
-                     for i, f in enumerate(freq[:n_alts]) if f), 0.0)
-        matched = sum(1 for span in spans if any(freq[i] for i in span))
-        held *= 0.5 if heading == "Digest" else 1
-        scored.append((held + score / (score + 1), episode, ordinal, heading, chars, matched))
-    return scored, {stem: sorted(v) for stem, v in superseded.items()}, term_df
+        head = _search_tokens(_index_text(doc["title_text"] + "\n" + doc["digest"]))
+        rows = []
+        for ordinal, heading, body in _search_rows(doc):
+            tokens = head + _search_tokens(_index_text(f"{heading or ''}\n{body}"))
+            present = set(tokens)
+            if excluded and any(_scan_holds(tokens, present, t.phrases) for t in excluded):
+                rows = []
+                break
+            holds = [i for i, t in enumerate(terms) if _scan_holds(tokens, present, t.phrases)]
+            if holds:
+                rows.append((ordinal, heading, len(body), holds))
+        for ordinal, heading, chars, holds in rows:
+            key = (rel, ordinal)
+            for i in holds:
+                seen_terms[i] = True
+            found.append((len(holds) * _SECTION_PRIORS.get(heading, 1), doc["date"],
+                          doc["stem"], ordinal, rel, key))
+            held_words[key] = [terms[i].word for i in holds]
+            info[key] = dict(zip(_HIT_ROW, (ordinal, heading, chars, rel, doc["stem"],
+                                            doc["kind"], doc["date"], doc["title"],
+                                            doc["archived"], doc["status"])))
+    chosen, total = _cap_per_episode(_rank_candidates(found), per_episode, limit)
+    return chosen, total, info, {s: sorted(v) for s, v in superseded.items()}, held_words, \
+        seen_terms
 
 
 # --- ranking, snippets, hits ----------------------------------------------------------------
@@ -7281,7 +7297,7 @@ def _snippet_pattern(terms):
     """One regex over the original text that finds any query token, and which term it is."""
     needles = {}
     for n, term in enumerate(terms):
-        for toks, _ in term:
+        for toks, _ in term.phrases:
             for t in toks:
                 if len(t) >= 2 or _CJK_RUN.match(t):
                     needles.setdefault(t, n)
@@ -7318,8 +7334,9 @@ def _snippet(text, pattern, needles):
     return ("…" if start > 0 else "") + piece + ("…" if end < len(text) else "")
 
 
-def _build_hits(root, chosen, info, superseded, terms, via):
-    """The hit objects: metadata, snippet from the original section text, token costs."""
+def _build_hits(root, chosen, info, superseded, terms, via, held):
+    """The hit objects: metadata, the query words held, snippet from the original section text,
+    token costs."""
     pattern, needles = _snippet_pattern(terms)
     docs, hits = {}, []
     for c in chosen:
@@ -7337,46 +7354,13 @@ def _build_hits(root, chosen, info, superseded, terms, via):
         wrapped = _envelope(row["id"], content, heading, flags, superseded.get(row["id"]))
         chars = len(body) if body else row["chars"]
         hits.append({"id": row["id"], "address": path, "section": heading,
-                     "score": round(c[0], 4), "snippet": _snippet(body, pattern, needles),
-                     "tokens": chars // 4,
+                     "score": round(c[0], 4), "terms": held.get(c[5], []),
+                     "snippet": _snippet(body, pattern, needles), "tokens": chars // 4,
                      "recall_tokens": (len(wrapped) + chars - len(body)) // 4,
                      "kind": row["kind"], "date": row["date"] or None, "title": row["title"],
-                     "archived": row["archived"], "via": via.get(c[5], "lexical")})
+                     "status": row["status"] or None, "archived": row["archived"],
+                     "via": via.get(c[5], "lexical")})
     return hits
-
-
-def _did_you_mean(root, query, unknown, fts):
-    """The indexed terms (fts5vocab's, else the files') of the same first letter and length
-    ±2 nearest to the words no section holds; the query with each replaced (None: none near)."""
-    import difflib
-    words = [t[0][0][0] for t in unknown if len(t[0][0]) == 1 and len(t[0][0][0]) >= 3 and
-             not _CJK_RUN.match(t[0][0][0]) and _IDENT_MARK not in t[0][0][0]]
-    db = _fts_open(root) if words and fts else None   # the engine that answered the query
-    vocab = set()
-    if db is not None:
-        db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.search_vocab USING "
-                   "fts5vocab(main, search_fts, row)")
-    for rel, archived, _ in _scan_episode_files(root) if words and db is None else []:
-        try:
-            doc = _search_document(root, rel, archived)
-        except OSError:
-            continue
-        for _, heading, body in _search_rows(doc):
-            vocab.update(_search_tokens(f"{doc['title_text']}\n{heading or ''}\n{body}"))
-    near, corrected = [], query
-    for word in words:
-        span = (word[0], chr(ord(word[0]) + 1), len(word) - 2, len(word) + 2)
-        found = [v for (v,) in db.execute(
-            "SELECT term FROM temp.search_vocab WHERE term >= ? AND term < ? AND length(term)"
-            " BETWEEN ? AND ?", span)] if db is not None else \
-            sorted(v for v in vocab if span[0] <= v < span[1] and span[2] <= len(v) <= span[3])
-        close = difflib.get_close_matches(word, [v for v in found if _IDENT_MARK not in v], 3, 0.8)
-        near += [c for c in close if c not in near]
-        if close:
-            corrected = re.sub(rf"(?i)(?<!\w){re.escape(word)}(?!\w)", close[0], corrected)
-    if db is not None:
-        db.close()
-    return near, (corrected if corrected != query else None)
 
 
 # --- semantic hook (verbs.md § 4.8) -----------------------------------------------------------
@@ -7447,28 +7431,37 @@ def _check_search_args(query, max_results, kinds, tags, since, until, archive, m
 
 
 def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, since=None,
-           until=None, archive="include", per_episode=2, mode="auto", reindex=False):
+           until=None, archive="include", per_episode=_SEARCH_PER_EPISODE, mode="auto",
+           reindex=False):
     """Rank episode sections for a query (verbs.md § 2.3, docs/search.md), at most per_episode
-    of one episode (True: 1, False: 2); did_you_mean, corrected_query for unknown words."""
+    of one episode (True: 1, False: the default); which query words matched and which did not,
+    did_you_mean for the unmatched, and a corrected run when the query found nothing."""
     kinds, tags = _check_search_args(query, max_results, kinds, tags, since, until, archive, mode)
-    per_episode = (1 if per_episode else 2) if isinstance(per_episode, bool) else per_episode
+    if isinstance(per_episode, bool):
+        per_episode = 1 if per_episode else _SEARCH_PER_EPISODE
     if not isinstance(per_episode, int) or not 1 <= per_episode <= 100:
         raise _usage(f"per_episode must be 1..100 (got {per_episode!r})")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     if mode in ("semantic", "hybrid") and globals().get("_semantic_rank") is None:
         raise _semantic_unavailable(mode, "the semantic extra is not installed")
     run = (_SearchFilters(kinds, tags, since, until, archive), max_results, per_episode, mode)
-    result, unknown = _search_run(root, query, *run, reindex)
-    near, corrected = _did_you_mean(root, query, unknown, result["engine"] == "fts5")
-    result.update({"did_you_mean": near} if near else {})
-    again = _search_run(root, corrected, *run, False)[0] if corrected and \
-        not result["hits"] else None
-    if again and again["hits"]:
-        result = dict(again, query=query, did_you_mean=near, corrected_query=corrected)
+    result, suggest = _search_run(root, query, *run, reindex)
+    near = suggest()
+    if near:
+        result["did_you_mean"] = list(dict.fromkeys(w for words in near.values() for w in words))
+    corrected = query
+    for word, better in near.items():
+        corrected = re.sub(rf"(?i)(?<![\w$]){re.escape(word)}(?![\w$])", better[0], corrected)
+    if corrected != query and not result["hits"]:
+        again = _search_run(root, corrected, *run, False)[0]
+        if again["hits"]:
+            result = dict(again, query=query, did_you_mean=result["did_you_mean"],
+                          corrected_query=corrected)
     return result
 
 
 def _search_run(root, query, filters, max_results, per_episode, mode, reindex):
+    """(result, suggest): suggest() -> {unmatched word: the shelf's nearest word}."""
     terms, excluded = _parse_query(query)
     if not terms:
         raise _usage(f"the query {_excerpt(query)} has no word to search for",
@@ -7479,37 +7472,71 @@ def _search_run(root, query, filters, max_results, per_episode, mode, reindex):
         try:
             found = _search_fts(db, root, query, terms, excluded, filters, max_results,
                                 per_episode, mode, reindex)
-        finally:
+        except BaseException:
             db.close()
+            raise
     if found is None:
+        if db is not None:
+            db.close()
         if mode in ("semantic", "hybrid"):
             raise _semantic_unavailable(mode, "the SQLite sidecar is unavailable here")
-        found = _search_scan(root, terms, excluded, filters, max_results, per_episode)
-    engine, match_mode, used_mode, chosen, total, info, superseded, via, counts = found
-    hits = _build_hits(root, chosen, info, superseded, terms, via)
-    return {"status": "ok", "query": query, "match_mode": match_mode, "engine": engine,
-            "mode": used_mode, "hits": hits, "total_candidates": total}, \
-        [t for t, n in zip(terms, counts) if not n]
+        chosen, total, info, superseded, held, seen = _search_scan(
+            root, terms, excluded, filters, max_results, per_episode)
+        engine, used_mode, via = "scan", "lexical", {}
+    else:
+        engine, used_mode, chosen, total, info, superseded, via, held, seen = found
+    hits = _build_hits(root, chosen, info, superseded, terms, via, held)
+    unmatched = [t.word for t, ok in zip(terms, seen) if not ok]
+    every = any(len(h["terms"]) == len(terms) for h in hits)
+    result = {"status": "ok", "query": query, "match_mode": "all" if every else "any",
+              "engine": engine, "mode": used_mode, "hits": hits, "total_candidates": total,
+              "matched": [t.word for t, ok in zip(terms, seen) if ok], "unmatched": unmatched}
+
+    def suggest():
+        words = [w for w in unmatched if len(w) >= 3 and w.isalpha() and
+                 not _CJK_RUN.search(w)]
+        if not words:
+            return {}
+        if db is None or engine != "fts5":
+            return _scan_suggestions(root, words)
+        try:
+            return _fts_suggestions(db, words)
+        finally:
+            db.close()
+
+    if db is not None and (engine != "fts5" or not unmatched):
+        db.close()
+    return result, suggest
+
+
+def _scan_suggestions(root, words):
+    """The scan's did-you-mean: the nearest word of the files, same first letter, length ±2."""
+    import difflib
+    vocab = set()
+    for rel, archived, _ in _scan_episode_files(root):
+        try:
+            doc = _search_document(root, rel, archived)
+        except OSError:
+            continue
+        for _, heading, body in _search_rows(doc):
+            vocab.update(_search_tokens(f"{doc['title_text']}\n{heading or ''}\n{body}"))
+    out = {}
+    for word in words:
+        w = word.lower()
+        near = [v for v in vocab if v[:1] == w[:1] and abs(len(v) - len(w)) <= 2]
+        close = difflib.get_close_matches(w, sorted(near), 3, 0.8)
+        if close:
+            out[word] = close
+    return out
 
 
 def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, mode, reindex):
-    """The FTS5 path; None when the sidecar cannot answer (then the scan does)."""
+    """The FTS5 path; None when the tables cannot answer (then the scan does)."""
     import sqlite3
     for attempt in (1, 2):
         try:
-            _fts_sync(db, root, rebuild=reindex or attempt == 2)
-            match_mode = "all"
-            counts = [db.execute("SELECT count(*) FROM search_fts WHERE search_fts MATCH ?",
-                                 (_fts_expression([t], True),)).fetchone()[0] for t in terms]
-            weights = _held_weights(counts, db.execute("SELECT count(*) FROM search_sections")
-                                    .fetchone()[0])
-            ranked = _fts_candidates(db, terms, excluded, filters, False, weights)
-            first = ranked.fetchone()
-            if first is None and len(terms) > 1:
-                match_mode = "any"
-                ranked = _fts_candidates(db, terms, excluded, filters, True, weights)
-                first = ranked.fetchone()
-            ranked = itertools.chain([first] if first else [], ranked)
+            _search_refresh(db, root, reindex or attempt == 2)
+            ranked = _fts_candidates(db, terms, excluded, filters)
             via, used = {}, "lexical"
             semantic = _semantic_list(root, query, max(limit * 2, 50), mode)
             if semantic is not None:
@@ -7522,11 +7549,16 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
                     ranked, used = _rank_candidates(fused), "hybrid"
             chosen, total = _cap_per_episode(ranked, per_episode, limit)
             info, superseded = _fts_hit_rows(db, chosen)
-            return "fts5", match_mode, used, chosen, total, info, superseded, via, counts
-        except _SidecarBusy:
-            return None
+            held = _fts_terms_held(db, terms, chosen)
+            seen = _fts_terms_found(db, terms, filters)
+            return "fts5", used, chosen, total, info, superseded, via, held, seen
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                return None   # another process is writing the cache: the scan answers
+            if attempt == 2 or not _DAMAGE.search(str(exc)):
+                return None
         except sqlite3.DatabaseError as exc:
-            # a damaged sidecar is rebuilt once; anything else, or a second failure, scans
+            # a damaged table is rebuilt once; anything else, or a second failure, scans
             if attempt == 2 or not _DAMAGE.search(str(exc)):
                 return None
 
@@ -7540,24 +7572,6 @@ def _fts_semantic_candidates(db, semantic, filters):
     rows = [(float(sim), db.execute(sql, [address, section] + params).fetchone())
             for address, section, sim in semantic]
     return [(sim,) + tuple(row) for sim, row in rows if row]
-
-
-def _search_scan(root, terms, excluded, filters, limit, per_episode):
-    scored, superseded, counts = _scan_candidates(root, terms, excluded)
-    match_mode = "all"
-    accepted = [s for s in scored if filters.accepts(s[1])]
-    picked = [s for s in accepted if s[5] == len(terms)]
-    if not picked and len(terms) > 1:
-        match_mode, picked = "any", accepted
-    cands = [(score, ep["date"], ep["stem"], ordinal, ep["path"], (ep["path"], ordinal))
-             for score, ep, ordinal, _, _, _ in picked]
-    chosen, total = _cap_per_episode(_rank_candidates(cands), per_episode, limit)
-    keys = {c[5] for c in chosen}
-    info = {(ep["path"], ordinal): dict(zip(_HIT_ROW, (
-        ordinal, heading, chars, ep["path"], ep["stem"], ep["kind"], ep["date"], ep["title"],
-        ep["archived"]))) for _, ep, ordinal, heading, chars, _ in picked
-        if (ep["path"], ordinal) in keys}
-    return "scan", match_mode, "lexical", chosen, total, info, superseded, {}, counts
 
 
 # --- search-bench (verbs.md § 4.9) ----------------------------------------------------------
@@ -14096,15 +14110,16 @@ def _verbs():
             _Param("until", _S, nullable=True, help="Date on/before YYYY-MM-DD."),
             _Param("archive", _S, default="include", enum=["include", "exclude", "only"],
                    help="Archived episodes."),
-            _Param("per_episode", _I, default=2, minimum=1, nargs="?", metavar="N",
-                   help="Max hits per episode (2)."),
+            _Param("per_episode", _I, default=_SEARCH_PER_EPISODE, minimum=1, nargs="?",
+                   metavar="N", help=f"Max hits per episode ({_SEARCH_PER_EPISODE})."),
             _Param("mode", _S, default="auto", enum=["auto", "lexical", "semantic", "hybrid"],
                    help="Ranking mode."),
             _Param("reindex", _B, default=False, mcp=False, help="Drop and rebuild the index."),
         ], title="Search the shelf",
             description="Search sections when no INDEX entry fits; hits give episode, section, token cost.",
             output={"query": _S, "match_mode": _S, "engine": _S, "mode": _S, "hits": _A,
-                    "total_candidates": _I},
+                    "total_candidates": _I,
+                    "matched": _A, "unmatched": _A, "did_you_mean": _A, "corrected_query": _S},
             required_output=("status", "hits"), text=_text_search),
         _Verb("shelve", shelve, [
             sp(),
@@ -14522,7 +14537,12 @@ def _text_search(result):
             (f" — did you mean {', '.join(near)}?" if near else "")
     out = [f"no hits for {result['query']!r}; hits for {fixed!r}:"] if fixed else []
     out += [f"{h['score']:.2f}  {h['id']} § {h['section']}  ~{h['tokens']} tok  "
-            f"{h.get('snippet', '')}" for h in result["hits"]]
+            + (f"[{h['status']}]  " if h.get("status") else "")
+            + f"({', '.join(h.get('terms') or [])})  {h.get('snippet', '')}"
+            for h in result["hits"]]
+    unmatched = result.get("unmatched")
+    if unmatched and not fixed:
+        out.append(f"unmatched: {', '.join(unmatched)} (on no section)")
     if near and not fixed:
         out.append(f"did you mean {', '.join(near)}?")
     return "\n".join(out)
