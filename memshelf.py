@@ -7123,14 +7123,11 @@ def _own_text(terms):
     return "{heading body} : (" + _fts_expression(terms) + ")"
 
 
-def _fts_terms_found(db, terms, filters):
-    """Whether each term is held by any section the filters admit."""
-    where, params = filters.sql()
-    sql = ("SELECT 1 FROM search_fts CROSS JOIN search_sections s ON s.sid = search_fts.rowid"
-           " CROSS JOIN search_episodes e ON e.ep = s.ep WHERE search_fts MATCH ?" + where +
-           " LIMIT 1")
-    return [db.execute(sql, [_fts_expression([t])] + params).fetchone() is not None
-            for t in terms]
+def _fts_terms_found(db, terms):
+    """Whether each term is held anywhere on the shelf (filters aside: a word filtered away is
+    on the shelf, not misspelt)."""
+    return [db.execute("SELECT 1 FROM search_fts WHERE search_fts MATCH ? LIMIT 1",
+                       (_fts_expression([t]),)).fetchone() is not None for t in terms]
 
 
 def _fts_terms_held(db, terms, chosen):
@@ -7245,23 +7242,23 @@ def _search_scan(root, terms, excluded, filters, limit, per_episode):
             continue
         for target in doc["supersedes"]:
             superseded.setdefault(target, []).append(doc["stem"])
-        if not filters.accepts(doc):
-            continue
         head = _search_tokens(_index_text(doc["title_text"] + "\n" + doc["digest"]))
-        rows = []
+        rows, banned = [], False
         for ordinal, heading, body in _search_rows(doc):
-            tokens = head + _search_tokens(_index_text(f"{heading or ''}\n{body}"))
+            # a section's own text must hold a word; the first stands for the episode's identity
+            tokens = _search_tokens(_index_text(f"{heading or ''}\n{body}"))
+            tokens = head + [""] + tokens if ordinal == 0 else tokens
             present = set(tokens)
-            if excluded and any(_scan_holds(tokens, present, t.phrases) for t in excluded):
-                rows = []
-                break
+            banned = banned or any(_scan_holds(tokens, present, t.phrases) for t in excluded)
             holds = [i for i, t in enumerate(terms) if _scan_holds(tokens, present, t.phrases)]
-            if holds:
-                rows.append((ordinal, heading, len(body), holds))
-        for ordinal, heading, chars, holds in rows:
-            key = (rel, ordinal)
             for i in holds:
                 seen_terms[i] = True
+            if holds:
+                rows.append((ordinal, heading, len(body), holds))
+        if banned or not filters.accepts(doc):
+            continue
+        for ordinal, heading, chars, holds in rows:
+            key = (rel, ordinal)
             found.append((len(holds) * _SECTION_PRIORS.get(heading, 1), doc["date"],
                           doc["stem"], ordinal, rel, key))
             held_words[key] = [terms[i].word for i in holds]
@@ -7550,7 +7547,7 @@ def _search_fts(db, root, query, terms, excluded, filters, limit, per_episode, m
             chosen, total = _cap_per_episode(ranked, per_episode, limit)
             info, superseded = _fts_hit_rows(db, chosen)
             held = _fts_terms_held(db, terms, chosen)
-            seen = _fts_terms_found(db, terms, filters)
+            seen = _fts_terms_found(db, terms)
             return "fts5", used, chosen, total, info, superseded, via, held, seen
         except sqlite3.OperationalError as exc:
             if "locked" in str(exc) or "busy" in str(exc):
