@@ -6775,11 +6775,12 @@ _QUERY_PART = _re_lazy(r'(-?)"([^"]*)"|(\S+)')
 # an identifier (pg_upgrade, max.poll.records, runbooks/pg16-upgrade.md) is also indexed whole:
 # its pieces joined by a letter no text holds, so unicode61 keeps them one token
 # ((?=(x))\2: a piece taken whole, without the backtracking that makes the search slow)
-_IDENTIFIER = _re_lazy(r"(\b(?=([^\W_]+))\2(?:[-_./](?=([^\W_]+))\3)+)")
+_IDENTIFIER = _re_lazy(r"((?<![\w$])[_$]+(?=([^\W_]+))\2(?:[-_./$](?=([^\W_]+))\3)*"
+                       r"|\b(?=([^\W_]+))\4(?:[-_./$](?=([^\W_]+))\5)+)")
 _IDENT_PART = _re_lazy(r"[^\s/.]*[-_][^\s/.]*")
 _IDENT_MARK = "\ua78c"
 _IDENT_MARKS = _re_lazy(r"\w[-_.]\w")
-_IDENT_JOIN = str.maketrans("-_./", _IDENT_MARK * 4)
+_IDENT_JOIN = str.maketrans("-_./$", _IDENT_MARK * 5)
 _WORD_EDGE = _re_lazy(r"^[^\w$]+|[^\w$]+$")
 # words a question is made of; dropped from a query that has other words
 _STOPWORDS = frozenset("a about an and are as at be by can did do does for from had has have how "
@@ -6858,7 +6859,7 @@ def _word_terms(word):
             # an identifier matches whole; a hyphenated word (keyword-ordering) also as words
             whole = _identifier_tokens(piece).split()
             phrases = [((_fold(max(whole, key=len)),), False)] if whole else []
-            if not whole or not re.search(r"[_./]", piece.strip("_./")):
+            if not whole or not re.search(r"[_./$]", piece.strip(".")):
                 phrases.append((toks, False))
             last = toks[-1]
             if _CYRILLIC_WORD.match(last) and len(last) >= 5:   # no stemmer: a prefix stem
