@@ -1634,7 +1634,7 @@ class _Store:
             if cached:
                 batch.append(row)
                 docs.append(doc)
-                if len(batch) >= 2000:
+                if len(batch) >= (256 if search else 2000):   # search rows carry the text
                     self._store(batch, docs, ())
                     batch, docs = [], []
         self._store(batch, docs, gone)
@@ -7072,7 +7072,9 @@ def _search_store(db, paths, docs):
         for ordinal, heading, body in _search_rows(doc):
             sid += 1
             secs.append((sid, ep, ordinal, heading, len(body)))
-            fts.append((sid, identity, digest, _index_text(heading or ""), _index_text(body)))
+            # the Digest's body is the digest: counted once
+            fts.append((sid, identity, "" if heading == "Digest" else digest,
+                        _index_text(heading or ""), _index_text(body)))
     db.executemany("INSERT INTO search_episodes VALUES (?,?,?,?,?,?,?,?,?,?)", eps)
     db.executemany("INSERT INTO search_sections VALUES (?,?,?,?,?)", secs)
     db.executemany("INSERT INTO search_fts(rowid, identity, digest, heading, body)"
