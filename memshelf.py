@@ -14116,10 +14116,9 @@ def _verbs():
                    help="Ranking mode."),
             _Param("reindex", _B, default=False, mcp=False, help="Drop and rebuild the index."),
         ], title="Search the shelf",
-            description="Search sections when no INDEX entry fits; hits give episode, section, token cost.",
+            description="Search sections when no INDEX entry fits; says which words the shelf lacks.",
             output={"query": _S, "match_mode": _S, "engine": _S, "mode": _S, "hits": _A,
-                    "total_candidates": _I,
-                    "matched": _A, "unmatched": _A, "did_you_mean": _A, "corrected_query": _S},
+                    "total_candidates": _I, "matched": _A, "unmatched": _A},
             required_output=("status", "hits"), text=_text_search),
         _Verb("shelve", shelve, [
             sp(),
