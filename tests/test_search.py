@@ -723,3 +723,20 @@ def test_a_sidecar_of_the_old_schema_is_rebuilt(tmp_path):
     db.commit()
     db.close()
     assert ids(search(root, "PROJ-4821")) == ["2026-01-02-redis-cache"]   # ... rebuilt
+
+
+def test_ranking_at_least_plain_fts5_on_the_labelled_sets():
+    """bench/search_quality.py on rfc16 and the design docs (relnotes needs Git's release notes
+    on the machine): memshelf at least the plain-FTS5 baseline on every number (issue 29)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "search_quality.py"),
+                        "--sets", "rfc16,design", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    for name, res in data.items():
+        if "skipped" in res:
+            continue
+        for metric, value in res["memshelf"].items():
+            assert value >= res["baseline"][metric] - 1e-9, (name, metric, res)
+    if "skipped" not in data["rfc16"]:
+        assert data["rfc16"]["memshelf"]["sec@3"] >= 0.90
