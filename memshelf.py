@@ -1509,12 +1509,16 @@ def _record_description(rec):
     return _cap_description(d)[0] if d else ""
 
 
-def _compose_episode(fields, digest, sections):
-    """Write an episode H1-first (shelf-format.md § 4.1); fields is an ordered dict."""
+def _compose_episode(fields, digest, sections, verbatim=None):
+    """Write an episode H1-first (shelf-format.md § 4.1); fields is an ordered dict; verbatim
+    maps a key to its frontmatter lines as an earlier writer spelled them (amend keeps them)."""
     lines = [f"# {fields['id']}", "", "---"]
     for key in [k for k in _FIELD_ORDER if k in fields] + \
             [k for k in fields if k not in _FIELD_ORDER]:
         value = fields[key]
+        if verbatim and key in verbatim:
+            lines.append(verbatim[key])
+            continue
         if value is None:
             continue
         if isinstance(value, list):
@@ -1527,6 +1531,28 @@ def _compose_episode(fields, digest, sections):
     for name, text in sections:
         lines += ["", f"## {name}", text.strip()]
     return "\n".join(lines) + "\n"
+
+
+# The keys shelve composes itself; every other key of an amended episode is kept as written.
+_COMPOSED_FIELDS = frozenset(_FIELD_ORDER) - {"keywords"}
+_FM_KEY_LINE = _re_lazy(r"""("[^"\n]*"|'[^'\n]*'|[^\s#'"-][^:\n]*?)[ \t]*:(?:[ \t]|$)""")
+
+
+def _frontmatter_entries(text):
+    """Each top-level key's lines in the frontmatter block, as written (indented continuation
+    and block-scalar lines included): what amend carries over without re-spelling a value."""
+    _h1, open_line, start, end, _close, _body = _fm_locate(text)
+    entries, key = {}, None
+    for line in (text[start:end].split("\n") if open_line is not None else []):
+        m = _FM_KEY_LINE.match(line)
+        if m:
+            key = m.group(1).strip("\"'")
+            entries[key] = [line]
+        elif line.startswith("#"):
+            key = None   # a comment at the margin ends the entry before it
+        elif key is not None:   # indented, blank, or a `- item` of a block list
+            entries[key].append(line)
+    return {k: "\n".join(v).rstrip() for k, v in entries.items()}
 
 
 def _demote_headings(text):
@@ -5472,13 +5498,18 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
            notes=None, retain_until=None, tags=None, supersedes=None, approx_tokens=None,
            approx_tokens_source=None, mode=None, amend=False, strict=False, dry_run=False,
            push=False, publish=False, autocommit=True, sync=True, await_render_seconds=0,
-           file=None, digest_file=None, section_files=None, drop_sections=None):
-    """Shelve a closed topic: redact, check the digest, write, render, commit (verbs.md § 1.2)."""
+           file=None, digest_file=None, section_files=None, drop_sections=None,
+           append_sections=None):
+    """Shelve a closed topic: redact, check the digest, write, render, commit (verbs.md § 1.2).
+    On amend, every field, section and frontmatter key the call does not give is kept."""
     warnings = []
-    section_list = []
+    section_list, doc_extra = [], {}
     if file is not None:
-        doc_fields, doc_digest, doc_sections = _parse_episode_document(
-            _read_input_file(file, "--file"))
+        doc_text = _read_input_file(file, "--file")
+        doc_fields, doc_digest, doc_sections = _parse_episode_document(doc_text)
+        # keys no option sets are kept as the document spells them
+        doc_extra = {k: (v, _frontmatter_entries(_normalised(doc_text)).get(k))
+                     for k, v in doc_fields.items() if k not in _COMPOSED_FIELDS}
         section_list = list(doc_sections)
         slug = doc_fields.get("id") if slug is None else slug
         kind = doc_fields.get("kind") if kind is None else kind
@@ -5512,11 +5543,13 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
     if slug is None:
         raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words")
     slug = _check_slug(slug)
-    if kind not in KINDS:
+    # an amend takes the kind and the digest from the episode when the call leaves them out
+    if kind not in KINDS and not (amend and kind is None):
         raise _usage(f"--kind must be topic, research or session (got {_excerpt(kind)})",
                      "pass --kind topic|research|session")
-    if digest is None:
-        raise _usage("a digest is required", "pass --digest TEXT or --digest-file PATH")
+    if digest is None and not amend:
+        raise _usage("a digest is required", "pass --digest TEXT or --digest-file PATH "
+                     "(or --amend to keep the digest of an existing episode)")
     if mode not in (None, "live", "import"):
         raise _usage(f"--mode must be live or import (got {_excerpt(mode)})")
     for key, value in (("date", date), ("retain_until", retain_until)):
@@ -5537,10 +5570,11 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
     if isinstance(notes, str) and any(c in notes for c in "\t\n\r"):
         warnings.append("notes: tabs and line breaks were flattened to spaces")
     notes = _check_free_text("notes", notes)
-    tags = [_check_tag(t) for t in (tags or [])]
+    # an empty item clears the list (`--tag ''`): it is given, so amend does not keep the old one
+    tags = [_check_tag(t) for t in (tags or []) if t != ""]
     seen = set()
     tags = [t for t in tags if not (t.casefold() in seen or seen.add(t.casefold()))]
-    supersedes = [_lookup_key(s) for s in (supersedes or [])]
+    supersedes = [_lookup_key(s) for s in (supersedes or []) if s != ""]
     if approx_tokens is not None and (type(approx_tokens) is not int or approx_tokens < 0):
         raise _usage("approx_tokens must be a non-negative integer")
     if approx_tokens_source not in (None, "estimate", "measured", "unmeasured"):
@@ -5562,6 +5596,18 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
                      "add --amend, or leave the section out")
     if set(drop_sections) & {n.casefold() for n, _ in section_list}:
         raise _usage("a section is both given and dropped", "give it or drop it, not both")
+    appended = []
+    for name, body in (append_sections or {}).items():
+        if not isinstance(body, str):
+            raise _usage(f"section {_excerpt(name)} must be text")
+        appended.append((_check_section_name(str(name)), body))
+    if appended and not amend:
+        raise _usage("--append-section adds to a section of an existing episode",
+                     "add --amend, or pass the section with --section")
+    if {n.casefold() for n, _ in appended} & (set(drop_sections) |
+                                            {n.casefold() for n, _ in section_list}):
+        raise _usage("a section is both appended to and given or dropped",
+                     "append to it, give it or drop it: one of the three")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     with _ShelfLock(root):
         return _shelve_locked(root, locals())
@@ -5579,6 +5625,26 @@ def _amend_report(old, old_fields, old_sections, fields, digest, sections):
                         "dropped": [h for h in before if h not in after]},
             "kept": {"fields": [k for k in now if now[k] == was[k] and now[k] and k != "id"],
                      "sections": [h for h in after if after[h] == before.get(h)]}}
+
+
+def _amended_sections(olds, given, appended, drop):
+    """An amend's sections: the episode's in their order (custom order is the writer's), a given
+    one in its place, appended text after its section's own, new sections last."""
+    new = {n.casefold(): (n, t) for n, t in given}
+    add = {n.casefold(): t for n, t in appended}
+    out = []
+    for heading, text in olds:
+        fold = heading.casefold()
+        if fold in drop:
+            continue
+        if fold in new:
+            out.append(new.pop(fold))
+        elif fold in add:
+            out.append((heading, text.rstrip() + "\n" + add.pop(fold).strip()))
+        else:
+            out.append((heading, text))
+    return out + list(new.values()) + _canonical_sections(
+        [(n, t) for n, t in appended if n.casefold() in add])
 
 
 def _shelve_locked(root, a):
@@ -5602,12 +5668,39 @@ def _shelve_locked(root, a):
     window = _context_window(root)
     rules, problems = _shelf_policy(root)
     warnings.extend(f"POLICY.patterns: line {p['line']}: {p['reason']}" for p in problems)
+    # on amend what the call does not give is kept from the episode: kind, digest, sections in
+    # their order, and every frontmatter key as it was written
+    old_fields = old["fields"] if old else {}
+    section_list, olds, verbatim = a["section_list"], [], {}
+    digest_in = a["digest"]
+    if old:
+        kind = kind or (old["kind"] if old["kind"] in KINDS else
+                        _KIND_OF_CATEGORY.get(old["category"], "topic"))
+        try:
+            episode = _episode_read(root, existing_rel)[1]
+        except (OSError, ShelfError):
+            episode = None
+            warnings.append(f"{existing_rel} could not be read: none of its sections are kept")
+        olds = [(h, t.strip()) for h, t in episode.sections if h.casefold() != "digest"] \
+            if episode else []
+        verbatim = _frontmatter_entries(episode.text) if episode else {}
+        drop = set(a["drop_sections"])
+        unknown = (drop | {n.casefold() for n, _ in a["appended"]}) - \
+            {h.casefold() for h, _ in olds}
+        if drop & unknown:
+            raise ShelfError("section-not-found", f"{slug} has no section to drop: "
+                             + ", ".join(sorted(drop & unknown)) + "; it has: "
+                             + ", ".join(h for h, _ in olds), "drop one of the listed sections")
+        if digest_in is None:
+            digest_in = old["digest"]
+        section_list = _amended_sections(olds, section_list, a["appended"], drop)
     fields = ("display_title", "description", "notes", "session", "agent", "model")
     learned = []
+    # kept sections meet today's rules too: everything is redacted in one pass
     outs, redaction = redact_parts(
-        [("digest", a["digest"])] + [(f"section:{n}", t) for n, t in a["section_list"]] +
+        [("digest", digest_in)] + [(f"section:{n}", t) for n, t in section_list] +
         [(k, a[k]) for k in fields], rules, learned=learned, **_redaction_switches(root))
-    sections = [(n, t) for (n, _), t in zip(a["section_list"], outs[1:])]
+    sections = [(n, t) for (n, _), t in zip(section_list, outs[1:])]
     free = dict(zip(fields, outs[-len(fields):]))
     digest, demoted = _demote_headings(outs[0].strip())
     report = validate_digest(digest, patterns=rules, strict=a["strict"])
@@ -5615,8 +5708,6 @@ def _shelve_locked(root, a):
         raise ShelfError("digest-rejected", "the digest breaks the contract:\n" + report["report"],
                          "fix the digest (check it with memshelf lint-digest) and shelve again",
                          {"report": report})
-    # defaults; on amend what the call does not give is kept from the episode
-    old_fields = old["fields"] if old else {}
     if old:
         for key in fields:
             if key not in a["given"] and isinstance(old_fields.get(key), str):
@@ -5628,24 +5719,6 @@ def _shelve_locked(root, a):
             if "approx_tokens_source" not in a["given"]:
                 keep["approx_tokens_source"] = old["approx_src"]
         a = dict(a, **keep)
-        found = _episode_body(root, old, skip=True)
-        if found is None:
-            warnings.append(f"{existing_rel} could not be read: none of its sections are kept")
-        new = {n.casefold(): (n, t) for n, t in sections}
-        drop = set(a["drop_sections"])
-        olds = [(h, t.strip()) for h, t in _split_sections(found[1])[1] if h.casefold()
-                != "digest"] if found else []
-        unknown = drop - {h.casefold() for h, _ in olds}
-        if unknown:
-            raise ShelfError("section-not-found", f"{slug} has no section to drop: "
-                             + ", ".join(sorted(unknown)) + "; it has: "
-                             + ", ".join(h for h, _ in olds), "drop one of the listed sections")
-        kept = [(h, t) for h, t in olds if h.casefold() not in drop and h.casefold() not in new]
-        # kept sections meet today's rules too
-        kept = dict(zip((h for h, _ in kept), redact_parts(
-            [(f"section:{h}", t) for h, t in kept], rules, **_redaction_switches(root))[0]))
-        sections = _canonical_sections([new.pop(h.casefold(), (h, kept.get(h))) for h, t in olds
-                                        if h.casefold() not in drop] + list(new.values()))
     date = a["date"] or (old_fields.get("date") if _is_iso_date(old_fields.get("date")) else None) \
         or (slug[:10] if _is_iso_date(slug[:10]) else None) or _today()
     span = a["span"] or (old_fields.get("span") if old and isinstance(old_fields.get("span"), str)
@@ -5680,9 +5753,16 @@ def _shelve_locked(root, a):
               "tags": a["tags"], "supersedes": a["supersedes"] or None,
               "approx_tokens": str(approx), "approx_tokens_source": source,
               "mode": a["mode"] or "live", "notes": free["notes"] or None}
-    if old and isinstance(old_fields.get("keywords"), list):
-        fields["keywords"] = old_fields["keywords"]   # a rollup's: no option sets them
-    text = _compose_episode(fields, digest, body_sections)
+    # keys no option sets (a rollup's keywords, a status, a team's own): kept as written, the
+    # document's (--file) over the episode's
+    fields.update((k, v) for k, v in old_fields.items() if k not in fields)
+    verbatim = {k: v for k, v in verbatim.items() if k not in _COMPOSED_FIELDS}
+    for key, (value, lines) in a["doc_extra"].items():
+        fields[key] = value
+        verbatim.pop(key, None)
+        if lines:
+            verbatim[key] = lines
+    text = _compose_episode(fields, digest, body_sections, verbatim)
     size = len(text.encode("utf-8"))
     if size > _EPISODE_MAX_BYTES:
         raise ShelfError("episode-invalid", f"the episode is {size} bytes; the limit is 8 MiB",
@@ -14109,14 +14189,24 @@ def _verbs():
         _Verb("shelve", shelve, [
             sp(),
             _Param("slug", _S, required=True, metavar="ID", help="New id: YYYY-MM-DD-latin-words."),
-            _Param("kind", _S, required=True, enum=["topic", "research", "session"],
-                   help="Sets the required sections."),
-            _Param("digest", _S, required=True,
-                   help="<=120 words, named actors (no we), decisions, open threads."),
+            _Param("kind", _S, nullable=True, enum=["topic", "research", "session"],
+                   help="Required unless amend=true. Sets the required sections.",
+                   cli_help="Required unless --amend. Sets the required sections: topic: Digest "
+                            "+ Decisions; research: Digest + one more section; session: Digest, "
+                            "Timeline, Open threads."),
+            _Param("digest", _S, nullable=True,
+                   help="Required unless amend=true. <=120 words, named actors (no we), "
+                        "decisions, open threads."),
             _Param("sections", _O, default={}, flags=["--section"], metavar="NAME=BODY",
-                   help="Section name -> body."),
-            _Param("display_title", _S, nullable=True, help="INDEX title."),
-            _Param("description", _S, nullable=True, help="INDEX line (default: first sentence)."),
+                   help="Section name -> body; amend: replaces that section."),
+            _Param("append_sections", _O, default={}, flags=["--append-section"],
+                   metavar="NAME=TEXT", help="Amend: add text at the end of a section."),
+            _Param("display_title", _S, nullable=True, flags=["--display-title", "--title"],
+                   help="INDEX title.", cli_help="INDEX title (--title is the same option)."),
+            _Param("description", _S, nullable=True,
+                   help="INDEX line, <=120 chars (default: first sentence).",
+                   cli_help="INDEX line, cut to 120 characters (default: the digest's first "
+                            "sentence)."),
             _Param("span", _S, nullable=True, help="YYYY-MM-DD[..YYYY-MM-DD]."),
             _Param("date", _S, nullable=True, help="Shelve date YYYY-MM-DD."),
             _Param("session", _S, nullable=True, help="Host session reference."),
@@ -14126,7 +14216,9 @@ def _verbs():
             _Param("retain_until", _S, nullable=True, help="Purge after YYYY-MM-DD."),
             _Param("tags", _A, default=[], flags=["--tag"], metavar="T", help="Tags."),
             _Param("supersedes", _A, default=[], metavar="ID", help="Ids this episode replaces."),
-            _Param("approx_tokens", _I, nullable=True, minimum=0, help="Shelved size, chars/4."),
+            _Param("approx_tokens", _I, nullable=True, minimum=0, help="Shelved size, chars/4.",
+                   cli_help="Tokens the topic took in context before shelving (chars/4 of the "
+                            "conversation it replaces), not the episode's own size."),
             _Param("approx_tokens_source", _S, nullable=True, enum=["estimate", "measured"],
                    help="How approx_tokens was got."),
             _Param("mode", _S, default="live", enum=["live", "import"], help="live or import."),
