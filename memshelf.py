@@ -9451,24 +9451,32 @@ _PURGE_PLAIN_NOTE = ("this shelf keeps no history: deleted files are gone from t
                      "(backups and synced copies are not touched).")
 
 
-def purge(shelf_path=None, apply=False, today=None, autocommit=True):
-    """Delete episodes whose retain_until has passed; a dry run unless apply (verbs.md § 1.5)."""
+def purge(shelf_path=None, apply=False, today=None, autocommit=True, episode_ids=None):
+    """Delete episodes whose retain_until has passed, or the episodes named by id (a mistaken
+    one); a dry run unless apply (verbs.md § 1.5)."""
     if today is not None and not _is_iso_date(today):
         raise _usage(f"today {today!r} is not a real YYYY-MM-DD date", "e.g. 2026-07-22")
+    if episode_ids and today is not None:
+        raise _usage("--today picks episodes by retain_until; --id names them",
+                     "pass one of the two")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     today = today or _today()
     with _lock_unless(not apply, root):
-        result = _purge_locked(root, today, apply, autocommit)
+        result = _purge_locked(root, today, apply, autocommit, episode_ids or [])
     if not apply:
         _note("dry run — re-run with --apply to delete")
     return result
 
 
-def _purge_locked(root, today, apply, autocommit):
+def _purge_locked(root, today, apply, autocommit, episode_ids):
     with _Store(root) as catalog:
         records = catalog.records()
     warnings, expired = [], []
-    for r in records:
+    if episode_ids:
+        # every id must resolve (with its did-you-mean) before anything is deleted
+        wanted = {_resolve_episode(root, raw)[0] for raw in episode_ids}
+        expired = [r for r in records if r["path"] in wanted]
+    for r in records if not episode_ids else ():
         value = r.get("retain_until")
         if value is not None and not _is_iso_date(value):
             warnings.append(f"{r['path']}: retain_until {value!r} is not a YYYY-MM-DD date; "
@@ -9487,14 +9495,22 @@ def _purge_locked(root, today, apply, autocommit):
     git = _Git(root)
     history = git.is_repo()
     n = len(expired)
+    note = _PURGE_PLAIN_NOTE
+    if history:
+        note = _PURGE_HISTORY_NOTE.replace("--path <file>", " ".join(
+            f"--path {_shell_quote(e['address'])}" for e in listing) or "--path <file>")
     result = {"status": "ok", "today": today, "expired": listing, "deleted": [], "count": n,
               "applied": bool(apply), "committed": False, "commit": None, "warnings": warnings,
-              "note": _PURGE_HISTORY_NOTE if history else _PURGE_PLAIN_NOTE}
+              "note": note}
     noun = f"{n} episode{'s' if n != 1 else ''}"
+    why = "named by id" if episode_ids else "past retain_until"
     if not apply:
-        result["summary"] = (f"dry run: {noun} past retain_until (today {today})" +
-                             "".join(f"\n  {e['address']} (retain_until {e['retain_until']})"
-                                     for e in listing))
+        result["summary"] = (f"dry run: {noun} {why}" +
+                             ("" if episode_ids else f" (today {today})") +
+                             "".join(f"\n  {e['address']}" + (
+                                 f" (retain_until {e['retain_until']})" if e['retain_until']
+                                 else "") for e in listing) +
+                             ("\nnote: " + note if listing else ""))
         return result
     if not expired:
         result["summary"] = f"nothing to purge: no episode is past retain_until (today {today})"
@@ -9515,7 +9531,8 @@ def _purge_locked(root, today, apply, autocommit):
                 paths.append("stats.svg")
         if history and autocommit:
             _check_cancelled()
-            result["commit"] = git.commit(paths, f"purge: {n} episode(s) past retain_until")
+            result["commit"] = git.commit(paths, f"purge: {n} episode(s) {why}" + (
+                ": " + ", ".join(e["id"] for e in listing) if episode_ids else ""))
             result["committed"] = result["commit"] is not None
     except BaseException:
         journal.restore()
@@ -9523,7 +9540,7 @@ def _purge_locked(root, today, apply, autocommit):
     finally:
         progress.done()
     result["deleted"] = [r["path"] for r in expired]
-    result["summary"] = (f"purged {noun} past retain_until" +
+    result["summary"] = (f"purged {noun} {why}" +
                          (" · committed" if result["committed"] else "") +
                          "".join(f"\n  {p}" for p in result["deleted"]))
     result["hint"] = result["note"]
@@ -10471,7 +10488,8 @@ _DOCTOR_CODES = {
                             "<shelf> (or delete it)"),
     # 6. the tree, the git index and HEAD (git shelves): all repaired by one command
     "git-staged": ("error", "git", _REPAIR),
-    "committed-missing": ("error", "git", _REPAIR),
+    "committed-missing": ("error", "git", _REPAIR + " puts it back; to delete it on purpose: "
+                          "memshelf purge --shelf <shelf> --id ID --apply"),
     "episode-untracked": ("error", "git", _REPAIR),
     "derived-uncommitted": ("error", "git", _REPAIR),
     "index-lists-uncommitted": ("error", "git", _REPAIR),
@@ -14368,8 +14386,10 @@ def _verbs():
             _Param("today", _S, nullable=True, help="Treat this date as today."),
             _Param("autocommit", _B, default=True, negate="--no-commit",
                    help="Commit.", cli_help="Commit the result."),
+            _Param("episode_ids", _A, default=[], flags=["--id"], metavar="ID",
+                   help="Delete exactly these episodes instead (a mistaken one)."),
         ], title="Delete episodes past retain_until", read_only=False, destructive=True,
-            description="List (apply=true: delete) episodes past retain_until. git history keeps them until rewritten.",
+            description="List (apply=true: delete) episodes past retain_until, or those named by episode_ids. git history keeps them until rewritten.",
             output={"expired": _A, "deleted": _A, "count": _I, "applied": _B}, text=_text_summary),
         _Verb("resolve", resolve, [
             sp(),
