@@ -5006,8 +5006,18 @@ _WE_ZH = ("我们", "咱们")
 _BARE = _re_lazy(r"(?:^|[.!?。！？])\s*(it|this|that|they|these|those|это|эти|они)(?!\w)",
                    re.IGNORECASE)
 _BARE_ZH = _re_lazy(r"(?:^|[.!?。！？])\s*[它这那]")
-_CUE = _re_lazy(r"(?<!\w)(decid|reject|chose|chosen|open|todo|verdict|реш|отклон|выбра|открыт|"
-                  r"итог)", re.IGNORECASE)
+# Verbs of a change made are decisions too ("the team moved Redis to Elasticache").
+_CUE = _re_lazy(r"(?<!\w)(decid|reject|chose|chosen|open|todo|verdict|moved|adopt|uses\b|"
+                r"replac|switch|kept\b|retired|deprecat|removed|реш|отклон|выбра|открыт|"
+                r"итог)", re.IGNORECASE)
+
+
+def _in_identifier(text, m):
+    """Whether a pronoun match is part of an identifier (us-east-1, our_queue, us.example.com):
+    only standalone words of prose count as the first person."""
+    before, after = text[m.start() - 1:m.start()], text[m.end():m.end() + 2]
+    return before in ("-", "_", ".") or \
+        bool(after) and after[0] in "-_." and after[1:2].isalnum()
 _CUE_ZH = ("决定", "否决", "拒绝", "选择", "选定", "待办", "未决", "结论")
 
 
@@ -5023,8 +5033,10 @@ def count_words(text):
     return n
 
 
-def validate_digest(text, *, patterns=None, strict=False):
-    """The one digest validator: shelve, amend, rollup, lint-digest and doctor call it."""
+def validate_digest(text, *, patterns=None, strict=False, masked=None):
+    """The one digest validator: shelve, amend, rollup, lint-digest and doctor call it.
+    masked: the redaction report of the digest when it was masked before (shelve, rollup and
+    lint-digest alike: one rule, a credential is masked and warned about, not refused)."""
     stripped = (text or "").strip()
     errors, warnings = [], []
     words = count_words(stripped)
@@ -5039,7 +5051,8 @@ def validate_digest(text, *, patterns=None, strict=False):
             errors.append({"code": "too-long", "message": "the digest has " + " and ".join(over) +
                            f"; the limit is {MAX_DIGEST_WORDS} words and {MAX_DIGEST_CHARS} "
                            "characters — move detail into the sections"})
-        found = [m.group(0) for m in _WE_EN.finditer(stripped) if m.group(0) != "US"]
+        found = [m.group(0) for m in _WE_EN.finditer(stripped) if m.group(0) != "US" and
+                 not _in_identifier(stripped, m)]
         found += [m.group(0) for m in _WE_RU.finditer(stripped)]
         found += [w for w in _WE_ZH if w in stripped]
         if found:
@@ -5054,6 +5067,10 @@ def validate_digest(text, *, patterns=None, strict=False):
             errors.append({"code": "secret", "message": "secret-shaped text ("
                            + ", ".join(f"{k}×{v}" for k, v in sorted(kinds.items()))
                            + "): remove the secret; describe it instead (e.g. 'the API key')"})
+        if masked and masked["total"]:
+            warnings.append({"code": "secret-masked", "message": "secret-shaped text ("
+                             + ", ".join(f"{k}×{v}" for k, v in masked["counts"].items())
+                             + ") is masked on shelve; describe it instead (e.g. 'the API key')"})
         bare = [m.group(1) for m in _BARE.finditer(stripped)] + \
             [m.group(0).strip(" .!?。！？") for m in _BARE_ZH.finditer(stripped)]
         if bare:
@@ -5076,25 +5093,45 @@ def validate_digest(text, *, patterns=None, strict=False):
             "char_count": len(stripped), "errors": errors, "warnings": warnings, "report": report}
 
 
-def lint_digest(digest=None, strict=False, shelf_path=None, digest_file=None):
-    """Check a digest against the contract without writing anything."""
-    if digest_file is not None:
-        digest = _read_input_file(digest_file, "--digest-file")
-    elif digest is None:
+def lint_digest(digest=None, strict=False, shelf_path=None, digest_file=None, file=None):
+    """Check digests against the contract without writing anything, by shelve's rule: masked
+    first, then validated (contracts.md § 1.3). Several --digest-file or --file (episode
+    documents, their ## Digest) are checked one by one; all must pass."""
+    texts = []
+    for path in [digest_file] if isinstance(digest_file, str) else digest_file or []:
+        texts.append((path, _read_input_file(path, "--digest-file")))
+    for label, text in _episode_documents(file) if file else []:
+        texts.append((label, _parse_episode_document(text)[1] or ""))
+    if digest is not None:
+        texts.insert(0, ("--digest", digest))
+    elif not texts:
         if _isatty(sys.stdin):
-            raise _usage("no digest given", "pass --digest TEXT, --digest-file PATH, or pipe it "
-                         "on stdin")
-        digest = sys.stdin.read()
-    rules = None
+            raise _usage("no digest given", "pass --digest TEXT, --digest-file PATH, --file "
+                         "EPISODE.md, or pipe it on stdin")
+        texts.append(("stdin", sys.stdin.read()))
+    rules, switches = None, {}
     if shelf_path or _env_shelf()[0]:
         try:
             root, _ = _resolve_shelf(shelf_path)
-            rules, _ = _shelf_policy(root)
+            rules, switches = _shelf_policy(root)[0], _redaction_switches(root)
         except ShelfError:
             if shelf_path:
                 raise
-    report = validate_digest(digest, patterns=rules, strict=strict)
-    return {"status": "ok" if report["passed"] else "rejected", **report}
+    reports = []
+    for label, text in texts:
+        masked_text, masked = redact(text or "", rules, part="digest", **switches)
+        reports.append(dict(validate_digest(masked_text, patterns=rules, strict=strict,
+                                            masked=masked), source=label))
+    if len(reports) == 1:
+        report = reports[0]
+        return {"status": "ok" if report["passed"] else "rejected",
+                **{k: v for k, v in report.items() if k != "source"}}
+    passed = all(r["passed"] for r in reports)
+    return {"status": "ok" if passed else "rejected", "passed": passed, "digests": reports,
+            "errors": [dict(e, source=r["source"]) for r in reports for e in r["errors"]],
+            "warnings": [dict(w, source=r["source"]) for r in reports for w in r["warnings"]],
+            "report": "\n".join(f"{r['source']}: " + r["report"].replace("\n", "\n  ")
+                                for r in reports)}
 
 
 def _read_input_file(path, flag):
@@ -5501,11 +5538,134 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
            file=None, digest_file=None, section_files=None, drop_sections=None,
            append_sections=None):
     """Shelve a closed topic: redact, check the digest, write, render, commit (verbs.md § 1.2).
-    On amend, every field, section and frontmatter key the call does not give is kept."""
+    On amend, every field, section and frontmatter key the call does not give is kept. `file`
+    (paths, directories, - for stdin) may hold many episodes: one lock, one commit, all or none."""
+    call = dict(locals())
+    docs = [(None, None)] if not file else _episode_documents(file)
+    if len(docs) > 1:
+        return _shelve_batch(call, docs)
+    a = _shelve_arguments(**dict(call, file=docs[0][1]))
+    # a dry run writes nothing, so it waits for no writer
+    with _lock_unless(dry_run, a["root"]):
+        return _shelve_locked(a["root"], a)
+
+
+def _shelve_batch(call, docs):
+    """Many episode documents: each checked and composed under one lock, then written with one
+    render and one commit; one refusal refuses them all, with every refusal listed."""
+    if call["slug"] is not None:
+        raise _usage(f"--slug names one episode; {len(docs)} episode documents were given",
+                     "drop --slug: each document's frontmatter id names it")
+    plans, refused, seen = [], [], {}
+    args = []
+    for label, text in docs:
+        try:
+            args.append((label, _shelve_arguments(**dict(call, file=text))))
+        except ShelfError as exc:
+            refused.append((label, exc))
+    root = args[0][1]["root"] if args else None
+    with _lock_unless(call["dry_run"] or refused or root is None, root):
+        git = _Git(root) if root else None
+        sync_report = _sync_preflight(root, git) if root and call["sync"] and \
+            not call["dry_run"] and not refused else None
+        for label, a in args:
+            if a["slug"] in seen:
+                refused.append((label, _usage(f"id {a['slug']} is also in {seen[a['slug']]}",
+                                              "give each episode its own id")))
+                continue
+            seen[a["slug"]] = label
+            try:
+                plans.append(_shelve_plan(root, a, sync_report))
+            except ShelfError as exc:
+                refused.append((label, exc))
+        if refused:
+            lines = [f"{label}: {exc.message}" + (f" (fix: {exc.fix})" if exc.fix else "")
+                     for label, exc in refused]
+            usage = all(exc.exit_code == 2 for _, exc in refused)
+            raise ShelfError("usage" if usage else "batch-refused",
+                             f"{len(refused)} of {len(docs)} episode documents refused, so none "
+                             "was shelved:\n" + "\n".join(lines),
+                             "fix the named documents and run the same command again",
+                             {"refused": [{"document": label, "code": exc.code,
+                                           "message": exc.message, "fix": exc.fix}
+                                          for label, exc in refused]})
+        if call["dry_run"]:
+            results = [p.result for p in plans]
+            return {"status": "dry-run", "count": len(plans), "ids": [r["id"] for r in results],
+                    "episodes": results, "summary": "\n".join(r["summary"] for r in results)}
+        return _shelve_write(root, git, plans, args[0][1], sync_report)
+
+
+def _episode_documents(paths):
+    """(label, text) of each episode document: a file, a folder's *.md files, or - (stdin);
+    a file or stream may hold several documents, each opening with its frontmatter."""
+    docs = []
+    for path in [paths] if isinstance(paths, str) else paths:
+        folder = os.path.expanduser(path) if path != "-" else None
+        if folder and os.path.isdir(folder):
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".md") and
+                           os.path.isfile(os.path.join(folder, n)))
+            if not names:
+                raise ShelfError("io-error", f"--file: {path} holds no .md files",
+                                 "name a folder of episode documents, or the files themselves",
+                                 {"path": path})
+            items = [(os.path.join(path, n), _read_input_file(os.path.join(folder, n), "--file"))
+                     for n in names]
+        else:
+            items = [("stdin" if path == "-" else path, _read_input_file(path, "--file"))]
+        for label, text in items:
+            parts = _split_documents(_normalised(text))
+            docs += [(label if len(parts) == 1 else f"{label} #{i}", part)
+                     for i, part in enumerate(parts, 1)]
+    return docs
+
+
+def _split_documents(text):
+    """A stream of episode documents split where a frontmatter block holding `id:` opens (an H1
+    right before it goes with it); a `---` inside a fence or a body's rule does not split."""
+    lines = text.split("\n")
+    starts, fence = [0], None
+    for i, line in enumerate(lines):
+        f = _FENCE_OPEN.match(line)
+        if f and (fence is None or f.group(1)[0] == fence):
+            fence = f.group(1)[0] if fence is None else None
+            continue
+        if fence or line.rstrip() != "---" or i == 0:
+            continue
+        block = []
+        for later in lines[i + 1:]:
+            if later.rstrip() == "---" or later.startswith("## "):
+                break
+            block.append(later)
+        else:
+            continue
+        if later.rstrip() != "---" or not any(b.startswith("id:") for b in block):
+            continue
+        start = i
+        while start > starts[-1] and not lines[start - 1].strip():
+            start -= 1
+        if start > starts[-1] and lines[start - 1].startswith("# "):
+            start -= 1
+        if start > starts[-1] and any(l.strip() for l in lines[starts[-1]:start]) and \
+                any(l.startswith("## ") for l in lines[starts[-1]:start]):
+            starts.append(start)
+    return ["\n".join(lines[a:b]) for a, b in zip(starts, starts[1:] + [len(lines)])]
+
+
+def _shelve_arguments(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
+                      display_title=None, description=None, span=None, date=None, session=None,
+                      agent=None, model=None, notes=None, retain_until=None, tags=None,
+                      supersedes=None, approx_tokens=None, approx_tokens_source=None, mode=None,
+                      amend=False, strict=False, dry_run=False, push=False, publish=False,
+                      autocommit=True, sync=True, await_render_seconds=0, file=None,
+                      digest_file=None, section_files=None, drop_sections=None,
+                      append_sections=None):
+    """shelve's arguments checked (usage errors) and merged with an episode document's text
+    (`file`); returns them with `root`, as _shelve_locked reads them."""
     warnings = []
     section_list, doc_extra = [], {}
     if file is not None:
-        doc_text = _read_input_file(file, "--file")
+        doc_text = file
         doc_fields, doc_digest, doc_sections = _parse_episode_document(doc_text)
         # keys no option sets are kept as the document spells them
         doc_extra = {k: (v, _frontmatter_entries(_normalised(doc_text)).get(k))
@@ -5609,8 +5769,7 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
         raise _usage("a section is both appended to and given or dropped",
                      "append to it, give it or drop it: one of the three")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
-    with _ShelfLock(root):
-        return _shelve_locked(root, locals())
+    return locals()
 
 
 def _amend_report(old, old_fields, old_sections, fields, digest, sections):
@@ -5647,11 +5806,11 @@ def _amended_sections(olds, given, appended, drop):
         [(n, t) for n, t in appended if n.casefold() in add])
 
 
-def _shelve_locked(root, a):
+def _shelve_plan(root, a, sync_report=None):
+    """Steps 4-9 of verbs.md § 1.2: find, redact, check, keep (amend) and compose; writes
+    nothing. Returns a _ShelvePlan; a refusal raises."""
     warnings = a["warnings"]
     slug, kind = a["slug"], a["kind"]
-    git = _Git(root)
-    sync_report = _sync_preflight(root, git) if a["sync"] and not a["dry_run"] else None
     existing_rel, existing_archived = _find_episode_path(root, slug)
     if existing_rel and not a["amend"]:
         raise ShelfError("episode-exists", f"{slug} is already shelved at {existing_rel}",
@@ -5703,11 +5862,13 @@ def _shelve_locked(root, a):
     sections = [(n, t) for (n, _), t in zip(section_list, outs[1:])]
     free = dict(zip(fields, outs[-len(fields):]))
     digest, demoted = _demote_headings(outs[0].strip())
-    report = validate_digest(digest, patterns=rules, strict=a["strict"])
+    masked = _finish_report(collections.Counter(
+        hit["kind"] for hit in redaction["hits"] if hit["part"] == "digest"), [])
+    report = validate_digest(digest, patterns=rules, strict=a["strict"], masked=masked)
     if not report["passed"]:
         raise ShelfError("digest-rejected", "the digest breaks the contract:\n" + report["report"],
-                         "fix the digest (check it with memshelf lint-digest) and shelve again",
-                         {"report": report})
+                         "fix the digest (memshelf lint-digest applies the same rule) and shelve "
+                         "again", {"report": report})
     if old:
         for key in fields:
             if key not in a["given"] and isinstance(old_fields.get(key), str):
@@ -5783,31 +5944,51 @@ def _shelve_locked(root, a):
     if a["dry_run"]:
         result.update(status="dry-run", episode_text=text, summary=f"dry run: {slug} at {address} "
                       f"composed ({size} bytes; {redaction['summary']}), nothing written")
-        return result
-    # write, render, commit; any failure restores every touched path
+    return _ShelvePlan(result, text, address, moved_from, old, learned, approx, window)
+
+
+# One composed episode waiting to be written: what _shelve_write needs of it.
+_ShelvePlan = collections.namedtuple("_ShelvePlan",
+                                     "result text address moved_from old learned approx window")
+
+
+def _shelve_locked(root, a):
+    git = _Git(root)
+    sync_report = _sync_preflight(root, git) if a["sync"] and not a["dry_run"] else None
+    plan = _shelve_plan(root, a, sync_report)
+    return plan.result if a["dry_run"] else _shelve_write(root, git, [plan], a, sync_report)
+
+
+def _shelve_write(root, git, plans, a, sync_report):
+    """Write the plans' episodes, render once, commit once; any failure restores every touched
+    path. One plan: its result; several: the batch result listing each."""
     _check_cancelled()
     mode = _derived_mode(root)
+    one = plans[0] if len(plans) == 1 else None
     before = None
-    if mode == "auto" and _index_format(root) == "compact":
+    if one and mode == "auto" and _index_format(root) == "compact":
         seen, scanned, subdirs = _render_inputs(root)
         before = _render_memo_hit(root, _render_key_of(root, "compact", scanned, subdirs, seen))
+    ids = [p.result["id"] for p in plans]
+    batch = {"status": "ok", "count": len(plans), "ids": ids, "committed": False, "commit": None,
+             "derived": None, "sync": sync_report}
     journal = _Journal(root)
     try:
-        journal.write(address, text)
-        if moved_from:
-            journal.remove(moved_from)
+        for p in plans:
+            journal.write(p.address, p.text)
+            if p.moved_from:
+                journal.remove(p.moved_from)
         written = []
-        rendered_records = None
+        rendered = rendered_records = None
         if mode == "auto":
-            rendered = None
             if before is not None:
                 # the last render, on disk, with this episode's lines moved (not all re-rendered)
-                st = os.stat(os.path.join(root, address))
-                scanned = sorted([f for f in scanned if f[0] not in (address, moved_from)] + [
-                    (address, False, _stamp_of(st))])
+                st = os.stat(os.path.join(root, one.address))
+                scanned = sorted([f for f in scanned if f[0] not in (one.address, one.moved_from)]
+                                 + [(one.address, False, _stamp_of(st))])
                 with _Store(root) as store:
                     records = store.render_records(files=scanned)
-                rendered = _render_one_change(root, before, records, address, old,
+                rendered = _render_one_change(root, before, records, one.address, one.old,
                                               _render_key_of(root, "compact", scanned, subdirs,
                                                              seen))
             rendered = rendered or _render_derived(root)
@@ -5815,37 +5996,57 @@ def _shelve_locked(root, a):
             for rel, content in rendered["files"].items():
                 if journal.write_if_changed(rel, content):
                     written.append(rel)
-            warnings.extend(w for w in rendered["warnings"] if slug in w)
-            result["derived"] = {"mode": "auto", "written": written}
+            for p in plans:
+                p.result["warnings"].extend(w for w in rendered["warnings"]
+                                            if p.result["id"] in w)
+            batch["derived"] = {"mode": "auto", "written": written}
         else:
-            result["derived"] = {"mode": "bot", "written": []}
+            batch["derived"] = {"mode": "bot", "written": []}
         if git.is_repo() and a["autocommit"]:
             # every derived file, not only those written: a hand rebuild's (0.4.0) uncommitted too
-            paths = [address] + ([moved_from] if moved_from else []) + written + \
+            paths = [q for p in plans for q in (p.address, p.moved_from) if q] + written + \
                 (list(rendered["files"]) if mode == "auto" else [])
             if git.run("status", "--porcelain", "--", _RECALL_LOG, check=False,
                        read_only=True).stdout.strip():   # recall rows ride along
                 paths.append(_RECALL_LOG)
-            message = f"shelve: {slug}" + (" (amend)" if a["amend"] else "")
+            message = f"shelve: {ids[0]}" + (" (amend)" if a["amend"] else "") if one else \
+                f"shelve: {len(ids)} episodes" + (" (amend)" if a["amend"] else "") + \
+                "\n\n" + "\n".join(ids)
             _check_cancelled()
-            result["commit"] = git.commit(paths, message)
-            result["committed"] = result["commit"] is not None
+            batch["commit"] = git.commit(paths, message)
+            batch["committed"] = batch["commit"] is not None
     except BaseException:
         journal.restore()
         raise
-    _taint_memory(root, learned)   # masked values beyond this episode (docs/redaction.md)
+    _taint_memory(root, [v for p in plans for v in p.learned])   # docs/redaction.md
     if mode == "auto":
         _remember_render(root, rendered)
     # push / publish (git-and-sync.md § 7)
-    if git.is_repo() and result["committed"]:
-        result["sync"] = _after_commit_sync(root, git, result, sync_report, a)
-    ledger_row = _ledger_row(_read_episode(root, address))
-    totals = _shelf_totals(root, window=window, records=rendered_records)
-    result.update(ledger_row=ledger_row, shelf_totals=totals,
-                  next="the topic can be replaced in context by its digest and address",
-                  summary=f"shelved {slug} at {address} · "
-                  + (f"+{approx:,} tok" if approx else "size unmeasured")
-                  + f" · {redaction['summary']}\n" + _banner_core(totals))
+    if git.is_repo() and batch["committed"]:
+        # its warnings go to the episode's result; a batch publishes as shelve/<first id>
+        target = one.result if one else dict(batch, id=ids[0], warnings=[])
+        target["commit"] = batch["commit"]
+        batch["sync"] = _after_commit_sync(root, git, target, sync_report, a)
+        if not one:
+            batch.update(warnings=target["warnings"], status=target["status"])
+            if target.get("hint"):
+                batch["hint"] = target["hint"]
+    totals = _shelf_totals(root, window=plans[0].window, records=rendered_records)
+    for p in plans:
+        p.result.update({k: batch[k] for k in ("committed", "commit", "derived", "sync")})
+        p.result.update(ledger_row=_ledger_row(_read_episode(root, p.address)),
+                        shelf_totals=totals,
+                        next="the topic can be replaced in context by its digest and address",
+                        summary=f"shelved {p.result['id']} at {p.address} · "
+                        + (f"+{p.approx:,} tok" if p.approx else "size unmeasured")
+                        + f" · {p.result['redaction']['summary']}")
+    if one:
+        one.result["summary"] += "\n" + _banner_core(totals)
+        result = one.result
+    else:
+        result = dict(batch, episodes=[p.result for p in plans], shelf_totals=totals,
+                      summary="\n".join(p.result["summary"] for p in plans) + "\n" +
+                      f"one commit for {len(plans)} episodes · " + _banner_core(totals))
     if result.get("sync") and result["sync"].get("error") and a["push"]:
         result["status"] = "incomplete"
     return result
@@ -5926,9 +6127,21 @@ class _Journal:
                         pass
 
 
+# How approx_tokens was got; `absorbed` is a rollup's: the sum of its folded episodes' masses.
+_APPROX_SOURCES = ("estimate", "measured", "unmeasured", "absorbed")
+
+
+def _episode_mass(rec, window):
+    """The context an episode stands for, the one definition stats, banners and rollup use:
+    approx_tokens capped at one context window (a rollup's sum is of capped masses already)."""
+    size = max(rec["approx_tokens"] or 0, 0)
+    return size if rec.get("approx_src") == "absorbed" else min(size, window)
+
+
 def _ledger_expected(rec):
-    """The ledger's expected-tokens cell of a record: its approx_tokens, 0 when unknown."""
-    return max(rec["approx_tokens"] or 0, 0)
+    """The ledger's expected-tokens cell of a record: its approx_tokens, 0 when unknown, and 0
+    for a rollup: the ledger keeps the archived episodes' rows, which carry that mass."""
+    return 0 if rec.get("approx_src") == "absorbed" else max(rec["approx_tokens"] or 0, 0)
 
 
 def _ledger_row(rec):
@@ -5938,23 +6151,31 @@ def _ledger_row(rec):
 
 
 def _episode_aggregate(records, window):
-    """The per-episode sums behind shelf totals (what INDEX adds is read separately)."""
+    """The per-episode sums behind shelf totals (what INDEX adds is read separately). Live
+    episodes only: an archived one's mass is its rollup's now, and its digest is not loaded."""
     eps = [r for r in records if r.get("id")]
-    measured = [r for r in eps if r.get("approx_src") != "unmeasured"]
-    return {"episodes": len(eps), "digest_tokens": sum(r["digest_tokens"] for r in eps),
-            "mass": sum(min(max(r["approx_tokens"] or 0, 0), window) for r in measured),
-            "unmeasured": len(eps) - len(measured), "unmeasured_digest": sum(
-                r["digest_tokens"] for r in eps if r.get("approx_src") == "unmeasured"),
+    live = [r for r in eps if not r["archived"]]
+    measured = [r for r in live if r.get("approx_src") != "unmeasured"]
+    return {"episodes": len(live), "archived": len(eps) - len(live),
+            "digest_tokens": sum(r["digest_tokens"] for r in live),
+            "mass": sum(_episode_mass(r, window) for r in measured),
+            "work_volume": sum(max(r["approx_tokens"] or 0, 0) for r in measured),
+            "capped": sum(1 for r in measured if _episode_mass(r, window) <
+                          max(r["approx_tokens"] or 0, 0)),
+            "unmeasured": len(live) - len(measured), "unmeasured_digest": sum(
+                r["digest_tokens"] for r in live if r.get("approx_src") == "unmeasured"),
             "window": window}
 
 
 def _shelf_totals(root, records=None, window=None, key=None):
-    """Banner totals: from `records`, else remembered under the store `key` (made if None)."""
+    """Banner totals: from `records`, else remembered under the store `key` (made if None).
+    The one definition of each figure that shelve, stats, the hook and the demo print."""
     window = window or _context_window(root)
     if records is None:
         key, scanned = key or _render_key(root, _index_format(root))
         aggregate = _remembered(root, "aggregate", key)
-        if not isinstance(aggregate, dict) or aggregate.get("window") != window:
+        if not isinstance(aggregate, dict) or aggregate.get("window") != window or \
+                "archived" not in aggregate:
             with _Store(root) as cat:   # what the aggregate sums, no whole records
                 records = cat.render_records(files=scanned)
             aggregate = _episode_aggregate(records, window)
@@ -5965,18 +6186,25 @@ def _shelf_totals(root, records=None, window=None, key=None):
         index_tokens = tokens(_read_text(os.path.join(root, "INDEX.md")))
     except (OSError, ShelfError):
         index_tokens = 0
+    # standing: what a session carries, the INDEX, plus the digests read before any recall
     standing = index_tokens + aggregate["digest_tokens"]
     divisor = standing - aggregate["unmeasured_digest"]
-    return {"episodes": aggregate["episodes"], "standing_cost": standing,
-            "shelved_mass": aggregate["mass"],
+    return {"episodes": aggregate["episodes"], "archived": aggregate["archived"],
+            "index_tokens": index_tokens, "digest_tokens": aggregate["digest_tokens"],
+            "standing_cost": standing, "shelved_mass": aggregate["mass"],
+            "work_volume": aggregate["work_volume"], "capped": aggregate["capped"],
             "compression_ratio": round(aggregate["mass"] / divisor, 1) if divisor > 0 else 0.0,
-            "unmeasured": aggregate["unmeasured"]}
+            "unmeasured": aggregate["unmeasured"],
+            "unmeasured_digest": aggregate["unmeasured_digest"]}
 
 
 def _banner_core(t):
     noun = "episode" if t["episodes"] == 1 else "episodes"
-    text = (f"memshelf: {t['episodes']} {noun} · standing {_human_count(t['standing_cost'])} "
-            f"tok · holds ~{_human_count(t['shelved_mass'])} est. ({t['compression_ratio']}:1)")
+    archived = f" (+{t['archived']} archived)" if t.get("archived") else ""
+    text = (f"memshelf: {t['episodes']} {noun}{archived} · standing "
+            f"{_human_count(t['standing_cost'])} tok (INDEX {_human_count(t['index_tokens'])} "
+            f"+ digests {_human_count(t['digest_tokens'])}) · holds "
+            f"~{_human_count(t['shelved_mass'])} est. ({t['compression_ratio']}:1)")
     if t.get("unmeasured"):
         text += f" · {t['unmeasured']} unmeasured"
     return text
@@ -9168,18 +9396,6 @@ def _rollup_keywords(records):
     return ranked[:_ROLLUP_MAX_KEYWORDS]
 
 
-def _rollup_with_keywords(digest, keywords, rules):
-    """The digest plus a Keywords sentence, dropping the lowest-ranked terms until it passes."""
-    base = digest.rstrip()
-    if base and base[-1] not in ".!?。！？":
-        base += "."
-    for n in range(len(keywords), 0, -1):
-        candidate = f"{base} Keywords: {', '.join(keywords[:n])}."
-        if not validate_digest(candidate, patterns=rules)["errors"]:
-            return candidate, n
-    return digest, 0
-
-
 def _episode_record_from_text(rel, text, archived=False):
     """An episode record for text not yet on disk (dry runs and in-memory renders)."""
     detail = _parse_frontmatter_detail(text)
@@ -9236,11 +9452,11 @@ def _rollup_select(root, records, slug, until, episode_ids, kinds):
             what = f" of kind {', '.join(kinds)}" if kinds else ""
             raise _rollup_invalid(f"nothing to fold: no live episode{what} dated on or before "
                                   f"{until}", "choose a later --until, or list --episode ids")
-    if any(slug in (r["stem"], r.get("id")) for r in selected):
+    if slug is not None and any(slug in (r["stem"], r.get("id")) for r in selected):
         raise _rollup_invalid(f"the rollup {slug} would fold itself",
                               "choose a new slug, or leave that episode out of the selection")
-    existing, _ = _find_episode_path(root, slug)
-    if existing or any(r.get("id") == slug for r in records):
+    existing, _ = _find_episode_path(root, slug) if slug is not None else (None, None)
+    if slug is not None and (existing or any(r.get("id") == slug for r in records)):
         raise _rollup_invalid(f"{slug} already exists ({existing or 'as a frontmatter id'})",
                               "choose a new slug for the rollup", address=existing)
     selected.sort(key=lambda r: (_rollup_date(r), r["stem"]))
@@ -9249,11 +9465,13 @@ def _rollup_select(root, records, slug, until, episode_ids, kinds):
 
 def rollup(shelf_path=None, slug=None, digest=None, until=None, episode_ids=None, kinds=None,
            display_title=None, sections=None, date=None, dry_run=False, autocommit=True):
-    """Fold a period into one rollup episode; the originals move to archive/ (verbs.md § 1.4)."""
-    if slug is None:
-        raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words")
-    slug = _check_slug(slug)
-    if not isinstance(digest, str):
+    """Fold a period into one rollup episode; the originals move to archive/ (verbs.md § 1.4).
+    A dry run without slug or digest previews the selection alone."""
+    if slug is None and not dry_run:
+        raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words (or --dry-run "
+                     "to preview the selection first)")
+    slug = None if slug is None else _check_slug(slug)
+    if not isinstance(digest, str) and not (dry_run and digest is None):
         raise _usage("a digest is required", "pass --digest TEXT: a synthesis of the period")
     episode_ids, kinds = list(episode_ids or []), list(kinds or [])
     if until is not None and episode_ids:
@@ -9293,6 +9511,8 @@ def _rollup_locked(root, a):
     with _Store(root) as catalog:
         records = catalog.records()
     selected = _rollup_select(root, records, slug, a["until"], a["episode_ids"], a["kinds"])
+    if slug is None or a["digest"] is None:
+        return _rollup_preview(root, selected)
     # 3. redact and check the caller's digest exactly like shelve
     rules, problems = _shelf_policy(root)
     warnings = [f"POLICY.patterns: line {p['line']}: {p['reason']}" for p in problems]
@@ -9310,17 +9530,15 @@ def _rollup_locked(root, a):
     if demoted:
         warnings.append(f"{demoted} '## ' line(s) inside bodies were demoted to '### ' so the "
                         "section structure stays as written")
-    report = validate_digest(digest, patterns=rules)
+    masked = _finish_report(collections.Counter(
+        hit["kind"] for hit in redaction["hits"] if hit["part"] == "digest"), [])
+    report = validate_digest(digest, patterns=rules, masked=masked)
     if not report["passed"]:
         raise ShelfError("digest-rejected", "the rollup digest breaks the contract:\n" +
-                         report["report"], "fix the digest (check it with memshelf "
-                         "lint-digest) and run the rollup again", {"report": report})
-    # 2-4. keywords, then the episode
+                         report["report"], "fix the digest (memshelf lint-digest applies the "
+                         "same rule) and run the rollup again", {"report": report})
+    # 2-4. keywords (frontmatter and the INDEX line; the caller's digest stays as written)
     keywords = _rollup_keywords(selected)
-    digest, used = _rollup_with_keywords(digest, keywords, rules)
-    if used < len(keywords):
-        warnings.append(f"the Keywords sentence carries {used} of {len(keywords)} keywords so "
-                        "the digest stays within the contract")
     bounds = [b for b in map(_rollup_span_bounds, selected) if b[0]]
     date = a["date"] or _today()
     first, last = (min(b[0] for b in bounds), max(b[1] for b in bounds)) if bounds else \
@@ -9328,7 +9546,11 @@ def _rollup_locked(root, a):
     span = first if first == last else f"{first}..{last}"
     n = len(selected)
     episodes = f"{n} episode{'s' if n != 1 else ''}"
-    description, _ = _cap_description(_first_sentence(digest))   # the INDEX line, as shelve
+    # the mass the folded episodes held moves with them into the rollup (stats counts the
+    # archived ones apart, so nothing is counted twice)
+    absorbed = sum(_episode_mass(r, _context_window(root)) for r in selected)
+    description, _ = _cap_description(f"Rollup of {episodes}." + (
+        f" Keywords: {', '.join(keywords)}." if keywords else ""))
     body = _canonical_sections(sections)
     if not any(name == "Decisions" for name, _ in body):
         body = _canonical_sections(sections + [(
@@ -9342,8 +9564,8 @@ def _rollup_locked(root, a):
     body.append((_ROLLUP_RESERVED_SECTION, "\n".join(lines)))
     fields = {"id": slug, "kind": "topic", "span": span, "date": date,
               "display_title": outs[-1] or None, "description": description or None,
-              "tags": ["rollup"], "keywords": keywords, "approx_tokens": "0",
-              "approx_tokens_source": "measured", "mode": "live"}
+              "tags": ["rollup"], "keywords": keywords, "approx_tokens": str(absorbed),
+              "approx_tokens_source": "absorbed", "mode": "live"}
     text = _compose_episode(fields, digest, body)
     address = f"docs/topics/{slug}.md"
     moves = [{"id": r.get("id") or r["stem"], "from": r["path"], "to": "archive/" + r["path"]}
@@ -9414,6 +9636,22 @@ def _rollup_locked(root, a):
                          f"~{result['index_tokens_before']} → ~{result['index_tokens_after']} "
                          "tok" + (" · committed" if result["committed"] else ""))
     return result
+
+
+def _rollup_preview(root, selected):
+    """rollup --dry-run without --slug or --digest: what would be folded, and its keywords."""
+    window = _context_window(root)
+    n = len(selected)
+    listing = [{"id": r.get("id") or r["stem"], "address": r["path"], "date": _rollup_date(r),
+                "title": r.get("display_title") or _record_description(r)} for r in selected]
+    keywords = _rollup_keywords(selected)
+    return {"status": "dry-run", "selected": listing, "archived": [e["id"] for e in listing],
+            "count": n, "keywords": keywords,
+            "absorbed_tokens": sum(_episode_mass(r, window) for r in selected),
+            "summary": f"dry run: would fold {n} episode{'s' if n != 1 else ''}:" + "".join(
+                f"\n  {e['id']}" + (f" — {e['title']}" if e["title"] else "") for e in listing) +
+            (f"\nkeywords: {', '.join(keywords)}" if keywords else "") +
+            "\nnext: add --slug ID --digest TEXT to compose the rollup (still a dry run)"}
 
 
 def _journal_render(root, journal):
@@ -10682,9 +10920,10 @@ def _format_findings(rec, text, body_start):
             elif _QUOTED_APPROX.search(text[:body_start]):
                 add("bad-approx-tokens", "approx_tokens is quoted, so a YAML loader reads a string")
         src = fields.get("approx_tokens_source", "estimate")
-        if src not in ("estimate", "measured", "unmeasured"):
+        if src not in _APPROX_SOURCES:
             add("bad-approx-tokens-source",
-                f"approx_tokens_source {src!r} is not estimate, measured or unmeasured")
+                f"approx_tokens_source {src!r} is not " + ", ".join(_APPROX_SOURCES[:-1]) +
+                " or " + _APPROX_SOURCES[-1])
         for key in ("date", "retain_until"):
             if key in fields and not _is_iso_date(fields[key]):
                 add("bad-date", f"{key} {fields[key]!r} is not an ISO date")
@@ -11962,20 +12201,19 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     with _Store(root) as catalog:
         records = catalog.render_records()
     eps = [r for r in records if r.get("id")]
-    index_text = _index_file_text(root)
-    index_tokens = tokens(index_text)
-    index_entries = len(_index_entries(index_text, "docshelf" if _index_format(root) ==
-                                       "docshelf" else "compact"))
-    digest_tokens = sum(r["digest_tokens"] for r in eps)
-    claimed = [r for r in eps if r.get("approx_src") != "unmeasured"]
-    unmeasured = [r for r in eps if r.get("approx_src") == "unmeasured"]
-    sizes = {r["stem"]: max(r["approx_tokens"] or 0, 0) for r in claimed}
-    shelved_mass = sum(min(v, window) for v in sizes.values())
-    capped = sum(1 for v in sizes.values() if v > window)
-    unmeasured_digest = sum(r["digest_tokens"] for r in unmeasured)
-    standing = index_tokens + digest_tokens
-    divisor = standing - unmeasured_digest
-    ratio = round(shelved_mass / divisor, 1) if divisor > 0 else 0.0
+    totals = _shelf_totals(root, records=records, window=window)
+    index_tokens = totals["index_tokens"]
+    entries = _index_entries(_index_file_text(root), "docshelf" if _index_format(root) ==
+                             "docshelf" else "compact")
+    index_entries = len(entries)
+    # the entry lines' own cost: chars/4 of the lines, headings and preamble left out
+    per_entry = sum(sum(e.values()) for e in entries) / 4 / index_entries if entries else 0.0
+    # each episode's own mass, archived ones too: a recall of one saves against it
+    sizes = {r["stem"]: _episode_mass(r, window) for r in eps
+             if r.get("approx_src") != "unmeasured"}
+    archived = [r for r in eps if r["archived"]]
+    chart_rows = _ledger_rows(records)[0]
+    chart_digests = sum(r["digest_tokens"] for r in chart_rows)
 
     import datetime
     rows, _problems = _recall_log_entries(root)
@@ -11983,21 +12221,29 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     recent = 0
     per_id = {}   # stem -> [recalls, fetched tokens, saved tokens]
     for stem, _section, fetched, date in rows:
-        saved = max(min(sizes.get(stem, 0), window) - fetched, 0)
+        saved = max(sizes.get(stem, 0) - fetched, 0)
         per_id[stem] = [a + b for a, b in zip(per_id.get(stem, (0, 0, 0)), (1, fetched, saved))]
         if date is not None and 0 <= (today - datetime.date.fromisoformat(date)).days < 30:
             recent += 1
     realized = sum(entry[2] for entry in per_id.values())
     ledger_ids = set(_read_ledger(root)[2])
-    per_entry = (index_tokens - _INDEX_BASE_TOKENS) / index_entries if index_entries else 0.0
-    result = {"status": "ok", "episodes": len(eps),
-              "episodes_archived": sum(1 for r in eps if r["archived"]),
+    result = {"status": "ok", "episodes": totals["episodes"],
+              "episodes_archived": totals["archived"],
+              "archived_mass": sum(sizes.get(r["stem"], 0) for r in archived),
               "index_tokens": index_tokens, "index_entries": index_entries,
-              "index_tokens_per_entry": round(per_entry, 1), "digest_tokens": digest_tokens,
-              "standing_cost": standing, "work_volume": sum(sizes.values()),
-              "shelved_mass": shelved_mass, "capped_episodes": capped, "context_window": window,
-              "unmeasured_episodes": len(unmeasured), "unmeasured_digest_tokens": unmeasured_digest,
-              "compression_ratio": ratio, "recalls": len(rows), "episodes_recalled": len(per_id),
+              "index_tokens_per_entry": round(per_entry, 1),
+              "digest_tokens": totals["digest_tokens"],
+              "standing_index_only": index_tokens, "standing_cost": totals["standing_cost"],
+              "work_volume": totals["work_volume"], "shelved_mass": totals["shelved_mass"],
+              "capped_episodes": totals["capped"], "context_window": window,
+              "unmeasured_episodes": totals["unmeasured"],
+              "unmeasured_digest_tokens": totals["unmeasured_digest"],
+              "compression_ratio": totals["compression_ratio"],
+              # stats.svg's "saved" (memshelf-mcp 0.4.0's chart, byte for byte): every ledger
+              # row's approx_tokens over its digests alone, uncapped, without INDEX
+              "chart_ratio": round(sum(_ledger_expected(r) for r in chart_rows) /
+                                   chart_digests, 1) if chart_digests else 0.0,
+              "recalls": len(rows), "episodes_recalled": len(per_id),
               "fetched_tokens": sum(row[2] for row in rows), "realized_savings": realized,
               "recall_cost_per_question": index_tokens + _median([row[2] for row in rows])
               if rows else None, "recalls_30d": recent,
@@ -12005,26 +12251,28 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     if not rows:
         result["note"] = ("no recalls logged yet: realized numbers need logged recalls "
                           "(memshelf recall logs each one)")
-    text = _banner_core(dict(result, unmeasured=len(unmeasured)))
-    if capped:
-        text += f" · {capped} clipped to a {_human_count(window)} window"
+    text = _banner_core(totals)
+    if totals["capped"]:
+        text += f" · {totals['capped']} clipped to a {_human_count(window)} window"
     if realized:
         text += f" · realized saved {_human_count(realized)}"
     result["banner"] = text
     if per_episode:
         result["per_episode"] = []
         for r in sorted(eps, key=lambda r: (r["date"], r["stem"])):
-            size = sizes.get(r["stem"])
+            size = None if r.get("approx_src") == "unmeasured" else \
+                max(r["approx_tokens"] or 0, 0)
             recalls, fetched, saved = per_id.get(r["stem"], (0, 0, 0))
             result["per_episode"].append({
                 "id": r["id"], "address": r["path"], "archived": r["archived"],
                 "approx_tokens": r["approx_tokens"],
                 "approx_tokens_source": r.get("approx_src") or "estimate",
-                "mass": min(size, window) if size is not None else 0,
-                "capped": size is not None and size > window, "digest_tokens": r["digest_tokens"],
+                "mass": sizes.get(r["stem"], 0),
+                "capped": size is not None and sizes[r["stem"]] < size,
+                "digest_tokens": r["digest_tokens"],
                 "recalls": recalls, "fetched_tokens": fetched, "realized_savings": saved})
     if chart:
-        svg = _render_chart(_ledger_rows(records)[0])
+        svg = _render_chart(chart_rows)
         if svg is None:
             raise ShelfError("nothing-to-chart", "no episode with an id yet: nothing to chart",
                              "shelve an episode first, then run memshelf stats --chart")
@@ -14250,8 +14498,10 @@ def _verbs():
             _Param("sync", _B, default=True, negate="--no-sync", help="Fast-forward first."),
             _Param("await_render_seconds", _N, default=0, minimum=0, flags=["--await-render"],
                    help="Bot mode: wait for the renderer."),
-            _Param("file", _S, nullable=True, mcp=False, metavar="PATH",
-                   help="A whole episode document (- = stdin); options override it."),
+            _Param("file", _A, default=[], mcp=False, metavar="PATH",
+                   help="Episode documents: a file, a folder of .md files, or - (stdin); "
+                        "repeat it or put several in one stream to shelve many under one lock "
+                        "and one commit (all or none). Options override the documents."),
             _Param("digest_file", _S, nullable=True, mcp=False, metavar="PATH",
                    help="Read the digest from a file (- = stdin)."),
             _Param("section_files", _O, default={}, mcp=False, flags=["--section-file"],
@@ -14273,8 +14523,11 @@ def _verbs():
             _Param("strict", _B, default=False, help="Warnings fail too."),
             _Param("shelf_path", _S, nullable=True, flags=["--shelf"], metavar="PATH",
                    help="Shelf for POLICY.patterns."),
-            _Param("digest_file", _S, nullable=True, mcp=False, metavar="PATH",
-                   help="Read the digest from a file (- = stdin)."),
+            _Param("digest_file", _A, default=[], mcp=False, metavar="PATH",
+                   help="Read a digest from a file (- = stdin); repeat it to check several."),
+            _Param("file", _A, default=[], mcp=False, metavar="PATH",
+                   help="Check the digest of episode documents (files, a folder, - = stdin), "
+                        "as shelve --file reads them."),
         ], title="Check a digest, writing nothing", needs_shelf=False,
             description="Check a digest against the contract before shelving. Writes nothing.",
             output={"passed": _B, "word_count": _I, "char_count": _I, "errors": _A,
@@ -14363,8 +14616,10 @@ def _verbs():
             verdict=lambda r: 1 if r.get("status") == "drift" else 0),
         _Verb("rollup", rollup, [
             sp(),
-            _Param("slug", _S, required=True, metavar="ID", help="Id of the rollup episode."),
-            _Param("digest", _S, required=True, help="Digest of the period."),
+            _Param("slug", _S, nullable=True, metavar="ID",
+                   help="Id of the rollup episode (a dry run may omit it)."),
+            _Param("digest", _S, nullable=True,
+                   help="Digest of the period, kept as written (a dry run may omit it)."),
             _Param("until", _S, nullable=True, help="Fold episodes dated on/before."),
             _Param("episode_ids", _A, default=[], flags=["--episode"], metavar="ID",
                    help="Fold exactly these episodes."),
