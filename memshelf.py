@@ -2123,7 +2123,7 @@ REDACTION_KINDS = tuple("""
     doppler-token pulumi-token postman-key grafana-token sentry-token newrelic-key
     dynatrace-token linear-key notion-token sourcegraph-token onepassword-key flyio-token
     saas-token facebook-token slack-token slack-webhook discord-token discord-webhook
-    telegram-token twilio-key sendgrid-key mailgun-key mailchimp-key stripe-key square-token
+    telegram-token twilio-key twilio-token sendgrid-key mailgun-key mailchimp-key stripe-key square-token
     shopify-token braintree-token openai-key anthropic-key huggingface-token ai-api-key jwt
     private-key age-key bearer basic-auth api-key-header session-cookie connection-string
     cli-password k8s-secret env-secret
@@ -2334,8 +2334,9 @@ _RUNS = "0123456789012345678901234567890abcdefghijklmnopqrstuvwxyz"
 _CAMEL_WORDS_RE = _re_lazy(r"[a-z]+(?:[A-Z][a-z]+){2,}\Z")
 _CODE_CALL_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)*\s*[(\[]")
 _CODE_PATH_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+\Z")
+# (a filler of digits is four or more: "Tr0ub4dor-Larkspur-77" ends in a number, not a filler)
 _PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11})*[-_.]"
-                             r"(?:(.)\1*)?\Z")
+                             r"(?:([^0-9])\1*|([0-9])\2{3,})?\Z")
 _HEX_COLOR_RE = _re_lazy(r"#(?:[0-9a-fA-F]{3,4}|[0-9a-fA-F]{6}|[0-9a-fA-F]{8})\Z")
 _REFERENCE_WORD_RE = _re_lazy(r"[A-Za-z_]*_[A-Za-z_]*\Z")
 _REFERENCE_HINTS = ("key", "token", "secret", "pass", "pwd", "cred", "auth")
@@ -2404,6 +2405,15 @@ _DISCORD_WEBHOOK_RE = _re_lazy(r"https://(?:(?:ptb|canary)\.)?discord(?:app)?\.c
 _AZURE_SAS_RE = _re_lazy(r"[?&]sig=([A-Za-z0-9%+/=_-]{16,400})")
 _AZURE_STORAGE_RE = _re_lazy(r"(?i)(?:AccountKey|SharedAccessKey)[ \t]*=[ \t]*"
                              r"([A-Za-z0-9+/]{38,400}={0,2})(?![A-Za-z0-9+/=])")
+# Azure's storage account key (88 base64 characters) under the names its tools give it:
+# azurestorageaccountkey: … (pipelines), -StorageKey … (PowerShell), --account-key … (az CLI).
+_AZURE_STORAGE_NAMED_RE = _re_lazy(r"(?i)(?:azure[-_]?)?(?:storage[-_]?(?:account[-_]?)?key|"
+                                   r"account-key)[\"']?[ \t]*(?:[=:][ \t]*|[ \t]+)[\"']?"
+                                   r"([A-Za-z0-9+/]{86}==)(?![A-Za-z0-9+/=])")
+# A Twilio auth token is 32 lower-case hex digits with no prefix: only beside the account SID
+# (AC + 32 hex) or the word twilio on its line is it told from a hash.
+_TWILIO_SID_RE = _re_lazy(r"(?<![0-9A-Za-z])AC[0-9a-f]{32}(?![0-9A-Za-z])")
+_TWILIO_TOKEN_RE = _re_lazy(r"(?<![0-9A-Za-z])[0-9a-f]{32}(?![0-9A-Za-z])")
 _URL_USERINFO_RE = _re_lazy(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512})@"
                             r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
 _URL_SLASHED_RE = _re_lazy(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512}"
@@ -2801,6 +2811,12 @@ def _url_spans(sc):
     if ("accountkey" in words or "sharedaccesskey" in words) and "azure-storage-key" not in dis:
         out += _kept(_matches_at(sc, ("accountkey", "sharedaccesskey"), _AZURE_STORAGE_RE),
                      "azure-storage-key", lambda v: len(v) < 40 or _is_placeholder(v), 1)
+    if "storage" in words or "account-key" in words:
+        out += _kept(_matches_at(sc, ("azurestorage", "azure-storage", "azure_storage",
+                                      "storagekey", "storage-key", "storage_key",
+                                      "storageaccount", "storage-account", "storage_account",
+                                      "account-key"), _AZURE_STORAGE_NAMED_RE, left=""),
+                     "azure-storage-key", _is_placeholder, 1)
     if "connection-string" in dis:
         return out
     for at in sc.positions("://"):
@@ -3199,6 +3215,48 @@ def _assignment_form_spans(sc):
     return out
 
 
+# Prose that states a password: "the password is X", "password was X", "password: X (…)".
+_PROSE_PASSWORD_RE = _re_lazy(r"(?i)(?<![\w-])pass(?:word|wd|phrase)(?:[ \t]+(?:is|was)"
+                              r"[ \t]+|[ \t]*[:=][ \t]*)([\"'`]?)([^\s\"'`«;,&]{6,128})")
+
+
+def _prose_password_spans(sc):
+    """A password stated in prose. The value must look made up (8+ characters, two of lower
+    case, upper case, digits, symbols; not a placeholder), so "the password is required" and
+    "the password is SHA-256 hashed" stay prose."""
+    if "env-secret" in sc.disable or "pass" not in sc.words:
+        return []
+    out = []
+    for m in _PROSE_PASSWORD_RE.finditer(sc.text):
+        value = m.group(2).rstrip(".,;:!?)]}")
+        if m.group(1) and value.endswith(m.group(1)):
+            value = value[:-1]
+        classes = (any(map(str.islower, value)) + any(map(str.isupper, value)) +
+                   any(map(str.isdigit, value)) + any(not c.isalnum() for c in value))
+        # SHA-256, AES-128-GCM: an all-capitals name of an algorithm, not a password
+        named = len(value) < 12 and not any(map(str.islower, value))
+        if len(value) >= 8 and classes >= 2 and not named and "://" not in value and \
+                not _is_placeholder(value) and not _CODE_PATH_RE.match(value):
+            out.append((m.start(2), m.start(2) + len(value), "env-secret"))
+    return out
+
+
+def _twilio_token_spans(sc):
+    text = sc.text
+    if "twilio-token" in sc.disable or not ("twilio" in sc.words or
+                                             "AC" in text and _TWILIO_SID_RE.search(text)):
+        return []
+    out = []
+    for m in _TWILIO_TOKEN_RE.finditer(text):
+        ls, le = sc.line_bounds(m.start())
+        line = text[ls:le]
+        if ("twilio" in line.lower() or _TWILIO_SID_RE.search(line)) and \
+                text[m.start() - 2:m.start()] not in ("AC", "SK") and \
+                not _is_placeholder(m.group(0)) and not _is_repeated_body(m.group(0), ""):
+            out.append((m.start(), m.end(), "twilio-token"))
+    return out
+
+
 def _is_aws_secret(value):
     return len(value) == 40 and re.fullmatch(r"[A-Za-z0-9/+=]{40}", value) is not None
 
@@ -3394,6 +3452,8 @@ def _select(sc, rules):
     accepted = []
     tiers = (lambda: tokens, lambda: keys, lambda: _url_spans(sc), lambda: _header_spans(sc),
              lambda: _assignment_spans(sc, taken) + _assignment_form_spans(sc),
+             # after the assignments, which name their kind better when they match
+             lambda: _prose_password_spans(sc) + _twilio_token_spans(sc),
              lambda: _policy_spans(sc, rules) if rules else [])
     for tier_spans in tiers:
         for start, end, kind in sorted(tier_spans(), key=lambda s: (s[0], s[0] - s[1])):
@@ -6307,15 +6367,22 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
     sup_by = _superseded_by(root, stem)
     part = f"{start}-{end}/{size}" if (start > 0 or truncated) else None
     content = page if raw else _envelope(stem, page, heading, flags, sup_by, part)
-    if log and not outline:
-        _append_recall_log(root, stem, heading or "", tokens(page))
+    fetched = tokens(content)
+    if log:   # what was printed, outlines too (shelf-format.md § 8)
+        _append_recall_log(root, stem, "(outline)" if outline else heading or "", fetched)
     title = fields.get("display_title") if isinstance(fields.get("display_title"), str) else ""
-    mass = _int_or_none(fields.get("approx_tokens") if isinstance(fields.get("approx_tokens"), str)
-                        else "")
-    window = _context_window(root)
-    saved = max(min(mass, window) - tokens(content), 0) if mass and mass > 0 else None
-    summary = f"fetched ~{tokens(content)} tok" + (
-        f" vs the episode's {mass:,} — saved ~{saved:,}" if saved is not None else "")
+    mass = _episode_mass(rec, _context_window(root))
+    # a saving is claimed only when there is one: the topic's mass beyond what was fetched
+    saved = mass - fetched if rec.get("approx_src") != "unmeasured" and mass > fetched else None
+    summary = f"recalled ~{fetched:,} tok" + (
+        f"; the topic held ~{mass:,}, saved ~{saved:,}" if saved else "")
+    whole = None
+    if outline:
+        whole = tokens(text if raw else _envelope(stem, text, None, scan_instructions(text),
+                                                   sup_by))
+        if whole <= fetched:
+            summary += (f"; the whole episode is ~{whole:,} tok, no more than this outline: "
+                        f"recall it without {_arg_word('outline', True, 'recall')}")
     kind = fields.get("kind") if isinstance(fields.get("kind"), str) else \
         _KIND_OF_CATEGORY.get(rel.split("/")[-2])
     return {"status": "ok", "id": stem, "address": rel, "kind": kind,
@@ -6324,7 +6391,8 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
             "sections": listing if outline else [h for h, _ in sections],
             "content": content, "tokens": tokens(content), "truncated": truncated,
             "offset": start, "next_offset": end if truncated else None, "size_bytes": size,
-            "flags": flags, "superseded_by": sup_by, "saved_tokens": saved, "summary": summary}
+            "flags": flags, "superseded_by": sup_by, "saved_tokens": saved,
+            "whole_tokens": whole, "summary": summary}
 
 
 def _append_recall_log(root, stem, section, fetched):
@@ -14427,7 +14495,8 @@ def _verbs():
                     "title": _S, "archived": _B, "section": (_S, _NULLS), "sections": _A,
                     "content": _S, "tokens": _I, "truncated": _B, "offset": _I,
                     "next_offset": (_I, _NULLS), "size_bytes": _I, "flags": _A,
-                    "superseded_by": _A, "saved_tokens": (_I, _NULLS), "summary": _S},
+                    "superseded_by": _A, "saved_tokens": (_I, _NULLS),
+                    "whole_tokens": (_I, _NULLS), "summary": _S},
             required_output=("status", "id", "content"), text=lambda r: r["content"]),
         _Verb("search", search, [
             sp(),
