@@ -617,7 +617,9 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
                          "the server's working directory is unspecified",
                          "give an absolute path or one starting with ~")
     root = os.path.realpath(expanded)
-    if origin and relative_ok:
+    if origin and relative_ok and (origin.startswith("the ") or _origin_unsaid(root, origin)):
+        # a variable's shelf is said once per shelf and variable (state.json remembers it);
+        # the working directory's on every call, since it changes with cd
         _note(f"shelf from {origin if origin.startswith('the ') else '$' + origin}: {root}")
     if must_exist and not _is_shelf(root):
         what = "does not exist" if not os.path.exists(root) else "is not a shelf"
@@ -631,6 +633,18 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
         raise ShelfError("not-a-shelf", f"{shown} {what} (no shelf.yml or .docshelf.json)",
                          fix, {"path": root})
     return root, origin
+
+
+def _origin_unsaid(root, origin):
+    """True the first time a CLI user reaches this shelf through this variable (then noted)."""
+    said = f"{origin}={root}"
+    if _QUIET[0] or not _is_shelf(root) or _state(root).get("origin_said") == said:
+        return not _QUIET[0] and not _is_shelf(root)
+    try:
+        _save_state(root, origin_said=said)
+    except OSError:
+        pass   # a read-only shelf: said on every call, as before
+    return True
 
 
 def _shell_quote(text):
@@ -14398,7 +14412,7 @@ class _Verb:
     def __init__(self, name, func, params, *, title, description="", mcp=True, read_only=True,
                  destructive=False, idempotent=True, open_world=False, output=None,
                  required_output=("status",), text=None, verdict=None, cli_help=None,
-                 needs_shelf=True):
+                 needs_shelf=True, epilog=None):
         vars(self).update({k: v for k, v in locals().items() if k != "self"})
         self.output = output or {}
         self.cli_help = cli_help or title
@@ -14578,6 +14592,18 @@ def _verbs():
             _Param("drop_sections", _A, default=[], flags=["--drop-section"], metavar="NAME",
                    help="Amend: remove a section."),
         ], title="Shelve a closed topic", read_only=False, idempotent=True, open_world=True,
+            epilog="Rules. Sections each kind requires (besides ## Digest): topic: Decisions; "
+                   "research: at least one more section; session: Timeline and Open threads. "
+                   "The digest: at most 120 words, named actors (not 'we'), what was decided "
+                   "and what is open. The description (the INDEX line) is cut to 120 "
+                   "characters. --approx-tokens is the size in tokens (characters / 4) of the "
+                   "conversation the episode replaces in context, not of the episode itself. "
+                   "--title is --display-title. --amend keeps every field, section and "
+                   "frontmatter key the call does not give; an empty value clears a field "
+                   "(--description '', --display-title '', --notes '', --tag '' for the tags); "
+                   "--drop-section NAME removes a section and --append-section NAME=TEXT adds "
+                   "to one. Many --file (or a folder, or - with several documents) shelve under "
+                   "one lock in one commit, or none of them.",
             description="Write a closed topic as an episode: redacted, checked, indexed, committed.",
             output={"id": _S, "address": _S, "kind": _S, "amended": _B,
                     "committed": _B, "commit": (_S, _NULLS),
@@ -15254,7 +15280,7 @@ def _build_parser(only=None):
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="verb__name", metavar="VERB")
     for v in [v for v in _verb_table() if only in (None, v.name)]:
-        p = sub.add_parser(v.name, help=v.cli_help,
+        p = sub.add_parser(v.name, help=v.cli_help, epilog=v.epilog,
                            description=_cli_words(v, v.description or v.title))
         for prm in [prm for prm in v.params if prm.cli]:
             # help is written in MCP words; the CLI reads flags, a default, and a bare %
@@ -15632,7 +15658,14 @@ def demo(shelf_path=None, keep=False):
         if not keep:
             shutil.rmtree(scratch or root, ignore_errors=True)
     where = f"kept at {root}" if keep else "scratch shelf deleted (pass --keep to keep it)"
-    out.write(f"\nDone: {where}.\nNext: memshelf init --shelf ~/memshelf, then see README.md.\n")
+    # name a command the user has: `memshelf` only once it is on PATH
+    if shutil.which("memshelf"):
+        nxt = "memshelf init --shelf ~/memshelf, then see README.md"
+    else:
+        run = f"python3 {_shell_quote(os.path.abspath(__file__))}"
+        nxt = (f"{run} init --shelf ~/memshelf (or first {run} install-launcher, for a "
+               "`memshelf` command), then see README.md")
+    out.write(f"\nDone: {where}.\nNext: {nxt}.\n")
     return {"status": "ok", "root": root, "kept": bool(keep)}
 
 if __name__ == "__main__":
