@@ -5666,8 +5666,13 @@ def _shelve_batch(call, docs):
         if call["dry_run"]:
             results = [p.result for p in plans]
             return {"status": "dry-run", "count": len(plans), "ids": [r["id"] for r in results],
-                    "episodes": results, "summary": "\n".join(r["summary"] for r in results)}
+                    "episodes": results, "summary": "\n".join(map(_batch_line, results))}
         return _shelve_write(root, git, plans, args[0][1], sync_report)
+
+
+def _batch_line(result):
+    """One episode of a batch in the batch's text: its summary, then its warnings."""
+    return "\n".join([result["summary"]] + ["  " + w for w in _warning_lines(result)])
 
 
 def _episode_documents(paths):
@@ -6119,7 +6124,7 @@ def _shelve_write(root, git, plans, a, sync_report):
         result = one.result
     else:
         result = dict(batch, episodes=[p.result for p in plans], shelf_totals=totals,
-                      summary="\n".join(p.result["summary"] for p in plans) + "\n" +
+                      summary="\n".join(_batch_line(p.result) for p in plans) + "\n" +
                       f"one commit for {len(plans)} episodes · " + _banner_core(totals))
     if result.get("sync") and result["sync"].get("error") and a["push"]:
         result["status"] = "incomplete"
@@ -15505,12 +15510,12 @@ def cli():
 def _print_human(verb, tool_name, result):
     render = functools.partial(render_text, _tool(tool_name).name if tool_name else verb.name)
     text = render(result)
-    # warnings the text carries go to stderr instead, where --quiet silences them
+    # warnings go to stderr, where --quiet silences them, also when the text does not carry
+    # them (a dry run prints the episode: its warnings are the real shelve's)
     warned = _warning_lines(result)
     if warned:
-        shown = render({k: v for k, v in result.items() if not (
+        text = render({k: v for k, v in result.items() if not (
             k in ("warnings", "digest_warnings") and isinstance(v, list))})
-        text, warned = (shown, warned) if shown != text else (text, [])
     if text:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     for line in warned:
