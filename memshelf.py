@@ -9635,8 +9635,10 @@ def _rollup_locked(root, a):
     episodes = f"{n} episode{'s' if n != 1 else ''}"
     # the mass the folded episodes held moves with them into the rollup (stats counts the
     # archived ones apart, so nothing is counted twice)
-    absorbed = sum(_episode_mass(r, _context_window(root)) for r in selected)
-    description, _ = _cap_description(f"Rollup of {episodes}." + (
+    measured = [r for r in selected if r.get("approx_src") != "unmeasured"]
+    absorbed = sum(_episode_mass(r, _context_window(root)) for r in measured)
+    # the INDEX line: the rollup's own first sentence (issue 22), then its keywords, capped
+    description, _ = _cap_description(_first_sentence(digest) + (
         f" Keywords: {', '.join(keywords)}." if keywords else ""))
     body = _canonical_sections(sections)
     if not any(name == "Decisions" for name, _ in body):
@@ -9652,7 +9654,7 @@ def _rollup_locked(root, a):
     fields = {"id": slug, "kind": "topic", "span": span, "date": date,
               "display_title": outs[-1] or None, "description": description or None,
               "tags": ["rollup"], "keywords": keywords, "approx_tokens": str(absorbed),
-              "approx_tokens_source": "absorbed", "mode": "live"}
+              "approx_tokens_source": "absorbed" if measured else "unmeasured", "mode": "live"}
     text = _compose_episode(fields, digest, body)
     address = f"docs/topics/{slug}.md"
     moves = [{"id": r.get("id") or r["stem"], "from": r["path"], "to": "archive/" + r["path"]}
@@ -15510,12 +15512,16 @@ def cli():
 def _print_human(verb, tool_name, result):
     render = functools.partial(render_text, _tool(tool_name).name if tool_name else verb.name)
     text = render(result)
-    # warnings go to stderr, where --quiet silences them, also when the text does not carry
-    # them (a dry run prints the episode: its warnings are the real shelve's)
+    # warnings the text carries go to stderr instead, where --quiet silences them; so do
+    # those it does not carry (a dry run prints the episode: its warnings are the shelve's)
     warned = _warning_lines(result)
     if warned:
-        text = render({k: v for k, v in result.items() if not (
+        shown = render({k: v for k, v in result.items() if not (
             k in ("warnings", "digest_warnings") and isinstance(v, list))})
+        if shown != text:
+            text = shown
+        else:
+            warned = [line for line in warned if line.split(": ", 2)[-1] not in text]
     if text:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     for line in warned:
