@@ -464,3 +464,33 @@ def test_demo_names_a_command_the_user_has(tmp_path):
     last = r.out.rstrip().splitlines()[-1]
     assert last.startswith("Next: python3 ") and "memshelf.py init --shelf" in last
     assert "install-launcher" in last
+
+
+# --- the same two tools through the official MCP SDK client --------------------------------
+
+def test_amend_and_purge_with_the_sdk_client(queue):
+    pytest.importorskip("mcp", reason="the MCP Python SDK is not installed")
+    anyio = pytest.importorskip("anyio")
+    try:
+        from mcp import Client
+        from test_server_sdk import mode_kwargs, server_params, text_of
+    except ImportError as exc:
+        pytest.skip(f"this MCP SDK has no unified Client: {exc}")
+
+    async def run():
+        async with Client(server_params(queue, MEMSHELF_SHELF=str(queue)),
+                          **mode_kwargs("legacy")) as client:
+            amended = await client.call_tool("memshelf_shelve", {
+                "slug": STEM, "amend": True, "approx_tokens": 22000, "tags": ["queue"]})
+            assert not amended.is_error, text_of(amended)
+            assert amended.structured_content["amended"] is True
+            purged = await client.call_tool("memshelf_purge", {"episode_ids": [STEM],
+                                                               "apply": True})
+            assert not purged.is_error, text_of(purged)
+            assert purged.structured_content["deleted"] == [f"docs/topics/{STEM}.md"]
+    anyio.run(run)
+    assert not (queue / "docs/topics" / f"{STEM}.md").exists()
+    amended = git(queue, "show", f"HEAD~1:docs/topics/{STEM}.md")
+    assert "approx_tokens: 22000" in amended and "status: open" in amended
+    log = git(queue, "log", "--format=%s", "-2").split("\n")
+    assert log[:2] == [f"purge: 1 episode(s) named by id: {STEM}", f"shelve: {STEM} (amend)"]
