@@ -12562,7 +12562,8 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     allowance = sum(_INDEX_ALLOWANCE[fmt].values())
     index_budget = _INDEX_BASE_TOKENS + allowance * listed
     entry_tokens = round((index_tokens - _INDEX_BASE_TOKENS) / listed) if listed else 0
-    standing = index_tokens + sum(r["digest_tokens"] for r in eps)
+    # stats' figure (one definition): archived digests are not loaded by a session
+    standing = _shelf_totals(root, records=records)["standing_cost"]
     # per-episode standing cost: mean INDEX line + mean digest (flat on a young shelf)
     cost, cost_source = _ADVISE_FLAT_COST, "flat"
     if len(eps) >= _ADVISE_MEASURE_FROM and line_costs:
