@@ -6106,6 +6106,7 @@ def _shelve_write(root, git, plans, a, sync_report):
         target = one.result if one else dict(batch, id=ids[0], warnings=[])
         target["commit"] = batch["commit"]
         batch["sync"] = _after_commit_sync(root, git, target, sync_report, a)
+        batch["commit"] = target["commit"]   # a push retried after a rebase moves it
         if not one:
             batch.update(warnings=target["warnings"], status=target["status"])
             if target.get("hint"):
