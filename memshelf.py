@@ -5747,8 +5747,9 @@ def _shelve_arguments(shelf_path=None, slug=None, kind=None, digest=None, sectio
         doc_text = file
         doc_fields, doc_digest, doc_sections = _parse_episode_document(doc_text)
         # keys no option sets are kept as the document spells them
-        doc_extra = {k: (v, _frontmatter_entries(_normalised(doc_text)).get(k))
-                     for k, v in doc_fields.items() if k not in _COMPOSED_FIELDS}
+        spelled = _frontmatter_entries(_normalised(doc_text))
+        doc_extra = {k: (v, spelled.get(k)) for k, v in doc_fields.items()
+                     if k not in _COMPOSED_FIELDS}
         section_list = list(doc_sections)
         slug = doc_fields.get("id") if slug is None else slug
         kind = doc_fields.get("kind") if kind is None else kind
@@ -5923,11 +5924,10 @@ def _shelve_plan(root, a, sync_report=None):
             if episode else []
         verbatim = _frontmatter_entries(episode.text) if episode else {}
         drop = set(a["drop_sections"])
-        unknown = (drop | {n.casefold() for n, _ in a["appended"]}) - \
-            {h.casefold() for h, _ in olds}
-        if drop & unknown:
+        unknown = drop - {h.casefold() for h, _ in olds}   # an append may open a new one
+        if unknown:
             raise ShelfError("section-not-found", f"{slug} has no section to drop: "
-                             + ", ".join(sorted(drop & unknown)) + "; it has: "
+                             + ", ".join(sorted(unknown)) + "; it has: "
                              + ", ".join(h for h, _ in olds), "drop one of the listed sections")
         if digest_in is None:
             digest_in = old["digest"]
