@@ -6398,8 +6398,9 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
         f"; the topic held ~{mass:,}, saved ~{saved:,}" if saved else "")
     whole = None
     if outline:
-        whole = tokens(text if raw else _envelope(stem, text, None, scan_instructions(text),
-                                                   sup_by))
+        # the whole episode in the same envelope (its overhead measured on this one, so the
+        # whole text is not scanned just to compare)
+        whole = tokens(text) + fetched - tokens(page)
         if whole <= fetched:
             summary += (f"; the whole episode is ~{whole:,} tok, no more than this outline: "
                         f"recall it without {_arg_word('outline', True, 'recall')}")
