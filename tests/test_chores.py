@@ -12,7 +12,7 @@ import time
 import pytest
 
 import memshelf
-from conftest import MEMSHELF, SERVER, git, run_cli, snapshot
+from conftest import SERVER, git, run_cli, snapshot
 from mcp_client import McpClient, clean_env
 
 STEM = "2026-07-22-queue"
