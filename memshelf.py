@@ -5785,11 +5785,12 @@ def _shelve_arguments(shelf_path=None, slug=None, kind=None, digest=None, sectio
     slug = _check_slug(slug)
     # an amend takes the kind and the digest from the episode when the call leaves them out
     if kind not in KINDS and not (amend and kind is None):
-        raise _usage(f"--kind must be topic, research or session (got {_excerpt(kind)})",
-                     "pass --kind topic|research|session")
+        raise _usage(f"the kind must be topic, research or session (got {_excerpt(kind)})",
+                     f"pass {_arg_word('kind', 'topic|research|session', 'shelve')}, or "
+                     f"{_arg_word('amend', True, 'shelve')} to keep an existing episode's")
     if digest is None and not amend:
-        raise _usage("a digest is required", "pass --digest TEXT or --digest-file PATH "
-                     "(or --amend to keep the digest of an existing episode)")
+        raise _usage("a digest is required", f"pass {_arg_word('digest', 'TEXT', 'shelve')} "
+                     f"(or {_arg_word('amend', True, 'shelve')} to keep an existing episode's)")
     if mode not in (None, "live", "import"):
         raise _usage(f"--mode must be live or import (got {_excerpt(mode)})")
     for key, value in (("date", date), ("retain_until", retain_until)):
@@ -9557,8 +9558,8 @@ def rollup(shelf_path=None, slug=None, digest=None, until=None, episode_ids=None
     """Fold a period into one rollup episode; the originals move to archive/ (verbs.md § 1.4).
     A dry run without slug or digest previews the selection alone."""
     if slug is None and not dry_run:
-        raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words (or --dry-run "
-                     "to preview the selection first)")
+        raise _usage("a slug is required", f"pass {_arg_word('slug', 'YYYY-MM-DD-words', 'rollup')}"
+                     f" (or {_arg_word('dry_run', True, 'rollup')} to preview the selection)")
     slug = None if slug is None else _check_slug(slug)
     if not isinstance(digest, str) and not (dry_run and digest is None):
         raise _usage("a digest is required", "pass --digest TEXT: a synthesis of the period")
@@ -9742,7 +9743,8 @@ def _rollup_preview(root, selected):
             "summary": f"dry run: would fold {n} episode{'s' if n != 1 else ''}:" + "".join(
                 f"\n  {e['id']}" + (f" — {e['title']}" if e["title"] else "") for e in listing) +
             (f"\nkeywords: {', '.join(keywords)}" if keywords else "") +
-            "\nnext: add --slug ID --digest TEXT to compose the rollup (still a dry run)"}
+            f"\nnext: add {_arg_word('slug', 'ID', 'rollup')} and "
+            f"{_arg_word('digest', 'TEXT', 'rollup')} to compose the rollup (still a dry run)"}
 
 
 def _journal_render(root, journal):
