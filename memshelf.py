@@ -617,7 +617,9 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
                          "the server's working directory is unspecified",
                          "give an absolute path or one starting with ~")
     root = os.path.realpath(expanded)
-    if origin and relative_ok:
+    if origin and relative_ok and (origin.startswith("the ") or _origin_unsaid(root, origin)):
+        # a variable's shelf is said once per shelf and variable (state.json remembers it);
+        # the working directory's on every call, since it changes with cd
         _note(f"shelf from {origin if origin.startswith('the ') else '$' + origin}: {root}")
     if must_exist and not _is_shelf(root):
         what = "does not exist" if not os.path.exists(root) else "is not a shelf"
@@ -631,6 +633,18 @@ def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
         raise ShelfError("not-a-shelf", f"{shown} {what} (no shelf.yml or .docshelf.json)",
                          fix, {"path": root})
     return root, origin
+
+
+def _origin_unsaid(root, origin):
+    """True the first time a CLI user reaches this shelf through this variable (then noted)."""
+    said = f"{origin}={root}"
+    if _QUIET[0] or not _is_shelf(root) or _state(root).get("origin_said") == said:
+        return not _QUIET[0] and not _is_shelf(root)
+    try:
+        _save_state(root, origin_said=said)
+    except OSError:
+        pass   # a read-only shelf: said on every call, as before
+    return True
 
 
 def _shell_quote(text):
@@ -1509,12 +1523,16 @@ def _record_description(rec):
     return _cap_description(d)[0] if d else ""
 
 
-def _compose_episode(fields, digest, sections):
-    """Write an episode H1-first (shelf-format.md § 4.1); fields is an ordered dict."""
+def _compose_episode(fields, digest, sections, verbatim=None):
+    """Write an episode H1-first (shelf-format.md § 4.1); fields is an ordered dict; verbatim
+    maps a key to its frontmatter lines as an earlier writer spelled them (amend keeps them)."""
     lines = [f"# {fields['id']}", "", "---"]
     for key in [k for k in _FIELD_ORDER if k in fields] + \
             [k for k in fields if k not in _FIELD_ORDER]:
         value = fields[key]
+        if verbatim and key in verbatim:
+            lines.append(verbatim[key])
+            continue
         if value is None:
             continue
         if isinstance(value, list):
@@ -1527,6 +1545,28 @@ def _compose_episode(fields, digest, sections):
     for name, text in sections:
         lines += ["", f"## {name}", text.strip()]
     return "\n".join(lines) + "\n"
+
+
+# The keys shelve composes itself; every other key of an amended episode is kept as written.
+_COMPOSED_FIELDS = frozenset(_FIELD_ORDER) - {"keywords"}
+_FM_KEY_LINE = _re_lazy(r"""("[^"\n]*"|'[^'\n]*'|[^\s#'"-][^:\n]*?)[ \t]*:(?:[ \t]|$)""")
+
+
+def _frontmatter_entries(text):
+    """Each top-level key's lines in the frontmatter block, as written (indented continuation
+    and block-scalar lines included): what amend carries over without re-spelling a value."""
+    _h1, open_line, start, end, _close, _body = _fm_locate(text)
+    entries, key = {}, None
+    for line in (text[start:end].split("\n") if open_line is not None else []):
+        m = _FM_KEY_LINE.match(line)
+        if m:
+            key = m.group(1).strip("\"'")
+            entries[key] = [line]
+        elif line.startswith("#"):
+            key = None   # a comment at the margin ends the entry before it
+        elif key is not None:   # indented, blank, or a `- item` of a block list
+            entries[key].append(line)
+    return {k: "\n".join(v).rstrip() for k, v in entries.items()}
 
 
 def _demote_headings(text):
@@ -2118,7 +2158,7 @@ REDACTION_KINDS = tuple("""
     doppler-token pulumi-token postman-key grafana-token sentry-token newrelic-key
     dynatrace-token linear-key notion-token sourcegraph-token onepassword-key flyio-token
     saas-token facebook-token slack-token slack-webhook discord-token discord-webhook
-    telegram-token twilio-key sendgrid-key mailgun-key mailchimp-key stripe-key square-token
+    telegram-token twilio-key twilio-token sendgrid-key mailgun-key mailchimp-key stripe-key square-token
     shopify-token braintree-token openai-key anthropic-key huggingface-token ai-api-key jwt
     private-key age-key bearer basic-auth api-key-header session-cookie connection-string
     cli-password k8s-secret env-secret
@@ -2329,8 +2369,9 @@ _RUNS = "0123456789012345678901234567890abcdefghijklmnopqrstuvwxyz"
 _CAMEL_WORDS_RE = _re_lazy(r"[a-z]+(?:[A-Z][a-z]+){2,}\Z")
 _CODE_CALL_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)*\s*[(\[]")
 _CODE_PATH_RE = _re_lazy(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+\Z")
+# (a filler of digits is four or more: "Tr0ub4dor-Larkspur-77" ends in a number, not a filler)
 _PREFIX_FILLER_RE = _re_lazy(r"[A-Za-z][A-Za-z0-9]{0,11}(?:[-_][A-Za-z0-9]{1,11})*[-_.]"
-                             r"(?:(.)\1*)?\Z")
+                             r"(?:([^0-9])\1*|([0-9])\2{3,})?\Z")
 _HEX_COLOR_RE = _re_lazy(r"#(?:[0-9a-fA-F]{3,4}|[0-9a-fA-F]{6}|[0-9a-fA-F]{8})\Z")
 _REFERENCE_WORD_RE = _re_lazy(r"[A-Za-z_]*_[A-Za-z_]*\Z")
 _REFERENCE_HINTS = ("key", "token", "secret", "pass", "pwd", "cred", "auth")
@@ -2399,6 +2440,15 @@ _DISCORD_WEBHOOK_RE = _re_lazy(r"https://(?:(?:ptb|canary)\.)?discord(?:app)?\.c
 _AZURE_SAS_RE = _re_lazy(r"[?&]sig=([A-Za-z0-9%+/=_-]{16,400})")
 _AZURE_STORAGE_RE = _re_lazy(r"(?i)(?:AccountKey|SharedAccessKey)[ \t]*=[ \t]*"
                              r"([A-Za-z0-9+/]{38,400}={0,2})(?![A-Za-z0-9+/=])")
+# Azure's storage account key (88 base64 characters) under the names its tools give it:
+# azurestorageaccountkey: … (pipelines), -StorageKey … (PowerShell), --account-key … (az CLI).
+_AZURE_STORAGE_NAMED_RE = _re_lazy(r"(?i)(?:azure[-_]?)?(?:storage[-_]?(?:account[-_]?)?key|"
+                                   r"account-key)[\"']?[ \t]*(?:[=:][ \t]*|[ \t]+)[\"']?"
+                                   r"([A-Za-z0-9+/]{86}==)(?![A-Za-z0-9+/=])")
+# A Twilio auth token is 32 lower-case hex digits with no prefix: only beside the account SID
+# (AC + 32 hex) or the word twilio on its line is it told from a hash.
+_TWILIO_SID_RE = _re_lazy(r"(?<![0-9A-Za-z])AC[0-9a-f]{32}(?![0-9A-Za-z])")
+_TWILIO_TOKEN_RE = _re_lazy(r"(?<![0-9A-Za-z])[0-9a-f]{32}(?![0-9A-Za-z])")
 _URL_USERINFO_RE = _re_lazy(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512})@"
                             r"([A-Za-z0-9\[][^\s/?#\"'<>@`]{0,253})")
 _URL_SLASHED_RE = _re_lazy(r"([^\s:@/?#\"'<>\[\]`]{0,256}):([^\s/\"'<>`]{1,512}"
@@ -2796,6 +2846,12 @@ def _url_spans(sc):
     if ("accountkey" in words or "sharedaccesskey" in words) and "azure-storage-key" not in dis:
         out += _kept(_matches_at(sc, ("accountkey", "sharedaccesskey"), _AZURE_STORAGE_RE),
                      "azure-storage-key", lambda v: len(v) < 40 or _is_placeholder(v), 1)
+    if "storage" in words or "account-key" in words:
+        out += _kept(_matches_at(sc, ("azurestorage", "azure-storage", "azure_storage",
+                                      "storagekey", "storage-key", "storage_key",
+                                      "storageaccount", "storage-account", "storage_account",
+                                      "account-key"), _AZURE_STORAGE_NAMED_RE, left=""),
+                     "azure-storage-key", _is_placeholder, 1)
     if "connection-string" in dis:
         return out
     for at in sc.positions("://"):
@@ -3194,6 +3250,48 @@ def _assignment_form_spans(sc):
     return out
 
 
+# Prose that states a password: "the password is X", "password was X", "password: X (…)".
+_PROSE_PASSWORD_RE = _re_lazy(r"(?i)(?<![\w-])pass(?:word|wd|phrase)(?:[ \t]+(?:is|was)"
+                              r"[ \t]+|[ \t]*[:=][ \t]*)([\"'`]?)([^\s\"'`«;,&]{6,128})")
+
+
+def _prose_password_spans(sc):
+    """A password stated in prose. The value must look made up (8+ characters, two of lower
+    case, upper case, digits, symbols; not a placeholder), so "the password is required" and
+    "the password is SHA-256 hashed" stay prose."""
+    if "env-secret" in sc.disable or "pass" not in sc.words:
+        return []
+    out = []
+    for m in _PROSE_PASSWORD_RE.finditer(sc.text):
+        value = m.group(2).rstrip(".,;:!?)]}")
+        if m.group(1) and value.endswith(m.group(1)):
+            value = value[:-1]
+        classes = (any(map(str.islower, value)) + any(map(str.isupper, value)) +
+                   any(map(str.isdigit, value)) + any(not c.isalnum() for c in value))
+        # SHA-256, AES-128-GCM: an all-capitals name of an algorithm, not a password
+        named = len(value) < 12 and not any(map(str.islower, value))
+        if len(value) >= 8 and classes >= 2 and not named and "://" not in value and \
+                not _is_placeholder(value) and not _CODE_PATH_RE.match(value):
+            out.append((m.start(2), m.start(2) + len(value), "env-secret"))
+    return out
+
+
+def _twilio_token_spans(sc):
+    text = sc.text
+    if "twilio-token" in sc.disable or not ("twilio" in sc.words or
+                                             "AC" in text and _TWILIO_SID_RE.search(text)):
+        return []
+    out = []
+    for m in _TWILIO_TOKEN_RE.finditer(text):
+        ls, le = sc.line_bounds(m.start())
+        line = text[ls:le]
+        if ("twilio" in line.lower() or _TWILIO_SID_RE.search(line)) and \
+                text[m.start() - 2:m.start()] not in ("AC", "SK") and \
+                not _is_placeholder(m.group(0)) and not _is_repeated_body(m.group(0), ""):
+            out.append((m.start(), m.end(), "twilio-token"))
+    return out
+
+
 def _is_aws_secret(value):
     return len(value) == 40 and re.fullmatch(r"[A-Za-z0-9/+=]{40}", value) is not None
 
@@ -3389,6 +3487,8 @@ def _select(sc, rules):
     accepted = []
     tiers = (lambda: tokens, lambda: keys, lambda: _url_spans(sc), lambda: _header_spans(sc),
              lambda: _assignment_spans(sc, taken) + _assignment_form_spans(sc),
+             # after the assignments, which name their kind better when they match
+             lambda: _prose_password_spans(sc) + _twilio_token_spans(sc),
              lambda: _policy_spans(sc, rules) if rules else [])
     for tier_spans in tiers:
         for start, end, kind in sorted(tier_spans(), key=lambda s: (s[0], s[0] - s[1])):
@@ -5001,8 +5101,18 @@ _WE_ZH = ("我们", "咱们")
 _BARE = _re_lazy(r"(?:^|[.!?。！？])\s*(it|this|that|they|these|those|это|эти|они)(?!\w)",
                    re.IGNORECASE)
 _BARE_ZH = _re_lazy(r"(?:^|[.!?。！？])\s*[它这那]")
-_CUE = _re_lazy(r"(?<!\w)(decid|reject|chose|chosen|open|todo|verdict|реш|отклон|выбра|открыт|"
-                  r"итог)", re.IGNORECASE)
+# Verbs of a change made are decisions too ("the team moved Redis to Elasticache").
+_CUE = _re_lazy(r"(?<!\w)(decid|reject|chose|chosen|open|todo|verdict|moved|adopt|uses\b|"
+                r"replac|switch|kept\b|retired|deprecat|removed|реш|отклон|выбра|открыт|"
+                r"итог)", re.IGNORECASE)
+
+
+def _in_identifier(text, m):
+    """Whether a pronoun match is part of an identifier (us-east-1, our_queue, us.example.com):
+    only standalone words of prose count as the first person."""
+    before, after = text[m.start() - 1:m.start()], text[m.end():m.end() + 2]
+    return before in ("-", "_", ".") or \
+        bool(after) and after[0] in "-_." and after[1:2].isalnum()
 _CUE_ZH = ("决定", "否决", "拒绝", "选择", "选定", "待办", "未决", "结论")
 
 
@@ -5018,8 +5128,10 @@ def count_words(text):
     return n
 
 
-def validate_digest(text, *, patterns=None, strict=False):
-    """The one digest validator: shelve, amend, rollup, lint-digest and doctor call it."""
+def validate_digest(text, *, patterns=None, strict=False, masked=None):
+    """The one digest validator: shelve, amend, rollup, lint-digest and doctor call it.
+    masked: the redaction report of the digest when it was masked before (shelve, rollup and
+    lint-digest alike: one rule, a credential is masked and warned about, not refused)."""
     stripped = (text or "").strip()
     errors, warnings = [], []
     words = count_words(stripped)
@@ -5034,7 +5146,8 @@ def validate_digest(text, *, patterns=None, strict=False):
             errors.append({"code": "too-long", "message": "the digest has " + " and ".join(over) +
                            f"; the limit is {MAX_DIGEST_WORDS} words and {MAX_DIGEST_CHARS} "
                            "characters — move detail into the sections"})
-        found = [m.group(0) for m in _WE_EN.finditer(stripped) if m.group(0) != "US"]
+        found = [m.group(0) for m in _WE_EN.finditer(stripped) if m.group(0) != "US" and
+                 not _in_identifier(stripped, m)]
         found += [m.group(0) for m in _WE_RU.finditer(stripped)]
         found += [w for w in _WE_ZH if w in stripped]
         if found:
@@ -5049,6 +5162,10 @@ def validate_digest(text, *, patterns=None, strict=False):
             errors.append({"code": "secret", "message": "secret-shaped text ("
                            + ", ".join(f"{k}×{v}" for k, v in sorted(kinds.items()))
                            + "): remove the secret; describe it instead (e.g. 'the API key')"})
+        if masked and masked["total"]:
+            warnings.append({"code": "secret-masked", "message": "secret-shaped text ("
+                             + ", ".join(f"{k}×{v}" for k, v in masked["counts"].items())
+                             + ") is masked on shelve; describe it instead (e.g. 'the API key')"})
         bare = [m.group(1) for m in _BARE.finditer(stripped)] + \
             [m.group(0).strip(" .!?。！？") for m in _BARE_ZH.finditer(stripped)]
         if bare:
@@ -5071,25 +5188,45 @@ def validate_digest(text, *, patterns=None, strict=False):
             "char_count": len(stripped), "errors": errors, "warnings": warnings, "report": report}
 
 
-def lint_digest(digest=None, strict=False, shelf_path=None, digest_file=None):
-    """Check a digest against the contract without writing anything."""
-    if digest_file is not None:
-        digest = _read_input_file(digest_file, "--digest-file")
-    elif digest is None:
+def lint_digest(digest=None, strict=False, shelf_path=None, digest_file=None, file=None):
+    """Check digests against the contract without writing anything, by shelve's rule: masked
+    first, then validated (contracts.md § 1.3). Several --digest-file or --file (episode
+    documents, their ## Digest) are checked one by one; all must pass."""
+    texts = []
+    for path in [digest_file] if isinstance(digest_file, str) else digest_file or []:
+        texts.append((path, _read_input_file(path, "--digest-file")))
+    for label, text in _episode_documents(file) if file else []:
+        texts.append((label, _parse_episode_document(text)[1] or ""))
+    if digest is not None:
+        texts.insert(0, ("--digest", digest))
+    elif not texts:
         if _isatty(sys.stdin):
-            raise _usage("no digest given", "pass --digest TEXT, --digest-file PATH, or pipe it "
-                         "on stdin")
-        digest = sys.stdin.read()
-    rules = None
+            raise _usage("no digest given", "pass --digest TEXT, --digest-file PATH, --file "
+                         "EPISODE.md, or pipe it on stdin")
+        texts.append(("stdin", sys.stdin.read()))
+    rules, switches = None, {}
     if shelf_path or _env_shelf()[0]:
         try:
             root, _ = _resolve_shelf(shelf_path)
-            rules, _ = _shelf_policy(root)
+            rules, switches = _shelf_policy(root)[0], _redaction_switches(root)
         except ShelfError:
             if shelf_path:
                 raise
-    report = validate_digest(digest, patterns=rules, strict=strict)
-    return {"status": "ok" if report["passed"] else "rejected", **report}
+    reports = []
+    for label, text in texts:
+        masked_text, masked = redact(text or "", rules, part="digest", **switches)
+        reports.append(dict(validate_digest(masked_text, patterns=rules, strict=strict,
+                                            masked=masked), source=label))
+    if len(reports) == 1:
+        report = reports[0]
+        return {"status": "ok" if report["passed"] else "rejected",
+                **{k: v for k, v in report.items() if k != "source"}}
+    passed = all(r["passed"] for r in reports)
+    return {"status": "ok" if passed else "rejected", "passed": passed, "digests": reports,
+            "errors": [dict(e, source=r["source"]) for r in reports for e in r["errors"]],
+            "warnings": [dict(w, source=r["source"]) for r in reports for w in r["warnings"]],
+            "report": "\n".join(f"{r['source']}: " + r["report"].replace("\n", "\n  ")
+                                for r in reports)}
 
 
 def _read_input_file(path, flag):
@@ -5493,13 +5630,147 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
            notes=None, retain_until=None, tags=None, supersedes=None, approx_tokens=None,
            approx_tokens_source=None, mode=None, amend=False, strict=False, dry_run=False,
            push=False, publish=False, autocommit=True, sync=True, await_render_seconds=0,
-           file=None, digest_file=None, section_files=None, drop_sections=None):
-    """Shelve a closed topic: redact, check the digest, write, render, commit (verbs.md § 1.2)."""
+           file=None, digest_file=None, section_files=None, drop_sections=None,
+           append_sections=None):
+    """Shelve a closed topic: redact, check the digest, write, render, commit (verbs.md § 1.2).
+    On amend, every field, section and frontmatter key the call does not give is kept. `file`
+    (paths, directories, - for stdin) may hold many episodes: one lock, one commit, all or none."""
+    call = dict(locals())
+    docs = [(None, None)] if not file else _episode_documents(file)
+    if len(docs) > 1:
+        return _shelve_batch(call, docs)
+    a = _shelve_arguments(**dict(call, file=docs[0][1]))
+    # a dry run writes nothing, so it waits for no writer
+    with _lock_unless(dry_run, a["root"]):
+        return _shelve_locked(a["root"], a)
+
+
+def _shelve_batch(call, docs):
+    """Many episode documents: each checked and composed under one lock, then written with one
+    render and one commit; one refusal refuses them all, with every refusal listed."""
+    if call["slug"] is not None:
+        raise _usage(f"--slug names one episode; {len(docs)} episode documents were given",
+                     "drop --slug: each document's frontmatter id names it")
+    plans, refused, seen = [], [], {}
+    args = []
+    for label, text in docs:
+        try:
+            args.append((label, _shelve_arguments(**dict(call, file=text))))
+        except ShelfError as exc:
+            refused.append((label, exc))
+    root = args[0][1]["root"] if args else None
+    with _lock_unless(call["dry_run"] or refused or root is None, root):
+        git = _Git(root) if root else None
+        sync_report = _sync_preflight(root, git) if root and call["sync"] and \
+            not call["dry_run"] and not refused else None
+        for label, a in args:
+            if a["slug"] in seen:
+                refused.append((label, _usage(f"id {a['slug']} is also in {seen[a['slug']]}",
+                                              "give each episode its own id")))
+                continue
+            seen[a["slug"]] = label
+            try:
+                plans.append(_shelve_plan(root, a, sync_report))
+            except ShelfError as exc:
+                refused.append((label, exc))
+        if refused:
+            lines = [f"{label}: {exc.message}" + (f" (fix: {exc.fix})" if exc.fix else "")
+                     for label, exc in refused]
+            usage = all(exc.exit_code == 2 for _, exc in refused)
+            raise ShelfError("usage" if usage else "batch-refused",
+                             f"{len(refused)} of {len(docs)} episode documents refused, so none "
+                             "was shelved:\n" + "\n".join(lines),
+                             "fix the named documents and run the same command again",
+                             {"refused": [{"document": label, "code": exc.code,
+                                           "message": exc.message, "fix": exc.fix}
+                                          for label, exc in refused]})
+        if call["dry_run"]:
+            results = [p.result for p in plans]
+            return {"status": "dry-run", "count": len(plans), "ids": [r["id"] for r in results],
+                    "episodes": results, "summary": "\n".join(map(_batch_line, results))}
+        return _shelve_write(root, git, plans, args[0][1], sync_report)
+
+
+def _batch_line(result):
+    """One episode of a batch in the batch's text: its summary, then its warnings."""
+    return "\n".join([result["summary"]] + ["  " + w for w in _warning_lines(result)])
+
+
+def _episode_documents(paths):
+    """(label, text) of each episode document: a file, a folder's *.md files, or - (stdin);
+    a file or stream may hold several documents, each opening with its frontmatter."""
+    docs = []
+    for path in [paths] if isinstance(paths, str) else paths:
+        folder = os.path.expanduser(path) if path != "-" else None
+        if folder and os.path.isdir(folder):
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".md") and
+                           os.path.isfile(os.path.join(folder, n)))
+            if not names:
+                raise ShelfError("io-error", f"--file: {path} holds no .md files",
+                                 "name a folder of episode documents, or the files themselves",
+                                 {"path": path})
+            items = [(os.path.join(path, n), _read_input_file(os.path.join(folder, n), "--file"))
+                     for n in names]
+        else:
+            items = [("stdin" if path == "-" else path, _read_input_file(path, "--file"))]
+        for label, text in items:
+            parts = _split_documents(_normalised(text))
+            docs += [(label if len(parts) == 1 else f"{label} #{i}", part)
+                     for i, part in enumerate(parts, 1)]
+    return docs
+
+
+def _split_documents(text):
+    """A stream of episode documents split where a frontmatter block holding `id:` opens (an H1
+    right before it goes with it); a `---` inside a fence or a body's rule does not split."""
+    lines = text.split("\n")
+    starts, fence = [0], None
+    for i, line in enumerate(lines):
+        f = _FENCE_OPEN.match(line)
+        if f and (fence is None or f.group(1)[0] == fence):
+            fence = f.group(1)[0] if fence is None else None
+            continue
+        if fence or line.rstrip() != "---" or i == 0:
+            continue
+        block = []
+        for later in lines[i + 1:]:
+            if later.rstrip() == "---" or later.startswith("## "):
+                break
+            block.append(later)
+        else:
+            continue
+        if later.rstrip() != "---" or not any(b.startswith("id:") for b in block):
+            continue
+        start = i
+        while start > starts[-1] and not lines[start - 1].strip():
+            start -= 1
+        if start > starts[-1] and lines[start - 1].startswith("# "):
+            start -= 1
+        if start > starts[-1] and any(l.strip() for l in lines[starts[-1]:start]) and \
+                any(l.startswith("## ") for l in lines[starts[-1]:start]):
+            starts.append(start)
+    return ["\n".join(lines[a:b]) for a, b in zip(starts, starts[1:] + [len(lines)])]
+
+
+def _shelve_arguments(shelf_path=None, slug=None, kind=None, digest=None, sections=None,
+                      display_title=None, description=None, span=None, date=None, session=None,
+                      agent=None, model=None, notes=None, retain_until=None, tags=None,
+                      supersedes=None, approx_tokens=None, approx_tokens_source=None, mode=None,
+                      amend=False, strict=False, dry_run=False, push=False, publish=False,
+                      autocommit=True, sync=True, await_render_seconds=0, file=None,
+                      digest_file=None, section_files=None, drop_sections=None,
+                      append_sections=None):
+    """shelve's arguments checked (usage errors) and merged with an episode document's text
+    (`file`); returns them with `root`, as _shelve_locked reads them."""
     warnings = []
-    section_list = []
+    section_list, doc_extra = [], {}
     if file is not None:
-        doc_fields, doc_digest, doc_sections = _parse_episode_document(
-            _read_input_file(file, "--file"))
+        doc_text = file
+        doc_fields, doc_digest, doc_sections = _parse_episode_document(doc_text)
+        # keys no option sets are kept as the document spells them
+        spelled = _frontmatter_entries(_normalised(doc_text))
+        doc_extra = {k: (v, spelled.get(k)) for k, v in doc_fields.items()
+                     if k not in _COMPOSED_FIELDS}
         section_list = list(doc_sections)
         slug = doc_fields.get("id") if slug is None else slug
         kind = doc_fields.get("kind") if kind is None else kind
@@ -5533,11 +5804,14 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
     if slug is None:
         raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words")
     slug = _check_slug(slug)
-    if kind not in KINDS:
-        raise _usage(f"--kind must be topic, research or session (got {_excerpt(kind)})",
-                     "pass --kind topic|research|session")
-    if digest is None:
-        raise _usage("a digest is required", "pass --digest TEXT or --digest-file PATH")
+    # an amend takes the kind and the digest from the episode when the call leaves them out
+    if kind not in KINDS and not (amend and kind is None):
+        raise _usage(f"the kind must be topic, research or session (got {_excerpt(kind)})",
+                     f"pass {_arg_word('kind', 'topic|research|session', 'shelve')}, or "
+                     f"{_arg_word('amend', True, 'shelve')} to keep an existing episode's")
+    if digest is None and not amend:
+        raise _usage("a digest is required", f"pass {_arg_word('digest', 'TEXT', 'shelve')} "
+                     f"(or {_arg_word('amend', True, 'shelve')} to keep an existing episode's)")
     if mode not in (None, "live", "import"):
         raise _usage(f"--mode must be live or import (got {_excerpt(mode)})")
     for key, value in (("date", date), ("retain_until", retain_until)):
@@ -5558,10 +5832,11 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
     if isinstance(notes, str) and any(c in notes for c in "\t\n\r"):
         warnings.append("notes: tabs and line breaks were flattened to spaces")
     notes = _check_free_text("notes", notes)
-    tags = [_check_tag(t) for t in (tags or [])]
+    # an empty item clears the list (`--tag ''`): it is given, so amend does not keep the old one
+    tags = [_check_tag(t) for t in (tags or []) if t != ""]
     seen = set()
     tags = [t for t in tags if not (t.casefold() in seen or seen.add(t.casefold()))]
-    supersedes = [_lookup_key(s) for s in (supersedes or [])]
+    supersedes = [_lookup_key(s) for s in (supersedes or []) if s != ""]
     if approx_tokens is not None and (type(approx_tokens) is not int or approx_tokens < 0):
         raise _usage("approx_tokens must be a non-negative integer")
     if approx_tokens_source not in (None, "estimate", "measured", "unmeasured"):
@@ -5583,9 +5858,20 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
                      "add --amend, or leave the section out")
     if set(drop_sections) & {n.casefold() for n, _ in section_list}:
         raise _usage("a section is both given and dropped", "give it or drop it, not both")
+    appended = []
+    for name, body in (append_sections or {}).items():
+        if not isinstance(body, str):
+            raise _usage(f"section {_excerpt(name)} must be text")
+        appended.append((_check_section_name(str(name)), body))
+    if appended and not amend:
+        raise _usage("--append-section adds to a section of an existing episode",
+                     "add --amend, or pass the section with --section")
+    if {n.casefold() for n, _ in appended} & (set(drop_sections) |
+                                            {n.casefold() for n, _ in section_list}):
+        raise _usage("a section is both appended to and given or dropped",
+                     "append to it, give it or drop it: one of the three")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
-    with _ShelfLock(root):
-        return _shelve_locked(root, locals())
+    return locals()
 
 
 def _amend_report(old, old_fields, old_sections, fields, digest, sections):
@@ -5602,11 +5888,31 @@ def _amend_report(old, old_fields, old_sections, fields, digest, sections):
                      "sections": [h for h in after if after[h] == before.get(h)]}}
 
 
-def _shelve_locked(root, a):
+def _amended_sections(olds, given, appended, drop):
+    """An amend's sections: the episode's in their order (custom order is the writer's), a given
+    one in its place, appended text after its section's own, new sections last."""
+    new = {n.casefold(): (n, t) for n, t in given}
+    add = {n.casefold(): t for n, t in appended}
+    out = []
+    for heading, text in olds:
+        fold = heading.casefold()
+        if fold in drop:
+            continue
+        if fold in new:
+            out.append(new.pop(fold))
+        elif fold in add:
+            out.append((heading, text.rstrip() + "\n" + add.pop(fold).strip()))
+        else:
+            out.append((heading, text))
+    return out + list(new.values()) + _canonical_sections(
+        [(n, t) for n, t in appended if n.casefold() in add])
+
+
+def _shelve_plan(root, a, sync_report=None):
+    """Steps 4-9 of verbs.md § 1.2: find, redact, check, keep (amend) and compose; writes
+    nothing. Returns a _ShelvePlan; a refusal raises."""
     warnings = a["warnings"]
     slug, kind = a["slug"], a["kind"]
-    git = _Git(root)
-    sync_report = _sync_preflight(root, git) if a["sync"] and not a["dry_run"] else None
     existing_rel, existing_archived = _find_episode_path(root, slug)
     if existing_rel and not a["amend"]:
         raise ShelfError("episode-exists", f"{slug} is already shelved at {existing_rel}",
@@ -5623,21 +5929,47 @@ def _shelve_locked(root, a):
     window = _context_window(root)
     rules, problems = _shelf_policy(root)
     warnings.extend(f"POLICY.patterns: line {p['line']}: {p['reason']}" for p in problems)
+    # on amend what the call does not give is kept from the episode: kind, digest, sections in
+    # their order, and every frontmatter key as it was written
+    old_fields = old["fields"] if old else {}
+    section_list, olds, verbatim = a["section_list"], [], {}
+    digest_in = a["digest"]
+    if old:
+        kind = kind or (old["kind"] if old["kind"] in KINDS else
+                        _KIND_OF_CATEGORY.get(old["category"], "topic"))
+        try:
+            episode = _episode_read(root, existing_rel)[1]
+        except (OSError, ShelfError):
+            episode = None
+            warnings.append(f"{existing_rel} could not be read: none of its sections are kept")
+        olds = [(h, t.strip()) for h, t in episode.sections if h.casefold() != "digest"] \
+            if episode else []
+        verbatim = _frontmatter_entries(episode.text) if episode else {}
+        drop = set(a["drop_sections"])
+        unknown = drop - {h.casefold() for h, _ in olds}   # an append may open a new one
+        if unknown:
+            raise ShelfError("section-not-found", f"{slug} has no section to drop: "
+                             + ", ".join(sorted(unknown)) + "; it has: "
+                             + ", ".join(h for h, _ in olds), "drop one of the listed sections")
+        if digest_in is None:
+            digest_in = old["digest"]
+        section_list = _amended_sections(olds, section_list, a["appended"], drop)
     fields = ("display_title", "description", "notes", "session", "agent", "model")
     learned = []
+    # kept sections meet today's rules too: everything is redacted in one pass
     outs, redaction = redact_parts(
-        [("digest", a["digest"])] + [(f"section:{n}", t) for n, t in a["section_list"]] +
+        [("digest", digest_in)] + [(f"section:{n}", t) for n, t in section_list] +
         [(k, a[k]) for k in fields], rules, learned=learned, **_redaction_switches(root))
-    sections = [(n, t) for (n, _), t in zip(a["section_list"], outs[1:])]
+    sections = [(n, t) for (n, _), t in zip(section_list, outs[1:])]
     free = dict(zip(fields, outs[-len(fields):]))
     digest, demoted = _demote_headings(outs[0].strip())
-    report = validate_digest(digest, patterns=rules, strict=a["strict"])
+    masked = _finish_report(collections.Counter(
+        hit["kind"] for hit in redaction["hits"] if hit["part"] == "digest"), [])
+    report = validate_digest(digest, patterns=rules, strict=a["strict"], masked=masked)
     if not report["passed"]:
         raise ShelfError("digest-rejected", "the digest breaks the contract:\n" + report["report"],
-                         "fix the digest (check it with memshelf lint-digest) and shelve again",
-                         {"report": report})
-    # defaults; on amend what the call does not give is kept from the episode
-    old_fields = old["fields"] if old else {}
+                         "fix the digest (memshelf lint-digest applies the same rule) and shelve "
+                         "again", {"report": report})
     if old:
         for key in fields:
             if key not in a["given"] and isinstance(old_fields.get(key), str):
@@ -5649,24 +5981,6 @@ def _shelve_locked(root, a):
             if "approx_tokens_source" not in a["given"]:
                 keep["approx_tokens_source"] = old["approx_src"]
         a = dict(a, **keep)
-        found = _episode_body(root, old, skip=True)
-        if found is None:
-            warnings.append(f"{existing_rel} could not be read: none of its sections are kept")
-        new = {n.casefold(): (n, t) for n, t in sections}
-        drop = set(a["drop_sections"])
-        olds = [(h, t.strip()) for h, t in _split_sections(found[1])[1] if h.casefold()
-                != "digest"] if found else []
-        unknown = drop - {h.casefold() for h, _ in olds}
-        if unknown:
-            raise ShelfError("section-not-found", f"{slug} has no section to drop: "
-                             + ", ".join(sorted(unknown)) + "; it has: "
-                             + ", ".join(h for h, _ in olds), "drop one of the listed sections")
-        kept = [(h, t) for h, t in olds if h.casefold() not in drop and h.casefold() not in new]
-        # kept sections meet today's rules too
-        kept = dict(zip((h for h, _ in kept), redact_parts(
-            [(f"section:{h}", t) for h, t in kept], rules, **_redaction_switches(root))[0]))
-        sections = _canonical_sections([new.pop(h.casefold(), (h, kept.get(h))) for h, t in olds
-                                        if h.casefold() not in drop] + list(new.values()))
     date = a["date"] or (old_fields.get("date") if _is_iso_date(old_fields.get("date")) else None) \
         or (slug[:10] if _is_iso_date(slug[:10]) else None) or _today()
     span = a["span"] or (old_fields.get("span") if old and isinstance(old_fields.get("span"), str)
@@ -5701,9 +6015,16 @@ def _shelve_locked(root, a):
               "tags": a["tags"], "supersedes": a["supersedes"] or None,
               "approx_tokens": str(approx), "approx_tokens_source": source,
               "mode": a["mode"] or "live", "notes": free["notes"] or None}
-    if old and isinstance(old_fields.get("keywords"), list):
-        fields["keywords"] = old_fields["keywords"]   # a rollup's: no option sets them
-    text = _compose_episode(fields, digest, body_sections)
+    # keys no option sets (a rollup's keywords, a status, a team's own): kept as written, the
+    # document's (--file) over the episode's
+    fields.update((k, v) for k, v in old_fields.items() if k not in fields)
+    verbatim = {k: v for k, v in verbatim.items() if k not in _COMPOSED_FIELDS}
+    for key, (value, lines) in a["doc_extra"].items():
+        fields[key] = value
+        verbatim.pop(key, None)
+        if lines:
+            verbatim[key] = lines
+    text = _compose_episode(fields, digest, body_sections, verbatim)
     size = len(text.encode("utf-8"))
     if size > _EPISODE_MAX_BYTES:
         raise ShelfError("episode-invalid", f"the episode is {size} bytes; the limit is 8 MiB",
@@ -5724,31 +6045,51 @@ def _shelve_locked(root, a):
     if a["dry_run"]:
         result.update(status="dry-run", episode_text=text, summary=f"dry run: {slug} at {address} "
                       f"composed ({size} bytes; {redaction['summary']}), nothing written")
-        return result
-    # write, render, commit; any failure restores every touched path
+    return _ShelvePlan(result, text, address, moved_from, old, learned, approx, window)
+
+
+# One composed episode waiting to be written: what _shelve_write needs of it.
+_ShelvePlan = collections.namedtuple("_ShelvePlan",
+                                     "result text address moved_from old learned approx window")
+
+
+def _shelve_locked(root, a):
+    git = _Git(root)
+    sync_report = _sync_preflight(root, git) if a["sync"] and not a["dry_run"] else None
+    plan = _shelve_plan(root, a, sync_report)
+    return plan.result if a["dry_run"] else _shelve_write(root, git, [plan], a, sync_report)
+
+
+def _shelve_write(root, git, plans, a, sync_report):
+    """Write the plans' episodes, render once, commit once; any failure restores every touched
+    path. One plan: its result; several: the batch result listing each."""
     _check_cancelled()
     mode = _derived_mode(root)
+    one = plans[0] if len(plans) == 1 else None
     before = None
-    if mode == "auto" and _index_format(root) == "compact":
+    if one and mode == "auto" and _index_format(root) == "compact":
         seen, scanned, subdirs = _render_inputs(root)
         before = _render_memo_hit(root, _render_key_of(root, "compact", scanned, subdirs, seen))
+    ids = [p.result["id"] for p in plans]
+    batch = {"status": "ok", "count": len(plans), "ids": ids, "committed": False, "commit": None,
+             "derived": None, "sync": sync_report}
     journal = _Journal(root)
     try:
-        journal.write(address, text)
-        if moved_from:
-            journal.remove(moved_from)
+        for p in plans:
+            journal.write(p.address, p.text)
+            if p.moved_from:
+                journal.remove(p.moved_from)
         written = []
-        rendered_records = None
+        rendered = rendered_records = None
         if mode == "auto":
-            rendered = None
             if before is not None:
                 # the last render, on disk, with this episode's lines moved (not all re-rendered)
-                st = os.stat(os.path.join(root, address))
-                scanned = sorted([f for f in scanned if f[0] not in (address, moved_from)] + [
-                    (address, False, _stamp_of(st))])
+                st = os.stat(os.path.join(root, one.address))
+                scanned = sorted([f for f in scanned if f[0] not in (one.address, one.moved_from)]
+                                 + [(one.address, False, _stamp_of(st))])
                 with _Store(root) as store:
                     records = store.render_records(files=scanned)
-                rendered = _render_one_change(root, before, records, address, old,
+                rendered = _render_one_change(root, before, records, one.address, one.old,
                                               _render_key_of(root, "compact", scanned, subdirs,
                                                              seen))
             rendered = rendered or _render_derived(root)
@@ -5756,37 +6097,58 @@ def _shelve_locked(root, a):
             for rel, content in rendered["files"].items():
                 if journal.write_if_changed(rel, content):
                     written.append(rel)
-            warnings.extend(w for w in rendered["warnings"] if slug in w)
-            result["derived"] = {"mode": "auto", "written": written}
+            for p in plans:
+                p.result["warnings"].extend(w for w in rendered["warnings"]
+                                            if p.result["id"] in w)
+            batch["derived"] = {"mode": "auto", "written": written}
         else:
-            result["derived"] = {"mode": "bot", "written": []}
+            batch["derived"] = {"mode": "bot", "written": []}
         if git.is_repo() and a["autocommit"]:
             # every derived file, not only those written: a hand rebuild's (0.4.0) uncommitted too
-            paths = [address] + ([moved_from] if moved_from else []) + written + \
+            paths = [q for p in plans for q in (p.address, p.moved_from) if q] + written + \
                 (list(rendered["files"]) if mode == "auto" else [])
             if git.run("status", "--porcelain", "--", _RECALL_LOG, check=False,
                        read_only=True).stdout.strip():   # recall rows ride along
                 paths.append(_RECALL_LOG)
-            message = f"shelve: {slug}" + (" (amend)" if a["amend"] else "")
+            message = f"shelve: {ids[0]}" + (" (amend)" if a["amend"] else "") if one else \
+                f"shelve: {len(ids)} episodes" + (" (amend)" if a["amend"] else "") + \
+                "\n\n" + "\n".join(ids)
             _check_cancelled()
-            result["commit"] = git.commit(paths, message)
-            result["committed"] = result["commit"] is not None
+            batch["commit"] = git.commit(paths, message)
+            batch["committed"] = batch["commit"] is not None
     except BaseException:
         journal.restore()
         raise
-    _taint_memory(root, learned)   # masked values beyond this episode (docs/redaction.md)
+    _taint_memory(root, [v for p in plans for v in p.learned])   # docs/redaction.md
     if mode == "auto":
         _remember_render(root, rendered)
     # push / publish (git-and-sync.md § 7)
-    if git.is_repo() and result["committed"]:
-        result["sync"] = _after_commit_sync(root, git, result, sync_report, a)
-    ledger_row = _ledger_row(_read_episode(root, address))
-    totals = _shelf_totals(root, window=window, records=rendered_records)
-    result.update(ledger_row=ledger_row, shelf_totals=totals,
-                  next="the topic can be replaced in context by its digest and address",
-                  summary=f"shelved {slug} at {address} · "
-                  + (f"+{approx:,} tok" if approx else "size unmeasured")
-                  + f" · {redaction['summary']}\n" + _banner_core(totals))
+    if git.is_repo() and batch["committed"]:
+        # its warnings go to the episode's result; a batch publishes as shelve/<first id>
+        target = one.result if one else dict(batch, id=ids[0], warnings=[])
+        target["commit"] = batch["commit"]
+        batch["sync"] = _after_commit_sync(root, git, target, sync_report, a)
+        batch["commit"] = target["commit"]   # a push retried after a rebase moves it
+        if not one:
+            batch.update(warnings=target["warnings"], status=target["status"])
+            if target.get("hint"):
+                batch["hint"] = target["hint"]
+    totals = _shelf_totals(root, window=plans[0].window, records=rendered_records)
+    for p in plans:
+        p.result.update({k: batch[k] for k in ("committed", "commit", "derived", "sync")})
+        p.result.update(ledger_row=_ledger_row(_read_episode(root, p.address)),
+                        shelf_totals=totals,
+                        next="the topic can be replaced in context by its digest and address",
+                        summary=f"shelved {p.result['id']} at {p.address} · "
+                        + (f"+{p.approx:,} tok" if p.approx else "size unmeasured")
+                        + f" · {p.result['redaction']['summary']}")
+    if one:
+        one.result["summary"] += "\n" + _banner_core(totals)
+        result = one.result
+    else:
+        result = dict(batch, episodes=[p.result for p in plans], shelf_totals=totals,
+                      summary="\n".join(_batch_line(p.result) for p in plans) + "\n" +
+                      f"one commit for {len(plans)} episodes · " + _banner_core(totals))
     if result.get("sync") and result["sync"].get("error") and a["push"]:
         result["status"] = "incomplete"
     return result
@@ -5867,9 +6229,21 @@ class _Journal:
                         pass
 
 
+# How approx_tokens was got; `absorbed` is a rollup's: the sum of its folded episodes' masses.
+_APPROX_SOURCES = ("estimate", "measured", "unmeasured", "absorbed")
+
+
+def _episode_mass(rec, window):
+    """The context an episode stands for, the one definition stats, banners and rollup use:
+    approx_tokens capped at one context window (a rollup's sum is of capped masses already)."""
+    size = max(rec["approx_tokens"] or 0, 0)
+    return size if rec.get("approx_src") == "absorbed" else min(size, window)
+
+
 def _ledger_expected(rec):
-    """The ledger's expected-tokens cell of a record: its approx_tokens, 0 when unknown."""
-    return max(rec["approx_tokens"] or 0, 0)
+    """The ledger's expected-tokens cell of a record: its approx_tokens, 0 when unknown, and 0
+    for a rollup: the ledger keeps the archived episodes' rows, which carry that mass."""
+    return 0 if rec.get("approx_src") == "absorbed" else max(rec["approx_tokens"] or 0, 0)
 
 
 def _ledger_row(rec):
@@ -5879,23 +6253,31 @@ def _ledger_row(rec):
 
 
 def _episode_aggregate(records, window):
-    """The per-episode sums behind shelf totals (what INDEX adds is read separately)."""
+    """The per-episode sums behind shelf totals (what INDEX adds is read separately). Live
+    episodes only: an archived one's mass is its rollup's now, and its digest is not loaded."""
     eps = [r for r in records if r.get("id")]
-    measured = [r for r in eps if r.get("approx_src") != "unmeasured"]
-    return {"episodes": len(eps), "digest_tokens": sum(r["digest_tokens"] for r in eps),
-            "mass": sum(min(max(r["approx_tokens"] or 0, 0), window) for r in measured),
-            "unmeasured": len(eps) - len(measured), "unmeasured_digest": sum(
-                r["digest_tokens"] for r in eps if r.get("approx_src") == "unmeasured"),
+    live = [r for r in eps if not r["archived"]]
+    measured = [r for r in live if r.get("approx_src") != "unmeasured"]
+    return {"episodes": len(live), "archived": len(eps) - len(live),
+            "digest_tokens": sum(r["digest_tokens"] for r in live),
+            "mass": sum(_episode_mass(r, window) for r in measured),
+            "work_volume": sum(max(r["approx_tokens"] or 0, 0) for r in measured),
+            "capped": sum(1 for r in measured if _episode_mass(r, window) <
+                          max(r["approx_tokens"] or 0, 0)),
+            "unmeasured": len(live) - len(measured), "unmeasured_digest": sum(
+                r["digest_tokens"] for r in live if r.get("approx_src") == "unmeasured"),
             "window": window}
 
 
 def _shelf_totals(root, records=None, window=None, key=None):
-    """Banner totals: from `records`, else remembered under the store `key` (made if None)."""
+    """Banner totals: from `records`, else remembered under the store `key` (made if None).
+    The one definition of each figure that shelve, stats, the hook and the demo print."""
     window = window or _context_window(root)
     if records is None:
         key, scanned = key or _render_key(root, _index_format(root))
         aggregate = _remembered(root, "aggregate", key)
-        if not isinstance(aggregate, dict) or aggregate.get("window") != window:
+        if not isinstance(aggregate, dict) or aggregate.get("window") != window or \
+                "archived" not in aggregate:
             with _Store(root) as cat:   # what the aggregate sums, no whole records
                 records = cat.render_records(files=scanned)
             aggregate = _episode_aggregate(records, window)
@@ -5906,18 +6288,25 @@ def _shelf_totals(root, records=None, window=None, key=None):
         index_tokens = tokens(_read_text(os.path.join(root, "INDEX.md")))
     except (OSError, ShelfError):
         index_tokens = 0
+    # standing: what a session carries, the INDEX, plus the digests read before any recall
     standing = index_tokens + aggregate["digest_tokens"]
     divisor = standing - aggregate["unmeasured_digest"]
-    return {"episodes": aggregate["episodes"], "standing_cost": standing,
-            "shelved_mass": aggregate["mass"],
+    return {"episodes": aggregate["episodes"], "archived": aggregate["archived"],
+            "index_tokens": index_tokens, "digest_tokens": aggregate["digest_tokens"],
+            "standing_cost": standing, "shelved_mass": aggregate["mass"],
+            "work_volume": aggregate["work_volume"], "capped": aggregate["capped"],
             "compression_ratio": round(aggregate["mass"] / divisor, 1) if divisor > 0 else 0.0,
-            "unmeasured": aggregate["unmeasured"]}
+            "unmeasured": aggregate["unmeasured"],
+            "unmeasured_digest": aggregate["unmeasured_digest"]}
 
 
 def _banner_core(t):
     noun = "episode" if t["episodes"] == 1 else "episodes"
-    text = (f"memshelf: {t['episodes']} {noun} · standing {_human_count(t['standing_cost'])} "
-            f"tok · holds ~{_human_count(t['shelved_mass'])} est. ({t['compression_ratio']}:1)")
+    archived = f" (+{t['archived']} archived)" if t.get("archived") else ""
+    text = (f"memshelf: {t['episodes']} {noun}{archived} · standing "
+            f"{_human_count(t['standing_cost'])} tok (INDEX {_human_count(t['index_tokens'])} "
+            f"+ digests {_human_count(t['digest_tokens'])}) · holds "
+            f"~{_human_count(t['shelved_mass'])} est. ({t['compression_ratio']}:1)")
     if t.get("unmeasured"):
         text += f" · {t['unmeasured']} unmeasured"
     return text
@@ -6020,15 +6409,23 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
     sup_by = _superseded_by(root, stem)
     part = f"{start}-{end}/{size}" if (start > 0 or truncated) else None
     content = page if raw else _envelope(stem, page, heading, flags, sup_by, part)
-    if log and not outline:
-        _append_recall_log(root, stem, heading or "", tokens(page))
+    fetched = tokens(content)
+    if log:   # what was printed, outlines too (shelf-format.md § 8)
+        _append_recall_log(root, stem, "(outline)" if outline else heading or "", fetched)
     title = fields.get("display_title") if isinstance(fields.get("display_title"), str) else ""
-    mass = _int_or_none(fields.get("approx_tokens") if isinstance(fields.get("approx_tokens"), str)
-                        else "")
-    window = _context_window(root)
-    saved = max(min(mass, window) - tokens(content), 0) if mass and mass > 0 else None
-    summary = f"fetched ~{tokens(content)} tok" + (
-        f" vs the episode's {mass:,} — saved ~{saved:,}" if saved is not None else "")
+    mass = _episode_mass(rec, _context_window(root))
+    # a saving is claimed only when there is one: the topic's mass beyond what was fetched
+    saved = mass - fetched if rec.get("approx_src") != "unmeasured" and mass > fetched else None
+    summary = f"recalled ~{fetched:,} tok" + (
+        f"; the topic held ~{mass:,}, saved ~{saved:,}" if saved else "")
+    whole = None
+    if outline:
+        # the whole episode in the same envelope (its overhead measured on this one, so the
+        # whole text is not scanned just to compare)
+        whole = tokens(text) + fetched - tokens(page)
+        if whole <= fetched:
+            summary += (f"; the whole episode is ~{whole:,} tok, no more than this outline: "
+                        f"recall it without {_arg_word('outline', True, 'recall')}")
     kind = fields.get("kind") if isinstance(fields.get("kind"), str) else \
         _KIND_OF_CATEGORY.get(rel.split("/")[-2])
     return {"status": "ok", "id": stem, "address": rel, "kind": kind,
@@ -6037,7 +6434,8 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
             "sections": listing if outline else [h for h, _ in sections],
             "content": content, "tokens": tokens(content), "truncated": truncated,
             "offset": start, "next_offset": end if truncated else None, "size_bytes": size,
-            "flags": flags, "superseded_by": sup_by, "saved_tokens": saved, "summary": summary}
+            "flags": flags, "superseded_by": sup_by, "saved_tokens": saved,
+            "whole_tokens": whole, "summary": summary}
 
 
 def _append_recall_log(root, stem, section, fetched):
@@ -9102,18 +9500,6 @@ def _rollup_keywords(records):
     return ranked[:_ROLLUP_MAX_KEYWORDS]
 
 
-def _rollup_with_keywords(digest, keywords, rules):
-    """The digest plus a Keywords sentence, dropping the lowest-ranked terms until it passes."""
-    base = digest.rstrip()
-    if base and base[-1] not in ".!?。！？":
-        base += "."
-    for n in range(len(keywords), 0, -1):
-        candidate = f"{base} Keywords: {', '.join(keywords[:n])}."
-        if not validate_digest(candidate, patterns=rules)["errors"]:
-            return candidate, n
-    return digest, 0
-
-
 def _episode_record_from_text(rel, text, archived=False):
     """An episode record for text not yet on disk (dry runs and in-memory renders)."""
     detail = _parse_frontmatter_detail(text)
@@ -9170,11 +9556,11 @@ def _rollup_select(root, records, slug, until, episode_ids, kinds):
             what = f" of kind {', '.join(kinds)}" if kinds else ""
             raise _rollup_invalid(f"nothing to fold: no live episode{what} dated on or before "
                                   f"{until}", "choose a later --until, or list --episode ids")
-    if any(slug in (r["stem"], r.get("id")) for r in selected):
+    if slug is not None and any(slug in (r["stem"], r.get("id")) for r in selected):
         raise _rollup_invalid(f"the rollup {slug} would fold itself",
                               "choose a new slug, or leave that episode out of the selection")
-    existing, _ = _find_episode_path(root, slug)
-    if existing or any(r.get("id") == slug for r in records):
+    existing, _ = _find_episode_path(root, slug) if slug is not None else (None, None)
+    if slug is not None and (existing or any(r.get("id") == slug for r in records)):
         raise _rollup_invalid(f"{slug} already exists ({existing or 'as a frontmatter id'})",
                               "choose a new slug for the rollup", address=existing)
     selected.sort(key=lambda r: (_rollup_date(r), r["stem"]))
@@ -9183,11 +9569,13 @@ def _rollup_select(root, records, slug, until, episode_ids, kinds):
 
 def rollup(shelf_path=None, slug=None, digest=None, until=None, episode_ids=None, kinds=None,
            display_title=None, sections=None, date=None, dry_run=False, autocommit=True):
-    """Fold a period into one rollup episode; the originals move to archive/ (verbs.md § 1.4)."""
-    if slug is None:
-        raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words")
-    slug = _check_slug(slug)
-    if not isinstance(digest, str):
+    """Fold a period into one rollup episode; the originals move to archive/ (verbs.md § 1.4).
+    A dry run without slug or digest previews the selection alone."""
+    if slug is None and not dry_run:
+        raise _usage("a slug is required", f"pass {_arg_word('slug', 'YYYY-MM-DD-words', 'rollup')}"
+                     f" (or {_arg_word('dry_run', True, 'rollup')} to preview the selection)")
+    slug = None if slug is None else _check_slug(slug)
+    if not isinstance(digest, str) and not (dry_run and digest is None):
         raise _usage("a digest is required", "pass --digest TEXT: a synthesis of the period")
     episode_ids, kinds = list(episode_ids or []), list(kinds or [])
     if until is not None and episode_ids:
@@ -9227,6 +9615,8 @@ def _rollup_locked(root, a):
     with _Store(root) as catalog:
         records = catalog.records()
     selected = _rollup_select(root, records, slug, a["until"], a["episode_ids"], a["kinds"])
+    if slug is None or a["digest"] is None:
+        return _rollup_preview(root, selected)
     # 3. redact and check the caller's digest exactly like shelve
     rules, problems = _shelf_policy(root)
     warnings = [f"POLICY.patterns: line {p['line']}: {p['reason']}" for p in problems]
@@ -9244,17 +9634,15 @@ def _rollup_locked(root, a):
     if demoted:
         warnings.append(f"{demoted} '## ' line(s) inside bodies were demoted to '### ' so the "
                         "section structure stays as written")
-    report = validate_digest(digest, patterns=rules)
+    masked = _finish_report(collections.Counter(
+        hit["kind"] for hit in redaction["hits"] if hit["part"] == "digest"), [])
+    report = validate_digest(digest, patterns=rules, masked=masked)
     if not report["passed"]:
         raise ShelfError("digest-rejected", "the rollup digest breaks the contract:\n" +
-                         report["report"], "fix the digest (check it with memshelf "
-                         "lint-digest) and run the rollup again", {"report": report})
-    # 2-4. keywords, then the episode
+                         report["report"], "fix the digest (memshelf lint-digest applies the "
+                         "same rule) and run the rollup again", {"report": report})
+    # 2-4. keywords (frontmatter and the INDEX line; the caller's digest stays as written)
     keywords = _rollup_keywords(selected)
-    digest, used = _rollup_with_keywords(digest, keywords, rules)
-    if used < len(keywords):
-        warnings.append(f"the Keywords sentence carries {used} of {len(keywords)} keywords so "
-                        "the digest stays within the contract")
     bounds = [b for b in map(_rollup_span_bounds, selected) if b[0]]
     date = a["date"] or _today()
     first, last = (min(b[0] for b in bounds), max(b[1] for b in bounds)) if bounds else \
@@ -9262,7 +9650,13 @@ def _rollup_locked(root, a):
     span = first if first == last else f"{first}..{last}"
     n = len(selected)
     episodes = f"{n} episode{'s' if n != 1 else ''}"
-    description, _ = _cap_description(_first_sentence(digest))   # the INDEX line, as shelve
+    # the mass the folded episodes held moves with them into the rollup (stats counts the
+    # archived ones apart, so nothing is counted twice)
+    measured = [r for r in selected if r.get("approx_src") != "unmeasured"]
+    absorbed = sum(_episode_mass(r, _context_window(root)) for r in measured)
+    # the INDEX line: the rollup's own first sentence (issue 22), then its keywords, capped
+    description, _ = _cap_description(_first_sentence(digest) + (
+        f" Keywords: {', '.join(keywords)}." if keywords else ""))
     body = _canonical_sections(sections)
     if not any(name == "Decisions" for name, _ in body):
         body = _canonical_sections(sections + [(
@@ -9276,8 +9670,8 @@ def _rollup_locked(root, a):
     body.append((_ROLLUP_RESERVED_SECTION, "\n".join(lines)))
     fields = {"id": slug, "kind": "topic", "span": span, "date": date,
               "display_title": outs[-1] or None, "description": description or None,
-              "tags": ["rollup"], "keywords": keywords, "approx_tokens": "0",
-              "approx_tokens_source": "measured", "mode": "live"}
+              "tags": ["rollup"], "keywords": keywords, "approx_tokens": str(absorbed),
+              "approx_tokens_source": "absorbed" if measured else "unmeasured", "mode": "live"}
     text = _compose_episode(fields, digest, body)
     address = f"docs/topics/{slug}.md"
     moves = [{"id": r.get("id") or r["stem"], "from": r["path"], "to": "archive/" + r["path"]}
@@ -9350,6 +9744,23 @@ def _rollup_locked(root, a):
     return result
 
 
+def _rollup_preview(root, selected):
+    """rollup --dry-run without --slug or --digest: what would be folded, and its keywords."""
+    window = _context_window(root)
+    n = len(selected)
+    listing = [{"id": r.get("id") or r["stem"], "address": r["path"], "date": _rollup_date(r),
+                "title": r.get("display_title") or _record_description(r)} for r in selected]
+    keywords = _rollup_keywords(selected)
+    return {"status": "dry-run", "selected": listing, "archived": [e["id"] for e in listing],
+            "count": n, "keywords": keywords,
+            "absorbed_tokens": sum(_episode_mass(r, window) for r in selected),
+            "summary": f"dry run: would fold {n} episode{'s' if n != 1 else ''}:" + "".join(
+                f"\n  {e['id']}" + (f" — {e['title']}" if e["title"] else "") for e in listing) +
+            (f"\nkeywords: {', '.join(keywords)}" if keywords else "") +
+            f"\nnext: add {_arg_word('slug', 'ID', 'rollup')} and "
+            f"{_arg_word('digest', 'TEXT', 'rollup')} to compose the rollup (still a dry run)"}
+
+
 def _journal_render(root, journal):
     """Render through the journal: (paths written or deleted, every rendered path)."""
     files = _render_derived(root)["files"]
@@ -9385,24 +9796,32 @@ _PURGE_PLAIN_NOTE = ("this shelf keeps no history: deleted files are gone from t
                      "(backups and synced copies are not touched).")
 
 
-def purge(shelf_path=None, apply=False, today=None, autocommit=True):
-    """Delete episodes whose retain_until has passed; a dry run unless apply (verbs.md § 1.5)."""
+def purge(shelf_path=None, apply=False, today=None, autocommit=True, episode_ids=None):
+    """Delete episodes whose retain_until has passed, or the episodes named by id (a mistaken
+    one); a dry run unless apply (verbs.md § 1.5)."""
     if today is not None and not _is_iso_date(today):
         raise _usage(f"today {today!r} is not a real YYYY-MM-DD date", "e.g. 2026-07-22")
+    if episode_ids and today is not None:
+        raise _usage("--today picks episodes by retain_until; --id names them",
+                     "pass one of the two")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     today = today or _today()
     with _lock_unless(not apply, root):
-        result = _purge_locked(root, today, apply, autocommit)
+        result = _purge_locked(root, today, apply, autocommit, episode_ids or [])
     if not apply:
         _note("dry run — re-run with --apply to delete")
     return result
 
 
-def _purge_locked(root, today, apply, autocommit):
+def _purge_locked(root, today, apply, autocommit, episode_ids):
     with _Store(root) as catalog:
         records = catalog.records()
     warnings, expired = [], []
-    for r in records:
+    if episode_ids:
+        # every id must resolve (with its did-you-mean) before anything is deleted
+        wanted = {_resolve_episode(root, raw)[0] for raw in episode_ids}
+        expired = [r for r in records if r["path"] in wanted]
+    for r in records if not episode_ids else ():
         value = r.get("retain_until")
         if value is not None and not _is_iso_date(value):
             warnings.append(f"{r['path']}: retain_until {value!r} is not a YYYY-MM-DD date; "
@@ -9421,14 +9840,22 @@ def _purge_locked(root, today, apply, autocommit):
     git = _Git(root)
     history = git.is_repo()
     n = len(expired)
+    note = _PURGE_PLAIN_NOTE
+    if history:
+        note = _PURGE_HISTORY_NOTE.replace("--path <file>", " ".join(
+            f"--path {_shell_quote(e['address'])}" for e in listing) or "--path <file>")
     result = {"status": "ok", "today": today, "expired": listing, "deleted": [], "count": n,
               "applied": bool(apply), "committed": False, "commit": None, "warnings": warnings,
-              "note": _PURGE_HISTORY_NOTE if history else _PURGE_PLAIN_NOTE}
+              "note": note}
     noun = f"{n} episode{'s' if n != 1 else ''}"
+    why = "named by id" if episode_ids else "past retain_until"
     if not apply:
-        result["summary"] = (f"dry run: {noun} past retain_until (today {today})" +
-                             "".join(f"\n  {e['address']} (retain_until {e['retain_until']})"
-                                     for e in listing))
+        result["summary"] = (f"dry run: {noun} {why}" +
+                             ("" if episode_ids else f" (today {today})") +
+                             "".join(f"\n  {e['address']}" + (
+                                 f" (retain_until {e['retain_until']})" if e['retain_until']
+                                 else "") for e in listing) +
+                             ("\nnote: " + note if listing else ""))
         return result
     if not expired:
         result["summary"] = f"nothing to purge: no episode is past retain_until (today {today})"
@@ -9449,7 +9876,8 @@ def _purge_locked(root, today, apply, autocommit):
                 paths.append("stats.svg")
         if history and autocommit:
             _check_cancelled()
-            result["commit"] = git.commit(paths, f"purge: {n} episode(s) past retain_until")
+            result["commit"] = git.commit(paths, f"purge: {n} episode(s) {why}" + (
+                ": " + ", ".join(e["id"] for e in listing) if episode_ids else ""))
             result["committed"] = result["commit"] is not None
     except BaseException:
         journal.restore()
@@ -9457,7 +9885,7 @@ def _purge_locked(root, today, apply, autocommit):
     finally:
         progress.done()
     result["deleted"] = [r["path"] for r in expired]
-    result["summary"] = (f"purged {noun} past retain_until" +
+    result["summary"] = (f"purged {noun} {why}" +
                          (" · committed" if result["committed"] else "") +
                          "".join(f"\n  {p}" for p in result["deleted"]))
     result["hint"] = result["note"]
@@ -10405,7 +10833,8 @@ _DOCTOR_CODES = {
                             "<shelf> (or delete it)"),
     # 6. the tree, the git index and HEAD (git shelves): all repaired by one command
     "git-staged": ("error", "git", _REPAIR),
-    "committed-missing": ("error", "git", _REPAIR),
+    "committed-missing": ("error", "git", _REPAIR + " puts it back; to delete it on purpose: "
+                          "memshelf purge --shelf <shelf> --id ID --apply"),
     "episode-untracked": ("error", "git", _REPAIR),
     "derived-uncommitted": ("error", "git", _REPAIR),
     "index-lists-uncommitted": ("error", "git", _REPAIR),
@@ -10598,9 +11027,10 @@ def _format_findings(rec, text, body_start):
             elif _QUOTED_APPROX.search(text[:body_start]):
                 add("bad-approx-tokens", "approx_tokens is quoted, so a YAML loader reads a string")
         src = fields.get("approx_tokens_source", "estimate")
-        if src not in ("estimate", "measured", "unmeasured"):
+        if src not in _APPROX_SOURCES:
             add("bad-approx-tokens-source",
-                f"approx_tokens_source {src!r} is not estimate, measured or unmeasured")
+                f"approx_tokens_source {src!r} is not " + ", ".join(_APPROX_SOURCES[:-1]) +
+                " or " + _APPROX_SOURCES[-1])
         for key in ("date", "retain_until"):
             if key in fields and not _is_iso_date(fields[key]):
                 add("bad-date", f"{key} {fields[key]!r} is not an ISO date")
@@ -11878,20 +12308,19 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     with _Store(root) as catalog:
         records = catalog.render_records()
     eps = [r for r in records if r.get("id")]
-    index_text = _index_file_text(root)
-    index_tokens = tokens(index_text)
-    index_entries = len(_index_entries(index_text, "docshelf" if _index_format(root) ==
-                                       "docshelf" else "compact"))
-    digest_tokens = sum(r["digest_tokens"] for r in eps)
-    claimed = [r for r in eps if r.get("approx_src") != "unmeasured"]
-    unmeasured = [r for r in eps if r.get("approx_src") == "unmeasured"]
-    sizes = {r["stem"]: max(r["approx_tokens"] or 0, 0) for r in claimed}
-    shelved_mass = sum(min(v, window) for v in sizes.values())
-    capped = sum(1 for v in sizes.values() if v > window)
-    unmeasured_digest = sum(r["digest_tokens"] for r in unmeasured)
-    standing = index_tokens + digest_tokens
-    divisor = standing - unmeasured_digest
-    ratio = round(shelved_mass / divisor, 1) if divisor > 0 else 0.0
+    totals = _shelf_totals(root, records=records, window=window)
+    index_tokens = totals["index_tokens"]
+    entries = _index_entries(_index_file_text(root), "docshelf" if _index_format(root) ==
+                             "docshelf" else "compact")
+    index_entries = len(entries)
+    # the entry lines' own cost: chars/4 of the lines, headings and preamble left out
+    per_entry = sum(sum(e.values()) for e in entries) / 4 / index_entries if entries else 0.0
+    # each episode's own mass, archived ones too: a recall of one saves against it
+    sizes = {r["stem"]: _episode_mass(r, window) for r in eps
+             if r.get("approx_src") != "unmeasured"}
+    archived = [r for r in eps if r["archived"]]
+    chart_rows = _ledger_rows(records)[0]
+    chart_digests = sum(r["digest_tokens"] for r in chart_rows)
 
     import datetime
     rows, _problems = _recall_log_entries(root)
@@ -11899,21 +12328,29 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     recent = 0
     per_id = {}   # stem -> [recalls, fetched tokens, saved tokens]
     for stem, _section, fetched, date in rows:
-        saved = max(min(sizes.get(stem, 0), window) - fetched, 0)
+        saved = max(sizes.get(stem, 0) - fetched, 0)
         per_id[stem] = [a + b for a, b in zip(per_id.get(stem, (0, 0, 0)), (1, fetched, saved))]
         if date is not None and 0 <= (today - datetime.date.fromisoformat(date)).days < 30:
             recent += 1
     realized = sum(entry[2] for entry in per_id.values())
     ledger_ids = set(_read_ledger(root)[2])
-    per_entry = (index_tokens - _INDEX_BASE_TOKENS) / index_entries if index_entries else 0.0
-    result = {"status": "ok", "episodes": len(eps),
-              "episodes_archived": sum(1 for r in eps if r["archived"]),
+    result = {"status": "ok", "episodes": totals["episodes"],
+              "episodes_archived": totals["archived"],
+              "archived_mass": sum(sizes.get(r["stem"], 0) for r in archived),
               "index_tokens": index_tokens, "index_entries": index_entries,
-              "index_tokens_per_entry": round(per_entry, 1), "digest_tokens": digest_tokens,
-              "standing_cost": standing, "work_volume": sum(sizes.values()),
-              "shelved_mass": shelved_mass, "capped_episodes": capped, "context_window": window,
-              "unmeasured_episodes": len(unmeasured), "unmeasured_digest_tokens": unmeasured_digest,
-              "compression_ratio": ratio, "recalls": len(rows), "episodes_recalled": len(per_id),
+              "index_tokens_per_entry": round(per_entry, 1),
+              "digest_tokens": totals["digest_tokens"],
+              "standing_index_only": index_tokens, "standing_cost": totals["standing_cost"],
+              "work_volume": totals["work_volume"], "shelved_mass": totals["shelved_mass"],
+              "capped_episodes": totals["capped"], "context_window": window,
+              "unmeasured_episodes": totals["unmeasured"],
+              "unmeasured_digest_tokens": totals["unmeasured_digest"],
+              "compression_ratio": totals["compression_ratio"],
+              # stats.svg's "saved" (memshelf-mcp 0.4.0's chart, byte for byte): every ledger
+              # row's approx_tokens over its digests alone, uncapped, without INDEX
+              "chart_ratio": round(sum(_ledger_expected(r) for r in chart_rows) /
+                                   chart_digests, 1) if chart_digests else 0.0,
+              "recalls": len(rows), "episodes_recalled": len(per_id),
               "fetched_tokens": sum(row[2] for row in rows), "realized_savings": realized,
               "recall_cost_per_question": index_tokens + _median([row[2] for row in rows])
               if rows else None, "recalls_30d": recent,
@@ -11921,26 +12358,28 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     if not rows:
         result["note"] = ("no recalls logged yet: realized numbers need logged recalls "
                           "(memshelf recall logs each one)")
-    text = _banner_core(dict(result, unmeasured=len(unmeasured)))
-    if capped:
-        text += f" · {capped} clipped to a {_human_count(window)} window"
+    text = _banner_core(totals)
+    if totals["capped"]:
+        text += f" · {totals['capped']} clipped to a {_human_count(window)} window"
     if realized:
         text += f" · realized saved {_human_count(realized)}"
     result["banner"] = text
     if per_episode:
         result["per_episode"] = []
         for r in sorted(eps, key=lambda r: (r["date"], r["stem"])):
-            size = sizes.get(r["stem"])
+            size = None if r.get("approx_src") == "unmeasured" else \
+                max(r["approx_tokens"] or 0, 0)
             recalls, fetched, saved = per_id.get(r["stem"], (0, 0, 0))
             result["per_episode"].append({
                 "id": r["id"], "address": r["path"], "archived": r["archived"],
                 "approx_tokens": r["approx_tokens"],
                 "approx_tokens_source": r.get("approx_src") or "estimate",
-                "mass": min(size, window) if size is not None else 0,
-                "capped": size is not None and size > window, "digest_tokens": r["digest_tokens"],
+                "mass": sizes.get(r["stem"], 0),
+                "capped": size is not None and sizes[r["stem"]] < size,
+                "digest_tokens": r["digest_tokens"],
                 "recalls": recalls, "fetched_tokens": fetched, "realized_savings": saved})
     if chart:
-        svg = _render_chart(_ledger_rows(records)[0])
+        svg = _render_chart(chart_rows)
         if svg is None:
             raise ShelfError("nothing-to-chart", "no episode with an id yet: nothing to chart",
                              "shelve an episode first, then run memshelf stats --chart")
@@ -12141,7 +12580,8 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     allowance = sum(_INDEX_ALLOWANCE[fmt].values())
     index_budget = _INDEX_BASE_TOKENS + allowance * listed
     entry_tokens = round((index_tokens - _INDEX_BASE_TOKENS) / listed) if listed else 0
-    standing = index_tokens + sum(r["digest_tokens"] for r in eps)
+    # stats' figure (one definition): archived digests are not loaded by a session
+    standing = _shelf_totals(root, records=records)["standing_cost"]
     # per-episode standing cost: mean INDEX line + mean digest (flat on a young shelf)
     cost, cost_source = _ADVISE_FLAT_COST, "flat"
     if len(eps) >= _ADVISE_MEASURE_FROM and line_costs:
@@ -13998,7 +14438,7 @@ class _Verb:
     def __init__(self, name, func, params, *, title, description="", mcp=True, read_only=True,
                  destructive=False, idempotent=True, open_world=False, output=None,
                  required_output=("status",), text=None, verdict=None, cli_help=None,
-                 needs_shelf=True):
+                 needs_shelf=True, epilog=None):
         vars(self).update({k: v for k, v in locals().items() if k != "self"})
         self.output = output or {}
         self.cli_help = cli_help or title
@@ -14123,14 +14563,26 @@ def _verbs():
         _Verb("shelve", shelve, [
             sp(),
             _Param("slug", _S, required=True, metavar="ID", help="New id: YYYY-MM-DD-latin-words."),
-            _Param("kind", _S, required=True, enum=["topic", "research", "session"],
-                   help="Sets the required sections."),
-            _Param("digest", _S, required=True,
-                   help="<=120 words, named actors (no we), decisions, open threads."),
+            _Param("kind", _S, nullable=True, enum=["topic", "research", "session"],
+                   help="Sets the required sections.",
+                   cli_help="Required unless --amend. Sets the required sections: topic: Digest "
+                            "+ Decisions; research: Digest + one more section; session: Digest, "
+                            "Timeline, Open threads."),
+            _Param("digest", _S, nullable=True,
+                   help="<=120 words, named actors (no we), decisions, open threads.",
+                   cli_help="Required unless --amend. <=120 words, named actors (no we), "
+                            "decisions, open threads."),
             _Param("sections", _O, default={}, flags=["--section"], metavar="NAME=BODY",
-                   help="Section name -> body."),
-            _Param("display_title", _S, nullable=True, help="INDEX title."),
-            _Param("description", _S, nullable=True, help="INDEX line (default: first sentence)."),
+                   help="Section name -> body.",
+                   cli_help="Section name -> body; on --amend it replaces that section."),
+            _Param("append_sections", _O, default={}, flags=["--append-section"],
+                   metavar="NAME=TEXT", help="Amend: append to a section."),
+            _Param("display_title", _S, nullable=True, flags=["--display-title", "--title"],
+                   help="INDEX title.", cli_help="INDEX title (--title is the same option)."),
+            _Param("description", _S, nullable=True,
+                   help="INDEX line (default: first sentence).",
+                   cli_help="INDEX line, cut to 120 characters (default: the digest's first "
+                            "sentence)."),
             _Param("span", _S, nullable=True, help="YYYY-MM-DD[..YYYY-MM-DD]."),
             _Param("date", _S, nullable=True, help="Shelve date YYYY-MM-DD."),
             _Param("session", _S, nullable=True, help="Host session reference."),
@@ -14140,7 +14592,9 @@ def _verbs():
             _Param("retain_until", _S, nullable=True, help="Purge after YYYY-MM-DD."),
             _Param("tags", _A, default=[], flags=["--tag"], metavar="T", help="Tags."),
             _Param("supersedes", _A, default=[], metavar="ID", help="Ids this episode replaces."),
-            _Param("approx_tokens", _I, nullable=True, minimum=0, help="Shelved size, chars/4."),
+            _Param("approx_tokens", _I, nullable=True, minimum=0, help="Shelved size, chars/4.",
+                   cli_help="Tokens the topic took in context before shelving (chars/4 of the "
+                            "conversation it replaces), not the episode's own size."),
             _Param("approx_tokens_source", _S, nullable=True, enum=["estimate", "measured"],
                    help="How approx_tokens was got."),
             _Param("mode", _S, default="live", enum=["live", "import"], help="live or import."),
@@ -14154,8 +14608,10 @@ def _verbs():
             _Param("sync", _B, default=True, negate="--no-sync", help="Fast-forward first."),
             _Param("await_render_seconds", _N, default=0, minimum=0, flags=["--await-render"],
                    help="Bot mode: wait for the renderer."),
-            _Param("file", _S, nullable=True, mcp=False, metavar="PATH",
-                   help="A whole episode document (- = stdin); options override it."),
+            _Param("file", _A, default=[], mcp=False, metavar="PATH",
+                   help="Episode documents: a file, a folder of .md files, or - (stdin); "
+                        "repeat it or put several in one stream to shelve many under one lock "
+                        "and one commit (all or none). Options override the documents."),
             _Param("digest_file", _S, nullable=True, mcp=False, metavar="PATH",
                    help="Read the digest from a file (- = stdin)."),
             _Param("section_files", _O, default={}, mcp=False, flags=["--section-file"],
@@ -14163,6 +14619,18 @@ def _verbs():
             _Param("drop_sections", _A, default=[], flags=["--drop-section"], metavar="NAME",
                    help="Amend: remove a section."),
         ], title="Shelve a closed topic", read_only=False, idempotent=True, open_world=True,
+            epilog="Rules. Sections each kind requires (besides ## Digest): topic: Decisions; "
+                   "research: at least one more section; session: Timeline and Open threads. "
+                   "The digest: at most 120 words, named actors (not 'we'), what was decided "
+                   "and what is open. The description (the INDEX line) is cut to 120 "
+                   "characters. --approx-tokens is the size in tokens (characters / 4) of the "
+                   "conversation the episode replaces in context, not of the episode itself. "
+                   "--title is --display-title. --amend keeps every field, section and "
+                   "frontmatter key the call does not give; an empty value clears a field "
+                   "(--description '', --display-title '', --notes '', --tag '' for the tags); "
+                   "--drop-section NAME removes a section and --append-section NAME=TEXT adds "
+                   "to one. Many --file (or a folder, or - with several documents) shelve under "
+                   "one lock in one commit, or none of them.",
             description="Write a closed topic as an episode: redacted, checked, indexed, committed.",
             output={"id": _S, "address": _S, "kind": _S, "amended": _B,
                     "committed": _B, "commit": (_S, _NULLS),
@@ -14177,8 +14645,11 @@ def _verbs():
             _Param("strict", _B, default=False, help="Warnings fail too."),
             _Param("shelf_path", _S, nullable=True, flags=["--shelf"], metavar="PATH",
                    help="Shelf for POLICY.patterns."),
-            _Param("digest_file", _S, nullable=True, mcp=False, metavar="PATH",
-                   help="Read the digest from a file (- = stdin)."),
+            _Param("digest_file", _A, default=[], mcp=False, metavar="PATH",
+                   help="Read a digest from a file (- = stdin); repeat it to check several."),
+            _Param("file", _A, default=[], mcp=False, metavar="PATH",
+                   help="Check the digest of episode documents (files, a folder, - = stdin), "
+                        "as shelve --file reads them."),
         ], title="Check a digest, writing nothing", needs_shelf=False,
             description="Check a digest against the contract before shelving. Writes nothing.",
             output={"passed": _B, "word_count": _I, "char_count": _I, "errors": _A,
@@ -14267,8 +14738,10 @@ def _verbs():
             verdict=lambda r: 1 if r.get("status") == "drift" else 0),
         _Verb("rollup", rollup, [
             sp(),
-            _Param("slug", _S, required=True, metavar="ID", help="Id of the rollup episode."),
-            _Param("digest", _S, required=True, help="Digest of the period."),
+            _Param("slug", _S, nullable=True, metavar="ID", help="Id of the rollup episode.",
+                   cli_help="Id of the rollup episode (--dry-run may omit it)."),
+            _Param("digest", _S, nullable=True, help="Digest of the period.",
+                   cli_help="Digest of the period, kept as written (--dry-run may omit it)."),
             _Param("until", _S, nullable=True, help="Fold episodes dated on/before."),
             _Param("episode_ids", _A, default=[], flags=["--episode"], metavar="ID",
                    help="Fold exactly these episodes."),
@@ -14290,6 +14763,9 @@ def _verbs():
             _Param("today", _S, nullable=True, help="Treat this date as today."),
             _Param("autocommit", _B, default=True, negate="--no-commit",
                    help="Commit.", cli_help="Commit the result."),
+            _Param("episode_ids", _A, default=[], flags=["--id"], metavar="ID",
+                   help="Or exactly these.",
+                   cli_help="Delete exactly these episodes instead (a mistaken one)."),
         ], title="Delete episodes past retain_until", read_only=False, destructive=True,
             description="List (apply=true: delete) episodes past retain_until. git history keeps them until rewritten.",
             output={"expired": _A, "deleted": _A, "count": _I, "applied": _B}, text=_text_summary),
@@ -14837,7 +15313,7 @@ def _build_parser(only=None):
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="verb__name", metavar="VERB")
     for v in [v for v in _verb_table() if only in (None, v.name)]:
-        p = sub.add_parser(v.name, help=v.cli_help,
+        p = sub.add_parser(v.name, help=v.cli_help, epilog=v.epilog,
                            description=_cli_words(v, v.description or v.title))
         for prm in [prm for prm in v.params if prm.cli]:
             # help is written in MCP words; the CLI reads flags, a default, and a bare %
@@ -15062,12 +15538,16 @@ def cli():
 def _print_human(verb, tool_name, result):
     render = functools.partial(render_text, _tool(tool_name).name if tool_name else verb.name)
     text = render(result)
-    # warnings the text carries go to stderr instead, where --quiet silences them
+    # warnings the text carries go to stderr instead, where --quiet silences them; so do
+    # those it does not carry (a dry run prints the episode: its warnings are the shelve's)
     warned = _warning_lines(result)
     if warned:
         shown = render({k: v for k, v in result.items() if not (
             k in ("warnings", "digest_warnings") and isinstance(v, list))})
-        text, warned = (shown, warned) if shown != text else (text, [])
+        if shown != text:
+            text = shown
+        else:
+            warned = [line for line in warned if line.split(": ", 2)[-1] not in text]
     if text:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     for line in warned:
@@ -15215,7 +15695,14 @@ def demo(shelf_path=None, keep=False):
         if not keep:
             shutil.rmtree(scratch or root, ignore_errors=True)
     where = f"kept at {root}" if keep else "scratch shelf deleted (pass --keep to keep it)"
-    out.write(f"\nDone: {where}.\nNext: memshelf init --shelf ~/memshelf, then see README.md.\n")
+    # name a command the user has: `memshelf` only once it is on PATH
+    if shutil.which("memshelf"):
+        nxt = "memshelf init --shelf ~/memshelf, then see README.md"
+    else:
+        run = f"python3 {_shell_quote(os.path.abspath(__file__))}"
+        nxt = (f"{run} init --shelf ~/memshelf (or first {run} install-launcher, for a "
+               "`memshelf` command), then see README.md")
+    out.write(f"\nDone: {where}.\nNext: {nxt}.\n")
     return {"status": "ok", "root": root, "kept": bool(keep)}
 
 if __name__ == "__main__":

@@ -485,8 +485,10 @@ def test_lint_digest(cli, tmp_path):
     f.write_text("Priya chose Redis; open: TTL audit.")
     assert cli("lint-digest", "--digest-file", f).code == 0
     assert cli("lint-digest", input="Priya chose Redis; open: TTL audit.").code == 0
+    # shelve's rule (issue 30): a credential is masked and warned about, not refused
     r = cli("lint-digest", "--digest", "Token ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8 decided")
-    assert r.code == 1 and "secret" in r.out and "A1b2C3" not in r.out
+    assert r.code == 0 and "secret-masked" in r.out and "A1b2C3" not in r.out + r.err
+    assert r.err == ""
     r = cli("lint-digest", "--digest-file", tmp_path / "missing.txt")
     assert r.code == 1 and "no such file" in r.err
     r = cli("lint-digest", "--digest", "Мы решили.", "--json")

@@ -282,7 +282,8 @@ def test_committed_missing(small, tmp_path):
     assert ("committed-missing", rel, "error") in found
     fix = [f["fix"] for f in memshelf.doctor(shelf_path=str(small))["findings"]
            if f["code"] == "committed-missing"][0]
-    assert fix == f"memshelf repair --shelf {small}"
+    assert fix == (f"memshelf repair --shelf {small} puts it back; to delete it on purpose: "
+                   f"memshelf purge --shelf {small} --id ID --apply")
     _repaired(small, tmp_path)
     assert (small / rel).exists()
 

@@ -249,6 +249,11 @@ def _corpus():
     add("twilio-key", "code", f'client = Client("{v}", api_secret, account_sid)\n', [v], ["api_secret"])
     v = rand(HEX, 32)
     add("env-secret", "env", f"TWILIO_AUTH_TOKEN={v}\n", [v], ["TWILIO_AUTH_TOKEN="])
+    # issue 30: the auth token has no prefix; beside the account SID or the word twilio it is one
+    sid, v = "AC" + rand(HEX, 32), rand(HEX, 32)
+    add("twilio-token", "code", f'client = Client("{sid}", "{v}")\n', [v], [sid])
+    v = rand(HEX, 32)
+    add("twilio-token", "prose", f"The Twilio auth token {v} was rotated.\n", [v], ["rotated"])
     v = "SG." + rand(URLSAFE, 22) + "." + rand(URLSAFE, 43)
     add("sendgrid-key", "env", f"SENDGRID_API_KEY={v}\n", [v], ["SENDGRID_API_KEY"])
     v = "SG." + rand(URLSAFE, 22) + "." + rand(URLSAFE, 43)
@@ -697,7 +702,9 @@ def test_equals_quote_rule():
 
 def test_colon_form_needs_quotes_or_a_fence():
     assert redact("Password: reset flow decided\n")[1]["total"] == 0
-    assert redact("password: hunter22\n")[1]["total"] == 0
+    # issue 30: a made-up value after "password:" is a password stated in prose
+    assert redact("password: hunter22\n")[0] == "password: «redacted:env-secret»\n"
+    assert redact("password: hunter\n")[1]["total"] == 0   # a word, not a made-up value
     assert redact('password: "hunter22"\n')[0] == 'password: "«redacted:env-secret»"\n'
     assert redact("'password': hunter22\n")[0] == "'password': «redacted:env-secret»\n"
     assert redact("```yaml\npassword: hunter22\n```\n")[0] == "```yaml\npassword: «redacted:env-secret»\n```\n"
