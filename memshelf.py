@@ -2071,6 +2071,20 @@ def _key_holds(root, entry, key):
             _content_sha1(root, rel) == h for rel, h in racy.items())
 
 
+def _settle(root, name, entry, key):
+    """After _key_holds verified `entry`: forget the racy files that have since settled (their
+    content was just checked), so later reads stop hashing them. A copied or cloned shelf is
+    all racy at its first render; without this every read would hash every file (git refreshes
+    its index on reads for the same reason)."""
+    racy = entry["racy"]
+    if not set(racy) - set(key[1]):
+        return
+    current = _state(root).get(name)
+    if isinstance(current, dict) and current.get("key") == entry.get("key"):
+        _save_state(root, **{name: dict(current, racy={
+            rel: h for rel, h in racy.items() if rel in key[1]})})
+
+
 def _text_digest(text):
     import hashlib
     return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
@@ -2094,6 +2108,7 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
             return None
         if (os.path.lexists(path) if digest is None else _text_digest(files[rel]) != digest):
             return None
+    _settle(root, "render_memo", memo, key)
     return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
             "key": key, "episodes": memo.get("episodes") or 0, "spliced": memo.get("spliced")}
 
@@ -2132,7 +2147,10 @@ def _forget_render(root):
 def _remembered(root, name, key):
     """A derived value remembered under the store key (_render_key_of), or None."""
     entry = _state(root).get(name)
-    return entry.get("value") if _key_holds(root, entry, key) else None
+    if not _key_holds(root, entry, key):
+        return None
+    _settle(root, name, entry, key)
+    return entry.get("value")
 
 
 def _remember(root, name, key, value):

@@ -260,3 +260,22 @@ def test_a_cache_row_with_values_a_render_cannot_use_is_read_again(filled, cli, 
     after = rebuild(cli, filled)
     assert after["ok"] and after["episodes"] == before["episodes"] == len(EPISODES)
     assert (filled / "INDEX.md").read_bytes() == index
+
+
+def test_racy_files_settle_once_a_read_has_verified_them(plain_shelf, cli):
+    """A render made while its files were racy (a fresh copy, files just written) remembers
+    their content; the first read after they age forgets them, so no later read hashes them
+    (issue 32: a copied shelf stayed slow on every read)."""
+    for slug, digest in EPISODES:
+        r = cli("shelve", "--shelf", plain_shelf, "--slug", slug, "--kind", "topic",
+                "--digest", digest, "--section", "Decisions=- Chosen as the digest says.")
+        assert r.code == 0, r
+    rebuild(cli, plain_shelf)                       # within the racy window of every file
+    racy = memo(plain_shelf)["racy"]
+    assert any(rel.startswith("docs/") for rel in racy), racy
+    import time
+    time.sleep(2.2)                                 # they settle: stamps unchanged, aged
+    assert cli("index", "--shelf", plain_shelf).code == 0
+    assert memo(plain_shelf)["racy"] == {}
+    second = rebuild(cli, plain_shelf)              # still answered from the memo
+    assert second["written"] == [] and memo(plain_shelf)["racy"] == {}
