@@ -683,7 +683,8 @@ def code_hash():
     return digest.hexdigest()[:12]
 
 
-# Parts define CLI-only verbs before the CLI section exists; they register factories here.
+# Parts define CLI-only verbs before the CLI section exists; they register factories here
+# (each returns one _Verb, or a list of them made together).
 _EXTRA_VERB_FACTORIES = []
 
 # ==========================================================================================
@@ -13954,7 +13955,7 @@ def _view_verbs():
 
 
 # the verb table is built once per process, so building the seven views per factory is cheap
-_EXTRA_VERB_FACTORIES.extend(lambda n=n: _view_verbs()[n] for n in range(7))
+_EXTRA_VERB_FACTORIES.append(_view_verbs)
 
 # ==========================================================================================
 # Hooks: host adapter entry points
@@ -14840,7 +14841,10 @@ def _verbs():
         ], title="Install a fast `memshelf` command without pip", mcp=False, needs_shelf=False,
             text=_text_summary),
     ]
-    return table + [factory() for factory in _EXTRA_VERB_FACTORIES]
+    for factory in _EXTRA_VERB_FACTORIES:   # a verb, or a list of verbs made together
+        made = factory()
+        table += made if isinstance(made, list) else [made]
+    return table
 
 
 _VERB_CACHE = []
