@@ -62,7 +62,7 @@ def test_index_that_stays_locked_fails_the_verb_and_repair_fixes_it(shelf):
     hook.chmod(0o755)
     r = shelve(shelf, "2026-12-01-lock-held")
     assert r.code == 1, r
-    assert "memshelf repair" in r.err and "committed" in r.err, r
+    assert "memshelf repair" in r.err and "landed" in r.err, r
     hook.unlink()
     os.unlink(shelf / ".git" / "index.lock")
     assert run_cli("repair", "--shelf", shelf).code == 0
