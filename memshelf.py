@@ -12585,25 +12585,83 @@ def _section_matches(heading, wanted):
 
 
 def _check_out_path(out):
-    """A CLI output path: the user's choice, but never inside a .git directory (contracts § 5)."""
+    """Where a view's --out may write (mirror, retro, graph, fork): a new regular file, or one
+    memshelf wrote there before and nobody changed since; never a device, FIFO, socket or link,
+    nor anything inside a shelf or a .git folder. Returns the real path to write."""
     if not isinstance(out, str) or not out.strip() or "\x00" in out:
-        raise _usage("--out needs a file path", "e.g. --out ~/shelf-mirror.html")
+        raise _usage("--out needs a file path", "pass a new file, e.g. --out ~/shelf-mirror.html")
     path = os.path.abspath(os.path.expanduser(out.strip()))
-    real = os.path.realpath(path)
-    if ".git" in path.split(os.sep) or ".git" in real.split(os.sep):
-        raise _usage(f"refusing to write {path}: it is inside a .git directory",
-                     "choose a path outside .git", path=path)
-    if os.path.isdir(real):
-        raise _usage(f"{path} is a directory", "name a file, e.g. --out "
-                     f"{os.path.join(path, 'out.txt')}", path=path)
-    if not os.path.isdir(os.path.dirname(real)):
-        raise _usage(f"the folder of {path} does not exist", "create the folder first", path=path)
-    return real
+    name = os.path.basename(path)
+    instead = f"pass a new file outside any shelf, e.g. --out {os.path.join('~', name or 'out')}"
+
+    def refuse(why, fix=instead):
+        return _usage(f"--out {path} {why}; nothing was written", fix, path=path)
+
+    if os.path.isdir(path):
+        raise refuse("is a directory", f"pass a file name in it, e.g. --out "
+                     f"{os.path.join(path, 'out.txt')}")
+    folder = os.path.realpath(os.path.dirname(path))
+    if ".git" in path.split(os.sep) or ".git" in folder.split(os.sep):
+        raise refuse("is inside a .git directory")
+    if not os.path.isdir(folder):
+        raise refuse("is in a folder that does not exist", "create the folder first, or " +
+                     instead)
+    here = folder
+    while True:   # a shelf's files are its own: an --out there could replace an episode
+        if _is_shelf(here) or os.path.isdir(os.path.join(here, ".memshelf")):
+            raise refuse(f"is inside the shelf {here}")
+        up = os.path.dirname(here)
+        if up == here:
+            break
+        here = up
+    target = os.path.join(folder, name)
+    import stat
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return target
+    if stat.S_ISLNK(st.st_mode):
+        raise refuse("is a symbolic link (memshelf never writes through one)")
+    if not stat.S_ISREG(st.st_mode):
+        raise refuse("is a device, FIFO or socket, not a file")
+    if _out_written().get(target) != _out_stamp(st):
+        raise refuse("exists, and memshelf did not write it (or it changed since)",
+                     "pass a new file name, or delete the file first if it may go")
+    return target
 
 
 def _write_out(path, text):
+    """Write a view's --out file atomically, and remember it as memshelf's to replace later."""
     if path:   # None: the view prints instead
         _atomic_write(path, text if text.endswith("\n") else text + "\n")
+        written = _out_written()
+        written.pop(path, None)
+        written[path] = _out_stamp(os.lstat(path))
+        record = _out_record_path()
+        try:
+            os.makedirs(os.path.dirname(record), exist_ok=True)
+            _atomic_write(record, json.dumps(dict(list(written.items())[-_OUT_REMEMBERED:])))
+        except (OSError, ShelfError):
+            pass   # unremembered: the next --out to this path is refused, never worse
+
+
+_OUT_REMEMBERED = 256   # the --out files memshelf remembers writing, newest last
+
+
+def _out_record_path():
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    return os.path.join(base, "memshelf", "out-files.json")
+
+
+def _out_written():
+    """{real path: stamp} of the --out files memshelf wrote (a per-user record)."""
+    data, _ = _load_json_object(_out_record_path())
+    return data if isinstance(data, dict) else {}
+
+
+def _out_stamp(st):
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 def _id_pattern(ids):
@@ -13669,7 +13727,8 @@ def _view_verbs():
     private = _Param("include_private", "boolean", default=False,
                      help="Include episodes whose tags match export_exclude_tags.")
     out = _Param("out", "string", nullable=True, metavar="FILE",
-                 help="Write here instead of stdout (never inside .git).")
+                 help="Write a new file here instead of stdout (or one memshelf wrote; "
+                      "never a link, device, or a path in a shelf or .git).")
 
     def view(name, func, params, title, **kw):
         return _Verb(name, func, [_shelf_param(), *params], title=title, mcp=False, **kw)
