@@ -5107,7 +5107,12 @@ def lint_digest(digest=None, strict=False, shelf_path=None, digest_file=None):
 
 def _read_input_file(path, flag):
     if path == "-":
-        return sys.stdin.read()
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+        try:
+            return data.decode("utf-8") if isinstance(data, bytes) else data
+        except UnicodeDecodeError as exc:
+            raise _usage(f"{flag} -: standard input is not UTF-8 text (byte {exc.start})",
+                         f"convert it to UTF-8, then pass it to {flag} again") from None
     try:
         return _read_text(os.path.expanduser(path))
     except OSError as exc:
@@ -14732,6 +14737,7 @@ def _validate_arguments(verb, arguments):
             raise _usage(f"argument {name!r} must be an array of strings")
         if p.type == "object" and not all(isinstance(x, str) for x in value.values()):
             raise _usage(f"argument {name!r} must map names to strings")
+        _check_unicode(p, value, name)
         if p.enum and value not in p.enum:
             raise _usage(f"argument {name!r} must be one of {', '.join(map(str, p.enum))}",
                          f"got {_excerpt(value)}")
@@ -15221,8 +15227,30 @@ def _cli_kwargs(verb, ns):
             value = dict(item.split("=", 1) for item in value)
         if prm.positional and prm.type == "string" and isinstance(value, list):
             value = " ".join(value)
+        _check_unicode(prm, value, prm.metavar or prm.name if prm.positional else prm.flags[0])
         kwargs[prm.name] = value
     return kwargs
+
+
+def _check_unicode(prm, value, label):
+    """Text that is not Unicode (invalid UTF-8 in argv arrives as lone surrogates, and JSON can
+    spell them too) is refused naming the argument; it would fail later as an internal error.
+    Paths are exempt: on POSIX a file name may be any bytes."""
+    path = (prm.metavar or "").endswith(("PATH", "FILE", "DIR")) or prm.name == "checkout"
+    if isinstance(value, dict):   # NAME=PATH: the names are text, the values may be paths
+        texts = list(value) + ([] if path else list(value.values()))
+    else:
+        texts = [] if path else [value] if isinstance(value, str) else \
+            value if isinstance(value, list) else []
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _usage(f"{label} is not valid text: character {exc.start} is not Unicode "
+                         "(invalid UTF-8, or a lone surrogate)", f"pass {label} as UTF-8 "
+                         "text", argument=label) from None
+        except AttributeError:
+            pass   # not text: the type checks answer for it
 
 
 def _print_json(obj):
