@@ -5109,7 +5109,9 @@ def _read_input_file(path, flag):
     if path == "-":
         data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
         try:
-            return data.decode("utf-8") if isinstance(data, bytes) else data
+            if isinstance(data, bytes):   # newlines as text-mode stdin translates them
+                data = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+            return data
         except UnicodeDecodeError as exc:
             raise _usage(f"{flag} -: standard input is not UTF-8 text (byte {exc.start})",
                          f"convert it to UTF-8, then pass it to {flag} again") from None
