@@ -9646,6 +9646,9 @@ _MD_SPEAKER = _re_lazy(
 _ISO_STAMP = _re_lazy(r"(\d{4})-(\d{2})-(\d{2})[T ](\d{2}):(\d{2}):(\d{2})")
 
 
+_IMPORT_MAX_BYTES = 256 << 20   # docs/import.md: the largest export file import reads
+
+
 def _not_a_transcript(path, why, fix=None):
     return ShelfError("io-error", f"{path} is not a transcript memshelf can read: {why}",
                       fix or "export the conversation again (claude.ai: Settings → Privacy → "
@@ -10064,9 +10067,23 @@ def import_transcript(method=None, path=None, format="auto", markers=None, limit
     source = os.path.realpath(os.path.expanduser(path))
     if not os.path.exists(source):
         raise ShelfError("io-error", f"no such file {path}", "check the path", {"path": path})
-    if not os.path.isfile(source):
+    import stat
+    try:   # O_NONBLOCK: a FIFO swapped in after a check must not hang the call
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ShelfError("io-error", f"cannot read {path}: {exc.strerror}",
+                         "check the path and permissions", {"path": path}) from None
+    if not stat.S_ISREG(st.st_mode):
         raise ShelfError("io-error", f"{path} is not a regular file", "name the export file",
                          {"path": path})
+    if st.st_size > _IMPORT_MAX_BYTES:   # parsed in memory: ~10 bytes of RAM per byte of JSON
+        raise ShelfError("io-error", f"{path} is {st.st_size / 1048576:.0f} MiB; import reads "
+                         f"files up to {_IMPORT_MAX_BYTES >> 20} MiB", "export a shorter range, "
+                         "or split the file (one conversation per file)", {"path": path})
     progress = _Progress("reading transcript")
     try:
         fmt, convs = _read_transcript(source, format, progress)

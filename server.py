@@ -1228,10 +1228,11 @@ def _protocol_streams():
     return proto_in, proto_out
 
 
-_USAGE = """usage: memshelf-mcp [--version]
+_USAGE = """usage: memshelf-mcp [--shelf DIR] [--version]
 
 The memshelf MCP server: JSON-RPC over stdin/stdout, one message per line.
 Hosts start it as `memshelf-mcp`, `python3 server.py` or `memshelf serve`.
+--shelf DIR: the default shelf, as MEMSHELF_SHELF=DIR (the option wins over the variable).
 Environment: MEMSHELF_SHELF (default shelf), MEMSHELF_HANDSHAKE_TIMEOUT (60; 0 = never exit),
 MEMSHELF_LOCK_TIMEOUT, MEMSHELF_MCP_TEXT (human|json), MEMSHELF_LOG_LEVEL (info),
 MEMSHELF_DEBUG=1 (tracebacks on stderr).
@@ -1248,6 +1249,14 @@ def main(argv=None):
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(_USAGE)
         return 0
+    if argv[:1] == ["--shelf"] and len(argv) > 1 or argv[:1] and argv[0].startswith("--shelf="):
+        shelf = argv[1] if argv[0] == "--shelf" else argv[0].split("=", 1)[1]
+        argv = argv[2:] if argv[0] == "--shelf" else argv[1:]
+        if not shelf.strip():
+            sys.stderr.write(f"memshelf-mcp: error: --shelf needs a folder\n{_USAGE}")
+            return 2
+        # the tools read the default shelf from the environment: the option is that variable
+        os.environ["MEMSHELF_SHELF"] = os.path.abspath(os.path.expanduser(shelf))
     if argv:
         sys.stderr.write(f"memshelf-mcp: error: unknown argument {argv[0]!r}\n{_USAGE}")
         return 2

@@ -328,6 +328,8 @@ def test_mcp_import_refuses_special_and_unreadable_files(tmp_path):
             assert result["isError"], result
             text = json.dumps(result)
             assert "SECRETHASHVALUE" not in text and "root:" not in text, text
+            if path != str(secret):
+                assert ("MiB" if path == str(big) else "not a regular file") in text, text
 
 
 def test_server_shelf_argument(shelf):
