@@ -1197,10 +1197,42 @@ def _core():
                 hasattr(module, "tool_definitions"):
             return module
     here = os.path.dirname(os.path.abspath(__file__))
-    if os.path.isfile(os.path.join(here, "memshelf.py")) and here not in sys.path:
-        sys.path.insert(0, here)
+    source = os.path.join(here, "memshelf.py")
+    if os.path.isfile(source):
+        _hash_checked_cache(source)
+        if here not in sys.path:
+            sys.path.insert(0, here)
     import memshelf
     return memshelf
+
+
+def _hash_checked_cache(source):
+    """Make memshelf.py's cached bytecode one Python checks by the source's hash.
+
+    An extension update is unpacked over the old folder with every file dated 1980-01-01 (a
+    reproducible bundle), and Python checks an ordinary cache by the source's date and size
+    only: a same-size memshelf.py would run the old code. A hash-checked cache cannot be stale,
+    and Python keeps it hash-checked when it rewrites it after a change."""
+    if sys.dont_write_bytecode:
+        return
+    import importlib.util
+    cache = importlib.util.cache_from_source(source)
+    try:
+        with open(cache, "rb") as f:
+            head = f.read(8)
+        if len(head) == 8 and head[:4] == importlib.util.MAGIC_NUMBER and head[4] & 0b11 == 3:
+            return   # hash-based and checked (PEP 552 flags)
+    except OSError:
+        pass
+    import py_compile
+    try:
+        py_compile.compile(source, cache, doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    except (OSError, py_compile.PyCompileError):   # a read-only folder: nothing is cached
+        try:
+            os.unlink(cache)   # a stale timestamp cache must not outlive a failed rewrite
+        except OSError:
+            pass
 
 
 def _protocol_streams():

@@ -340,3 +340,48 @@ def test_server_shelf_argument(shelf):
                                                  "sections": {"Decisions": "A"}})
         assert not result.get("isError"), result
     assert (shelf / "docs" / "topics" / "2026-12-06-by-argument.md").exists()
+
+
+# 12. an extension update unpacked over the old folder never runs the old code ---------------
+
+def test_bundle_update_over_the_old_folder_runs_the_new_code(tmp_path):
+    import zipfile
+    import build_mcpb
+    out = tmp_path / "dist"
+    env = {"PATH": os.path.dirname(sys.executable), "HOME": os.environ.get("HOME", "/")}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "build_mcpb.py"), "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    version = build_mcpb.read_version(MEMSHELF)
+    bundle = out / f"memshelf-{version}.mcpb"
+    ext = tmp_path / "extension"
+    dated = time.mktime((1980, 1, 1, 0, 0, 0, 0, 0, -1))
+
+    def unpack(replace=None):
+        # as the host does: the zip's 1980-01-01 dates on every file, over the old folder
+        with zipfile.ZipFile(bundle) as zf:
+            for info in zf.infolist():
+                data = zf.read(info)
+                if replace and info.filename == "memshelf.py":
+                    data = replace(data)
+                path = ext / info.filename
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+                os.utime(path, (dated, dated))
+
+    def served_version():
+        c = McpClient([sys.executable, str(ext / "server.py")], env=clean_env(),
+                      cwd=str(tmp_path))
+        try:
+            return c.initialize()["serverInfo"]["version"]
+        finally:
+            c.close()
+
+    unpack()
+    assert served_version() == version
+    assert any(n.startswith("memshelf.") for n in os.listdir(ext / "__pycache__"))
+    newer = version[:-1] + ("9" if version[-1] != "9" else "8")   # the same size
+    unpack(lambda data: data.replace(f'__version__ = "{version}"'.encode(),
+                                     f'__version__ = "{newer}"'.encode(), 1))
+    assert (ext / "memshelf.py").stat().st_size == os.path.getsize(MEMSHELF)
+    assert served_version() == newer
