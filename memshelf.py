@@ -5805,8 +5805,8 @@ def _shelve_locked(root, a):
             _check_cancelled()
             result["commit"] = git.commit(paths, message)
             result["committed"] = result["commit"] is not None
-    except BaseException:
-        journal.restore()
+    except BaseException as exc:
+        journal.restore(exc)
         raise
     _taint_memory(root, learned)   # masked values beyond this episode (docs/redaction.md)
     if mode == "auto":
@@ -5906,9 +5906,12 @@ class _Journal:
         except FileNotFoundError:
             pass
 
-    def restore(self):
+    def restore(self, exc=None):
         """Every path back to its first remembered state: removals first, which frees the room
-        a full disk needs for the rewrites; a rewrite with no room for a temp file is in place."""
+        a full disk needs for the rewrites; a rewrite with no room for a temp file is in place.
+        Not after the commit landed (exc says so): the tree then keeps what HEAD holds."""
+        if isinstance(exc, ShelfError) and exc.details.get("commit"):
+            return
         first = {}
         for path, data in self.saved:
             first.setdefault(path, data)
@@ -6593,9 +6596,9 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
                        else "rebuild: regenerate derived files")
             result["commit"] = git.commit(sorted(files) + changed_sources, message)
             result["committed"] = result["commit"] is not None
-    except BaseException:
+    except BaseException as exc:
         if journal is not None and not result["committed"]:
-            journal.restore()
+            journal.restore(exc)
         raise
     for temp in _leftover_temps(root):
         try:
@@ -9490,8 +9493,8 @@ def _rollup_locked(root, a):
             _check_cancelled()
             result["commit"] = git.commit(paths, f"rollup: {slug} ({episodes})")
             result["committed"] = result["commit"] is not None
-    except BaseException:
-        journal.restore()
+    except BaseException as exc:
+        journal.restore(exc)
         for d in reversed(new_dirs):
             try:
                 os.rmdir(os.path.join(root, d))
@@ -9609,8 +9612,8 @@ def _purge_locked(root, today, apply, autocommit):
             _check_cancelled()
             result["commit"] = git.commit(paths, f"purge: {n} episode(s) past retain_until")
             result["committed"] = result["commit"] is not None
-    except BaseException:
-        journal.restore()
+    except BaseException as exc:
+        journal.restore(exc)
         raise
     finally:
         progress.done()

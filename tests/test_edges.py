@@ -63,6 +63,10 @@ def test_index_that_stays_locked_fails_the_verb_and_repair_fixes_it(shelf):
     r = shelve(shelf, "2026-12-01-lock-held")
     assert r.code == 1, r
     assert "memshelf repair" in r.err and "landed" in r.err, r
+    # after the commit point nothing is undone: the tree keeps what HEAD holds
+    episode = shelf / "docs" / "topics" / "2026-12-01-lock-held.md"
+    assert episode.read_bytes() == git(shelf, "show", f"HEAD:{episode.relative_to(shelf)}",
+                                       ).encode()
     hook.unlink()
     os.unlink(shelf / ".git" / "index.lock")
     assert run_cli("repair", "--shelf", shelf).code == 0
