@@ -12625,8 +12625,8 @@ def _check_out_path(out):
         return _usage(f"--out {path} {why}; nothing was written", fix, path=path)
 
     if os.path.isdir(path):
-        raise refuse("is a directory", f"pass a file name in it, e.g. --out "
-                     f"{os.path.join(path, 'out.txt')}")
+        raise refuse("is a directory", "pass a file name instead, e.g. --out "
+                     f"{os.path.join('~', 'shelf-out.txt')}")
     folder = os.path.realpath(os.path.dirname(path))
     if ".git" in path.split(os.sep) or ".git" in folder.split(os.sep):
         raise refuse("is inside a .git directory")
