@@ -3,7 +3,6 @@ never commits damage, --out never overwrites what memshelf did not create. Every
 git and the real CLI, server and bundle as processes; nothing is mocked."""
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import MEMSHELF, ROOT, SERVER, git, run_cli, shelve_args
+from conftest import MEMSHELF, ROOT, SERVER, git, run_cli
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mcp_client import McpClient, clean_env  # noqa: E402
