@@ -5766,16 +5766,9 @@ def _shelve_locked(root, a):
         rendered_records = None
         if mode == "auto":
             rendered = None
-            strays = _uncommitted_episodes(git, root, address) \
-                if git.is_repo() and a["autocommit"] else ()
-            if strays:   # the commit's INDEX lists what it commits, not a killed write's leftover
-                with _Store(root) as store:
-                    records = [r for r in store.render_records() if r["path"] not in strays]
-                rendered = _render_derived(root, records=records)
-                warnings.append("left out of the INDEX (not committed; memshelf doctor names "
-                                "them): " + ", ".join(sorted(strays)[:5]) +
-                                (f" and {len(strays) - 5} more" if len(strays) > 5 else ""))
-            elif before is not None:
+            if git.is_repo() and a["autocommit"]:
+                rendered = _render_committed(git, root, warnings, address)
+            if rendered is None and before is not None:
                 # the last render, on disk, with this episode's lines moved (not all re-rendered)
                 st = os.stat(os.path.join(root, address))
                 scanned = sorted([f for f in scanned if f[0] not in (address, moved_from)] + [
@@ -5845,12 +5838,23 @@ def _episode_damage(root, rel):
     return None
 
 
-def _uncommitted_episodes(git, root, *writing):
-    """Episode files on disk that git's index does not track, other than those being written."""
+def _render_committed(git, root, warnings, *writing):
+    """The render a commit of derived files needs when episode files on disk are not tracked
+    by git (a killed write's leftover, random bytes saved as x.md), other than those `writing`:
+    without them, so the committed INDEX lists what the commit holds. None when there are none
+    (the ordinary render is that render); each left out is named in `warnings`."""
     on_disk = {rel for rel, _, _ in _scan_episode_files(root)}
     tracked = git.run("ls-files", "-z", "--", "docs", "archive/docs", read_only=True)
-    return on_disk - set(tracked.stdout.decode("utf-8", "surrogateescape").split("\x00")) - \
+    strays = on_disk - set(tracked.stdout.decode("utf-8", "surrogateescape").split("\x00")) - \
         set(writing)
+    if not strays:
+        return None
+    with _Store(root) as store:
+        records = [r for r in store.render_records() if r["path"] not in strays]
+    shown = sorted(strays)
+    warnings.append("left out of the committed INDEX (not in git; memshelf doctor names them): "
+                    + ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if shown[5:] else ""))
+    return _render_derived(root, records=records)   # a key of None: never remembered
 
 
 class _Journal:
@@ -6554,9 +6558,13 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
             with db:
                 db.execute("DELETE FROM episodes")
             db.close()
+    git = _Git(root)
+    committing = commit and not check and git.is_repo()
+    left_out = []
     # --check verifies what shelve's one-change render left: it trusts a full render's memo only
-    rendered = _render_derived(root, fmt=index_format if check else None, progress=progress,
-                               memo="full" if check else "any")
+    rendered = committing and _render_committed(git, root, left_out) or \
+        _render_derived(root, fmt=index_format if check else None, progress=progress,
+                        memo="full" if check else "any")
     files = rendered["files"]
     # stale derived files that should not exist (e.g. a .meta.json of an emptied category)
     for rel in [f"{base}/{cat}/.meta.json" for base in ("docs", "archive/docs")
@@ -6566,8 +6574,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     if "stats.svg" not in files and os.path.exists(os.path.join(root, "stats.svg")):
         files["stats.svg"] = None
     result = {"status": "ok", "ok": True, "episodes": rendered["episodes"], "written": [],
-              "unchanged": [], "drifted": [], "deleted": [], "warnings": rendered["warnings"],
-              "committed": False, "commit": None}
+              "unchanged": [], "drifted": [], "deleted": [],
+              "warnings": rendered["warnings"] + left_out, "committed": False, "commit": None}
     if adoption is not None:
         result["adoption"] = adoption
     if check:
@@ -6585,9 +6593,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
                              "drift: " + ", ".join(result["drifted"]) + " — run memshelf rebuild")
         progress.done()
         return result
-    git = _Git(root)
     # with --commit, an interruption before the commit puts the derived files back
-    journal = _Journal(root) if commit and git.is_repo() else None
+    journal = _Journal(root) if committing else None
     try:
         written, unchanged, deleted = _write_derived(root, files, rendered, journal)
         if journal is not None:

@@ -291,6 +291,9 @@ def test_committed_index_lists_only_committed_episodes(shelf3, leftover):
     assert "2026-11-09-stray-file" not in git(shelf3, "show", "HEAD:ledger.tsv")
     _, codes, found = doctor(shelf3)
     assert any(f["path"] == "docs/topics/2026-11-09-stray-file.md" for f in found), found
+    r = run_cli("rebuild", "--commit", "--shelf", shelf3)   # the same rule for rebuild --commit
+    assert r.code == 0 and "2026-11-09-stray-file" in r.out + r.err, r
+    assert "2026-11-09-stray-file" not in git(shelf3, "show", "HEAD:INDEX.md")
 
 
 # 10. doctor and repair see the shelf lock --------------------------------------------------
