@@ -11752,7 +11752,7 @@ class _DoctorRun:
             episode = bool(_EPISODE_REL.match(rel))
             if rel == _RECALL_LOG or _TEMP_MARK in rel or not (episode or _is_derived_path(rel)):
                 continue
-            if episode and _linked(self.root, rel):
+            if _linked(self.root, rel):
                 if y == "D":   # committed, but behind a link memshelf never follows
                     link = next(p for p in _path_prefixes(rel) if os.path.islink(
                         os.path.join(self.root, p)))
@@ -11760,7 +11760,7 @@ class _DoctorRun:
                         "link memshelf never follows, so the tree lacks it", fix="replace the "
                         f"link {link} with the folder it points to, then run memshelf repair "
                         f"--shelf {shelf}")
-                continue   # a link is symlink-ignored, never an episode
+                continue   # a link is symlink-ignored (or derived-not-file), never an episode
             full = os.path.join(self.root, rel)
             if not episode and os.path.lexists(full) and \
                     (os.path.islink(full) or not os.path.isfile(full)):
