@@ -1281,8 +1281,8 @@ def main(argv=None):
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(_USAGE)
         return 0
-    if argv[:1] == ["--shelf"] and len(argv) > 1 or argv[:1] and argv[0].startswith("--shelf="):
-        shelf = argv[1] if argv[0] == "--shelf" else argv[0].split("=", 1)[1]
+    if argv[:1] == ["--shelf"] or argv[:1] and argv[0].startswith("--shelf="):
+        shelf = argv[1] if argv[0] == "--shelf" and len(argv) > 1 else argv[0][len("--shelf="):]
         argv = argv[2:] if argv[0] == "--shelf" else argv[1:]
         if not shelf.strip():
             sys.stderr.write(f"memshelf-mcp: error: --shelf needs a folder\n{_USAGE}")
