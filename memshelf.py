@@ -14673,8 +14673,10 @@ def _verbs():
             _Param("arguments", _S, default="{}", positional=True, nargs="?",
                    metavar="ARGS_JSON", help="JSON object of arguments."),
         ], title="Run one MCP tool by name with JSON arguments", mcp=False, needs_shelf=False),
-        _Verb("serve", serve_verb, [], title="Start the MCP stdio server", mcp=False,
-              needs_shelf=False),
+        _Verb("serve", serve_verb, [
+            _Param("shelf_path", _S, nullable=True, flags=["--shelf"], metavar="PATH",
+                   help="Default shelf of the server (as MEMSHELF_SHELF)."),
+        ], title="Start the MCP stdio server", mcp=False, needs_shelf=False),
         _Verb("install-launcher", install_launcher, [
             _Param("bin_dir", _S, nullable=True, metavar="DIR",
                    help="Where the `memshelf` launcher goes. Default: ~/.local/bin."),
@@ -15068,7 +15070,7 @@ def call_verb(tool, arguments="{}"):
     return {"__verb__": name, **call_tool(name, args, client_name="memshelf-call")}
 
 
-def serve_verb():
+def serve_verb(shelf_path=None):
     """Start the MCP stdio server (server.py next to this file, or memshelf_server)."""
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
@@ -15081,7 +15083,7 @@ def serve_verb():
         except ImportError:
             raise ShelfError("io-error", "server.py was not found next to memshelf.py",
                              "reinstall memshelf or copy server.py beside memshelf.py") from None
-    raise SystemExit(server_module.main([]))
+    raise SystemExit(server_module.main(["--shelf", shelf_path] if shelf_path else []))
 
 
 _LAUNCHER_MARK = "# memshelf launcher, written by `memshelf install-launcher`"

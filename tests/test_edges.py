@@ -338,8 +338,12 @@ def test_mcp_import_refuses_special_and_unreadable_files(tmp_path):
                 assert ("MiB" if path == str(big) else "not a regular file") in text, text
 
 
-def test_server_shelf_argument(shelf):
-    with mcp(shelf.parent, "--shelf", str(shelf)) as c:
+@pytest.mark.parametrize("launch", [[SERVER], ["-m", "memshelf", "serve"]],
+                         ids=["server.py", "memshelf serve"])
+def test_server_shelf_argument(shelf, launch):
+    c = McpClient([sys.executable, *launch, "--shelf", str(shelf)], env=clean_env(),
+                  cwd=str(shelf.parent))
+    with c:
         c.initialize()
         result = c.call_tool("memshelf_shelve", {"slug": "2026-12-06-by-argument",
                                                  "kind": "topic", "digest": DIGEST,
