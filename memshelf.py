@@ -5843,10 +5843,10 @@ def _render_committed(git, root, warnings, *writing):
     by git (a killed write's leftover, random bytes saved as x.md), other than those `writing`:
     without them, so the committed INDEX lists what the commit holds. None when there are none
     (the ordinary render is that render); each left out is named in `warnings`."""
-    on_disk = {rel for rel, _, _ in _scan_episode_files(root)}
-    tracked = git.run("ls-files", "-z", "--", "docs", "archive/docs", read_only=True)
-    strays = on_disk - set(tracked.stdout.decode("utf-8", "surrogateescape").split("\x00")) - \
-        set(writing)
+    # -o without --exclude-standard: an ignored episode file is not committed either
+    others = git.run("ls-files", "-o", "-z", "--", "docs", "archive/docs", read_only=True)
+    strays = {rel for rel in others.stdout.decode("utf-8", "surrogateescape").split("\x00")
+              if _EPISODE_REL.match(rel)} - set(writing)
     if not strays:
         return None
     with _Store(root) as store:
