@@ -1224,6 +1224,9 @@ def _hash_checked_cache(source):
             return   # hash-based and checked (PEP 552 flags)
     except OSError:
         pass
+    folder = os.path.dirname(cache)
+    if not os.access(folder if os.path.isdir(folder) else os.path.dirname(folder), os.W_OK):
+        return   # a read-only install caches nothing: compiling here would be wasted
     import py_compile
     try:
         py_compile.compile(source, cache, doraise=True,
