@@ -489,32 +489,44 @@ def _read_text(path):
 
 
 class _ShelfLock:
-    """The one inter-process write lock of a shelf: .memshelf/lock (git-and-sync.md § 3)."""
+    """The one inter-process write lock of a shelf: .memshelf/lock (git-and-sync.md § 3).
+    A writer holds it exclusively and writes its pid into it; doctor holds it shared (`shared`),
+    so it never reads a shelf halfway through a write (no shared locks on Windows: exclusive)."""
 
-    def __init__(self, root):
+    def __init__(self, root, shared=False, timeout=None):
         self.root, self.fd, self.depth = root, None, 0
+        self.shared, self.timeout = shared, timeout
 
     def __enter__(self):
         if self.depth:
             self.depth += 1
             return self
         path = os.path.join(self.root, ".memshelf", "lock")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            if not self.shared:
+                raise
+            self.depth = 1   # a reader on a read-only shelf: no writer can be there either
+            return self
         try:
             timeout = float(os.environ.get("MEMSHELF_LOCK_TIMEOUT", "30"))
         except ValueError:
             timeout = 30.0
+        timeout = timeout if self.timeout is None else self.timeout
         start, noted = time.monotonic(), False
         while not self._try():
             waited = time.monotonic() - start
             if waited >= timeout:
+                holder = self.holder()
                 os.close(self.fd)
                 self.fd = None
                 raise ShelfError("shelf-busy", "another memshelf process holds the shelf lock "
-                                 f"({waited:.0f} s)", "retry in a moment, or raise "
-                                 "MEMSHELF_LOCK_TIMEOUT", {"lock": path})
-            if waited > 1 and not noted:
+                                 f"({waited:.0f} s" + (f", pid {holder}" if holder else "") + ")",
+                                 "retry in a moment, or raise MEMSHELF_LOCK_TIMEOUT",
+                                 {"lock": path, "pid": holder})
+            if waited > 1 and not noted and not self.shared:
                 noted = True
                 _note("waiting for the shelf lock")
                 _log_event("notice", "waiting for the shelf lock", shelf=self.root)
@@ -524,6 +536,13 @@ class _ShelfLock:
             _check_cancelled()
             time.sleep(0.05)
         self.depth = 1
+        if not self.shared:   # who is writing, for a doctor that finds the lock held
+            try:
+                os.ftruncate(self.fd, 0)
+                os.write(self.fd, f"{os.getpid()}\n".encode("ascii"))
+                os.lseek(self.fd, 0, 0)
+            except OSError:
+                pass
         return self
 
     def _try(self):
@@ -533,10 +552,19 @@ class _ShelfLock:
                 msvcrt.locking(self.fd, msvcrt.LK_NBLCK, 1)
             else:
                 import fcntl
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self.fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) |
+                            fcntl.LOCK_NB)
             return True
         except OSError:
             return False
+
+    def holder(self):
+        """The pid the writer holding the lock wrote into it, or None."""
+        try:
+            text = os.pread(self.fd, 32, 0).decode("ascii", "replace").strip()
+        except (OSError, AttributeError):
+            return None
+        return int(text) if text.isdigit() else None
 
     def __exit__(self, *exc):
         self.depth -= 1
@@ -1832,6 +1860,12 @@ def _share_values(rec):
         if isinstance(section, list) and section and isinstance(section[0], str):
             section[0] = sys.intern(section[0])
     return rec
+
+
+def _path_prefixes(rel):
+    """'a', 'a/b', 'a/b/c.md' of 'a/b/c.md': each folder on the way, then the path itself."""
+    parts = rel.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def _linked(root, rel):
@@ -5250,7 +5284,14 @@ def lint_digest(digest=None, strict=False, shelf_path=None, digest_file=None, fi
 
 def _read_input_file(path, flag):
     if path == "-":
-        return sys.stdin.read()
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+        try:
+            if isinstance(data, bytes):   # newlines as text-mode stdin translates them
+                data = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+            return data
+        except UnicodeDecodeError as exc:
+            raise _usage(f"{flag} -: standard input is not UTF-8 text (byte {exc.start})",
+                         f"convert it to UTF-8, then pass it to {flag} again") from None
     try:
         return _read_text(os.path.expanduser(path))
     except OSError as exc:
@@ -6044,6 +6085,11 @@ def _shelve_plan(root, a, sync_report=None):
         if lines:
             verbatim[key] = lines
     text = _compose_episode(fields, digest, body_sections, verbatim)
+    if "\x00" in text:   # doctor would call the file binary (episode-binary): never written
+        where = "the digest" if "\x00" in digest else next(
+            (f"section {_excerpt(h)}" for h, b in body_sections if "\x00" in b), "a field")
+        raise ShelfError("episode-invalid", f"{where} holds a NUL byte; an episode is text",
+                         "remove the byte (a binary file pasted by mistake?) and shelve again")
     size = len(text.encode("utf-8"))
     if size > _EPISODE_MAX_BYTES:
         raise ShelfError("episode-invalid", f"the episode is {size} bytes; the limit is 8 MiB",
@@ -6101,7 +6147,12 @@ def _shelve_write(root, git, plans, a, sync_report):
         written = []
         rendered = rendered_records = None
         if mode == "auto":
-            if before is not None:
+            if git.is_repo() and a["autocommit"]:
+                strays = []   # episode files git does not track: not in the committed INDEX
+                rendered = _render_committed(git, root, strays, *[p.address for p in plans])
+                for p in plans:
+                    p.result["warnings"].extend(strays)
+            if rendered is None and before is not None:
                 # the last render, on disk, with this episode's lines moved (not all re-rendered)
                 st = os.stat(os.path.join(root, one.address))
                 scanned = sorted([f for f in scanned if f[0] not in (one.address, one.moved_from)]
@@ -6135,8 +6186,8 @@ def _shelve_write(root, git, plans, a, sync_report):
             _check_cancelled()
             batch["commit"] = git.commit(paths, message)
             batch["committed"] = batch["commit"] is not None
-    except BaseException:
-        journal.restore()
+    except BaseException as exc:
+        journal.restore(exc)
         raise
     _taint_memory(root, [v for p in plans for v in p.learned])   # docs/redaction.md
     if mode == "auto":
@@ -6171,6 +6222,44 @@ def _shelve_write(root, git, plans, a, sync_report):
     if result.get("sync") and result["sync"].get("error") and a["push"]:
         result["status"] = "incomplete"
     return result
+
+
+def _episode_damage(root, rel):
+    """Why doctor would call this episode file an error before parsing it (episode-oversize,
+    episode-binary), or None: such a file is never committed by repair nor written by shelve."""
+    path = os.path.join(root, rel)
+    try:
+        if os.path.getsize(path) > _EPISODE_MAX_BYTES:
+            return "is over the 8 MiB an episode may hold"
+        data = _file_bytes(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if b"\x00" in data:
+        return f"holds a NUL byte (byte {data.index(0)})"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"is not UTF-8 text (byte {exc.start})"
+    return None
+
+
+def _render_committed(git, root, warnings, *writing):
+    """The render a commit of derived files needs when episode files on disk are not tracked
+    by git (a killed write's leftover, random bytes saved as x.md), other than those `writing`:
+    without them, so the committed INDEX lists what the commit holds. None when there are none
+    (the ordinary render is that render); each left out is named in `warnings`."""
+    # -o without --exclude-standard: an ignored episode file is not committed either
+    others = git.run("ls-files", "-o", "-z", "--", "docs", "archive/docs", read_only=True)
+    strays = {rel for rel in others.stdout.decode("utf-8", "surrogateescape").split("\x00")
+              if _EPISODE_REL.match(rel)} - set(writing)
+    if not strays:
+        return None
+    with _Store(root) as store:
+        records = [r for r in store.render_records() if r["path"] not in strays]
+    shown = sorted(strays)
+    warnings.append("left out of the committed INDEX (not in git; memshelf doctor names them): "
+                    + ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if shown[5:] else ""))
+    return _render_derived(root, records=records)   # a key of None: never remembered
 
 
 class _Journal:
@@ -6226,9 +6315,12 @@ class _Journal:
         except FileNotFoundError:
             pass
 
-    def restore(self):
+    def restore(self, exc=None):
         """Every path back to its first remembered state: removals first, which frees the room
-        a full disk needs for the rewrites; a rewrite with no room for a temp file is in place."""
+        a full disk needs for the rewrites; a rewrite with no room for a temp file is in place.
+        Not after the commit landed (exc says so): the tree then keeps what HEAD holds."""
+        if isinstance(exc, ShelfError) and exc.details.get("commit"):
+            return
         first = {}
         for path, data in self.saved:
             first.setdefault(path, data)
@@ -6906,9 +6998,13 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
         if db is not None:
             _forget_rows(db)
             db.close()
+    git = _Git(root)
+    committing = commit and not check and git.is_repo()
+    left_out = []
     # --check verifies what shelve's one-change render left: it trusts a full render's memo only
-    rendered = _render_derived(root, fmt=index_format if check else None, progress=progress,
-                               memo="full" if check else "any")
+    rendered = committing and _render_committed(git, root, left_out) or \
+        _render_derived(root, fmt=index_format if check else None, progress=progress,
+                        memo="full" if check else "any")
     files = rendered["files"]
     # stale derived files that should not exist (e.g. a .meta.json of an emptied category)
     for rel in [f"{base}/{cat}/.meta.json" for base in ("docs", "archive/docs")
@@ -6918,8 +7014,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     if "stats.svg" not in files and os.path.exists(os.path.join(root, "stats.svg")):
         files["stats.svg"] = None
     result = {"status": "ok", "ok": True, "episodes": rendered["episodes"], "written": [],
-              "unchanged": [], "drifted": [], "deleted": [], "warnings": rendered["warnings"],
-              "committed": False, "commit": None}
+              "unchanged": [], "drifted": [], "deleted": [],
+              "warnings": rendered["warnings"] + left_out, "committed": False, "commit": None}
     if adoption is not None:
         result["adoption"] = adoption
     if check:
@@ -6937,9 +7033,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
                              "drift: " + ", ".join(result["drifted"]) + " — run memshelf rebuild")
         progress.done()
         return result
-    git = _Git(root)
     # with --commit, an interruption before the commit puts the derived files back
-    journal = _Journal(root) if commit and git.is_repo() else None
+    journal = _Journal(root) if committing else None
     try:
         written, unchanged, deleted = _write_derived(root, files, rendered, journal)
         if journal is not None:
@@ -6948,9 +7043,9 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
                        else "rebuild: regenerate derived files")
             result["commit"] = git.commit(sorted(files) + changed_sources, message)
             result["committed"] = result["commit"] is not None
-    except BaseException:
+    except BaseException as exc:
         if journal is not None and not result["committed"]:
-            journal.restore()
+            journal.restore(exc)
         raise
     for temp in _leftover_temps(root):
         try:
@@ -8627,12 +8722,7 @@ class _Git:
         if not present and not gone:
             return None
         git_dir = self.out("rev-parse", "--absolute-git-dir", read_only=True)
-        lock = os.path.join(git_dir, "index.lock")
-        for _ in range(30):   # a live git command holds it for a moment; a dead one for ever
-            if not os.path.exists(lock) or _stale_git_locks(git_dir):
-                break
-            time.sleep(0.1)
-        if os.path.exists(lock):
+        if not _index_lock_released(git_dir, 3.0):
             raise _git_lock_error(self)
         merging = os.path.exists(os.path.join(git_dir, "MERGE_HEAD"))
         if merging and not self._merge_concluded():
@@ -8641,6 +8731,8 @@ class _Git:
                              + _shell_quote(self.root))
         index = os.path.join(git_dir, f"memshelf-index-{os.getpid()}")
         private = {"GIT_INDEX_FILE": index}
+        # files under this pid are a killed process's that had it before: no one else's
+        _unlink_quietly(index, index + ".lock")
         try:
             real = os.path.join(git_dir, "index")
             if os.path.isfile(real):
@@ -8671,27 +8763,44 @@ class _Git:
                                                            else ("-m", message)),
                                        config, private)
                     sha = self.head()
-                self._index_as(sha, staged)   # as `git reset -- paths` does, at a third of the cost
+                self._index_as(sha, staged, git_dir)
             return sha
         finally:
-            for leftover in (index, index + ".lock"):
-                try:
-                    os.unlink(leftover)
-                except OSError:
-                    pass
+            _unlink_quietly(index, index + ".lock")
 
-    def _index_as(self, sha, paths):
+    def _index_as(self, sha, paths, git_dir):
         """The real index's entries of these shelf-relative paths set to commit sha's, and the
-        others' stat data refreshed (a copied shelf's stale data makes commits re-read all)."""
+        others' stat data refreshed (a copied shelf's stale data makes commits re-read all).
+
+        The verb's success depends on it: an index left behind would make a plain `git commit`
+        delete what was just committed. Tried three times (waiting out a live index.lock), then
+        by `git reset`; if HEAD, index and tree still disagree, the error names repair."""
         listed = self.run("ls-tree", "-z", "--full-name", sha, "--", *paths, check=False,
                           read_only=True)
-        if listed.returncode != 0:
-            return   # not read as "all removed": doctor names the index left behind (git-staged)
-        have = {entry.split(b"\t", 1)[-1] for entry in listed.stdout.split(b"\0")}
-        full = [(self.prefix() + p).encode("utf-8", "surrogateescape") for p in paths]
-        removed = [b"0 " + b"0" * len(sha) + b"\t" + f + b"\0" for f in full if f not in have]
-        self.run("update-index", "-q", "--refresh", "-z", "--index-info", check=False,
-                 input=listed.stdout + b"".join(removed))
+        if listed.returncode == 0:
+            have = {entry.split(b"\t", 1)[-1] for entry in listed.stdout.split(b"\0")}
+            full = [(self.prefix() + p).encode("utf-8", "surrogateescape") for p in paths]
+            removed = [b"0 " + b"0" * len(sha) + b"\t" + f + b"\0" for f in full if f not in have]
+            for _ in range(3):   # as `git reset -- paths` does, at a third of the cost
+                _index_lock_released(git_dir, 5.0)
+                if self.ok("update-index", "-q", "--refresh", "-z", "--index-info",
+                           input=listed.stdout + b"".join(removed)) and self._agrees(paths):
+                    return
+        _index_lock_released(git_dir, 5.0)
+        if self.ok("reset", "-q", sha, "--", *paths) and self._agrees(paths):
+            return
+        shelf = _shell_quote(os.path.abspath(self.root))
+        raise ShelfError("git-failed", f"the commit {sha[:12]} landed, but git's index could not "
+                         "be updated to it, so a plain git commit would undo it",
+                         f"run memshelf repair --shelf {shelf} (it resets the index to HEAD)",
+                         {"commit": sha, "paths": paths[:20]})
+
+    def _agrees(self, paths):
+        """HEAD, the real index and the tree hold the same content for these paths."""
+        try:
+            return not _shelf_status(self, *paths)
+        except ShelfError:
+            return False
 
     def _commit_point(self, args, config, env=None):
         """A git call that moves HEAD (once an identity is found); from its success on, the verb
@@ -8728,6 +8837,80 @@ def _git_lock_error(git):
                       f"{shelf}")
 
 
+def _index_lock_released(git_dir, seconds):
+    """Wait while a live git command holds .git/index.lock (a dead one holds it for ever)."""
+    lock = os.path.join(git_dir, "index.lock")
+    end = time.monotonic() + seconds
+    while os.path.exists(lock) and not _stale_git_locks(git_dir):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.1)
+    return not os.path.exists(lock)
+
+
+def _index_damage(git_dir):
+    """Why git's index file cannot be trusted, or None. git itself skips the index checksum
+    on reads, so a truncated index can pass for a valid one that lacks half the files."""
+    import hashlib
+    try:
+        data = _file_bytes(os.path.join(git_dir, "index"))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"git's index cannot be read ({exc.strerror})"
+    if data[:4] != b"DIRC" or len(data) < 32:
+        return "git's index .git/index is not an index file"
+    for algo, n in (("sha1", 20), ("sha256", 32)):
+        if data[-n:] == bytes(n) or hashlib.new(algo, data[:-n]).digest() == data[-n:]:
+            return None   # all zeros: index.skipHash, written without a checksum
+    return "git's index .git/index is damaged (its checksum does not match: cut short?)"
+
+
+def _stale_private_indexes(git_dir):
+    """memshelf-index-<pid> files (and their .lock) of git_dir whose process is gone: SIGKILL
+    leaves them. An owner is live when the pid runs and started before the file was written
+    (Linux: /proc; elsewhere a running pid counts as the owner)."""
+    try:
+        names = [n for n in os.listdir(git_dir) if n.startswith("memshelf-index-")]
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        pid = name[len("memshelf-index-"):].split(".", 1)[0]
+        path = os.path.join(git_dir, name)
+        if not pid.isdigit():
+            continue
+        if int(pid) != os.getpid() and not _owner_alive(int(pid), path):
+            out.append(path)
+    return out
+
+
+def _owner_alive(pid, path):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True   # another user's process: alive
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as f:
+            boot = int(next(line for line in f if line.startswith(b"btime")).split()[1])
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+        return started <= os.stat(path).st_mtime + 1   # a reused pid started after the file
+    except (OSError, ValueError, IndexError, StopIteration):
+        return True
+
+
+def _unlink_quietly(*paths):
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def _stale_git_locks(git_dir):
     """Lock files of git_dir, older than 2 s, that no live process holds open (Linux /proc)."""
     names = [n for n in ("index.lock", "HEAD.lock") if os.path.exists(os.path.join(git_dir, n))]
@@ -8762,8 +8945,10 @@ def _shelf_status(git, *specs, untracked="all", renames=False, read_only=False):
     p = git.run("status", "--porcelain=v1", "-z", f"--untracked-files={untracked}",
                 *(() if renames else ("--no-renames",)), "--", *(specs or (".",)), check=False,
                 read_only=read_only)
-    if p.returncode != 0:
-        return []
+    if p.returncode != 0:   # never an empty list: that would read as "all clean"
+        raise _git_failed(p, "status", "memshelf repair --shelf " +
+                          _shell_quote(os.path.abspath(git.root)) + " rebuilds git's index "
+                          "from HEAD")
     prefix = git.prefix()
     out = []
     items = iter(p.stdout.decode("utf-8", "replace").split("\x00"))
@@ -9745,8 +9930,8 @@ def _rollup_locked(root, a):
             _check_cancelled()
             result["commit"] = git.commit(paths, f"rollup: {slug} ({episodes})")
             result["committed"] = result["commit"] is not None
-    except BaseException:
-        journal.restore()
+    except BaseException as exc:
+        journal.restore(exc)
         for d in reversed(new_dirs):
             try:
                 os.rmdir(os.path.join(root, d))
@@ -9898,8 +10083,8 @@ def _purge_locked(root, today, apply, autocommit, episode_ids):
             result["commit"] = git.commit(paths, f"purge: {n} episode(s) {why}" + (
                 ": " + ", ".join(e["id"] for e in listing) if episode_ids else ""))
             result["committed"] = result["commit"] is not None
-    except BaseException:
-        journal.restore()
+    except BaseException as exc:
+        journal.restore(exc)
         raise
     finally:
         progress.done()
@@ -9933,6 +10118,9 @@ _MD_SPEAKER = _re_lazy(
     r"|(?:>[ \t]*)?\*\*(?P<b>[A-Za-z]+)(?:[ \t]*:\*\*|\*\*[ \t]*:)[ \t]?(?P<brest>.*)$"
     r"|(?P<p>[A-Za-z]+):[ \t]?(?P<prest>.*)$)")
 _ISO_STAMP = _re_lazy(r"(\d{4})-(\d{2})-(\d{2})[T ](\d{2}):(\d{2}):(\d{2})")
+
+
+_IMPORT_MAX_BYTES = 256 << 20   # docs/import.md: the largest export file import reads
 
 
 def _not_a_transcript(path, why, fix=None):
@@ -10353,9 +10541,23 @@ def import_transcript(method=None, path=None, format="auto", markers=None, limit
     source = os.path.realpath(os.path.expanduser(path))
     if not os.path.exists(source):
         raise ShelfError("io-error", f"no such file {path}", "check the path", {"path": path})
-    if not os.path.isfile(source):
+    import stat
+    try:   # O_NONBLOCK: a FIFO swapped in after a check must not hang the call
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ShelfError("io-error", f"cannot read {path}: {exc.strerror}",
+                         "check the path and permissions", {"path": path}) from None
+    if not stat.S_ISREG(st.st_mode):
         raise ShelfError("io-error", f"{path} is not a regular file", "name the export file",
                          {"path": path})
+    if st.st_size > _IMPORT_MAX_BYTES:   # parsed in memory: ~10 bytes of RAM per byte of JSON
+        raise ShelfError("io-error", f"{path} is {st.st_size / 1048576:.0f} MiB; import reads "
+                         f"files up to {_IMPORT_MAX_BYTES >> 20} MiB", "export a shorter range, "
+                         "or split the file (one conversation per file)", {"path": path})
     progress = _Progress("reading transcript")
     try:
         fmt, convs = _read_transcript(source, format, progress)
@@ -10680,12 +10882,39 @@ def repair(shelf_path=None):
         result["summary"] = "not a git shelf: nothing to repair"
         return result
     with _ShelfLock(root):
-        for lock in _stale_git_locks(git.out("rev-parse", "--absolute-git-dir", read_only=True)):
+        git_dir = git.out("rev-parse", "--absolute-git-dir", read_only=True)
+        for lock in _stale_git_locks(git_dir):
             os.unlink(lock)
             done.append(f"removed the stale lock {lock}")
+        for temp in _stale_private_indexes(git_dir):
+            _unlink_quietly(temp)
+            done.append(f"removed the stale temporary index {temp}")
+        problem = _index_damage(git_dir)
+        try:
+            status = None if problem else _shelf_status(git)
+        except ShelfError as exc:
+            problem = f"git could not read it: {exc.details.get('git_message') or exc.message}"
+        if problem:   # a broken index is rebuilt from HEAD before anything else
+            _unlink_quietly(os.path.join(git_dir, "index"))
+            if not git.ok("read-tree", "HEAD"):
+                git.run("read-tree", "--empty")   # an unborn branch
+            done.append(f"rebuilt git's index from HEAD ({problem})")
+            status = _shelf_status(git)
         auto = _derived_mode(root) == "auto"
-        ours = [e for e in _shelf_status(git) if _EPISODE_REL.match(e[2]) or
-                _is_derived_path(e[2]) or e[2] == _RECALL_LOG]
+        ours, linked = [], {}
+        for e in status:
+            if not (_EPISODE_REL.match(e[2]) or _is_derived_path(e[2]) or e[2] == _RECALL_LOG):
+                continue
+            link = next((p for p in _path_prefixes(e[2])[:-1]
+                         if os.path.islink(os.path.join(root, p))), None)
+            if link:   # git would refuse the path ("beyond a symbolic link"); never written
+                linked.setdefault(link, []).append(e[2])
+            else:
+                ours.append(e)
+        for link, rels in sorted(linked.items()):
+            left.append(f"{link} is a symbolic link memshelf never follows, so {len(rels)} "
+                        f"committed file(s) under it are missing from the tree: replace the link "
+                        "with the folder it points to, then run memshelf repair again")
         staged = sorted({rel for x, _, rel in ours if x not in " ?"})
         if staged:   # the index back to HEAD: a commit never needs the real index
             git.run("reset", "-q", "--", *staged)
@@ -10702,17 +10931,30 @@ def repair(shelf_path=None):
                 if x != "?":   # bot: the renderer owns the derived files
                     restore.append(rel)
             else:
-                rec = _read_episode(root, rel, archived=rel.startswith("archive/"))
-                if rec["fm_ok"] and rec["fields"].get("id") == rec["stem"]:
+                damage = _episode_damage(root, rel)
+                rec = None if damage else _read_episode(root, rel,
+                                                        archived=rel.startswith("archive/"))
+                if rec is not None and rec["fm_ok"] and rec["fields"].get("id") == rec["stem"]:
                     paths.append(rel)
                 else:
-                    left.append(f"{rel} does not parse as an episode: fix it (memshelf doctor "
-                                "says how) or delete it, then run memshelf repair again")
+                    left.append(f"{rel} " + (f"{damage} (doctor: an error)" if damage else
+                                             "does not parse as an episode") +
+                                ": fix it (memshelf doctor says how) or delete it, then run "
+                                "memshelf repair again")
         if restore:
             git.run("checkout", "-q", "HEAD", "--", *restore)
             done += [f"restored {rel} from HEAD" for rel in restore]
         episodes = [rel for rel in paths if _EPISODE_REL.match(rel)]
-        if left:   # the render would list the episodes left out of the commit
+        head = git.run("ls-tree", "-r", "-z", "--name-only", "HEAD", "--", "docs",
+                       "archive/docs", check=False, read_only=True)
+        absent = [rel for rel in head.stdout.decode("utf-8", "surrogateescape").split("\x00")
+                  if _EPISODE_REL.match(rel) and (not os.path.isfile(os.path.join(root, rel))
+                                                  or _linked(root, rel))]
+        if absent and not left:
+            left.append(f"{len(absent)} committed episode(s) are missing from the tree "
+                        f"({', '.join(absent[:3])}): restore them (git checkout HEAD -- <path>), "
+                        "then run memshelf repair again")
+        if left:   # the render would list the episodes left out of the commit, or omit some
             paths = episodes
         elif auto:
             rebuilt = _rebuild_locked(root, False, False, False, None, False)
@@ -10858,6 +11100,10 @@ _DOCTOR_CODES = {
     "derived-uncommitted": ("error", "git", _REPAIR),
     "index-lists-uncommitted": ("error", "git", _REPAIR),
     "git-lock-stale": ("error", "git", _REPAIR),
+    "git-failed": ("error", "git", _REPAIR + " (it rebuilds git's index from HEAD first)"),
+    "git-temp-stale": ("warning", "git", _REPAIR),
+    "write-in-progress": ("unknown", "git", "wait for that write to end, then run memshelf "
+                          "doctor again"),
     # 8. INDEX
     "stale-index": ("warning", "derived", "memshelf rebuild --commit"),
     "index-hand-edited": ("error", "derived", "memshelf rebuild, or switch formats: memshelf "
@@ -10880,6 +11126,7 @@ _DOCTOR_CODES = {
 }
 _DOCTOR_RANK = {"info": 0, "warning": 1, "error": 2, "unknown": 0}
 _DOCTOR_STALE_HOURS = 24.0
+_DOCTOR_LOCK_WAIT = 3.0   # seconds doctor waits for a writer before it reports the write
 _GIT_READ = {"check": False, "read_only": True}   # doctor's git calls: reads, failure an answer
 _DOCTOR_CACHE_SCHEMA = "2"   # bump when a per-file check changes, so cached verdicts are redone
 _INDEX_BASE_TOKENS = 200
@@ -11945,27 +12192,52 @@ class _DoctorRun:
             return []
         out, shelf = [], _shell_quote(self.root)
 
-        def add(code, rel, detail, level=None):
-            out.append(_finding(code, rel, detail, _DOCTOR_CODES[code][2].replace("<shelf>",
-                                                                                  shelf), level))
+        def add(code, rel, detail, level=None, fix=None):
+            out.append(_finding(code, rel, detail, fix or _DOCTOR_CODES[code][2].replace(
+                "<shelf>", shelf), level))
 
         git_dir = self.git.out("rev-parse", "--absolute-git-dir", **_GIT_READ)
         for lock in _stale_git_locks(git_dir or self.root):
             add("git-lock-stale", os.path.basename(lock), f"{lock} is left from a killed git "
                 "command; no process holds it, and every commit fails while it exists")
+        for temp in _stale_private_indexes(git_dir) if git_dir else ():
+            add("git-temp-stale", os.path.basename(temp), f"{temp} is a temporary git index "
+                "left by a killed memshelf process (no live process owns it)")
+        problem = _index_damage(git_dir) if git_dir else None
+        try:
+            status = None if problem else _shelf_status(self.git)
+        except ShelfError as exc:
+            problem = f"git status failed: {exc.details.get('git_message') or exc.message}"
+        if problem:   # git's index cannot be trusted: say so, and compare with HEAD alone
+            add("git-failed", "", f"{problem}; the tree was compared with HEAD only")
+            status = [(" ", "D", rel) for rel in self.head_files()
+                      if not os.path.isfile(os.path.join(self.root, rel))]
+        index_lacks = {rel for x, _, rel in status if x == "D"}
         not_in_head, clean = set(), {"ledger.tsv", "INDEX.md"}
-        for x, y, rel in _shelf_status(self.git):
+        for x, y, rel in status:
             episode = bool(_EPISODE_REL.match(rel))
             if rel == _RECALL_LOG or _TEMP_MARK in rel or not (episode or _is_derived_path(rel)):
                 continue
-            if episode and _linked(self.root, rel):
-                continue   # a link is symlink-ignored, never an episode
+            if _linked(self.root, rel):
+                if y == "D":   # committed, but behind a link memshelf never follows
+                    link = next(p for p in _path_prefixes(rel) if os.path.islink(
+                        os.path.join(self.root, p)))
+                    add("committed-missing", rel, f"committed in HEAD, but {link} is a symbolic "
+                        "link memshelf never follows, so the tree lacks it", fix="replace the "
+                        f"link {link} with the folder it points to, then run memshelf repair "
+                        f"--shelf {shelf}")
+                continue   # a link is symlink-ignored (or derived-not-file), never an episode
             full = os.path.join(self.root, rel)
             if not episode and os.path.lexists(full) and \
                     (os.path.islink(full) or not os.path.isfile(full)):
                 continue   # derived-not-file names it
             clean.discard(rel)
-            if x not in " ?":
+            if x == "?" and rel in index_lacks:
+                continue   # the same file's "D" entry below names it
+            if x == "D" and os.path.isfile(full):
+                add("git-staged", rel, "HEAD holds it, but git's index lacks it (a stale "
+                    "index): a plain git commit would delete it")
+            elif x not in " ?":
                 add("git-staged", rel, f"staged in the git index ({x}) but not committed; a "
                     "plain git commit would commit it")
             elif y == "D":
@@ -11977,7 +12249,7 @@ class _DoctorRun:
                 add("episode-untracked", rel, "not in git: HEAD and every clone lack it")
             else:
                 add("uncommitted-episode", rel, "modified since the last commit")
-            if episode and x in "?A":
+            if episode and (x == "A" or x == "?" and rel not in index_lacks):
                 not_in_head.add(rel.rsplit("/", 1)[-1][:-3])
         texts = {rel: _read_bytes(self.root, rel).decode("utf-8", "replace")
                  for rel in clean} if not_in_head else {}
@@ -11989,6 +12261,12 @@ class _DoctorRun:
                     add("index-lists-uncommitted", rel,
                         f"the committed {rel} lists {sid}, which HEAD does not have")
         return out
+
+    def head_files(self):
+        """Shelf-relative paths of HEAD's episodes and derived files (no index needed)."""
+        p = self.git.run("ls-tree", "-r", "-z", "--name-only", "HEAD", **_GIT_READ)
+        return [rel for rel in p.stdout.decode("utf-8", "replace").split("\x00")
+                if _EPISODE_REL.match(rel) or _is_derived_path(rel)] if p.returncode == 0 else []
 
     # 7. orphan ledger rows --------------------------------------------------------------
 
@@ -12283,7 +12561,22 @@ def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, 
         value = _memshelf_config(root).get("derived_stale_hours")
         hours = value if _positive_number(value) else _DOCTOR_STALE_HOURS
     run = _DoctorRun(root, check_remote, float(hours), not no_cache)
-    findings = [f for f in run.run() if (not only or f["code"] in only) and
+    try:
+        # a shelf read halfway through another process's write looks damaged: wait briefly,
+        # then say so instead of findings that would advise a repair in the writer's way
+        with _ShelfLock(root, shared=True, timeout=_DOCTOR_LOCK_WAIT):
+            found = run.run()
+    except ShelfError as exc:
+        if exc.code != "shelf-busy":
+            raise
+        pid = exc.details.get("pid")
+        what = "a write is in progress" + (f" (pid {pid})" if pid else "")
+        return {"status": "busy", "healthy": False, "episodes_checked": 0, "errors": 0,
+                "warnings": 0, "infos": 0, "unknowns": 1, "write_in_progress": pid,
+                "findings": [_finding("write-in-progress", "", f"{what}; the shelf is not "
+                                      "checked while another memshelf process writes it")],
+                "summary": f"doctor: {what}; run memshelf doctor again when it ends"}
+    findings = [f for f in found if (not only or f["code"] in only) and
                 (f["level"] == "unknown" or _DOCTOR_RANK[f["level"]] >= _DOCTOR_RANK[min_level])]
     counts = collections.Counter(f["level"] for f in findings)
     return {"status": "ok", "healthy": counts["error"] == 0, "episodes_checked": len(run.records),
@@ -12802,25 +13095,83 @@ def _section_matches(heading, wanted):
 
 
 def _check_out_path(out):
-    """A CLI output path: the user's choice, but never inside a .git directory (contracts § 5)."""
+    """Where a view's --out may write (mirror, retro, graph, fork): a new regular file, or one
+    memshelf wrote there before and nobody changed since; never a device, FIFO, socket or link,
+    nor anything inside a shelf or a .git folder. Returns the real path to write."""
     if not isinstance(out, str) or not out.strip() or "\x00" in out:
-        raise _usage("--out needs a file path", "e.g. --out ~/shelf-mirror.html")
+        raise _usage("--out needs a file path", "pass a new file, e.g. --out ~/shelf-mirror.html")
     path = os.path.abspath(os.path.expanduser(out.strip()))
-    real = os.path.realpath(path)
-    if ".git" in path.split(os.sep) or ".git" in real.split(os.sep):
-        raise _usage(f"refusing to write {path}: it is inside a .git directory",
-                     "choose a path outside .git", path=path)
-    if os.path.isdir(real):
-        raise _usage(f"{path} is a directory", "name a file, e.g. --out "
-                     f"{os.path.join(path, 'out.txt')}", path=path)
-    if not os.path.isdir(os.path.dirname(real)):
-        raise _usage(f"the folder of {path} does not exist", "create the folder first", path=path)
-    return real
+    name = os.path.basename(path)
+    instead = f"pass a new file outside any shelf, e.g. --out {os.path.join('~', name or 'out')}"
+
+    def refuse(why, fix=instead):
+        return _usage(f"--out {path} {why}; nothing was written", fix, path=path)
+
+    if os.path.isdir(path):
+        raise refuse("is a directory", "pass a file name instead, e.g. --out "
+                     f"{os.path.join('~', 'shelf-out.txt')}")
+    folder = os.path.realpath(os.path.dirname(path))
+    if ".git" in path.split(os.sep) or ".git" in folder.split(os.sep):
+        raise refuse("is inside a .git directory")
+    if not os.path.isdir(folder):
+        raise refuse("is in a folder that does not exist", "create the folder first, or " +
+                     instead)
+    here = folder
+    while True:   # a shelf's files are its own: an --out there could replace an episode
+        if _is_shelf(here) or os.path.isdir(os.path.join(here, ".memshelf")):
+            raise refuse(f"is inside the shelf {here}")
+        up = os.path.dirname(here)
+        if up == here:
+            break
+        here = up
+    target = os.path.join(folder, name)
+    import stat
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return target
+    if stat.S_ISLNK(st.st_mode):
+        raise refuse("is a symbolic link (memshelf never writes through one)")
+    if not stat.S_ISREG(st.st_mode):
+        raise refuse("is a device, FIFO or socket, not a file")
+    if _out_written().get(target) != _out_stamp(st):
+        raise refuse("exists, and memshelf did not write it (or it changed since)",
+                     "pass a new file name, or delete the file first if it may go")
+    return target
 
 
 def _write_out(path, text):
+    """Write a view's --out file atomically, and remember it as memshelf's to replace later."""
     if path:   # None: the view prints instead
         _atomic_write(path, text if text.endswith("\n") else text + "\n")
+        written = _out_written()
+        written.pop(path, None)
+        written[path] = _out_stamp(os.lstat(path))
+        record = _out_record_path()
+        try:
+            os.makedirs(os.path.dirname(record), exist_ok=True)
+            _atomic_write(record, json.dumps(dict(list(written.items())[-_OUT_REMEMBERED:])))
+        except (OSError, ShelfError):
+            pass   # unremembered: the next --out to this path is refused, never worse
+
+
+_OUT_REMEMBERED = 256   # the --out files memshelf remembers writing, newest last
+
+
+def _out_record_path():
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    return os.path.join(base, "memshelf", "out-files.json")
+
+
+def _out_written():
+    """{real path: stamp} of the --out files memshelf wrote (a per-user record)."""
+    data, _ = _load_json_object(_out_record_path())
+    return data if isinstance(data, dict) else {}
+
+
+def _out_stamp(st):
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 def _id_pattern(ids):
@@ -13886,7 +14237,8 @@ def _view_verbs():
     private = _Param("include_private", "boolean", default=False,
                      help="Include episodes whose tags match export_exclude_tags.")
     out = _Param("out", "string", nullable=True, metavar="FILE",
-                 help="Write here instead of stdout (never inside .git).")
+                 help="Write a new file here instead of stdout (or one memshelf wrote; "
+                      "never a link, device, or a path in a shelf or .git).")
 
     def view(name, func, params, title, **kw):
         return _Verb(name, func, [_shelf_param(), *params], title=title, mcp=False, **kw)
@@ -14810,7 +15162,7 @@ def _verbs():
             output={"healthy": _B, "episodes_checked": _I, "errors": _I, "warnings": _I,
                     "infos": _I, "unknowns": _I, "findings": _A},
             required_output=("status", "healthy", "findings"), text=_text_doctor,
-            verdict=lambda r: 1 if r.get("errors") else 0),
+            verdict=lambda r: 1 if r.get("errors") or r.get("status") == "busy" else 0),
         # ---- CLI only ----
         _Verb("demo", demo, [
             _Param("shelf_path", _S, nullable=True, flags=["--shelf"], metavar="PATH",
@@ -14833,8 +15185,10 @@ def _verbs():
             _Param("arguments", _S, default="{}", positional=True, nargs="?",
                    metavar="ARGS_JSON", help="JSON object of arguments."),
         ], title="Run one MCP tool by name with JSON arguments", mcp=False, needs_shelf=False),
-        _Verb("serve", serve_verb, [], title="Start the MCP stdio server", mcp=False,
-              needs_shelf=False),
+        _Verb("serve", serve_verb, [
+            _Param("shelf_path", _S, nullable=True, flags=["--shelf"], metavar="PATH",
+                   help="Default shelf of the server (as MEMSHELF_SHELF)."),
+        ], title="Start the MCP stdio server", mcp=False, needs_shelf=False),
         _Verb("install-launcher", install_launcher, [
             _Param("bin_dir", _S, nullable=True, metavar="DIR",
                    help="Where the `memshelf` launcher goes. Default: ~/.local/bin."),
@@ -14929,6 +15283,7 @@ def _validate_arguments(verb, arguments):
             raise _usage(f"argument {name!r} must be an array of strings")
         if p.type == "object" and not all(isinstance(x, str) for x in value.values()):
             raise _usage(f"argument {name!r} must map names to strings")
+        _check_unicode(p, value, name)
         if p.enum and value not in p.enum:
             raise _usage(f"argument {name!r} must be one of {', '.join(map(str, p.enum))}",
                          f"got {_excerpt(value)}")
@@ -15067,6 +15422,8 @@ def _text_doctor(result):
             lines.append(f"  [{f['code']}]{where}: {f['detail']}")
             if f.get("fix"):
                 lines.append(f"      fix: {f['fix']}")
+    if result.get("status") == "busy":
+        return result["summary"]
     verdict = "healthy" if result.get("healthy") else "NOT healthy"
     lines.append(f"doctor: {verdict} — {result.get('episodes_checked', 0)} episodes checked, "
                  f"{result.get('errors', 0)} errors, {result.get('warnings', 0)} warnings, "
@@ -15233,7 +15590,7 @@ def call_verb(tool, arguments="{}"):
     return {"__verb__": name, **call_tool(name, args, client_name="memshelf-call")}
 
 
-def serve_verb():
+def serve_verb(shelf_path=None):
     """Start the MCP stdio server (server.py next to this file, or memshelf_server)."""
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
@@ -15246,7 +15603,7 @@ def serve_verb():
         except ImportError:
             raise ShelfError("io-error", "server.py was not found next to memshelf.py",
                              "reinstall memshelf or copy server.py beside memshelf.py") from None
-    raise SystemExit(server_module.main([]))
+    raise SystemExit(server_module.main(["--shelf", shelf_path] if shelf_path else []))
 
 
 _LAUNCHER_MARK = "# memshelf launcher, written by `memshelf install-launcher`"
@@ -15421,8 +15778,30 @@ def _cli_kwargs(verb, ns):
             value = dict(item.split("=", 1) for item in value)
         if prm.positional and prm.type == "string" and isinstance(value, list):
             value = " ".join(value)
+        _check_unicode(prm, value, prm.metavar or prm.name if prm.positional else prm.flags[0])
         kwargs[prm.name] = value
     return kwargs
+
+
+def _check_unicode(prm, value, label):
+    """Text that is not Unicode (invalid UTF-8 in argv arrives as lone surrogates, and JSON can
+    spell them too) is refused naming the argument; it would fail later as an internal error.
+    Paths are exempt: on POSIX a file name may be any bytes."""
+    path = (prm.metavar or "").endswith(("PATH", "FILE", "DIR")) or prm.name == "checkout"
+    if isinstance(value, dict):   # NAME=PATH: the names are text, the values may be paths
+        texts = list(value) + ([] if path else list(value.values()))
+    else:
+        texts = [] if path else [value] if isinstance(value, str) else \
+            value if isinstance(value, list) else []
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _usage(f"{label} is not valid text: character {exc.start} is not Unicode "
+                         "(invalid UTF-8, or a lone surrogate)", f"pass {label} as UTF-8 "
+                         "text", argument=label) from None
+        except AttributeError:
+            pass   # not text: the type checks answer for it
 
 
 def _print_json(obj):

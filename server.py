@@ -1197,10 +1197,45 @@ def _core():
                 hasattr(module, "tool_definitions"):
             return module
     here = os.path.dirname(os.path.abspath(__file__))
-    if os.path.isfile(os.path.join(here, "memshelf.py")) and here not in sys.path:
-        sys.path.insert(0, here)
+    source = os.path.join(here, "memshelf.py")
+    if os.path.isfile(source):
+        _hash_checked_cache(source)
+        if here not in sys.path:
+            sys.path.insert(0, here)
     import memshelf
     return memshelf
+
+
+def _hash_checked_cache(source):
+    """Make memshelf.py's cached bytecode one Python checks by the source's hash.
+
+    An extension update is unpacked over the old folder with every file dated 1980-01-01 (a
+    reproducible bundle), and Python checks an ordinary cache by the source's date and size
+    only: a same-size memshelf.py would run the old code. A hash-checked cache cannot be stale,
+    and Python keeps it hash-checked when it rewrites it after a change."""
+    if sys.dont_write_bytecode:
+        return
+    import importlib.util
+    cache = importlib.util.cache_from_source(source)
+    try:
+        with open(cache, "rb") as f:
+            head = f.read(8)
+        if len(head) == 8 and head[:4] == importlib.util.MAGIC_NUMBER and head[4] & 0b11 == 3:
+            return   # hash-based and checked (PEP 552 flags)
+    except OSError:
+        pass
+    folder = os.path.dirname(cache)
+    if not os.access(folder if os.path.isdir(folder) else os.path.dirname(folder), os.W_OK):
+        return   # a read-only install caches nothing: compiling here would be wasted
+    import py_compile
+    try:
+        py_compile.compile(source, cache, doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    except (OSError, py_compile.PyCompileError):   # a read-only folder: nothing is cached
+        try:
+            os.unlink(cache)   # a stale timestamp cache must not outlive a failed rewrite
+        except OSError:
+            pass
 
 
 def _protocol_streams():
@@ -1228,10 +1263,11 @@ def _protocol_streams():
     return proto_in, proto_out
 
 
-_USAGE = """usage: memshelf-mcp [--version]
+_USAGE = """usage: memshelf-mcp [--shelf DIR] [--version]
 
 The memshelf MCP server: JSON-RPC over stdin/stdout, one message per line.
 Hosts start it as `memshelf-mcp`, `python3 server.py` or `memshelf serve`.
+--shelf DIR: the default shelf, as MEMSHELF_SHELF=DIR (the option wins over the variable).
 Environment: MEMSHELF_SHELF (default shelf), MEMSHELF_HANDSHAKE_TIMEOUT (60; 0 = never exit),
 MEMSHELF_LOCK_TIMEOUT, MEMSHELF_MCP_TEXT (human|json), MEMSHELF_LOG_LEVEL (info),
 MEMSHELF_DEBUG=1 (tracebacks on stderr).
@@ -1248,6 +1284,14 @@ def main(argv=None):
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(_USAGE)
         return 0
+    if argv[:1] == ["--shelf"] or argv[:1] and argv[0].startswith("--shelf="):
+        shelf = argv[1] if argv[0] == "--shelf" and len(argv) > 1 else argv[0][len("--shelf="):]
+        argv = argv[2:] if argv[0] == "--shelf" else argv[1:]
+        if not shelf.strip():
+            sys.stderr.write(f"memshelf-mcp: error: --shelf needs a folder\n{_USAGE}")
+            return 2
+        # the tools read the default shelf from the environment: the option is that variable
+        os.environ["MEMSHELF_SHELF"] = os.path.abspath(os.path.expanduser(shelf))
     if argv:
         sys.stderr.write(f"memshelf-mcp: error: unknown argument {argv[0]!r}\n{_USAGE}")
         return 2

@@ -25,7 +25,8 @@ TRIALS = 20
 MAX_DELAY = 0.3
 # git-and-sync.md § 3: what an interrupted shelve may leave behind
 CRASH_FINDINGS = {"uncommitted-episode", "no-ledger-row", "stale-index", "leftover-temp-file",
-                  "episode-untracked", "derived-uncommitted", "git-staged"}
+                  "episode-untracked", "derived-uncommitted", "git-staged",
+                  "git-temp-stale"}   # the killed writer's temporary index (issue 31)
 
 
 def processes_touching(path):
