@@ -6894,13 +6894,17 @@ def _short_name(rec):
     return "`" + stem + "`"
 
 
-def _about(recs):
-    """The most frequent title words of these records (their ids' words), within _ABOUT_CHARS."""
+def _title_words(rec):
+    """The words of an episode's id that can say what it is about."""
+    name = _short_name(rec).strip("`").replace("_", "-").replace(".", "-")
+    return [w for w in name.split("-") if len(w) > 2 and w.isalpha() and w not in _ABOUT_SKIP]
+
+
+def _about(word_lists):
+    """The most frequent title words of these episodes, within _ABOUT_CHARS."""
     counts = collections.Counter()
-    for r in recs:
-        name = _short_name(r).strip("`")
-        counts.update(w for w in re.split(r"[-_.]+", name) if len(w) > 2 and w.isalpha() and
-                      w not in _ABOUT_SKIP)
+    for words in word_lists:
+        counts.update(words)
     words = []
     for word, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
         if len(", ".join(words + [word])) > _ABOUT_CHARS:
@@ -7040,10 +7044,12 @@ class _ServedPlan:
 
     def about(self, days):
         if self.rendering:
-            return _about([self.recs[i] for day in days for i in self.days[day][1]]) or "-"
+            if self.words is None:
+                self.words = [_title_words(r) for r in self.recs]
+            return _about(self.words[i] for day in days for i in self.days[day][1]) or "-"
         return "x" * _ABOUT_CHARS
 
-    rendering = False
+    rendering, words = False, None
 
     def fold_cost(self, d, level):
         key = (d, level)
@@ -7124,12 +7130,13 @@ def _served_index(name, records, superseded, budget, period=None, cli=True, line
                               _plain_line_cost)[1]
     plan = _ServedPlan(recs, superseded, budget, line_cost, expand_cap, cli,
                        prefer_names=period is not None)
+    said = expand_budget or budget   # the hook's cap, not what its head leaves
     slack = 0
     while True:
-        head, room = _served_room(name, len(recs), period, budget, line_cost)
+        head, room = _served_room(name, len(recs), period, budget, line_cost, said)
         room -= slack
         choice = plan.choose(room) if room > 0 else (0, 0, _ServedPlan.LEVELS[-1])
-        text, counts = _served_text(plan, head, choice, name, period, budget)
+        text, counts = _served_text(plan, head, choice, name, period, said)
         if measure(text) <= budget or room <= 0:
             break
         slack += measure(text) - budget + 16   # the estimate missed: plan for less
@@ -7139,10 +7146,11 @@ def _served_index(name, records, superseded, budget, period=None, cli=True, line
     return text, counts
 
 
-def _served_room(name, n, period, budget, line_cost):
-    """(head lines, what is left of budget for entries, headings reserved)."""
+def _served_room(name, n, period, budget, line_cost, said=None):
+    """(head lines, what is left of budget for entries, headings reserved); the guide says
+    the budget is `said` (default budget)."""
     head = [f"# {name}" + (f" — {period}" if period else ""), "",
-            _served_guide(n, period, budget, True, True), ""]
+            _served_guide(n, period, said or budget, True, True), ""]
     reserve = sum(line_cost(h) + 2 * line_cost("") for h in _SERVED_HEADINGS) + \
         len(CATEGORIES) * (line_cost("## Research") + 2 * line_cost(""))
     return head, budget - sum(line_cost(line) for line in head) - reserve
@@ -7184,7 +7192,7 @@ def _served_text(plan, head, choice, name, period, budget):
     head[2] = _served_guide(len(recs), period, budget, bool(short_days), bool(folds))
     out = head
     if not recs:
-        out.append("_No episodes" + (f" in {period}._" if period else " yet._"))
+        out.append(f"No episodes in {period}." if period else _HOOK_EMPTY)
     groups = {c: [] for c in CATEGORIES}
     for i in sorted(full, key=lambda i: (recs[i]["date"], recs[i]["stem"])):
         groups[recs[i]["category"]].append(plan.full[i])
@@ -14008,7 +14016,6 @@ _HOOK_COMPACT_NOTE = (
     "Context was just compacted{detail}. Topics that closed before the compaction but were not "
     "shelved can still be shelved now from the summary: name them to the user and offer "
     "/shelve; shelve only on a yes.")
-_HOOK_OLDER = "… {n} older entries — use memshelf_index or memshelf_search"
 _HOOK_EMPTY = "The shelf has no episodes yet."
 _STOP_ASK = (
     "memshelf: this session has run long and no session episode has been shelved yet. Before "
@@ -14017,9 +14024,6 @@ _STOP_ASK = (
     "still open; also list closed topics that are not shelved yet. Ask whether to shelve it "
     "(/shelve session) and shelve only on a clear yes. If the user already declined in this "
     "session, just stop. memshelf asks this once per session.")
-_DOCSHELF_UNIT = _re_lazy(r"^(?:### |- \[?\*\*)")
-_ISO_PREFIX = _re_lazy(r"\d{4}-\d{2}-\d{2}")
-_FILE_DATE = _re_lazy(r"(\d{4}-\d{2}-\d{2})[^\s`)/]*\.md")
 
 
 def hook_verb(name=None, shelf_path=None, payload=None):
@@ -14124,17 +14128,13 @@ def _utc_stamp(seconds=None):
 def _hook_session_start(root, payload):
     source = _payload_text(payload, "source", "startup") or "startup"
     session_id = _payload_text(payload, "session_id")
-    cap = _memshelf_config(root).get("hook_index_chars")
-    if _not_count(cap):
-        cap = _HOOK_INDEX_CHARS
+    cap = _served_budget(root)
     state, key = _state(root), None
     try:
         fmt = _index_format(root)
-        key = _render_key(root, "compact" if fmt == "manual" else fmt)   # index's; one listing
-        idx = index(shelf_path=root, _key=key)
+        key = _render_key(root, "compact" if fmt == "manual" else fmt)   # one listing for both
     except (OSError, ShelfError):
-        # a read-only or half-broken shelf still shows the INDEX file it has
-        idx = {"index": _read_text(os.path.join(root, "INDEX.md")), "format": _index_format(root)}
+        pass
     head = [_HOOK_HEADING, _banner_core(_shelf_totals(root, key=key)), f"Shelf: {root}", "",
             _HOOK_RULE]
     crumb = state.get("precompact") if isinstance(state.get("precompact"), dict) else None
@@ -14142,18 +14142,33 @@ def _hook_session_start(root, payload):
         detail = ""
         if crumb and (not session_id or crumb.get("session_id") in (None, "", session_id)):
             when = crumb.get("time")
-            detail = f" ({crumb.get('trigger') or 'auto'} compaction" + \
-                (f" at {when})" if isinstance(when, str) and when else ")")
+            detail = f" ({crumb.get('trigger') or 'auto'} compaction at {when})" \
+                if isinstance(when, str) and when else f" ({crumb.get('trigger') or 'auto'} " \
+                "compaction)"
         head += ["", _HOOK_COMPACT_NOTE.format(detail=detail)]
-    cats = _index_units(idx["index"], idx.get("format"))
-    ctx, shown = _fit_context(head, cats, idx.get("format") == "compact", cap)
+    # the whole JSON output fits cap: what the head and the envelope cost leaves the view
+    room = cap - len(_hook_output("SessionStart", "")) - _json_len("\n".join(head) + "\n\n")
+    try:
+        body, counts = _served_view(root, room, key=key, cli=True, expand_budget=cap,
+                                    line_cost=lambda line: _json_len(line) + 2, measure=_json_len)
+    except (OSError, ShelfError):
+        # a read-only or half-broken shelf still shows the INDEX file it has, cut to fit
+        body = _read_text(os.path.join(root, "INDEX.md"))
+        if _json_len(body) > room:
+            body = body[:max(0, room - 200)]
+            body = body[:body.rfind("\n") + 1] + "… INDEX.md is cut here: run memshelf doctor"
+        counts = {"entries_total": _entry_count(body), "entries_full": _entry_count(body),
+                  "entries_by_name": 0, "entries_folded": 0}
+    ctx = "\n".join(head) + "\n\n" + body.rstrip("\n")
     text = _hook_output("SessionStart", ctx)
     updates = {"hook_sessions": _remember_session(state, session_id, start=time.time())}
     if source == "compact" and crumb:
         updates["precompact"] = None
     _hook_save_state(root, **updates)
     return {"text": text, "source": source, "context_chars": len(ctx), "output_chars": len(text),
-            "entries_total": sum(len(u) for _, u in cats), "entries_shown": shown}
+            "entries_total": counts["entries_total"],
+            "entries_shown": counts["entries_full"] + counts["entries_by_name"],
+            "entries_folded": counts["entries_folded"]}
 
 
 def _hook_save_state(root, **updates):
@@ -14171,118 +14186,9 @@ def _hook_output(event, ctx):
                       ensure_ascii=False)
 
 
-def _index_units(text, fmt):
-    """INDEX sans preamble and footer -> [[heading, [unit lines, ...]], ...]; a unit per entry."""
-    lines = text.rstrip("\n").split("\n")
-    start = next((i for i, l in enumerate(lines) if l.startswith("## ")), len(lines))
-    end = next((i for i in range(len(lines) - 1, start - 1, -1) if lines[i] == "---"), len(lines))
-    cats = []
-    for line in lines[start:end]:
-        if line.startswith("## "):
-            cats.append([line, []])
-        elif fmt == "compact":
-            if line.startswith("- "):
-                cats[-1][1].append([line])
-        elif _DOCSHELF_UNIT.match(line) or (line.strip() and not cats[-1][1]):
-            cats[-1][1].append([line])
-        elif cats[-1][1]:
-            cats[-1][1][-1].append(line)
-    for _, units in cats:
-        for body in units:
-            while len(body) > 1 and not body[-1].strip():
-                body.pop()
-    return cats
-
-
-def _compact_key_date(line):
-    """The date prefix of a compact entry's key, or ""."""
-    key = line[3:line.find("`", 3)] if line.startswith("- `") else line[2:].split(" ", 1)[0]
-    return key[:10] if _ISO_PREFIX.match(key) else ""
-
-
-def _newest_first(cats, compact):
-    """(category, unit) positions, newest entry first; compact categories are sorted by date,
-    so merging back from their ends touches only the entries that are kept, not all 10,000."""
-    import heapq
-    if not compact:
-        flat = []
-        for ci, (_, units) in enumerate(cats):
-            for ui, body in enumerate(units):
-                m = _FILE_DATE.search("\n".join(body))
-                flat.append((m.group(1) if m else "", ci, ui))
-        return [(ci, ui) for _, ci, ui in sorted(flat, reverse=True)]
-    memo = {}
-
-    def date_of(ci, ui):
-        # an undated key inherits the date of the nearest dated entry before it
-        for j in range(ui, -1, -1):
-            if (ci, j) not in memo:
-                memo[ci, j] = _compact_key_date(cats[ci][1][j][0])
-            if memo[ci, j]:
-                return memo[ci, j]
-        return ""
-
-    def walk_back(ci, units):
-        return ((date_of(ci, ui), ci, ui) for ui in range(len(units) - 1, -1, -1))
-    merged = heapq.merge(*(walk_back(ci, u) for ci, (_, u) in enumerate(cats)), reverse=True)
-    return ((ci, ui) for _, ci, ui in merged)
-
-
-def _json_chars(line):
-    """What one line of context costs inside the JSON output (escapes and the newline)."""
-    return len(json.dumps(line, ensure_ascii=False))
-
-
-def _fit_context(head, cats, compact, cap):
-    """(context, entries shown): the whole JSON output fits cap; newest entries first."""
-    overhead = len(_hook_output("SessionStart", ""))
-    total = sum(len(units) for _, units in cats)
-
-    def compose(chosen, dropped):
-        out = list(head) + [""]
-        if not total:
-            out.append(_HOOK_EMPTY)
-        for ci, (heading, units) in enumerate(cats):
-            picked = units if chosen is None else [units[u] for c, u in sorted(chosen) if c == ci]
-            if not picked:
-                continue
-            out += [""] * (out[-1] != "") + [heading, ""]
-            for body in picked:
-                out += body + [""] * body[0].startswith("### ")
-        if dropped:
-            out += [""] * (out[-1] != "") + [_HOOK_OLDER.format(n=dropped)]
-        while out and out[-1] == "":
-            out.pop()
-        return "\n".join(out)
-
-    def cost(text):
-        return overhead + len(json.dumps(text, ensure_ascii=False)) - 2
-
-    raw = sum(len(l) + 1 for _, units in cats for body in units for l in body)
-    if raw + sum(len(l) for l in head) <= cap:
-        full = compose(None, 0)
-        if cost(full) <= cap:
-            return full, total
-    used = cost(compose([], 0)) + _json_chars(_HOOK_OLDER.format(n=total)) + 2
-    seen_cats, chosen = set(), []
-    for ci, ui in _newest_first(cats, compact):
-        body = cats[ci][1][ui]
-        extra = sum(_json_chars(l) for l in body) + (2 if body[0].startswith("### ") else 0)
-        if ci not in seen_cats:
-            extra += _json_chars(cats[ci][0]) + 4
-        if used + extra > cap:
-            break
-        used += extra
-        seen_cats.add(ci)
-        chosen.append((ci, ui))
-    text = compose(chosen, total - len(chosen))
-    while chosen and cost(text) > cap:
-        chosen.pop()   # the oldest kept entry: the estimate missed a line break
-        text = compose(chosen, total - len(chosen))
-    while text and cost(text) > cap:
-        # only a tiny cap gets here: the head alone does not fit
-        text = text[:max(0, len(text) - (cost(text) - cap) - 1)].rstrip()
-    return text, len(chosen)
+def _json_len(text):
+    """What text costs inside the hook's JSON output (escapes counted, quotes not)."""
+    return len(json.dumps(text, ensure_ascii=False)) - 2
 
 
 def _remember_session(state, session_id, start=None, asked=None):
@@ -14569,7 +14475,7 @@ def _verbs():
                    cli_help="List one period of the served view (YYYY, YYYY-MM, YYYY-MM-DD, "
                             "FROM..TO or undated), as its folded line names it."),
         ], title="Read the shelf INDEX",
-            description="The shelf INDEX, one line per episode. Read it first; recall only what you need.",
+            description="The shelf INDEX within a budget: newest in full, older by name, oldest folded (list one with period). Read it first; recall only what you need.",
             output={"index": _S, "format": _S, "source": _S, "on_disk": _S,
                     "lag_episodes": _I, "entries_total": _I, "entries_shown": _I,
                     "truncated": _B, "next_offset": (_I, _NULLS), "tokens": _I},
