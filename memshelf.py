@@ -7078,8 +7078,8 @@ class _ServedPlan:
             if self.prefer_names or k >= share or k == len(self.order):
                 return k, n_days, nofold
         share = self.most_full_share(room)
-        for level in self.LEVELS:
-            for k in dict.fromkeys((share, 0)):
+        for k in dict.fromkeys((share, 0)):   # full lines first, then the finest folds
+            for level in self.LEVELS:
                 d = self.least_folded(k, level, room)
                 if d is not None:
                     return self.most_full(k, d, level, room), d, level
@@ -10910,8 +10910,10 @@ _DOCTOR_CODES = {
     "index-hand-edited": ("error", "derived", "memshelf rebuild, or switch formats: memshelf "
                           "rebuild --index-format compact"),
     "index-bloat": ("warning", "derived", "memshelf rebuild"),
-    "index-injection-cap": ("info", "derived",
-                            "roll up older periods: memshelf rollup --until <date> …"),
+    "index-injection-cap": ("warning", "derived",
+                            "nothing to do for the hooks: they serve the view; list a folded "
+                            "period with memshelf index --period P, or roll up old periods "
+                            "(memshelf rollup --until <date>) to keep more entries in full"),
     "index-links-unsupported": ("info", "derived", "links are omitted; set provider none in "
                                 ".docshelf.json, or use the compact format"),
     # 9. remotes
@@ -11592,6 +11594,9 @@ class _DoctorRun:
             elif key in ("context_window", "hook_index_chars") and not (
                     isinstance(value, int) and _positive_number(value)):
                 yield invalid(f"{key} must be a positive integer")
+            elif key == "hook_index_chars" and value < _MIN_BUDGET:
+                yield invalid(f"hook_index_chars must be at least {_MIN_BUDGET} (it is {value}; "
+                              f"{_HOOK_INDEX_CHARS} is used)")
             elif key == "derived_stale_hours" and not _positive_number(value):
                 yield invalid("derived_stale_hours must be a number above 0")
             elif key == "redaction" and not isinstance(value, dict):
@@ -12085,13 +12090,16 @@ class _DoctorRun:
             yield _finding("index-hand-edited", "INDEX.md", "shelf.yml says generated_by: "
                            "docshelf-mcp, but INDEX.md lacks the docshelf footer marker")
         yield from self.index_budget(on_disk)
-        limit = self.cfg.get("hook_index_chars")
-        if not (isinstance(limit, int) and _positive_number(limit)):
-            limit = _HOOK_INDEX_CHARS
+        limit = _served_budget(root)
         if len(on_disk) > limit:
-            yield _finding("index-injection-cap", "INDEX.md", f"INDEX.md has {len(on_disk)} "
-                           f"characters; session-start hooks inject only the newest entries "
-                           f"within {limit}")
+            _, served = _served_view(root, limit, cli=True)
+            folds = served["folds"]
+            yield _finding("index-injection-cap", "INDEX.md", f"INDEX.md has {len(on_disk):,} "
+                           f"characters, more than the {limit:,} a model is handed: the served "
+                           f"view keeps {served['entries_full']:,} entries in full, "
+                           f"{served['entries_by_name']:,} by name, and folds "
+                           f"{served['entries_folded']:,} into {len(folds)} period line(s)" +
+                           (f" ({folds[-1]['period']} to {folds[0]['period']})" if folds else ""))
         cfg = _docshelf_config(root) if self.fmt == "docshelf" else {}
         if cfg.get("remote") and cfg.get("provider") != "none":
             yield _finding("index-links-unsupported", "INDEX.md", f"provider "
@@ -12413,6 +12421,21 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
               "recall_cost_per_question": index_tokens + _median([row[2] for row in rows])
               if rows else None, "recalls_30d": recent,
               "ledger_lag": sum(1 for r in eps if r["id"] not in ledger_ids)}
+    # what a model is handed of the INDEX: the file itself when it fits, else the served view
+    budget = _served_budget(root)
+    served, folded = index_text, 0
+    if len(index_text) > budget:
+        served, counts = _served_view(root, budget, records=records, cli=True)
+        folded = counts["entries_folded"]
+    result.update(index_chars=len(index_text), index_budget_chars=budget,
+                  served_index_chars=len(served), served_index_tokens=tokens(served),
+                  served_index_folded=folded)
+    result["index_budget"] = (
+        f"INDEX {len(index_text):,} chars (~{_human_count(index_tokens)} tok) of a "
+        f"{budget:,}-char budget: " + ("it fits" if served is index_text else
+                                      f"served view {len(served):,} chars (~"
+                                      f"{_human_count(tokens(served))} tok), {folded:,} entries "
+                                      "folded into periods"))
     if not rows:
         result["note"] = ("no recalls logged yet: realized numbers need logged recalls "
                           "(memshelf recall logs each one)")
@@ -14956,7 +14979,8 @@ def _text_stats(result):
         f"{r['id'] + ' ⌂' * r['archived']:<{width}}  {r['mass']:>7,}{'*' if r['capped'] else ' '}"
         f" {r['digest_tokens']:>6,}  {r['recalls']:>7,}  {r['realized_savings']:>7,}"
         for r in rows] + ["(tokens; ⌂ archived, * capped at the context window)", ""]
-    return "\n".join(table * bool(rows)) + (result.get("banner") or _text_summary(result))
+    budget = f"\n{result['index_budget']}" if result.get("index_budget") else ""
+    return "\n".join(table * bool(rows)) + (result.get("banner") or _text_summary(result)) + budget
 
 
 def _text_doctor(result):
