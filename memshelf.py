@@ -12430,7 +12430,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     result.update(index_chars=len(index_text), index_budget_chars=budget,
                   served_index_chars=len(served), served_index_tokens=tokens(served),
                   served_index_folded=folded)
-    result["index_budget"] = (
+    result["index_budget"] = None if banner else (   # --banner: the one line alone
         f"INDEX {len(index_text):,} chars (~{_human_count(index_tokens)} tok) of a "
         f"{budget:,}-char budget: " + ("it fits" if served is index_text else
                                       f"served view {len(served):,} chars (~"
