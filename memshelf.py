@@ -7078,11 +7078,14 @@ class _ServedPlan:
             if self.prefer_names or k >= share or k == len(self.order):
                 return k, n_days, nofold
         share = self.most_full_share(room)
-        for k in dict.fromkeys((share, 0)):   # full lines first, then the finest folds
-            for level in self.LEVELS:
-                d = self.least_folded(k, level, room)
-                if d is not None:
-                    return self.most_full(k, d, level, room), d, level
+        # folds one call lists come first, then full lines, then the finest fold lines
+        call, coarse = self.LEVELS[:2], self.LEVELS[2:]
+        tries = [(k, level) for k in dict.fromkeys((share, share // 2, 0)) for level in call] + \
+            [(k, level) for level in coarse for k in dict.fromkeys((share, 0))]
+        for k, level in tries:
+            d = self.least_folded(k, level, room)
+            if d is not None:
+                return self.most_full(k, d, level, room), d, level
         return 0, 0, self.LEVELS[-1]
 
     def most_full_share(self, room):
