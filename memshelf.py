@@ -6944,7 +6944,7 @@ class _ServedPlan:
         for i in self.order:
             self.full_prefix.append(self.full_prefix[-1] + line_cost(self.full[i]))
         self.expand_cap, self.prefer_names, self.budget = expand_cap, prefer_names, budget
-        self.fold_memo = {}
+        self.fold_memo, self.bucket_memo, self.starts = {}, {}, {}
 
     def short_line_cost(self, day, members):
         names = sum(len(self.names[i]) for i in members)
@@ -6970,6 +6970,11 @@ class _ServedPlan:
 
     def buckets(self, d, kind):
         """The folds of days[d:], oldest first: [(label, [day indexes])]."""
+        if (d, kind) not in self.bucket_memo:
+            self.bucket_memo[d, kind] = self.make_buckets(d, kind)
+        return self.bucket_memo[d, kind]
+
+    def make_buckets(self, d, kind):
         region = list(range(len(self.days) - 1, d - 1, -1))   # oldest first
         if not region:
             return []
@@ -7012,11 +7017,14 @@ class _ServedPlan:
         return first if first == last else f"{first}..{last}"
 
     def fits(self, days):
-        """Whether the names of these days fit one answer of the expanding call."""
-        return sum(self.day_cost[day] for day in days) <= self.expand_cap
+        """Whether the names of these days (a run of neighbours) fit one answer of the
+        expanding call."""
+        low, high = min(days[0], days[-1]), max(days[0], days[-1])
+        return self.prefix[high + 1] - self.prefix[low] <= self.expand_cap
 
     def count(self, days):
-        return sum(len(self.days[day][1]) for day in days)
+        low, high = min(days[0], days[-1]), max(days[0], days[-1])
+        return self.days[high][1][-1] - self.days[low][1][0] + 1   # recs are newest first
 
     def fold_lines(self, d, level):
         """The fold lines of days[d:] at this level, newest first (about words: upper bound
@@ -7100,9 +7108,14 @@ class _ServedPlan:
         def fits(d):
             return self.total(k, d, level) <= room
 
-        def boundaries(lo, hi, width):
-            return [d for d in range(hi - 1, lo - 1, -1) if d == 0 or
-                    self.days[d - 1][0][:width] != self.days[d][0][:width]]
+        import bisect
+
+        def boundaries(lo, hi, width):   # the d in [lo, hi) where a year (month, day) starts
+            if width not in self.starts:
+                self.starts[width] = [d for d in range(len(self.days)) if d == 0 or
+                                      self.days[d - 1][0][:width] != self.days[d][0][:width]]
+            starts = self.starts[width]
+            return starts[bisect.bisect_left(starts, lo):bisect.bisect_left(starts, hi)][::-1]
         n_days = len(self.days)
         if not fits(0):
             return None
