@@ -6705,6 +6705,8 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     fmt = _index_format(root)
     rel = "archive/INDEX.md" if archive else "INDEX.md"
+    if served and _key is None:   # the served view is remembered under it
+        _key = _render_key(root, "compact" if fmt == "manual" else fmt)
     rendered = _render_derived(root, fmt=None if fmt != "manual" else "compact",
                                index_only=True, verify=verify, key=_key)
     text = on_disk_text = rendered["files"].get(rel)   # a memo hit has just read the file
@@ -6736,8 +6738,8 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
         view = {"view": "full", "budget": budget, "period": period, "entries_folded": 0,
                 "folds": []}
         if period is not None or len(text) > budget:   # else the INDEX itself fits
-            text, counts = _served_view(root, budget, period, archive,
-                                        records=rendered["records"], key=_key)
+            text, counts, _ = _served_view(root, budget, period, archive,
+                                           records=rendered["records"], key=_key)
             view.update(counts, view="served")
             total = counts.pop("entries_total")
             shown = counts["entries_full"] + counts["entries_by_name"]
@@ -6822,6 +6824,7 @@ _PERIOD = _re_lazy(r"(\d{4}(?:-\d{2}(?:-\d{2})?)?)(?:\.\.(\d{4}(?:-\d{2}(?:-\d{2
 _UNDATED = "undated"
 _SERVED_FULL_SHARE = 3     # with folds, the full tier keeps up to 1/3 of the budget
 _ABOUT_CHARS = 40          # what a fold line says its episodes are about, at most
+_ABOUT_SAMPLE = 300        # episodes of a fold read for its about words, evenly spaced
 _ABOUT_SKIP = frozenset("and the for with from into over under about of on in to a an".split())
 _SERVED_HEADINGS = ("## Earlier, by day", "## Folded periods")
 
@@ -6836,17 +6839,34 @@ def _served_budget(root):
 
 
 def _served_view(root, budget, period=None, archive=False, records=None, key=None, cli=None,
-                 **fit):
-    """The served view (text, counts) of the shelf's live or archived episodes; records: the
-    render records if the caller has them; fit: _served_index's cost options."""
+                 json_cost=False, expand_budget=None, remember=True):
+    """The served view (text, counts, memo entry) of the shelf's live or archived episodes;
+    records: the render records if the caller has them; key: the render key and its scan;
+    json_cost: measured as the hook's JSON output measures it."""
+    cli = _context("client_name") is None if cli is None else cli
+    params = [budget, period, archive, cli, json_cost, expand_budget]
+    # Remembered under the store key: a session start on an unchanged shelf reads no record
+    # (hook session-start at 10,000 episodes, docs/performance.md)
+    slot = "served_hook" if json_cost else "served_index"   # the hook's and the index verb's
+    memo = _remembered(root, slot, key[0]) if key else None
+    if isinstance(memo, dict) and memo.get("params") == params:
+        return memo["text"], memo["counts"], None
     if records is None:
-        files = key[1] if key else None
         with _Store(root) as store:
-            records = store.render_records(files=files)
+            records = store.render_records(files=key[1] if key else None)
     name = _docshelf_config(root)["name"] + (" — archive" if archive else "")
     scope = [r for r in records if r["archived"] == archive]
-    cli = _context("client_name") is None if cli is None else cli
-    return _served_index(name, scope, _superseded_map(records), budget, period, cli, **fit)
+    fit = {"line_cost": lambda line: _json_len(line) + 2, "measure": _json_len} \
+        if json_cost else {}
+    text, counts = _served_index(name, scope, _superseded_map(records), budget, period, cli,
+                                 expand_budget=expand_budget, **fit)
+    entry = None
+    if key:
+        entry = {"key": key[0][0], "racy": key[0][1],
+                 "value": {"params": params, "text": text, "counts": counts}}
+        if remember:
+            _save_state(root, **{slot: entry})
+    return text, counts, entry
 
 
 def _plain_line_cost(line):
@@ -6925,7 +6945,7 @@ class _ServedPlan:
     def __init__(self, recs, superseded, budget, line_cost, expand_cap, cli, prefer_names):
         self.recs, self.cost, self.cli = recs, line_cost, cli
         self.extra = line_cost("")   # what a line costs beyond its characters
-        self.full = [_compact_entry(r, superseded) for r in recs]
+        self.superseded, self.full = superseded, {}   # full lines, made when first needed
         self.names = [_short_name(r) for r in recs]
         self.order = [i for i, r in enumerate(recs)
                       if r["stem"] not in superseded and r.get("status") != "deprecated"]
@@ -6941,10 +6961,20 @@ class _ServedPlan:
         for c in self.day_cost:
             self.prefix.append(self.prefix[-1] + c)
         self.full_prefix = [0]
-        for i in self.order:
-            self.full_prefix.append(self.full_prefix[-1] + line_cost(self.full[i]))
         self.expand_cap, self.prefer_names, self.budget = expand_cap, prefer_names, budget
         self.fold_memo, self.bucket_memo, self.starts = {}, {}, {}
+
+    def full_line(self, i):
+        if i not in self.full:
+            self.full[i] = _compact_entry(self.recs[i], self.superseded)
+        return self.full[i]
+
+    def full_cost(self, k):
+        """What the full lines of the first k entries of self.order cost."""
+        while len(self.full_prefix) <= k:
+            line = self.full_line(self.order[len(self.full_prefix) - 1])
+            self.full_prefix.append(self.full_prefix[-1] + self.cost(line))
+        return self.full_prefix[k]
 
     def short_line_cost(self, day, members):
         names = sum(len(self.names[i]) for i in members)
@@ -6964,7 +6994,7 @@ class _ServedPlan:
         return total
 
     def total(self, k, d, level):
-        return self.full_prefix[k] + self.short_cost(k, d) + self.fold_cost(d, level)
+        return self.full_cost(k) + self.short_cost(k, d) + self.fold_cost(d, level)
 
     # --- folds ---------------------------------------------------------------------------
 
@@ -7053,8 +7083,15 @@ class _ServedPlan:
     def about(self, days):
         if self.rendering:
             if self.words is None:
-                self.words = [_title_words(r) for r in self.recs]
-            return _about(self.words[i] for day in days for i in self.days[day][1]) or "-"
+                self.words = {}
+            low, high = min(days[0], days[-1]), max(days[0], days[-1])
+            first, last = self.days[low][1][0], self.days[high][1][-1]
+            # an even sample says what a large fold is about as well as all of it does
+            step = max(1, (last - first + 1) // _ABOUT_SAMPLE)
+            for i in range(first, last + 1, step):
+                if i not in self.words:
+                    self.words[i] = _title_words(self.recs[i])
+            return _about(self.words[i] for i in range(first, last + 1, step)) or "-"
         return "x" * _ABOUT_CHARS
 
     rendering, words = False, None
@@ -7075,9 +7112,12 @@ class _ServedPlan:
 
     def choose(self, room):
         """(k, d, level): the plan for `room` characters of entries."""
-        n_days, listed = len(self.days), set(self.order)
-        if self.full_prefix[-1] + sum(self.cost(self.full[i]) for i in range(len(self.recs))
-                                      if i not in listed) <= room:
+        n_days, spent = len(self.days), 0
+        for i in range(len(self.recs)):
+            spent += self.cost(self.full_line(i))
+            if spent > room:
+                break
+        else:
             return None   # everything in full
         nofold = ("call", "lines")
         if self.total(0, n_days, nofold) <= room:
@@ -7098,7 +7138,7 @@ class _ServedPlan:
 
     def most_full_share(self, room):
         k = 0
-        while k < len(self.order) and self.full_prefix[k + 1] <= room // _SERVED_FULL_SHARE:
+        while k < len(self.order) and self.full_cost(k + 1) <= room // _SERVED_FULL_SHARE:
             k += 1
         return k
 
@@ -7211,7 +7251,7 @@ def _served_text(plan, head, choice, name, period, budget):
         out.append(f"No episodes in {period}." if period else _HOOK_EMPTY)
     groups = {c: [] for c in CATEGORIES}
     for i in sorted(full, key=lambda i: (recs[i]["date"], recs[i]["stem"])):
-        groups[recs[i]["category"]].append(plan.full[i])
+        groups[recs[i]["category"]].append(plan.full_line(i))
     for cat, lines in groups.items():
         if lines:
             out += [f"## {_HEADINGS[cat]}", ""] + lines + [""]
@@ -12108,7 +12148,7 @@ class _DoctorRun:
         yield from self.index_budget(on_disk)
         limit = _served_budget(root)
         if len(on_disk) > limit:
-            _, served = _served_view(root, limit, cli=True)
+            _, served, _ = _served_view(root, limit, cli=True)
             folds = served["folds"]
             yield _finding("index-injection-cap", "INDEX.md", f"INDEX.md has {len(on_disk):,} "
                            f"characters, more than the {limit:,} a model is handed: the served "
@@ -12441,7 +12481,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     budget = _served_budget(root)
     served, folded = index_text, 0
     if len(index_text) > budget:
-        served, counts = _served_view(root, budget, records=records, cli=True)
+        served, counts, _ = _served_view(root, budget, records=records, cli=True)
         folded = counts["entries_folded"]
     result.update(index_chars=len(index_text), index_budget_chars=budget,
                   served_index_chars=len(served), served_index_tokens=tokens(served),
@@ -14188,8 +14228,8 @@ def _hook_session_start(root, payload):
     # the whole JSON output fits cap: what the head and the envelope cost leaves the view
     room = cap - len(_hook_output("SessionStart", "")) - _json_len("\n".join(head) + "\n\n")
     try:
-        body, counts = _served_view(root, room, key=key, cli=True, expand_budget=cap,
-                                    line_cost=lambda line: _json_len(line) + 2, measure=_json_len)
+        body, counts, served = _served_view(root, room, key=key, cli=True, json_cost=True,
+                                            expand_budget=cap, remember=False)
     except (OSError, ShelfError):
         # a read-only or half-broken shelf still shows the INDEX file it has, cut to fit
         body = _read_text(os.path.join(root, "INDEX.md"))
@@ -14198,11 +14238,14 @@ def _hook_session_start(root, payload):
             body = body[:body.rfind("\n") + 1] + "… INDEX.md is cut here: run memshelf doctor"
         counts = {"entries_total": _entry_count(body), "entries_full": _entry_count(body),
                   "entries_by_name": 0, "entries_folded": 0}
+        served = None
     ctx = "\n".join(head) + "\n\n" + body.rstrip("\n")
     text = _hook_output("SessionStart", ctx)
     updates = {"hook_sessions": _remember_session(state, session_id, start=time.time())}
     if source == "compact" and crumb:
         updates["precompact"] = None
+    if served:   # one write of state.json for both
+        updates["served_hook"] = served
     _hook_save_state(root, **updates)
     return {"text": text, "source": source, "context_chars": len(ctx), "output_chars": len(text),
             "entries_total": counts["entries_total"],
