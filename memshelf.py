@@ -1559,6 +1559,7 @@ def _fill_record(rec, body):
     rec["mode"] = s("mode")
     rec["notes"] = s("notes") or ""
     rec["retain_until"] = s("retain_until")
+    rec["status"] = _episode_status(f)
     rec["digest_tokens"] = tokens(_ledger_digest(body))
     preamble, sections = _split_sections(body)
     rec["digest"] = _digest_of(sections)
@@ -1717,7 +1718,7 @@ _RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino
                 "fm_ok", "fm_error", "fields", "has_block", "portability", "id", "kind", "date",
                 "span", "display_title", "description", "tags", "supersedes", "approx_tokens",
                 "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
-                "sections")
+                "sections", "status")
 # What renders and accounting read, as cache columns: no record decoded, entries formatted once
 _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
@@ -1734,7 +1735,7 @@ def _cache_columns(rec):
     return (rec["category"], rec["id"], rec["date"], _index_entry(rec)) + _meta_entry(rec) + \
         (_json_row(rec["supersedes"]) if rec["supersedes"] else "[]", rec["mode"],
          rec["approx_tokens"], rec["approx_src"], rec["digest_tokens"], rec["notes"],
-         date if isinstance(date, str) else None, _episode_status(rec["fields"]))
+         date if isinstance(date, str) else None, rec.get("status"))
 
 
 def _render_record_from_row(rel, archived, columns):
@@ -6162,7 +6163,7 @@ def _index_entry(rec):
     desc = _record_description(rec)
     if desc:
         line += " — " + desc
-    status = _episode_status(rec["fields"])
+    status = rec.get("status")
     if status and status != "accepted":
         line += " [" + status + "]"
     return line
@@ -14539,25 +14540,24 @@ def _verbs():
     table = [
         _Verb("index", index, [
             sp(),
-            _Param("max_chars", _I, default=32000, minimum=0, help="Character cap; newest kept."),
+            _Param("max_chars", _I, minimum=0, help="Character cap; newest kept."),
             _Param("offset", _I, default=0, minimum=0, help="Skip N newest entries."),
             _Param("category", _S, nullable=True, enum=["topics", "research", "sessions"],
                    help="Only this category."),
-            _Param("since", _S, nullable=True, help="Entries dated on/after YYYY-MM-DD."),
-            _Param("archive", _B, default=False, help="The archive INDEX instead."),
+            _Param("since", _S, nullable=True, help="Dated on/after YYYY-MM-DD."),
+            _Param("archive", _B, default=False, help="The archive INDEX."),
             _Param("verify", _B, default=False, mcp=False,
                    help="Stat every episode instead of trusting directory times."),
-            _Param("budget", _I, nullable=True, minimum=_MIN_BUDGET,
-                   help="Served view within N chars (default hook_index_chars).",
+            _Param("budget", _I, nullable=True, help="Char budget (default 9500).",
                    cli_help="Serve the INDEX within N characters: newest entries in full, older "
                             "ones by name, the oldest periods folded (default for --period: "
                             "memshelf.json hook_index_chars, 9500)."),
             _Param("period", _S, nullable=True,
-                   help="List a folded period: YYYY, YYYY-MM, a date, FROM..TO or undated.",
+                   help="List a folded period.",
                    cli_help="List one period of the served view (YYYY, YYYY-MM, YYYY-MM-DD, "
                             "FROM..TO or undated), as its folded line names it."),
         ], title="Read the shelf INDEX",
-            description="The shelf INDEX within a budget: newest in full, older by name, oldest folded (list one with period). Read it first; recall only what you need.",
+            description="The shelf INDEX, within a budget. Read it first; recall only what you need.",
             output={"index": _S, "format": _S, "source": _S, "on_disk": _S,
                     "lag_episodes": _I, "entries_total": _I, "entries_shown": _I,
                     "truncated": _B, "next_offset": (_I, _NULLS), "tokens": _I},
@@ -14565,8 +14565,8 @@ def _verbs():
         _Verb("recall", recall, [
             sp(),
             _Param("episode_id", _S, required=True, flags=["--id"], metavar="ID",
-                   help="Episode id as listed in the INDEX."),
-            _Param("section", _S, nullable=True, help="Section name or slug, e.g. Decisions."),
+                   help="Episode id from the INDEX."),
+            _Param("section", _S, nullable=True, help="Section name or slug."),
             _Param("outline", _B, default=False, help="Digest + sections with costs."),
             _Param("max_bytes", _I, default=100000, minimum=1, maximum=5000000,
                    help="Page size, bytes."),
@@ -14579,8 +14579,7 @@ def _verbs():
                     "title": _S, "archived": _B, "section": (_S, _NULLS), "sections": _A,
                     "content": _S, "tokens": _I, "truncated": _B, "offset": _I,
                     "next_offset": (_I, _NULLS), "size_bytes": _I, "flags": _A,
-                    "superseded_by": _A, "episode_status": _S, "saved_tokens": (_I, _NULLS),
-                    "summary": _S},
+                    "superseded_by": _A, "saved_tokens": (_I, _NULLS), "summary": _S},
             required_output=("status", "id", "content"), text=lambda r: r["content"]),
         _Verb("search", search, [
             sp(),
@@ -14615,7 +14614,7 @@ def _verbs():
             _Param("sections", _O, default={}, flags=["--section"], metavar="NAME=BODY",
                    help="Section name -> body."),
             _Param("display_title", _S, nullable=True, help="INDEX title."),
-            _Param("description", _S, nullable=True, help="INDEX line, <=120 chars, kept as given.",
+            _Param("description", _S, nullable=True, help="INDEX line, <=120 chars.",
                    cli_help="The INDEX line, at most 120 characters, kept as given. Default: "
                             "the digest's sentence that states the decision, cut at a clause end."),
             _Param("span", _S, nullable=True, help="YYYY-MM-DD[..YYYY-MM-DD]."),
@@ -14627,8 +14626,7 @@ def _verbs():
             _Param("retain_until", _S, nullable=True, help="Purge after YYYY-MM-DD."),
             _Param("tags", _A, default=[], flags=["--tag"], metavar="T", help="Tags."),
             _Param("supersedes", _A, default=[], metavar="ID", help="Ids this episode replaces."),
-            _Param("status", _S, nullable=True, enum=list(STATUSES),
-                   help="deprecated/proposed: shown in the INDEX; kept on amend."),
+            _Param("status", _S, nullable=True, help="accepted, proposed or deprecated."),
             _Param("approx_tokens", _I, nullable=True, minimum=0, help="Shelved size, chars/4."),
             _Param("approx_tokens_source", _S, nullable=True, enum=["estimate", "measured"],
                    help="How approx_tokens was got."),
@@ -14669,7 +14667,7 @@ def _verbs():
             _Param("digest_file", _S, nullable=True, mcp=False, metavar="PATH",
                    help="Read the digest from a file (- = stdin)."),
         ], title="Check a digest, writing nothing", needs_shelf=False,
-            description="Check a digest against the contract before shelving. Writes nothing.",
+            description="Check a digest against the contract. Writes nothing.",
             output={"passed": _B, "word_count": _I, "char_count": _I, "errors": _A,
                     "warnings": _A, "report": _S},
             required_output=("status", "passed", "report"), text=lambda r: r["report"],
@@ -14681,7 +14679,7 @@ def _verbs():
             _Param("chart", _B, default=False, mcp=False, help="Redraw stats.svg."),
             _Param("per_episode", _B, default=False, mcp=False, help="Per-episode breakdown."),
         ], title="Token accounting",
-            description="What the shelf costs per session vs what it holds and saved.",
+            description="Per-session cost vs what the shelf holds and saved.",
             output={"episodes": _I, "standing_cost": _I, "shelved_mass": _I,
                     "compression_ratio": _N, "banner": _S}, text=_text_stats),
         _Verb("advise", advise, [
@@ -14693,7 +14691,7 @@ def _verbs():
             _Param("budget_tokens", _I, default=200000, minimum=1, flags=["--budget"],
                    help="Context window size."),
             _Param("stale_after_turns", _I, default=10, minimum=0, flags=["--stale-after"],
-                   help="Idle turns until a topic counts as closed."),
+                   help="Idle turns until a topic is closed."),
             _Param("include_memory_overhead", _B, default=True, negate="--exclude-self",
                    help="Count the INDEX as an occupant."),
             _Param("occupants_json", _S, nullable=True, mcp=False, metavar="PATH",
@@ -14701,7 +14699,7 @@ def _verbs():
             _Param("summary_only", _B, default=False, mcp=False, flags=["--summary"],
                    help="Print only the summary."),
         ], title="Where did the context window go?",
-            description="From the occupants you report in your context window, propose what to shelve, drop or roll up.",
+            description="From the context occupants you report, propose what to shelve, drop or roll up.",
             output={"budget_tokens": _I, "proposals": _A, "summary": _S}, text=_text_summary),
         _Verb("import", import_transcript, [
             _Param("method", _S, required=True, enum=["discover", "extract"], positional=True,
@@ -14721,7 +14719,7 @@ def _verbs():
             _Param("redact", _B, default=True, negate="--no-redact",
                    help="Redact the working file."),
         ], title="Prepare an exported transcript", read_only=False, needs_shelf=False,
-            description="Turn an exported transcript into a clean working file to cut into episodes.",
+            description="Turn an exported transcript into a working file to cut into episodes.",
             output={"format": _S}, text=_text_summary),
         _Verb("init", init, [
             sp(),
@@ -14735,7 +14733,7 @@ def _verbs():
                    help="INDEX format."),
             _Param("hooks", _B, default=True, negate="--no-hooks", help="Install local git hooks."),
         ], title="Create or complete a shelf", read_only=False, needs_shelf=False,
-            description="Create a shelf, or add what an existing one lacks. Never overwrites files it does not own.",
+            description="Create a shelf or complete one; never overwrites files it does not own.",
             output={"root": _S, "storage": _S, "created": _A, "updated": _A,
                     "committed": _B, "commit": (_S, _NULLS)},
             required_output=("status", "root"), text=_text_summary),
@@ -14749,7 +14747,7 @@ def _verbs():
             _Param("full", _B, default=False, mcp=False,
                    help="Ignore the cache and the remembered render: parse every episode."),
         ], title="Regenerate derived files", read_only=False,
-            description="Regenerate INDEX, ledger, .meta.json and chart from the episodes; check=true only reports drift.",
+            description="Regenerate INDEX, ledger, .meta.json and chart; check=true only reports drift.",
             output={"ok": _B, "episodes": _I, "written": _A, "unchanged": _A, "drifted": _A,
                     "deleted": _A, "warnings": _A, "committed": _B, "commit": (_S, _NULLS)},
             required_output=("status", "ok"), text=_text_summary,
@@ -14771,7 +14769,7 @@ def _verbs():
             _Param("autocommit", _B, default=True, negate="--no-commit",
                    help="Commit.", cli_help="Commit the result."),
         ], title="Fold a period into one rollup", read_only=False, idempotent=False,
-            description="Fold older episodes into one rollup episode; originals move to archive/ and stay recallable.",
+            description="Fold older episodes into one rollup; originals move to archive/, still recallable.",
             output={"slug": _S, "archived": _A, "count": _I}, text=_text_summary),
         _Verb("purge", purge, [
             sp(),
@@ -14780,19 +14778,19 @@ def _verbs():
             _Param("autocommit", _B, default=True, negate="--no-commit",
                    help="Commit.", cli_help="Commit the result."),
         ], title="Delete episodes past retain_until", read_only=False, destructive=True,
-            description="List (apply=true: delete) episodes past retain_until. git history keeps them until rewritten.",
+            description="List (apply=true: delete) episodes past retain_until; git history keeps them.",
             output={"expired": _A, "deleted": _A, "count": _I, "applied": _B}, text=_text_summary),
         _Verb("resolve", resolve, [
             sp(),
             _Param("commit", _B, default=False, help="Commit the resolution."),
         ], title="Finish a shelf merge", read_only=False,
-            description="After a git merge: regenerate derived files, union the recall log, report episode conflicts.",
+            description="After a git merge: regenerate derived files, union the recall log, report conflicts.",
             output={"resolved": _A, "regenerated": _A, "unresolved": _A}, text=_text_summary,
             verdict=lambda r: 1 if r.get("status") == "attention" else 0),
         _Verb("doctor", doctor, [
             sp(),
             _Param("check_remote", _B, default=False,
-                   help="Probe remotes for public visibility (network)."),
+                   help="Probe remotes for public visibility."),
             _Param("derived_stale_after_hours", _N, nullable=True, exclusive_minimum=0,
                    flags=["--derived-stale-hours"], help="derived-stale threshold."),
             _Param("only", _A, default=[], mcp=False, metavar="CODE", help="Only these codes."),
@@ -14800,7 +14798,7 @@ def _verbs():
                    enum=["info", "warning", "error"], help="Hide findings below."),
             _Param("no_cache", _B, default=False, mcp=False, help="Ignore the cache."),
         ], title="Check shelf integrity", open_world=True,
-            description="Diagnose format, secrets at rest, injected text, freshness, git; each finding has a fix.",
+            description="Diagnose format, secrets, injected text, freshness, git; each finding has a fix.",
             output={"healthy": _B, "episodes_checked": _I, "errors": _I, "warnings": _I,
                     "infos": _I, "unknowns": _I, "findings": _A},
             required_output=("status", "healthy", "findings"), text=_text_doctor,
