@@ -6741,8 +6741,8 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
         if period is not None or len(text) > budget:   # else the INDEX itself fits
             text, counts, _ = _served_view(root, budget, period, archive,
                                            records=rendered["records"], key=_key)
-            view.update(counts, view="served")
-            total = counts.pop("entries_total")
+            total = counts["entries_total"]
+            view.update({k: v for k, v in counts.items() if k != "entries_total"}, view="served")
             shown = counts["entries_full"] + counts["entries_by_name"]
             truncated = bool(counts["entries_folded"])
     elif offset or (max_chars and len(text) > max_chars):
@@ -6750,7 +6750,8 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     return dict({"status": "ok", "index": text, "format": fmt,
                  "source": "file" if on_disk == "current" else "rendered", "on_disk": on_disk,
                  "lag_episodes": lag, "entries_total": total, "entries_shown": shown,
-                 "truncated": truncated, "next_offset": next_offset, "tokens": tokens(text)}, **view)
+                 "truncated": truncated, "next_offset": next_offset, "tokens": tokens(text)},
+                **view)
 
 
 def _entry_count(text):
@@ -6943,7 +6944,7 @@ class _ServedPlan:
     LEVELS = (("call", "lines"), ("call", "years"), ("month", "years"), ("year", "lines"),
               ("all", "lines"))
 
-    def __init__(self, recs, superseded, budget, line_cost, expand_cap, cli, prefer_names):
+    def __init__(self, recs, superseded, line_cost, expand_cap, cli, prefer_names):
         self.recs, self.cost, self.cli = recs, line_cost, cli
         self.extra = line_cost("")   # what a line costs beyond its characters
         self.superseded, self.full = superseded, {}   # full lines, made when first needed
@@ -6962,8 +6963,8 @@ class _ServedPlan:
         for c in self.day_cost:
             self.prefix.append(self.prefix[-1] + c)
         self.full_prefix = [0]
-        self.expand_cap, self.prefer_names, self.budget = expand_cap, prefer_names, budget
-        self.fold_memo, self.bucket_memo, self.starts = {}, {}, {}
+        self.expand_cap, self.prefer_names = expand_cap, prefer_names
+        self.fold_memo, self.bucket_memo, self.starts, self.words = {}, {}, {}, {}
 
     def full_line(self, i):
         if i not in self.full:
@@ -7057,15 +7058,15 @@ class _ServedPlan:
         low, high = min(days[0], days[-1]), max(days[0], days[-1])
         return self.days[high][1][-1] - self.days[low][1][0] + 1   # recs are newest first
 
-    def fold_lines(self, d, level):
-        """The fold lines of days[d:] at this level, newest first (about words: upper bound
-        unless rendering)."""
+    def fold_lines(self, d, level, about=False):
+        """The fold lines of days[d:] at this level, newest first; without `about`, what the
+        about words may cost stands in for them."""
         kind, form = level
         buckets = self.buckets(d, kind)
         if not buckets:
             return []
         if form == "lines":
-            return [self.fold_line(label, days) for label, days in reversed(buckets)]
+            return [self.fold_line(label, days, about) for label, days in reversed(buckets)]
         lines = []
         for year, members in reversed(self.group([day for _, days in buckets for day in days], 4)):
             inside = set(members)
@@ -7073,18 +7074,16 @@ class _ServedPlan:
                      if days[0] in inside]
             call = _served_call("P", self.cli)
             lines.append(f"- {year} · {self.count(members):,} episodes · "
-                         f"{self.about(members)} · {call}, P one of: " + ", ".join(parts))
+                         f"{self.about(members, about)} · {call}, P one of: " + ", ".join(parts))
         return lines
 
-    def fold_line(self, label, days):
+    def fold_line(self, label, days, about):
         n = self.count(days)
-        return (f"- {label} · {n:,} episode{'s' if n != 1 else ''} · {self.about(days)} · "
-                f"{_served_call(label, self.cli)}")
+        return (f"- {label} · {n:,} episode{'s' if n != 1 else ''} · "
+                f"{self.about(days, about)} · {_served_call(label, self.cli)}")
 
-    def about(self, days):
-        if self.rendering:
-            if self.words is None:
-                self.words = {}
+    def about(self, days, real):
+        if real:
             low, high = min(days[0], days[-1]), max(days[0], days[-1])
             first, last = self.days[low][1][0], self.days[high][1][-1]
             # an even sample says what a large fold is about as well as all of it does
@@ -7094,8 +7093,6 @@ class _ServedPlan:
                     self.words[i] = _title_words(self.recs[i])
             return _about(self.words[i] for i in range(first, last + 1, step)) or "-"
         return "x" * _ABOUT_CHARS
-
-    rendering, words = False, None
 
     def fold_cost(self, d, level):
         key = (d, level)
@@ -7120,13 +7117,11 @@ class _ServedPlan:
                 break
         else:
             return None   # everything in full
-        nofold = ("call", "lines")
+        nofold, share = self.LEVELS[0], self.most_full_share(room)
         if self.total(0, n_days, nofold) <= room:
             k = self.most_full(0, n_days, nofold, room)
-            share = self.most_full_share(room)
             if self.prefer_names or k >= share or k == len(self.order):
                 return k, n_days, nofold
-        share = self.most_full_share(room)
         # folds one call lists come first, then full lines, then the finest fold lines
         call, coarse = self.LEVELS[:2], self.LEVELS[2:]
         tries = [(k, level) for k in dict.fromkeys((share, share // 2, 0)) for level in call] + \
@@ -7146,10 +7141,10 @@ class _ServedPlan:
     def least_folded(self, k, level, room):
         """The largest d (fewest days folded) at a year, then month, then day boundary whose
         plan fits room; None when even folding every day does not."""
+        import bisect
+
         def fits(d):
             return self.total(k, d, level) <= room
-
-        import bisect
 
         def boundaries(lo, hi, width):   # the d in [lo, hi) where a year (month, day) starts
             if width not in self.starts:
@@ -7185,7 +7180,7 @@ def _served_index(name, records, superseded, budget, period=None, cli=True, line
     # what an expanding call (CLI or MCP) can list: its room with the longest head it can have
     expand_cap = _served_room(name, 10 ** 7, "0000-00-00..0000-00-00", expand_budget or budget,
                               _plain_line_cost)[1]
-    plan = _ServedPlan(recs, superseded, budget, line_cost, expand_cap, cli,
+    plan = _ServedPlan(recs, superseded, line_cost, expand_cap, cli,
                        prefer_names=period is not None)
     said = expand_budget or budget   # the hook's cap, not what its head leaves
     slack = 0
@@ -7193,7 +7188,7 @@ def _served_index(name, records, superseded, budget, period=None, cli=True, line
         head, room = _served_room(name, len(recs), period, budget, line_cost, said)
         room -= slack
         choice = plan.choose(room) if room > 0 else (0, 0, _ServedPlan.LEVELS[-1])
-        text, counts = _served_text(plan, head, choice, name, period, said)
+        text, counts = _served_text(plan, head, choice, period, said)
         if measure(text) <= budget or room <= 0:
             break
         slack += measure(text) - budget + 16   # the estimate missed: plan for less
@@ -7226,10 +7221,11 @@ def _served_guide(n, period, budget, short, folds):
     return guide + ". INDEX.md lists every entry; recall by id."
 
 
-def _served_text(plan, head, choice, name, period, budget):
+def _served_text(plan, head, choice, period, budget):
+    """The view's text for the plan's choice (None: every entry in full), and its counts."""
     recs = plan.recs
     if choice is None:
-        k, d, level, full = len(recs), len(plan.days), None, list(range(len(recs)))
+        d, level, full = len(plan.days), None, list(range(len(recs)))
     else:
         k, d, level = choice
         full = plan.order[:k]
@@ -7239,12 +7235,8 @@ def _served_text(plan, head, choice, name, period, budget):
         names = [plan.names[i] for i in members if i not in in_full]
         if names:
             short_days.append(f"- {day or _UNDATED}: " + ", ".join(names))
-    plan.rendering = True
-    try:
-        folds = plan.fold_lines(d, level) if level and d < len(plan.days) else []
-        buckets = plan.buckets(d, level[0]) if folds else []
-    finally:
-        plan.rendering = False
+    folds = plan.fold_lines(d, level, about=True) if level and d < len(plan.days) else []
+    buckets = plan.buckets(d, level[0]) if folds else []
     head = list(head)
     head[2] = _served_guide(len(recs), period, budget, bool(short_days), bool(folds))
     out = head

@@ -111,8 +111,9 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--cache", default=os.path.join(HERE, ".cache", "curve"))
     ap.add_argument("--python", default=os.path.realpath(sys.executable))
-    ap.add_argument("--json", action="store_true", help="write results/<date>-<host>-index-curve.json")
-    ap.add_argument("--md", action="store_true", help="write results/<date>-<host>-index-curve.md")
+    ap.add_argument("--json", action="store_true", help="write results/<date>-<host>-index-curve-"
+                                                        "<format>.json")
+    ap.add_argument("--md", action="store_true", help="the same as .md")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     machine = f"{platform.node()}, Python {platform.python_version()}, {os.cpu_count()} cores"
