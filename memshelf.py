@@ -1395,60 +1395,84 @@ def _first_sentence(text):
 MAX_DESCRIPTION_CHARS = 120
 # Where a clause ends inside a sentence: the cut points of a default description.
 _CLAUSE_END = _re_lazy(r"[,;:]\s|\s[—–]\s|\s-\s|\s\(|[.!?](?=\s|\Z)|[。！？；，]")
-# Sentences that state what was decided (the digest contract's cue words, decisions only).
-_DECISION_CUE = _re_lazy(r"(?<!\w)(decid|chose|chosen|adopt|accept|select|settled|agreed|picked|"
-                         r"went with|switch|реш|выбра|принял|采用|决定|选择|选定)", re.I)
+# Sentences that state what an actor decided; lower case, so "status Accepted" is not one.
+_DECISION_CUE = _re_lazy(r"(?<!\w)(decided|decides|chose|chosen|chooses|adopted|adopts|selected|"
+                         r"picked|settled on|agreed|went with|will use|switched to|accepted|"
+                         r"approved|opted|решил|решили|выбрал|выбрали|принял|приняли|采用|决定|"
+                         r"选择|选定)(?!\w)")
 _WORD = _re_lazy(r"\w+")
+_CODE_SPAN = _re_lazy(r"`[^`]*`")
+_SENTENCE_END = _re_lazy(r"[.!?](?= )|[。！？]")
+
+
+def _masked(text):
+    """text with its `code spans` blanked out (same length): no sentence or clause ends there."""
+    return _CODE_SPAN.sub(lambda m: "x" * len(m.group(0)), text) if "`" in text else text
 
 
 def _sentences(text):
-    """The digest's sentences in order (the sentence ends of _first_sentence)."""
-    out, rest = [], " ".join(text.split())
-    while rest:
-        first = _first_sentence(rest)
-        out.append(first)
-        rest = rest[len(first):].strip() if rest.startswith(first) else ""
-    return out
+    """The digest's sentences in order (the sentence ends of _first_sentence, outside code)."""
+    flat = " ".join(text.split())
+    out, start = [], 0
+    for m in _SENTENCE_END.finditer(_masked(flat)):
+        out.append(flat[start:m.end()].strip())
+        start = m.end()
+    return [s for s in out + [flat[start:].strip()] if s]
 
 
 def _default_description(digest, display_title=None):
     """The INDEX description shelve derives when none is given (issue 28): the sentence that
     states the decision (else the first), without the words of the display title it opens with,
     cut at the last clause end within MAX_DESCRIPTION_CHARS: whole words, never an ellipsis."""
-    sentences = [s for s in _sentences(digest or "") if _WORD.search(s)]
+    title_words = {w.casefold() for w in _WORD.findall(display_title or "")}
+    sentences = [_without_title(s, title_words) for s in _sentences(digest or "")
+                 if _WORD.search(s)]
     if not sentences:
         return ""
-    chosen = next((s for s in sentences if _DECISION_CUE.search(s)), sentences[0])
-    title_words = {w.casefold() for w in _WORD.findall(display_title or "")}
-    # "RFC 560 (integer overflow) makes ..." under the title "RFC 560: integer overflow"
-    pos, stripped = 0, False
-    while title_words:
-        m = re.match(r"\s*(\([^()]*\)|[^\s(]+)", chosen[pos:])
-        words = [w.casefold() for w in _WORD.findall(m.group(1))] if m else []
-        if not words or not (set(words) <= title_words or
-                             (stripped and m.group(1).startswith("("))):
-            break
-        pos, stripped = pos + m.end(), True
-    rest = chosen[pos:].lstrip(" ,;:—–-")
-    if stripped and len(_WORD.findall(rest)) >= 3:
-        chosen = rest[0].upper() + rest[1:]
-    for sentence in [chosen] + [s for s in sentences if s != chosen]:
-        cut = _clause_cut(sentence)
-        if cut:
-            return cut
+    # a decision said "also" is a second one: the first sentence says the main thing better
+    chosen = next((s for s in sentences if _DECISION_CUE.search(s) and " also " not in s),
+                  sentences[0])
+    for strict in (True, False):
+        for sentence in [chosen] + [s for s in sentences if s != chosen]:
+            cut = _clause_cut(sentence, strict)
+            if cut:
+                return cut
     # no clause of any sentence fits: whole words, and a period rather than a dangling ellipsis
     head = chosen[:MAX_DESCRIPTION_CHARS - 1]
     return (head[:head.rfind(" ")] if " " in head else head).rstrip(" ,;:—–-") + "."
 
 
-def _clause_cut(sentence):
-    """The sentence through its last clause end within MAX_DESCRIPTION_CHARS, or None."""
+def _without_title(sentence, title_words):
+    """The sentence without the display title's words it opens with: "RFC 560 (integer
+    overflow) makes ..." under the title "RFC 560: integer overflow" -> "Makes ..."."""
+    pos, stripped = 0, False
+    while title_words:
+        m = re.match(r"\s*(\([^()]*\)|[^\s(]+)", sentence[pos:])
+        words = [w.casefold() for w in _WORD.findall(m.group(1))] if m else []
+        if not words or not (set(words) <= title_words or
+                             (stripped and m.group(1).startswith("("))):
+            break
+        pos, stripped = pos + m.end(), True
+    rest = sentence[pos:].lstrip(" ,;:—–-")
+    return rest[0].upper() + rest[1:] if stripped and len(_WORD.findall(rest)) >= 3 else sentence
+
+
+def _clause_cut(sentence, strict=True):
+    """The sentence through its last clause end within MAX_DESCRIPTION_CHARS, or None.
+    strict: at least a quarter of the cap, and no comma that parts adjectives ("a consistent,
+    decodable scheme")."""
     if len(sentence) <= MAX_DESCRIPTION_CHARS:
         return sentence
-    ends = [m.start() + (1 if m.group(0)[0] in ".!?。！？" else 0)
-            for m in _CLAUSE_END.finditer(sentence, 0, MAX_DESCRIPTION_CHARS + 1)]
-    # a clause of three words at least: "Rust, ..." is not a description
-    ends = [e for e in ends if e <= MAX_DESCRIPTION_CHARS and len(_WORD.findall(sentence[:e])) >= 3]
+    ends = []
+    for m in _CLAUSE_END.finditer(_masked(sentence), 0, MAX_DESCRIPTION_CHARS + 1):
+        end = m.start() + (1 if m.group(0)[0] in ".!?。！？" else 0)
+        before = sentence[:end].split()
+        if end > MAX_DESCRIPTION_CHARS or len(before) < 3:   # "Rust, ..." says nothing
+            continue
+        if strict and (end < MAX_DESCRIPTION_CHARS // 4 or m.group(0)[0] == "," and
+                       before[-2].lower() in ("a", "an", "the")):
+            continue
+        ends.append(end)
     return sentence[:ends[-1]].rstrip() if ends else None
 
 
