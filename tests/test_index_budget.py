@@ -405,6 +405,16 @@ def test_fuzzed_digests_get_descriptions_at_a_clause(tmp_path):
         desc = memshelf._default_description(digest, title)
         assert desc and len(desc) <= memshelf.MAX_DESCRIPTION_CHARS and "…" not in desc, digest
         assert ends_at_clause(desc, digest), (digest, desc)
+    # the decision's sentence, not metadata; code spans hold no sentence end; no title twice
+    assert memshelf._default_description(
+        "ADR 0001 records decisions (dated 2017-06-30, status Accepted). Dana decided to keep "
+        "one file per decision.") == "Dana decided to keep one file per decision."
+    assert memshelf._default_description(
+        "Priya added a `catch { .. }` block that scopes `?`. Bo asked why.") == \
+        "Priya added a `catch { .. }` block that scopes `?`."
+    assert memshelf._default_description(
+        "RFC 560 (integer overflow) makes overflow a program error in debug builds.",
+        "RFC 560: integer overflow") == "Makes overflow a program error in debug builds."
     # one clause longer than the cap: whole words, still no ellipsis
     long_clause = " ".join(["word"] * 60) + "."
     desc = memshelf._default_description(long_clause)
