@@ -975,8 +975,8 @@ class _Server:
                             os.path.join(root, "archive"))):
                         raise self._not_found(req, "resource not found: the default shelf has "
                                                    "no archive", uri)
-                    res = core.call_tool("memshelf_index",
-                                         {"max_chars": 0, "archive": kind == "archive"})
+                    # the served view, within the shelf's budget (hook_index_chars)
+                    res = core.call_tool("memshelf_index", {"archive": kind == "archive"})
                     text = _cap_text(res["index"], "call memshelf_index with offset to page")
         except core.ShelfError as exc:
             if exc.code in ("id-invalid", "usage"):

@@ -337,7 +337,7 @@ def _raw_excerpts(rng, pool, mean_bytes):
     return fence + "\n" + "\n".join(lines) + "\n```"
 
 
-def _episode(p, rng, pool, raw_bytes, tickets, ids):
+def _episode(p, rng, pool, raw_bytes, tickets, ids, long_descriptions=False):
     """Compose one episode exactly as shelve writes it (shelf-format.md § 4)."""
     comp, prob, dec = COMPONENTS[p.comp][0], PROBLEMS[p.prob][0], DECISIONS[p.dec][0]
     a, b = rng.sample(ACTORS, 2)
@@ -430,6 +430,9 @@ def _episode(p, rng, pool, raw_bytes, tickets, ids):
         if rng.random() < 0.15:
             title += " — " + rng.choice(TITLE_EXTRA)
         fm.append(f"display_title: {yaml_quote(title)}")
+    if long_descriptions:   # ~150 characters, as hand-written ones are (issue 28); no rng draw
+        description = (f"{comp[0].upper() + comp[1:]}: {dec} against {prob}; {a} measured it "
+                       f"on staging before the rollout, {b} owns {open_item}")
     fm.append(f"description: {yaml_quote(description or first)}")
     fm.append(f"tags: [{', '.join(tags)}]")
     if p.i > 10 and rng.random() < 0.02:
@@ -539,7 +542,7 @@ def git_commit_all(out, message):
 
 
 def generate(out, n=1000, seed=1, raw_kb=6.4, git=False, fmt="compact", queries_path=None,
-             python=None, code_dir=None, force=False, log=None):
+             python=None, code_dir=None, force=False, log=None, long_descriptions=False):
     """Write a shelf of n episodes at out and queries.tsv next to it; returns a summary dict."""
     log = log or (lambda msg: sys.stderr.write(msg + "\n"))
     python = python or os.path.realpath(sys.executable)
@@ -569,7 +572,8 @@ def generate(out, n=1000, seed=1, raw_kb=6.4, git=False, fmt="compact", queries_
     dirs = {"topic": "topics", "research": "research", "session": "sessions"}
     total = 0
     for p in plans:
-        text = _episode(p, rng, pool, raw_kb * 1024, tickets, ids).encode("utf-8")
+        text = _episode(p, rng, pool, raw_kb * 1024, tickets, ids,
+                        long_descriptions).encode("utf-8")
         total += len(text)
         path = os.path.join(out, "docs", dirs[p.kind], p.slug + ".md")
         with open(path, "wb") as f:
@@ -617,13 +621,15 @@ def main(argv=None):
     ap.add_argument("--queries", help="queries.tsv path (default: next to the shelf)")
     ap.add_argument("--code", default=REPO, help="folder holding memshelf.py")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
+    ap.add_argument("--long-descriptions", action="store_true",
+                    help="~150-character descriptions on every episode (bench/index_curve.py)")
     args = ap.parse_args(argv)
     if args.n < 1:
         ap.error("--n must be positive")
     try:
         summary = generate(args.out, n=args.n, seed=args.seed, raw_kb=args.raw_kb, git=args.git,
                            fmt=args.format, queries_path=args.queries, code_dir=args.code,
-                           force=args.force)
+                           force=args.force, long_descriptions=args.long_descriptions)
     except (RuntimeError, ValueError) as exc:
         sys.stderr.write(f"gen_shelf: {exc}\n")
         return 1

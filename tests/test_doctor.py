@@ -657,8 +657,17 @@ def test_index_within_budget_and_injection_cap(tmp_path, three):
     root = three()
     result = run(root)
     assert not find(result, "index-bloat") and not find(result, "index-injection-cap")
+    # below the served view's minimum the setting is refused, and the default applies
     write(root, "memshelf.json", json.dumps({"derived": "auto", "hook_index_chars": 100}))
-    assert_finding(run(root), "index-injection-cap", "info", "derived", "INDEX.md")
+    result = run(root)
+    assert find(result, "config-invalid") and not find(result, "index-injection-cap")
+    # a longer INDEX than the budget is a warning naming what the served view folds
+    # (tests/test_index_budget.py drives it on a shelf of hundreds of episodes)
+    write(root, "memshelf.json", json.dumps({"derived": "auto", "hook_index_chars": 1000}))
+    with open(os.path.join(root, "INDEX.md"), encoding="utf-8") as f:
+        fits = len(f.read()) <= 1000
+    if not fits:
+        assert_finding(run(root), "index-injection-cap", "warning", "derived", "INDEX.md")
 
 
 def test_index_links_unsupported(tmp_path, three):
