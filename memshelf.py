@@ -13211,8 +13211,9 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     eps = [r for r in records if r.get("id")]
     totals = _shelf_totals(root, records=records, window=window)
     index_tokens = totals["index_tokens"]
-    entries = _index_entries(_index_file_text(root), "docshelf" if _index_format(root) ==
-                             "docshelf" else "compact")
+    index_text = _index_file_text(root)
+    entries = _index_entries(index_text, "docshelf" if _index_format(root) == "docshelf"
+                             else "compact")
     index_entries = len(entries)
     # the entry lines' own cost: chars/4 of the lines, headings and preamble left out
     per_entry = sum(sum(e.values()) for e in entries) / 4 / index_entries if entries else 0.0

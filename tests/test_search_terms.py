@@ -163,3 +163,20 @@ def test_the_same_through_the_mcp_server(shelf, tmp_path):
     assert {h["id"] for h in out["ident"]["hits"]} == {"2026-02-04-js-globals"}
     assert out["minus"]["hits"][0]["id"] == "2026-02-03-integer-division"
     assert all(h["terms"] == ["platform"] for h in out["platform"]["hits"])
+
+
+def test_status_reaches_search_hits(tmp_path):
+    """--status round-trips into search results (issue 28): the hit carries it and the text
+    marks a deprecated or proposed episode; amend keeps it."""
+    root = str(tmp_path / "shelf")
+    memshelf.init(root, storage="plain")
+    memshelf.shelve(root, slug="2026-03-01-queue-choice", kind="topic", status="deprecated",
+                    digest="Ana chose RabbitMQ for the billing queue. Open: none.",
+                    sections={"Decisions": "RabbitMQ with quorum queues."})
+    r = cli_json("search", "--shelf", root, "rabbitmq")
+    assert r["hits"] and {h["status"] for h in r["hits"]} == {"deprecated"}
+    assert "[deprecated]" in cli("search", "--shelf", root, "rabbitmq").stdout
+    assert cli("shelve", "--shelf", root, "--amend", "--slug", "2026-03-01-queue-choice",
+               "--tag", "queue").returncode == 0
+    r = cli_json("search", "--shelf", root, "quorum")
+    assert r["hits"][0]["status"] == "deprecated"
