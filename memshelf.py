@@ -5921,7 +5921,7 @@ def _shelve_arguments(shelf_path=None, slug=None, kind=None, digest=None, sectio
         # keys no option sets are kept as the document spells them
         spelled = _frontmatter_entries(_normalised(doc_text))
         doc_extra = {k: (v, spelled.get(k)) for k, v in doc_fields.items()
-                     if k not in _COMPOSED_FIELDS}
+                     if k not in _COMPOSED_FIELDS or (k == "status" and v not in STATUSES)}
         section_list = list(doc_sections)
         slug = doc_fields.get("id") if slug is None else slug
         kind = doc_fields.get("kind") if kind is None else kind
@@ -6176,10 +6176,13 @@ def _shelve_plan(root, a, sync_report=None):
               "status": a["status"],
               "approx_tokens": str(approx), "approx_tokens_source": source,
               "mode": a["mode"] or "live", "notes": free["notes"] or None}
-    # keys no option sets (a rollup's keywords, a status, a team's own): kept as written, the
-    # document's (--file) over the episode's
+    if fields["status"] is None:
+        del fields["status"]   # an episode's own value, even one memshelf does not know, is kept
+    # keys no option sets (a rollup's keywords, a team's own): kept as written, the document's
+    # (--file) over the episode's
     fields.update((k, v) for k, v in old_fields.items() if k not in fields)
-    verbatim = {k: v for k, v in verbatim.items() if k not in _COMPOSED_FIELDS}
+    verbatim = {k: v for k, v in verbatim.items()
+                if k not in _COMPOSED_FIELDS or (k == "status" and a["status"] is None)}
     for key, (value, lines) in a["doc_extra"].items():
         fields[key] = value
         verbatim.pop(key, None)
