@@ -8189,10 +8189,12 @@ def _search_refresh(db, root, reindex):
             if progress is not None:
                 progress.done()
         # a row another process stored before the search tables existed has no search rows
+        # (every search row has its episode row: counting both tells, without a join)
+        if db.execute("SELECT (SELECT count(*) FROM episodes) ="
+                      " (SELECT count(*) FROM search_episodes)").fetchone()[0]:
+            return
         orphans = db.execute("SELECT path FROM episodes e WHERE NOT EXISTS (SELECT 1 FROM"
                              " search_episodes s WHERE s.path = e.path)").fetchall()
-        if not orphans:
-            return
         db.executemany("DELETE FROM episodes WHERE path = ?", orphans)
 
 
@@ -8266,9 +8268,13 @@ def _fts_hit_rows(db, chosen):
                 " e.title, e.archived, e.status FROM search_sections s JOIN search_episodes e"
                 " ON e.ep = s.ep WHERE s.sid IN (" + ",".join("?" * len(part)) + ")", part):
             rows[r[0]] = dict(zip(_HIT_ROW, r[1:]), archived=bool(r[9]))
-    return rows, {stem: sorted(x for (x,) in db.execute(
-        "SELECT stem FROM search_episodes WHERE instr(supersedes, ?) > 0",
-        (_TAG_SEP + stem + _TAG_SEP,))) for stem in {r["id"] for r in rows.values()}}
+    wanted, superseded = {r["id"] for r in rows.values()}, {}
+    for stem, targets in db.execute("SELECT stem, supersedes FROM search_episodes"
+                                    " WHERE supersedes != ''"):   # few episodes supersede
+        for target in targets.strip(_TAG_SEP).split(_TAG_SEP):
+            if target in wanted:
+                superseded.setdefault(target, []).append(stem)
+    return rows, {stem: sorted(v) for stem, v in superseded.items()}
 
 
 def _fts_suggestions(db, words):
