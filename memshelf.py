@@ -8547,68 +8547,50 @@ def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, s
     if mode in ("semantic", "hybrid") and globals().get("_semantic_rank") is None:
         raise _semantic_unavailable(mode, "the semantic extra is not installed")
     run = (_SearchFilters(kinds, tags, since, until, archive), max_results, per_episode, mode)
-    result, suggest = _search_run(root, query, *run, reindex)
-    near = suggest()
+    result, near = _search_run(root, query, *run, reindex)
     if near:
         result["did_you_mean"] = list(dict.fromkeys(w for words in near.values() for w in words))
     corrected = query
     for word, better in near.items():
         corrected = re.sub(rf"(?i)(?<![\w$]){re.escape(word)}(?![\w$])", better[0], corrected)
     if corrected != query and not result["hits"]:
-        again = _search_run(root, corrected, *run, False)[0]
+        again = _search_run(root, corrected, *run, False, suggest=False)[0]
         if again["hits"]:
             result = dict(again, query=query, did_you_mean=result["did_you_mean"],
                           corrected_query=corrected)
     return result
 
 
-def _search_run(root, query, filters, max_results, per_episode, mode, reindex):
-    """(result, suggest): suggest() -> {unmatched word: the shelf's nearest word}."""
+def _search_run(root, query, filters, max_results, per_episode, mode, reindex, suggest=True):
+    """(result, {unmatched word: the shelf's nearest words}); suggestions only when asked."""
     terms, excluded = _parse_query(query)
     if not terms:
         raise _usage(f"the query {_excerpt(query)} has no word to search for",
                      "give at least one word that is not excluded with -")
-    found = None
     db = _fts_open(root)
-    if db is not None:
-        try:
-            found = _search_fts(db, root, query, terms, excluded, filters, max_results,
-                                per_episode, mode, reindex)
-        except BaseException:
-            db.close()
-            raise
-    if found is None:
-        if db is not None:
-            db.close()
-        if mode in ("semantic", "hybrid"):
-            raise _semantic_unavailable(mode, "the SQLite sidecar is unavailable here")
-        chosen, total, info, superseded, held, seen = _search_scan(
-            root, terms, excluded, filters, max_results, per_episode)
-        engine, used_mode, via = "scan", "lexical", {}
-    else:
-        engine, used_mode, chosen, total, info, superseded, via, held, seen = found
-    hits = _build_hits(root, chosen, info, superseded, terms, via, held)
-    unmatched = [t.word for t, ok in zip(terms, seen) if not ok]
-    every = any(len(h["terms"]) == len(terms) for h in hits)
-    result = {"status": "ok", "query": query, "match_mode": "all" if every else "any",
-              "engine": engine, "mode": used_mode, "hits": hits, "total_candidates": total,
-              "matched": [t.word for t, ok in zip(terms, seen) if ok], "unmatched": unmatched}
-
-    def suggest():
+    try:
+        found = None if db is None else _search_fts(
+            db, root, query, terms, excluded, filters, max_results, per_episode, mode, reindex)
+        if found is None:
+            if mode in ("semantic", "hybrid"):
+                raise _semantic_unavailable(mode, "the SQLite sidecar is unavailable here")
+            chosen, total, info, superseded, held, seen = _search_scan(
+                root, terms, excluded, filters, max_results, per_episode)
+            engine, used_mode, via = "scan", "lexical", {}
+        else:
+            engine, used_mode, chosen, total, info, superseded, via, held, seen = found
+        hits = _build_hits(root, chosen, info, superseded, terms, via, held)
+        unmatched = [t.word for t, ok in zip(terms, seen) if not ok]
         words = [w for w in unmatched if len(w) >= 3 and w.isalpha() and
-                 not _CJK_RUN.search(w)]
-        if not words:
-            return {}
-        if db is None or engine != "fts5":
-            return _scan_suggestions(root, words)
-        try:
-            return _fts_suggestions(db, words)
-        finally:
-            db.close()
-
-    if db is not None and (engine != "fts5" or not unmatched):
-        db.close()
-    return result, suggest
+                 not _CJK_RUN.search(w)] if suggest else []
+        near = {} if not words else _fts_suggestions(db, words) if engine == "fts5" else \
+            _scan_suggestions(root, words)
+    finally:
+        _close_db(db)
+    every = any(len(h["terms"]) == len(terms) for h in hits)
+    return {"status": "ok", "query": query, "match_mode": "all" if every else "any",
+            "engine": engine, "mode": used_mode, "hits": hits, "total_candidates": total,
+            "matched": [t.word for t, ok in zip(terms, seen) if ok], "unmatched": unmatched}, near
 
 
 def _scan_suggestions(root, words):
@@ -15397,7 +15379,7 @@ def _verbs():
             _Param("since", _S, nullable=True, help="Dated on/after YYYY-MM-DD."),
             _Param("archive", _B, default=False, help="The archive INDEX."),
             _Param("verify", _B, default=False, mcp=False,
-                   help="Stat every episode instead of trusting directory times."),
+                   help="Render from the episodes, trusting no remembered render or row."),
             _Param("budget", _I, nullable=True, help="Char budget (default 9500).",
                    cli_help="Serve the INDEX within N characters: newest entries in full, older "
                             "ones by name, the oldest periods folded (default for --period: "

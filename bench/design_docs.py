@@ -185,13 +185,13 @@ EPISODES = [
 ]
 
 
-def build(root, code=None):
-    """A new plain shelf at root holding EPISODES; returns root."""
+def build(root, code=None, episodes=None):
+    """A new plain shelf at root holding `episodes` (EPISODES by default); returns root."""
     if code:
         sys.path.insert(0, code)
     import memshelf
     memshelf.init(str(root), storage="plain")
-    for ep in EPISODES:
+    for ep in EPISODES if episodes is None else episodes:
         memshelf.shelve(str(root), **ep)
     return str(root)
 

@@ -134,13 +134,9 @@ def episodes(relnotes_dir=None):
 def build(root, code=None, relnotes_dir=None):
     """A new plain shelf at root holding one episode per Git feature release; returns root."""
     eps = episodes(relnotes_dir)          # fails before the shelf is created if notes are missing
-    if code:
-        sys.path.insert(0, code)
-    import memshelf
-    memshelf.init(str(root), storage="plain")
-    for ep in eps:
-        memshelf.shelve(str(root), **ep)
-    return str(root)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import design_docs
+    return design_docs.build(root, code, eps)
 
 
 if __name__ == "__main__":
