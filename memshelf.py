@@ -8114,13 +8114,14 @@ def _search_ready(db):
 
 
 def _forget_rows(db):
-    """Drop every cached episode row and, with them, their search rows."""
+    """Drop every cached episode row and, with them, the search tables: the next search builds
+    them again, so `rebuild --full` does not pay for indexing every section."""
     try:
         with db:
             db.execute("DELETE FROM episodes")
-            if _search_ready(db):
-                for table in _SEARCH_TABLES:
-                    db.execute(f"DELETE FROM {table}")
+            for table in _SEARCH_TABLES:
+                db.execute(f"DROP TABLE IF EXISTS {table}")
+            db.execute("DELETE FROM meta WHERE key = 'search_schema'")
     except Exception:
         pass
 

@@ -180,3 +180,20 @@ def test_status_reaches_search_hits(tmp_path):
                "--tag", "queue").returncode == 0
     r = cli_json("search", "--shelf", root, "quorum")
     assert r["hits"][0]["status"] == "deprecated"
+
+
+def test_rebuild_full_drops_the_search_rows_and_search_builds_them_again(tmp_path):
+    root = str(tmp_path / "shelf")
+    memshelf.init(root, storage="plain")
+    memshelf.shelve(root, **EPISODES[0])
+    assert cli_json("search", "--shelf", root, "jittered")["hits"]
+    assert cli("rebuild", "--shelf", root, "--full").returncode == 0
+    import sqlite3
+    db = sqlite3.connect(os.path.join(root, ".memshelf", "shelf.sqlite"))
+    tables = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    db.close()
+    assert "search_fts" not in tables            # rebuild --full indexes no section
+    memshelf.shelve(root, **EPISODES[1])
+    r = cli_json("search", "--shelf", root, "jittered", "sidecar")
+    assert {h["id"] for h in r["hits"]} == {"2026-02-01-http-client-retry",
+                                            "2026-02-02-service-mesh"}
