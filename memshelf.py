@@ -4,21 +4,42 @@
 A shelf is a folder (by default a local git repository with no remote) of Markdown episodes.
 An episode records one closed topic: YAML frontmatter, a short digest that passes a mechanical
 contract, and a fixed set of H2 sections. The agent keeps only INDEX.md in context and recalls
-one episode, or one section of it, when it needs it.
+one episode, or one section of it, when it needs it. INDEX.md, ledger.tsv, the .meta.json files
+and stats.svg are derived: pure functions of the episodes, rendered again whenever they change.
 
 Write path:  capture -> redact -> digest contract -> write (lock, atomic replace)
              -> render derived files (INDEX, ledger, .meta.json, chart) -> commit
-Read path:   INDEX.md -> pick an entry -> recall one section -> data envelope
-             (search ranks sections with BM25 when the id is unknown)
+Recall path: INDEX.md (in context) -> pick an id -> recall one section -> data envelope
+             (search ranks sections with FTS5 bm25() when the id is unknown)
+Every reader asks the episode store whether an episode changed; the store alone parses files,
+keeps the cache in .memshelf/ and remembers derived values under one key.
 
-Sections of this file, in data-flow order:
-  common utilities . format (frontmatter, episodes) . policy and redaction .
-  instruction-shaped content . digest contract . shelf operations . derived renders .
-  search . git . lifecycle . doctor . accounting and advisor . views . hooks . CLI
+Sections of this file (banner comments), in data-flow order:
+  common utilities     errors, tokens, the worker pool, the atomic writer, the shelf lock,
+                       which shelf a call uses
+  format               the YAML subset and the frontmatter parser; episodes: reading, sections,
+                       descriptions, composing
+  store                the one reader of episode files: listing, stamps, the cache database,
+                       remembered values
+  policy and redaction redact, find_secrets, POLICY.patterns, the taint memory
+  instruction-shaped   scan_instructions
+  digest contract      validate_digest, lint_digest
+  shelf operations     configuration, identifiers, init, shelve, recall
+  derived renders      INDEX (compact, docshelf, the served view), ledger, .meta.json, chart;
+                       rebuild and index
+  search               FTS5 rows, the scan fallback, search, search-bench, the semantic extra
+  git                  the one git wrapper, commits through a private index, hooks, sync
+  lifecycle            rollup, purge, import, resolve, sync, repair
+  doctor               every check doctor runs, the per-file verdict cache
+  accounting, advisor  stats, advise
+  views                tags, graph, retro, fork, mirror, freshness, prune-splits
+  hooks                the host adapter entry points
+  CLI                  the verb table (argparse, the MCP tool list, `tools`), printing, main
 
 Every verb is one public function returning a plain dict: the object the CLI prints with
 --json and the MCP tool returns as structuredContent. The CLI and server.py only translate
 arguments. Standard library only; optional extras are imported lazily where they are used.
+docs/architecture.md maps each verb to its functions and lists every cache with its key.
 """
 
 __version__ = "0.5.0"
