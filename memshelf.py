@@ -15,26 +15,28 @@ Every reader asks the episode store whether an episode changed; the store alone 
 keeps the cache in .memshelf/ and remembers derived values under one key.
 
 Sections of this file (banner comments), in data-flow order:
-  common utilities     errors, tokens, the worker pool, the atomic writer, the shelf lock,
-                       which shelf a call uses
-  format               the YAML subset and the frontmatter parser; episodes: reading, sections,
-                       descriptions, composing
-  store                the one reader of episode files: listing, stamps, the cache database,
-                       remembered values
-  policy and redaction redact, find_secrets, POLICY.patterns, the taint memory
-  instruction-shaped   scan_instructions
-  digest contract      validate_digest, lint_digest
-  shelf operations     configuration, identifiers, init, shelve, recall
-  derived renders      INDEX (compact, docshelf, the served view), ledger, .meta.json, chart;
-                       rebuild and index
-  search               FTS5 rows, the scan fallback, search, search-bench, the semantic extra
-  git                  the one git wrapper, commits through a private index, hooks, sync
-  lifecycle            rollup, purge, import, resolve, sync, repair
-  doctor               every check doctor runs, the per-file verdict cache
-  accounting, advisor  stats, advise
-  views                tags, graph, retro, fork, mirror, freshness, prune-splits
-  hooks                the host adapter entry points
-  CLI                  the verb table (argparse, the MCP tool list, `tools`), printing, main
+  common utilities            errors, tokens, the worker pool, the atomic writer, the shelf
+                              lock, which shelf a call uses
+  format                      the YAML subset and the frontmatter parser; episodes: reading,
+                              sections, descriptions, composing
+  store                       the one reader of episode files: listing, stamps, the cache
+                              database, remembered values
+  policy and redaction        redact, find_secrets, POLICY.patterns, the taint memory
+  instruction-shaped content  scan_instructions
+  digest contract             validate_digest, lint_digest
+  shelf operations            configuration, identifiers, init, shelve, recall
+  derived renders             INDEX (compact, docshelf, the served view), ledger, .meta.json,
+                              chart; rebuild and index
+  search                      FTS5 rows, the scan fallback, search, search-bench, semantic
+  git                         the one git wrapper, commits through a private index, hooks,
+                              sync, push and publish, scan
+  lifecycle                   rollup, purge, import, resolve, sync, repair
+  doctor                      every check doctor runs, the per-file verdict cache
+  accounting and advisor      stats, advise
+  views                       tags, graph, retro, fork, mirror, freshness, prune-splits
+  hooks                       the host adapter entry points
+  CLI                         the verb table (argparse, the MCP tool list, `tools`), printing,
+                              main, demo
 
 Every verb is one public function returning a plain dict: the object the CLI prints with
 --json and the MCP tool returns as structuredContent. The CLI and server.py only translate
