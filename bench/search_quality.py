@@ -15,8 +15,8 @@ hit@1 / hit@3 / hit@5 and section MRR (over the top 10).
 
 Sets:
   rfc16     16 Rust RFCs shelved by an agent and its 24 single-episode questions: a folder with
-            shelf.tar.gz and questions.jsonl, kept outside the repository (--rfc16 DIR or
-            MEMSHELF_RFC16; skipped without one)
+            shelf.tar.gz and questions.jsonl, bench/corpora/rfc16 (--rfc16 DIR or
+            MEMSHELF_RFC16 for another copy)
   design    bench/design_docs.py and bench/questions.tsv (ten design docs, 32 questions with
             keyword twins)
   relnotes  bench/relnotes.py and bench/relnotes_questions.tsv (40 of Git's own release notes,
@@ -37,7 +37,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-RFC16 = os.environ.get("MEMSHELF_RFC16", "")   # the corpus folder; --rfc16 sets it
+RFC16 = os.environ.get("MEMSHELF_RFC16") or os.path.join(os.path.dirname(os.path.abspath(
+    __file__)), "corpora", "rfc16")   # the corpus folder; --rfc16 sets it
 DEPTH = 10
 
 
@@ -214,7 +215,7 @@ def main(argv=None):
     global RFC16
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sets", default="rfc16,design,relnotes")
-    ap.add_argument("--rfc16", default=os.environ.get("MEMSHELF_RFC16", ""),
+    ap.add_argument("--rfc16", default=RFC16,
                     help="folder of the rfc16 corpus")
     ap.add_argument("--code", default=REPO, help="folder holding memshelf.py")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
