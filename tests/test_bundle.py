@@ -77,6 +77,7 @@ def read_zip(path):
         return zf.infolist(), {i.filename: zf.read(i) for i in zf.infolist()}
 
 
+@pytest.mark.slow
 def test_second_build_is_byte_identical(built):
     for name in (f"memshelf-{VERSION}.mcpb", f"memshelf-{VERSION}-uv.mcpb"):
         with open(built["dir"] / "first" / name, "rb") as a, \
@@ -190,6 +191,7 @@ def test_committed_manifest_passes_mcpb_validate(mcpb_cli):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavor", ["python", "uv"])
 def test_mcpb_validate_and_info(built, mcpb_cli, flavor, tmp_path):
     unpacked = tmp_path / "unpacked"
@@ -235,6 +237,7 @@ def bare_env():
     return env
 
 
+@pytest.mark.slow
 def test_check_writes_nothing(tmp_path):
     tree = copy_tree(str(tmp_path / "tree"))
     r = run_build("--check", cwd=tree, env=bare_env(), script=os.path.join(tree, "build_mcpb.py"))
@@ -288,6 +291,7 @@ def test_plugin_without_adapter_writes_the_two_files_and_a_note(tmp_path):
     assert "adapters/claude-code/" in (dest / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_plugin_copies_the_adapter_and_stamps_the_version(tmp_path):
     tree = copy_tree(str(tmp_path / "tree"))
     adapter = os.path.join(tree, "adapters", "claude-code")
@@ -504,6 +508,7 @@ def assert_bundle_untouched(ext, before, allowed=()):
     assert stray == [], f"the server wrote into the bundle: {stray}"
 
 
+@pytest.mark.slow
 def test_python_bundle_case_a_default_shelf(installed):
     ext, home = installed("python")
     before = bundle_files(ext)
@@ -522,6 +527,7 @@ def test_python_bundle_case_b_setting_cleared(installed):
     smoke_setting_cleared(argv, env, home, manifest)
 
 
+@pytest.mark.slow
 def test_uv_bundle_launches_like_the_host(installed):
     ext, home = installed("uv")
     path = os.environ.get("PATH", "")
@@ -571,6 +577,7 @@ def dump(model):
         else model
 
 
+@pytest.mark.slow
 def test_python_bundle_with_the_sdk_client(installed):
     ext, home = installed("python")
     with open(os.path.join(ext, "manifest.json"), encoding="utf-8") as f:
@@ -650,6 +657,7 @@ def mcpb_launch(ext, home, user_config, where):
     return [exe] + config["args"], env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["default", "chosen", "cleared"])
 def test_desktop_launch_from_mcpbs_config_builder(installed, tmp_path, setting):
     """The setting left at its default reaches the server as the literal ${HOME}/memshelf;

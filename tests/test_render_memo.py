@@ -44,6 +44,7 @@ def memo(root):
         return json.load(f).get("render_memo")
 
 
+@pytest.mark.slow
 def test_unchanged_shelf_is_answered_from_the_memo(filled, cli):
     first = rebuild(cli, filled)
     m = memo(filled)
@@ -56,6 +57,7 @@ def test_unchanged_shelf_is_answered_from_the_memo(filled, cli):
     assert rebuild(cli, filled, "--check")["ok"] is True
 
 
+@pytest.mark.slow
 def test_a_render_on_a_dropped_cache_is_remembered_like_any_other(filled, cli):
     # nothing remembered, nothing cached: the files are listed without stats and the key is
     # made from the stamps of the reads; it must be the key a full scan gives
@@ -78,6 +80,7 @@ def test_a_render_on_a_dropped_cache_is_remembered_like_any_other(filled, cli):
     assert memshelf._read_episode(str(filled), "docs/topics/gone.md")["fm_error"].startswith("io")
 
 
+@pytest.mark.slow
 def test_an_episode_edited_in_place_is_seen(filled, cli):
     rebuild(cli, filled)
     path = filled / "docs" / "topics" / "2026-03-02-login-flow.md"
@@ -93,6 +96,7 @@ def test_an_episode_edited_in_place_is_seen(filled, cli):
     assert rebuild(cli, filled)["written"] == []
 
 
+@pytest.mark.slow
 def test_a_tampered_or_deleted_derived_file_is_repaired(filled, cli):
     rebuild(cli, filled)
     good_index = (filled / "INDEX.md").read_text()
@@ -107,6 +111,7 @@ def test_a_tampered_or_deleted_derived_file_is_repaired(filled, cli):
     assert (filled / "ledger.tsv").read_text() == good_ledger
 
 
+@pytest.mark.slow
 def test_added_and_removed_episodes_are_seen(filled, cli, tmp_path):
     rebuild(cli, filled)
     src = filled / "docs" / "topics" / "2026-03-03-audit-trail.md"
@@ -120,6 +125,7 @@ def test_added_and_removed_episodes_are_seen(filled, cli, tmp_path):
     assert res["episodes"] == 3 and "2026-03-03-audit-trail" in (filled / "INDEX.md").read_text()
 
 
+@pytest.mark.slow
 def test_settings_and_format_changes_are_seen(filled, cli):
     rebuild(cli, filled)
     cfg_path = filled / ".docshelf.json"
@@ -134,6 +140,7 @@ def test_settings_and_format_changes_are_seen(filled, cli):
     assert rebuild(cli, filled, "--check")["ok"] is True
 
 
+@pytest.mark.slow
 def test_a_broken_or_missing_state_file_only_costs_a_full_render(filled, cli):
     rebuild(cli, filled)
     good = (filled / "INDEX.md").read_text()
@@ -148,6 +155,7 @@ def test_a_broken_or_missing_state_file_only_costs_a_full_render(filled, cli):
     assert (filled / "INDEX.md").read_text() == good
 
 
+@pytest.mark.slow
 def test_a_memo_for_other_inputs_is_never_used(filled, cli):
     rebuild(cli, filled)
     state_path = filled / ".memshelf" / "state.json"
@@ -160,6 +168,7 @@ def test_a_memo_for_other_inputs_is_never_used(filled, cli):
     assert "INDEX.md" in res["written"] and "Mira" in (filled / "INDEX.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_memo_naming_files_outside_the_derived_set_is_never_used(filled, cli, tmp_path):
     rebuild(cli, filled)
     outside = tmp_path / "outside.txt"
@@ -214,6 +223,7 @@ def _renders_agree(root):
     return whole
 
 
+@pytest.mark.slow
 def test_renders_from_cache_columns_equal_renders_from_records(filled, cli):
     r = cli("shelve", "--shelf", filled, "--slug", "2026-03-04-cache-layer-v2", "--kind", "topic",
             "--digest", "Mira replaced the write-through cache with a read-through one. "
@@ -240,6 +250,7 @@ def test_renders_from_cache_columns_on_a_040_shelf(tmp_path):
     assert len(_renders_agree(root)) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("column, value", [
     ("supersedes", "{not json"), ("supersedes", '{"a": 1}'), ("supersedes", 7),
     ("category", "nope"), ("index_entry", 5), ("index_entry", None), ("meta_entry", 7),
@@ -262,6 +273,7 @@ def test_a_cache_row_with_values_a_render_cannot_use_is_read_again(filled, cli, 
     assert (filled / "INDEX.md").read_bytes() == index
 
 
+@pytest.mark.slow
 def test_racy_files_settle_once_a_read_has_verified_them(plain_shelf, cli):
     """A render made while its files were racy (a fresh copy, files just written) remembers
     their content; the first read after they age forgets them, so no later read hashes them

@@ -60,6 +60,7 @@ def test_import_never_pulls_the_extra():
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
 
 
+@pytest.mark.slow
 def test_unavailable_without_the_package(shelf):
     r = stdlib_only("semantic", "build", "--shelf", shelf)
     assert r.returncode == 1, r.stderr
@@ -120,6 +121,7 @@ def tiny_model(tmp_path_factory):
     return str(folder)
 
 
+@pytest.mark.slow
 def test_build_status_incremental_and_drop(shelf, tiny_model, monkeypatch):
     env = {"MEMSHELF_SEMANTIC_MODEL": tiny_model}
     first = run_cli("semantic", "build", "--shelf", shelf, "--json", env=env).json()
@@ -171,6 +173,7 @@ def semantic(action, root, model):
     return r.json()
 
 
+@pytest.mark.slow
 def test_an_edit_in_place_with_the_same_stamp_is_stale(aged, tiny_model):
     """A file built within the timestamp granularity of its mtime (here an mtime ahead of the
     clock, racy at any build) is vouched for by its content: an edit in place that puts size,
@@ -187,6 +190,7 @@ def test_an_edit_in_place_with_the_same_stamp_is_stale(aged, tiny_model):
     assert semantic("status", aged, tiny_model)["stale_files"] == 0
 
 
+@pytest.mark.slow
 def test_renamed_and_deleted_behind_the_tools_back(aged, tiny_model):
     assert semantic("build", aged, tiny_model)["vectors"] == 7
     research = os.path.join(aged, "docs", "research")
@@ -199,6 +203,7 @@ def test_renamed_and_deleted_behind_the_tools_back(aged, tiny_model):
     assert semantic("status", aged, tiny_model)["stale_files"] == 0
 
 
+@pytest.mark.slow
 def test_a_table_from_before_the_racy_rule(aged, tiny_model):
     """semantic_files as an older memshelf made it, (path, size, mtime_ns): every file is stale
     once, and a build re-reads them without embedding anything again."""
@@ -219,6 +224,7 @@ def test_a_table_from_before_the_racy_rule(aged, tiny_model):
     assert semantic("status", aged, tiny_model)["stale_files"] == 0
 
 
+@pytest.mark.slow
 def test_search_and_bench_use_the_vectors(shelf, tiny_model, tmp_path):
     env = {"MEMSHELF_SEMANTIC_MODEL": tiny_model}
     assert run_cli("semantic", "build", "--shelf", shelf, env=env).code == 0

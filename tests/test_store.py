@@ -9,6 +9,8 @@ import pytest
 
 from conftest import age_files, edit_in_place, memo_current, run_cli
 
+pytestmark = pytest.mark.slow
+
 DIGEST = "Ana chose option A over option B for speed. Open: none."
 SLUGS = ("2026-01-01-alpha-cache", "2026-01-02-beta-queue", "2026-01-03-gamma-auth")
 

@@ -56,6 +56,7 @@ def fresh_run(root, workers, *args):
     return run_cli(*args, "--shelf", root, "--json", env={"MEMSHELF_WORKERS": workers})
 
 
+@pytest.mark.slow
 def test_doctor_in_workers_finds_exactly_what_one_process_finds(shelf_with_work):
     serial = fresh_run(shelf_with_work, "1", "doctor")
     forked = fresh_run(shelf_with_work, "2", "doctor")
@@ -69,6 +70,7 @@ def test_doctor_in_workers_finds_exactly_what_one_process_finds(shelf_with_work)
     assert again.json() == serial.json()
 
 
+@pytest.mark.slow
 def test_doctor_checks_in_workers_when_only_its_own_cache_is_void(shelf_with_work):
     # the episode cache stays warm; a new POLICY.patterns rule voids every cached verdict, so
     # the checks run in their own pass instead of beside the parse
@@ -102,6 +104,7 @@ def cache_rows(root):
         con.close()
 
 
+@pytest.mark.slow
 def test_rebuild_in_workers_writes_the_same_files(shelf_with_work):
     names = ["INDEX.md", "ledger.tsv", "docs/topics/.meta.json", "stats.svg"]
     r = fresh_run(shelf_with_work, "1", "rebuild")
@@ -122,6 +125,7 @@ def test_rebuild_in_workers_writes_the_same_files(shelf_with_work):
     assert check.code == 0 and check.json()["ok"] is True, check
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["", "zero", "-3", "0"])
 def test_odd_worker_settings_still_work(shelf_with_work, value):
     r = fresh_run(shelf_with_work, value, "rebuild")
@@ -201,12 +205,14 @@ def _pool(case):
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_the_pool_gives_every_result_once_and_the_parent_works_too():
     out = _pool("results")
     assert out["no_children"] is True and out["collector"] == [True, 0]
     assert out["5001"] == 2   # the parent and one forked worker both did work
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,error", [
     ("raises", "ValueError: bad item"),
     ("unpicklable", "RuntimeError: in a worker process: Odd('odd')"),
