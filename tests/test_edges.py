@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import MEMSHELF, ROOT, SERVER, git, run_cli
+from conftest import MEMSHELF, ROOT, SERVER, copy_of_template, git, run_cli
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mcp_client import McpClient, clean_env  # noqa: E402
@@ -33,12 +33,16 @@ def doctor(root, *extra):
     return r, {f["code"]: f for f in r.json()["findings"]}, r.json()["findings"]
 
 
-@pytest.fixture
-def shelf3(shelf):
-    """A git shelf with three committed episodes."""
+def _three_topics(root):
+    assert run_cli("init", "--shelf", root).code == 0
     for i, word in enumerate(("alpha", "bravo", "charlie")):
-        assert shelve(shelf, f"2026-11-0{i + 1}-{word}-topic").code == 0
-    return shelf
+        assert shelve(root, f"2026-11-0{i + 1}-{word}-topic").code == 0
+
+
+@pytest.fixture
+def shelf3(tmp_path, tmp_path_factory):
+    """A git shelf with three committed episodes (built once, copied for each test)."""
+    return copy_of_template(tmp_path_factory, tmp_path / "shelf", "edges-three", _three_topics)
 
 
 # 1. the commit point: HEAD, the real index and the tree agree, or the verb says so -------------

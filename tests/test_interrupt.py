@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, git
+from conftest import ROOT, copy_of_template, git
 
 import memshelf
 
@@ -248,14 +248,18 @@ def test_a_signal_during_the_imports_ends_quietly(sig):
 
 # --- each finding of the tree / index / HEAD comparison, and its repair ----------------------
 
-@pytest.fixture
-def small(tmp_path):
-    root = tmp_path / "small"
+def _three_small(root):
     memshelf.init(shelf_path=str(root))
     for i in range(3):
         memshelf.shelve(shelf_path=str(root), slug=f"2026-06-0{i + 1}-small", kind="topic",
                         digest=DIGEST, sections={"Decisions": "- JWT."})
-    return root
+
+
+@pytest.fixture
+def small(tmp_path, tmp_path_factory):
+    """Built once, copied for each test."""
+    return copy_of_template(tmp_path_factory, tmp_path / "small", "interrupt-small",
+                            _three_small)
 
 
 def _episode_text(root, slug):

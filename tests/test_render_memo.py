@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from conftest import age_files, memo_current
+from conftest import age_files, copy_of_template, memo_current, run_cli
 
 EPISODES = [
     ("2026-03-01-cache-layer", "Mira chose a write-through cache for the billing reads. "
@@ -23,14 +23,22 @@ EPISODES = [
 ]
 
 
-@pytest.fixture
-def filled(plain_shelf, cli):
+def _shelve_episodes(root):
+    assert run_cli("init", "--shelf", root, "--storage", "plain").code == 0
     for slug, digest in EPISODES:
-        r = cli("shelve", "--shelf", plain_shelf, "--slug", slug, "--kind", "topic",
-                "--digest", digest, "--section", "Decisions=- Chosen as the digest says.")
+        r = run_cli("shelve", "--shelf", root, "--slug", slug, "--kind", "topic",
+                    "--digest", digest, "--section", "Decisions=- Chosen as the digest says.")
         assert r.code == 0, r
-    age_files(plain_shelf)
-    return plain_shelf
+
+
+@pytest.fixture
+def filled(tmp_path, tmp_path_factory):
+    # built once and copied; aging the files voids the memo's key in the copy as it does in
+    # the original
+    root = copy_of_template(tmp_path_factory, tmp_path / "plain", "memo-filled",
+                            _shelve_episodes)
+    age_files(root)
+    return root
 
 
 def rebuild(cli, root, *extra):

@@ -11,7 +11,7 @@ import sqlite3
 
 import pytest
 
-from conftest import run_cli
+from conftest import copy_of_template, run_cli
 
 TOPICS = [
     ("2026-04-01-queue-retry", "Ana capped queue retries at five with jitter. Open: nothing left."),
@@ -40,15 +40,20 @@ HAND_WRITTEN = {
 }
 
 
-@pytest.fixture
-def shelf_with_work(plain_shelf):
+def _work(root):
+    assert run_cli("init", "--shelf", root, "--storage", "plain").code == 0
     for slug, digest in TOPICS:
-        r = run_cli("shelve", "--shelf", plain_shelf, "--slug", slug, "--kind", "topic",
+        r = run_cli("shelve", "--shelf", root, "--slug", slug, "--kind", "topic",
                     "--digest", digest, "--section", "Decisions=- As the digest says.")
         assert r.code == 0, r
     for slug, text in HAND_WRITTEN.items():
-        (plain_shelf / "docs" / "topics" / f"{slug}.md").write_text(text, encoding="utf-8")
-    return plain_shelf
+        (root / "docs" / "topics" / f"{slug}.md").write_text(text, encoding="utf-8")
+
+
+@pytest.fixture
+def shelf_with_work(tmp_path, tmp_path_factory):
+    """Built once, copied for each test."""
+    return copy_of_template(tmp_path_factory, tmp_path / "plain", "workers", _work)
 
 
 def fresh_run(root, workers, *args):
