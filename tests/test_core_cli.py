@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import MEMSHELF, ROOT, git, run_cli, shelve_args, snapshot
+from conftest import MEMSHELF, ROOT, copy_of_template, git, run_cli, shelve_args, snapshot
 
 
 # --- running at all -------------------------------------------------------------------------
@@ -504,16 +504,21 @@ def test_lint_digest(cli, tmp_path):
 
 # --- index and recall -----------------------------------------------------------------------
 
-@pytest.fixture
-def filled(shelf, cli):
-    assert cli(*shelve_args(shelf, extra=["--approx-tokens", "8000"])).code == 0
-    assert cli(*shelve_args(shelf, slug="2026-07-25-redis", kind="research",
-                            digest="Priya chose allkeys-lru for Redis.")).code == 0
+def _three_kinds(shelf):
+    assert run_cli("init", "--shelf", shelf).code == 0
+    assert run_cli(*shelve_args(shelf, extra=["--approx-tokens", "8000"])).code == 0
+    assert run_cli(*shelve_args(shelf, slug="2026-07-25-redis", kind="research",
+                                digest="Priya chose allkeys-lru for Redis.")).code == 0
     big = "\n".join(f"{i}. step with ünïcode {'x' * 40}" for i in range(400))
-    assert cli(*shelve_args(shelf, slug="2026-07-26-release", kind="session",
-                            digest="Release prep: Dana merged; open: changelog.",
-                            extra=["--section", f"Timeline={big}"])).code == 0
-    return shelf
+    assert run_cli(*shelve_args(shelf, slug="2026-07-26-release", kind="session",
+                                digest="Release prep: Dana merged; open: changelog.",
+                                extra=["--section", f"Timeline={big}"])).code == 0
+
+
+@pytest.fixture
+def filled(tmp_path, tmp_path_factory):
+    """Built once, copied for each test."""
+    return copy_of_template(tmp_path_factory, tmp_path / "shelf", "core-filled", _three_kinds)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import memshelf
-from conftest import MEMSHELF, git, run_cli
+from conftest import MEMSHELF, copy_of_template, git, run_cli
 
 OLDER = "older entries — use memshelf_index or memshelf_search"   # the cut the served view ended
 FOLD_CALL = "memshelf index --period "   # a shell's words: the hook runs as a command
@@ -86,8 +86,9 @@ def make_shelf(root, storage="git-local", remote=None):
 
 
 @pytest.fixture
-def one_episode(tmp_path):
-    return make_shelf(tmp_path / "shelf")
+def one_episode(tmp_path, tmp_path_factory):
+    """Built once, copied for each test."""
+    return copy_of_template(tmp_path_factory, tmp_path / "shelf", "hooks-one", make_shelf)
 
 
 # --- session-start ---------------------------------------------------------------------------

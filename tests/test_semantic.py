@@ -12,7 +12,7 @@ import time
 import pytest
 
 import memshelf
-from conftest import ROOT, age_files, edit_in_place, run_cli
+from conftest import ROOT, age_files, copy_of_template, edit_in_place, run_cli
 
 AUTH = "2026-07-20-auth-middleware"
 REDIS = "2026-07-25-redis-eviction"
@@ -155,13 +155,17 @@ def test_build_status_incremental_and_drop(shelf, tiny_model, monkeypatch):
         "vectors"] == 0
 
 
-@pytest.fixture
-def aged(tmp_path):
-    """A shelf of EPISODES whose files are old, as a shelf is between sessions."""
-    root = str(tmp_path / "shelf")
-    memshelf.init(shelf_path=root, storage="plain")
+def _episodes(root):
+    memshelf.init(shelf_path=str(root), storage="plain")
     for ep in EPISODES:
-        memshelf.shelve(shelf_path=root, **ep)
+        memshelf.shelve(shelf_path=str(root), **ep)
+
+
+@pytest.fixture
+def aged(tmp_path, tmp_path_factory):
+    """A shelf of EPISODES whose files are old, as a shelf is between sessions (built once,
+    copied for each test)."""
+    root = str(copy_of_template(tmp_path_factory, tmp_path / "shelf", "semantic", _episodes))
     age_files(root)
     return root
 

@@ -22,6 +22,7 @@ MEMSHELF = os.path.join(ROOT, "memshelf.py")
 sys.path.insert(0, HERE)
 
 from mcp_client import McpClient, clean_env, schema_problems, validate  # noqa: E402
+from conftest import copy_of_template  # noqa: E402
 
 VERSIONS = ["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"]
 MODERN = "2026-07-28"
@@ -117,9 +118,9 @@ def shelf(tmp_path_factory):
 
 
 @pytest.fixture
-def fresh_shelf(tmp_path):
-    """A shelf of this test's own, for tests that write episodes."""
-    return make_shelf(tmp_path / "shelf")
+def fresh_shelf(tmp_path, tmp_path_factory):
+    """A shelf of this test's own, for tests that write episodes (one init, copied)."""
+    return str(copy_of_template(tmp_path_factory, tmp_path / "shelf", "wire", make_shelf))
 
 
 # --- process: --version, EOF, watchdog, SIGTERM ----------------------------------------------
