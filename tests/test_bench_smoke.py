@@ -9,6 +9,8 @@ import pytest
 
 import memshelf
 
+pytestmark = pytest.mark.slow   # runs the shelf generator: the full run only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEN = os.path.join(ROOT, "bench", "gen_shelf.py")
 LABELS = {"exact-id", "keyword", "cjk", "cyrillic", "paraphrase"}
@@ -60,7 +62,6 @@ def test_generated_shelf_is_clean_and_queries_are_answerable(tmp_path):
             assert query == expected or re.search(re.escape(query) + r"\b", text)
 
 
-@pytest.mark.slow
 def test_generator_is_deterministic_and_writes_what_shelve_writes(tmp_path):
     first, _ = _generate(tmp_path, "a", n=12, seed=9)
     second, _ = _generate(tmp_path, "b", n=12, seed=9)

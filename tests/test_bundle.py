@@ -28,6 +28,8 @@ for _path in (ROOT, TESTS):
 import build_mcpb  # noqa: E402
 import memshelf  # noqa: E402
 
+pytestmark = pytest.mark.slow   # builds both bundles (module fixture): the full run only
+
 VERSION = build_mcpb.read_version(os.path.join(ROOT, "memshelf.py"))
 TOOL_NAMES = [t["name"] for t in memshelf.tool_definitions("2025-11-25")]
 PROMPT_NAMES = [p["name"] for p in memshelf.PROMPTS]
@@ -77,7 +79,6 @@ def read_zip(path):
         return zf.infolist(), {i.filename: zf.read(i) for i in zf.infolist()}
 
 
-@pytest.mark.slow
 def test_second_build_is_byte_identical(built):
     for name in (f"memshelf-{VERSION}.mcpb", f"memshelf-{VERSION}-uv.mcpb"):
         with open(built["dir"] / "first" / name, "rb") as a, \
@@ -191,7 +192,6 @@ def test_committed_manifest_passes_mcpb_validate(mcpb_cli):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("flavor", ["python", "uv"])
 def test_mcpb_validate_and_info(built, mcpb_cli, flavor, tmp_path):
     unpacked = tmp_path / "unpacked"
@@ -237,7 +237,6 @@ def bare_env():
     return env
 
 
-@pytest.mark.slow
 def test_check_writes_nothing(tmp_path):
     tree = copy_tree(str(tmp_path / "tree"))
     r = run_build("--check", cwd=tree, env=bare_env(), script=os.path.join(tree, "build_mcpb.py"))
@@ -291,7 +290,6 @@ def test_plugin_without_adapter_writes_the_two_files_and_a_note(tmp_path):
     assert "adapters/claude-code/" in (dest / "README.md").read_text()
 
 
-@pytest.mark.slow
 def test_plugin_copies_the_adapter_and_stamps_the_version(tmp_path):
     tree = copy_tree(str(tmp_path / "tree"))
     adapter = os.path.join(tree, "adapters", "claude-code")
@@ -508,7 +506,6 @@ def assert_bundle_untouched(ext, before, allowed=()):
     assert stray == [], f"the server wrote into the bundle: {stray}"
 
 
-@pytest.mark.slow
 def test_python_bundle_case_a_default_shelf(installed):
     ext, home = installed("python")
     before = bundle_files(ext)
@@ -527,7 +524,6 @@ def test_python_bundle_case_b_setting_cleared(installed):
     smoke_setting_cleared(argv, env, home, manifest)
 
 
-@pytest.mark.slow
 def test_uv_bundle_launches_like_the_host(installed):
     ext, home = installed("uv")
     path = os.environ.get("PATH", "")
@@ -577,7 +573,6 @@ def dump(model):
         else model
 
 
-@pytest.mark.slow
 def test_python_bundle_with_the_sdk_client(installed):
     ext, home = installed("python")
     with open(os.path.join(ext, "manifest.json"), encoding="utf-8") as f:
@@ -657,7 +652,6 @@ def mcpb_launch(ext, home, user_config, where):
     return [exe] + config["args"], env
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["default", "chosen", "cleared"])
 def test_desktop_launch_from_mcpbs_config_builder(installed, tmp_path, setting):
     """The setting left at its default reaches the server as the literal ${HOME}/memshelf;
