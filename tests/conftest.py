@@ -20,6 +20,9 @@ for _name in ("MEMSHELF_SHELF", "MEMSHELF_SHELF_PATH", "MEMSHELF_ROOT", "MEMSHEL
 # reads __pycache__, so each of the hundreds of CLI calls skips compiling the 10k-line file.
 # (Script mode, `python3 memshelf.py`, is exercised by its own tests.)
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# The same for pytest itself: with bytecode writing off it rewrites the asserts of every test
+# module again on each run (a third of collection); on, it keeps them in tests/__pycache__.
+sys.dont_write_bytecode = False
 os.environ["PYTHONPATH"] = ROOT + (os.pathsep + os.environ["PYTHONPATH"]
                                    if os.environ.get("PYTHONPATH") else "")
 os.environ.setdefault("GIT_AUTHOR_NAME", "memshelf tests")

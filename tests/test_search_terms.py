@@ -47,8 +47,8 @@ def shelf(tmp_path_factory):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, MEMSHELF, *args], capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ, MEMSHELF_SEMANTIC="off"))
+    return subprocess.run([sys.executable, "-m", "memshelf", *args], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, MEMSHELF_SEMANTIC="off"))
 
 
 def cli_json(*args):
