@@ -1989,8 +1989,6 @@ def _beside(rows, items, path_of, gone):
 # Promoted string fields that usually equal their frontmatter value: one object serves both.
 _SHARED_FIELDS = ("id", "kind", "span", "date", "display_title", "description", "mode")
 _shared_values = operator.attrgetter(*_SHARED_FIELDS)
-# Values drawn from a handful of words, one shared object each: category, kind, mode,
-# approx_src, notes (_share_values)
 
 
 def _record_to_row(rec):
@@ -2015,7 +2013,7 @@ def _record_from_row(text):
 
 def _share_values(rec):
     """One object for equal strings inside a record: the catalog holds every record at once."""
-    intern = sys.intern
+    intern = sys.intern   # values drawn from a handful of words: one shared object each
     if rec.category.__class__ is str:
         rec.category = intern(rec.category)
     if rec.kind.__class__ is str:
