@@ -1730,7 +1730,8 @@ class _Store:
         self.semantic = self.db is not None and _semantic_ready(self.db)
 
     def refresh(self, archive=True, progress=None):
-        """Re-parse what changed (and fill its search rows); nothing decoded from the cache."""
+        """Re-parse what changed (and fill its search rows and semantic texts); nothing decoded
+        from the cache."""
         self._merge(archive, progress, None, ("size",), lambda rel, archived, columns: True,
                     message=None)
 
@@ -1801,8 +1802,8 @@ class _Store:
                 (_cache_columns(rec) if cached or not whole else ()) + \
                 ((f"{key}\t{_json_row(extra)}" if check else None,) if cached else ())
             rec = (trim(rec) if trim else rec) if whole else None
-            return rec, row, extra, (doc if search else None, _semantic_texts(doc) if semantic
-                                     else None)
+            texts = _semantic_texts(doc) if semantic else None
+            return rec, row, extra, (doc if search else None, texts)
 
         take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
         batch, docs = [], []   # cache rows are stored as they come: never piled up in memory
