@@ -15853,7 +15853,14 @@ def _text_stats(result):
         f" {r['digest_tokens']:>6,}  {r['recalls']:>7,}  {r['realized_savings']:>7,}"
         for r in rows] + ["(tokens; ⌂ archived, * capped at the context window)", ""]
     budget = f"\n{result['index_budget']}" if result.get("index_budget") else ""
-    return "\n".join(table * bool(rows)) + (result.get("banner") or _text_summary(result)) + budget
+    # stats.svg keeps the chart of the shelf format (shared with memshelf-mcp 0.4.0 byte for
+    # byte), whose "saved" is a second figure: named here beside the banner's, never blended
+    chart = f"\nstats.svg: saved {result['chart_ratio']}:1 = every ledger row's estimate over " \
+        "its digest alone (no INDEX, no window cap, archived rows kept); the ratio above is " \
+        "what the shelf holds over what a session carries (INDEX + digests)" \
+        if result.get("chart_ratio") and result.get("index_budget") else ""   # not --banner
+    return "\n".join(table * bool(rows)) + (result.get("banner") or _text_summary(result)) + \
+        chart + budget
 
 
 def _text_doctor(result):

@@ -429,6 +429,14 @@ def test_stats_banner_json_and_demo_agree(shelf, tmp_path):
            f"digests {h(st['digest_tokens'])})" in banner
     assert st["standing_cost"] == st["index_tokens"] + st["digest_tokens"]
     assert f"({st['compression_ratio']}:1)" in banner
+    # the chart's "saved" is another figure: the stats text names it with its definition, and
+    # the number is the one stats.svg prints
+    assert run_cli("stats", "--shelf", shelf, "--chart").code == 0
+    svg = (shelf / "stats.svg").read_text()
+    assert f"saved {st['chart_ratio']}:1<" in svg
+    text = run_cli("stats", "--shelf", shelf).out
+    assert f"stats.svg: saved {st['chart_ratio']}:1 = every ledger row's estimate" in text
+    assert f"({st['compression_ratio']}:1)" in text
     last = run_cli("shelve", "--shelf", shelf, "--slug", "2026-07-29-three", "--kind", "topic",
                    "--digest", "Dana chose three.", "--section", "Decisions=- x", "--json")
     totals = last.json()["shelf_totals"]
