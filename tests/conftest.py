@@ -146,7 +146,7 @@ def edit_in_place(path, old, new, keep_mtime=False):
 def age_files(root, seconds=30):
     """Put every shelf file's mtime `seconds` in the past. A file written within the file
     system's timestamp granularity of a read could change again without its stamp moving, so
-    what is read from it is remembered only with its content (shelf-format.md § 6.3); tests
+    what is read from it is remembered only with its content (docs/architecture.md); tests
     that check what is remembered age the files first, as any shelf ages between sessions.
     The ctimes stay now (nothing can set them): for two seconds the files still count as racy."""
     import time

@@ -1,4 +1,4 @@
-"""The Claude Desktop bundles, proven the way the host uses them (bundle-and-adapters.md § 1.5).
+"""The Claude Desktop bundles, proven the way the host uses them (docs/desktop-extension.md).
 
 Build both bundles twice (byte-identical), check their contents, validate them with the official
 mcpb CLI, then install each one like Claude Desktop does: unzip into a read-only folder, build the

@@ -219,7 +219,7 @@ def test_amend_and_kind_change(shelf, cli):
 
 def test_amend_keeps_what_it_is_not_given(shelf, cli):
     """A new digest and one section: the tags, approx_tokens, the other sections and every
-    field not given stay (verbs.md § 1.2 step 7); the result and the human text say so."""
+    field not given stay (docs/verbs.md § shelve, step 7); the result and the human text say so."""
     stem = "2026-07-22-auth-refactor"
     path = shelf / f"docs/topics/{stem}.md"
     r = cli(*shelve_args(shelf, extra=[
@@ -273,7 +273,7 @@ def test_amend_keeps_what_it_is_not_given(shelf, cli):
     r = amend("--amend", "--drop-section", "Artifacts", "--tag", "security", "--approx-tokens",
               "500")
     assert r.code == 0, r
-    # a new approx_tokens without a source is an estimate (shelf-format.md § 4.2)
+    # a new approx_tokens without a source is an estimate (docs/format.md § Episodes)
     assert "changed: tags, approx_tokens, approx_tokens_source, § Artifacts (dropped)" in r.out, r
     text = path.read_text()
     assert "## Artifacts" not in text and "## Context" in text and "## Decisions" in text

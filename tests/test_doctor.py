@@ -1,5 +1,5 @@
 """doctor: every finding code on a real shelf, the cache, the CLI verdict, and the invariant
-"doctor clean implies validate green" over a corpus of broken shelves (doctor.md § 4)."""
+"doctor clean implies validate green" over a corpus of broken shelves (docs/doctor.md)."""
 import json
 import os
 import shutil
@@ -849,7 +849,7 @@ def test_findings_follow_the_step_order(tmp_path, three):
 # --- doctor clean implies validate green: one broken shelf per validator rule ------------------
 
 def _broken(kind, root):
-    """Break a healthy shelf the way one shelf-spec validator rule (doctor.md § 4) fails."""
+    """Break a healthy shelf the way one shelf-spec validator rule fails (docs/doctor.md)."""
     if kind == "manifest-missing":
         os.remove(os.path.join(root, "shelf.yml"))
     elif kind == "manifest-invalid-yaml":

@@ -1,4 +1,4 @@
-"""Instruction-shaped content (contracts.md § 4; quality-bars.md "Instruction flagging")."""
+"""Instruction-shaped content (docs/instruction-scan.md): every family flagged, prose left alone."""
 
 import base64
 import re

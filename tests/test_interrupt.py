@@ -1,9 +1,9 @@
-"""One commit point per write verb (git-and-sync.md § 3, issue 18): SIGINT or SIGTERM at any
-instant of shelve, amend, rollup and rebuild --commit leaves the shelf in the old state (HEAD
-unchanged, tree and index equal to it, exit 130) or the new one (HEAD holds the new commit, the
-tree equals it, exit 0); never a stale index.lock nor a traceback; doctor's verdict agrees with
-`git status`. After SIGKILL doctor names the damage and `memshelf repair` restores a clean,
-complete shelf. The sweep prints its counts (trials, violations, doctor misses)."""
+"""One commit point per write verb (docs/architecture.md § Interruptions, issue 18): SIGINT or
+SIGTERM at any instant of shelve, amend, rollup and rebuild --commit leaves the shelf in the old
+state (HEAD unchanged, tree and index equal to it, exit 130) or the new one (HEAD holds the new
+commit, the tree equals it, exit 0); never a stale index.lock nor a traceback; doctor's verdict
+agrees with `git status`. After SIGKILL doctor names the damage and `memshelf repair` restores a
+clean, complete shelf. The sweep prints its counts (trials, violations, doctor misses)."""
 import os
 import shutil
 import signal

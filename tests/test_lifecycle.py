@@ -459,7 +459,7 @@ def test_provenance_fields_round_trip(tmp_path):
     assert 'agent: "Claude \\"Code\\" CLI"\nmodel: "claude-opus-4"\n' in text
     fields, _ = memshelf.parse_frontmatter(text)
     assert fields["agent"] == 'Claude "Code" CLI' and fields["model"] == "claude-opus-4"
-    assert text.index("\nagent:") < text.index("\nspan:")     # shelf-format.md § 4.2 order
+    assert text.index("\nagent:") < text.index("\nspan:")     # docs/format.md § Episodes order
     # over MCP the client's name fills agent; an explicit agent wins
     memshelf.call_tool("memshelf_shelve", {
         "shelf_path": str(root), "slug": "2026-03-02-mcp", "kind": "topic",

@@ -1,6 +1,6 @@
-"""Secret redaction (contracts.md § 3): every built-in kind in realistic contexts, what is not a
+"""Secret redaction (docs/redaction.md): every built-in kind in realistic contexts, what is not a
 secret, precedence and the quote rule, the report, POLICY.patterns, the per-shelf switches
-and memshelf-mcp 0.4.0 compatibility (shelf-format.md § 13)."""
+and memshelf-mcp 0.4.0 compatibility (docs/format.md § Interop with memshelf-mcp 0.4.0)."""
 
 import base64
 import json
@@ -580,7 +580,7 @@ def test_masks_never_match():
 
 
 # ------------------------------------------------------------------------------------------
-# Not secrets (§ 3.4)
+# Not secrets (docs/redaction.md § What counts as a placeholder)
 # ------------------------------------------------------------------------------------------
 
 BENIGN = [
@@ -681,7 +681,7 @@ def test_digits_only_rule_depends_on_the_key():
 
 
 # ------------------------------------------------------------------------------------------
-# The assignment rule and the quote rule (§ 3.3)
+# The assignment rule and the quote rule (docs/redaction.md § The contract)
 # ------------------------------------------------------------------------------------------
 
 def test_equals_quote_rule():
@@ -783,7 +783,7 @@ def test_find_secrets_positions():
 
 
 # ------------------------------------------------------------------------------------------
-# POLICY.patterns (§ 3.6)
+# POLICY.patterns (docs/redaction.md § The contract)
 # ------------------------------------------------------------------------------------------
 
 def test_load_policy_patterns():
@@ -831,7 +831,7 @@ def test_templates_are_english_prose_and_comments():
 
 
 # ------------------------------------------------------------------------------------------
-# Per-shelf switches (§ 3.7) and memshelf-mcp 0.4.0 (shelf-format.md § 13)
+# Per-shelf switches and memshelf-mcp 0.4.0 (docs/redaction.md § The contract)
 # ------------------------------------------------------------------------------------------
 
 def test_disable_switch():

@@ -1,4 +1,4 @@
-"""The optional semantic extra (verbs.md § 4.8): unavailable without the package (always
+"""The optional semantic extra (docs/semantic.md): unavailable without the package (always
 tested, with a stdlib-only interpreter), and, when model2vec imports, the real loading code on a
 tiny model the test builds itself (no hub download): build embeds only changed sections, status,
 drop, MEMSHELF_SEMANTIC=off, and search/search-bench using the vectors."""
@@ -174,7 +174,7 @@ def semantic(action, root, model):
 def test_an_edit_in_place_with_the_same_stamp_is_stale(aged, tiny_model):
     """A file built within the timestamp granularity of its mtime (here an mtime ahead of the
     clock, racy at any build) is vouched for by its content: an edit in place that puts size,
-    mtime and inode back is stale (shelf-format.md § 6.3)."""
+    mtime and inode back is stale (docs/architecture.md § The store)."""
     path = os.path.join(aged, "docs", "research", REDIS + ".md")
     ahead = time.time_ns() + 60 * 10**9
     os.utime(path, ns=(ahead, ahead))

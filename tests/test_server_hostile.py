@@ -1,5 +1,5 @@
-"""server.py under hostile input: after every malformed line or argument the server answers as
-mcp-server.md § 2 and § 5.3 say, keeps running, and still answers a ping (quality-bars.md)."""
+"""server.py under hostile input: after every malformed line or argument the server answers with a
+JSON-RPC error or an isError tool result, keeps running, and still answers a ping."""
 
 import os
 import subprocess

@@ -1,5 +1,5 @@
 """server.py on the raw wire: framing, the JSON-RPC rules, lifecycle, versions, eras, tools,
-resources, prompts, logging, progress, cancellation and the default shelf (mcp-server.md).
+resources, prompts, logging, progress, cancellation and the default shelf (server.py).
 
 Every test drives the real server as a subprocess through tests/mcp_client.py and real shelves
 made with `python3 memshelf.py init --shelf DIR`.
@@ -25,7 +25,7 @@ from mcp_client import McpClient, clean_env, schema_problems, validate  # noqa: 
 
 VERSIONS = ["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"]
 MODERN = "2026-07-28"
-TOOLS = [  # name, title, readOnly, destructive, idempotent, openWorld (mcp-server.md § 5.1)
+TOOLS = [  # name, title, readOnly, destructive, idempotent, openWorld (docs/tools.md)
     ("memshelf_index", "Read the shelf INDEX", True, False, True, False),
     ("memshelf_recall", "Recall an episode or one section", True, False, True, False),
     ("memshelf_search", "Search the shelf", True, False, True, False),

@@ -1,5 +1,5 @@
 """stats: claimed economy from the episodes, realized economy from the recall log, the banner,
-the chart, and the CLI's handling of bad input (verbs.md § 2.4)."""
+the chart, and the CLI's handling of bad input (docs/verbs.md § stats and advise)."""
 import datetime
 import json
 import os

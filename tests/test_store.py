@@ -1,4 +1,4 @@
-"""The episode store's one freshness rule (shelf-format.md § 6.3): every reader sees an episode
+"""The episode store's one freshness rule (docs/architecture.md): every reader sees an episode
 changed behind the tool's back — edited in place with the same size, deleted, added, renamed —
 and they all agree, whatever the directory times say."""
 import json

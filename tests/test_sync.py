@@ -1,6 +1,7 @@
 """git-remote shelves: the sync preflight, push with one retry, publish, await-render, the sync
 verb, merges that resolve themselves, resolve, and doctor's judgement of the renderer
-(git-and-sync.md, verbs.md §§ 1.2, 1.6, 3.1, doctor.md § 3.4). Real bare remotes, real clones."""
+(docs/verbs.md § sync, push and publish, § resolve; docs/doctor.md § Judging the
+renderer). Real bare remotes, real clones."""
 import json
 import os
 import shutil
@@ -640,7 +641,7 @@ def test_the_guard_follows_a_moved_shelf(tmp_path, shelf):
                        capture_output=True, text=True)
     assert p.returncode == 1, p.stderr   # the guard scanned this index, not the old folder's
     assert "[github-token] docs/topics/2026-07-01-leak.md:1" in p.stderr
-    # hooks that exist are left alone, memshelf's own included (git-and-sync.md, local hooks)
+    # hooks that exist are left alone, memshelf's own included: they are the user's
     hooks = moved / ".git" / "hooks"
     (hooks / "post-merge").write_text("#!/bin/sh\necho mine\n")
     r = run_cli("init", "--shelf", moved, "--json")

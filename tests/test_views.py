@@ -1,4 +1,4 @@
-"""Views and CLI extras (verbs.md § 4.1-4.7): tags, graph, retro, fork, mirror, freshness and
+"""Views and CLI extras (docs/verbs.md § Views): tags, graph, retro, fork, mirror, freshness and
 prune-splits on real shelves in tmp_path, driven through the CLI as a subprocess."""
 import base64
 import hashlib
