@@ -171,6 +171,7 @@ def test_interop_fixture_has_no_error(tmp_path):
     assert result["episodes_checked"] == 7
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_and_json_shape(tmp_path, three):
     root = three()
     ok = cli("doctor", "--shelf", root, "--json")
@@ -189,6 +190,7 @@ def test_cli_exit_codes_and_json_shape(tmp_path, three):
     assert "manifest-missing" in human.stdout and "fix:" in human.stdout
 
 
+@pytest.mark.slow
 def test_cli_bad_input(tmp_path):
     root = make_shelf(tmp_path)
     r = cli("doctor", "--shelf", root, "--derived-stale-hours", "0")
@@ -498,6 +500,7 @@ def plant(root, rel, key, findings):
     db.close()
 
 
+@pytest.mark.slow
 def test_cache_serves_unchanged_files_and_no_cache_ignores_it(tmp_path, three):
     root = three()
     rel = f"docs/topics/{STEM}.md"
@@ -538,6 +541,7 @@ def test_a_cold_run_keeps_its_verdicts_on_the_store_rows(tmp_path, three):
     assert run(root)["findings"] == first["findings"]
 
 
+@pytest.mark.slow
 def test_an_edit_in_place_is_checked_again_on_a_warm_cache(tmp_path, three):
     """An editor that rewrites a file through its inode, size and mtime put back: the store's
     racy rule sees the change (ctime), so doctor reports a problem it introduced, and stops
@@ -780,6 +784,7 @@ def _serve(status, certfile=None):
     return server, Handler.seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status,verdict", [(200, "public"), (404, "private"), (401, "private"),
                                             (403, "private"), (500, "unverified")])
 def test_probe_verdicts(status, verdict):
@@ -792,6 +797,7 @@ def test_probe_verdicts(status, verdict):
         server.shutdown()
 
 
+@pytest.mark.slow
 def test_public_remote_end_to_end(tmp_path):
     if not shutil.which("openssl"):
         pytest.skip("openssl is needed to make a local TLS certificate")
