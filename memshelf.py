@@ -31,7 +31,7 @@ Sections of this file (banner comments), in data-flow order:
   git                         the one git wrapper, commits through a private index, hooks,
                               sync, push and publish, scan
   lifecycle                   rollup, purge, import, resolve, sync, repair
-  doctor                      every check doctor runs, the per-file verdict cache
+  doctor                      every check doctor runs (verdicts kept on the store rows)
   accounting and advisor      stats, advise
   views                       tags, graph, retro, fork, mirror, freshness, prune-splits
   hooks                       the host adapter entry points
@@ -1805,7 +1805,7 @@ def _canonical_sections(sections):
 
 # --- the episode catalog and its row cache -------------------------------------------------
 
-_CACHE_SCHEMA = "12"   # bump when the cached record or the cache columns change shape
+_CACHE_SCHEMA = "13"   # bump when the cached record or the cache columns change shape
 
 
 class _Store:
@@ -1814,19 +1814,40 @@ class _Store:
     def __init__(self, root, use_cache=True):
         self.root, self.extras = root, {}
         self.db = _cache_db(root) if use_cache else None
-        # once search has built its tables, every parse also fills the episode's search rows
+        # once search has built its tables, every parse also fills the episode's search rows;
+        # once semantic build has made its own, the section texts its vectors stand for
         self.search = self.db is not None and _search_ready(self.db)
+        self.semantic = self.db is not None and _semantic_ready(self.db)
 
     def refresh(self, archive=True, progress=None):
-        """Re-parse what changed (and fill its search rows); nothing decoded from the cache."""
+        """Re-parse what changed (and fill its search rows and semantic texts); nothing decoded
+        from the cache."""
         self._merge(archive, progress, None, ("size",), lambda rel, archived, columns: True,
                     message=None)
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
-        """Every record; self.extras[path] = (also(rec, bytes, _EpisodeText), the time before
-        the read) for each file parsed afresh; trim(rec) is kept."""
-        return self._merge(archive, progress, files, None,
-                           lambda rel, archived, row: _record_from_row(row[0]), also, trim)
+        """Every record; trim(rec) is kept. With also=(key, check): self.extras[path] =
+        check(rec, bytes, _EpisodeText), a JSON value kept on the episode's row (its verdict)
+        while the row is fresh; a row with none under `key` (what the value depends on besides
+        the file) is parsed again, and checked in the worker of that parse."""
+        if also is None:
+            return self._merge(archive, progress, files, None,
+                               lambda rel, archived, row: _record_from_row(row[0]), trim=trim)
+        mark = also[0] + "\t"
+        extras = self.extras = {}
+
+        def from_row(rel, archived, row):
+            verdict = row[1]
+            if not (verdict and verdict.startswith(mark)):
+                return None
+            value = verdict[len(mark):]
+            try:   # the usual empty verdict is one shared empty tuple, not a list each
+                extras[rel] = () if value == "[]" else json.loads(value)
+            except ValueError:
+                return None
+            return _record_from_row(row[0])
+
+        return self._merge(archive, progress, files, None, from_row, also, trim)
 
     def render_records(self, progress=None, files=None):
         """What the renders read of every episode (_RENDER_KEYS), from the cache columns alone."""
@@ -1835,74 +1856,83 @@ class _Store:
 
     def _merge(self, archive, progress, files, columns, from_row, also=None, trim=None,
                message="reading episodes"):
-        """from_row(path, archived, `columns`; None: the record) while _unchanged, else a parse."""
+        """from_row(path, archived, `columns`; None: the record, with also: and its verdict)
+        while _unchanged, else a parse."""
         files = _scan_episode_files(self.root, archive) if files is None else files
         whole = columns is None
+        wanted = ("rec, verdict" if also else "rec") if whole else ", ".join(columns)
         rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, "
-                           f"{'rec' if whole else ', '.join(columns)} FROM episodes ORDER BY path")
+                           f"{wanted} FROM episodes ORDER BY path")
         out, missing, gone = [], [], []
         for (rel, archived, st), row in _beside(rows, files, lambda f: f[0], gone):
             fresh = row is not None and st is not None and _unchanged(st, row[1:4], row[4])
             obj = from_row(rel, archived, row[5:]) if fresh else None
-            if whole and obj is not None:
-                obj.ctime_ns = st[3]   # now's, not the parse's: doctor dates its verdicts by it
             if obj is None:
                 missing.append((len(out), rel, archived, st))
             out.append(obj)
         gone = [p for p in gone if archive or not p.startswith("archive/")]
-        root, cached, search = self.root, self.db is not None, self.search
+        root, cached, search, semantic = self.root, self.db is not None, self.search, self.semantic
+        key, check = also or (None, None)
 
         def both(rec, raw, episode):
-            return also(rec, raw, episode) if also else None, _search_doc(rec, episode)
+            return check(rec, raw, episode) if check else None, _search_doc(rec, episode)
 
         def parse(job):
             # the cache row is made in the worker: the parent only stores it
             seen = time.time_ns()   # before the read: a later write is after it (_unchanged)
-            if search:
+            if search or semantic:
                 rec, (extra, doc) = _read_episode(root, *job[1:], also=both)
             else:
-                rec, extra = _read_episode(root, *job[1:], also=also) if also else \
+                rec, extra = _read_episode(root, *job[1:], also=check) if check else \
                     (_read_episode(root, *job[1:]), None)
                 doc = None
             # columns alone for their reader: encoding whole records would weigh on the empty-cache
             # rebuild (docs/performance.md § 10,000 episodes)
             row = (rec.path, rec.size, rec.mtime_ns, rec.ino, seen,
                    _record_to_row(rec) if cached and whole else None) + \
-                (_cache_columns(rec) if cached or not whole else ())   # what is read of it
+                (_cache_columns(rec) if cached or not whole else ()) + \
+                ((f"{key}\t{_json_row(extra)}" if check else None,) if cached else ())
             rec = (trim(rec) if trim else rec) if whole else None
-            return rec, row, extra, doc
+            texts = _semantic_texts(doc) if semantic else None
+            return rec, row, extra, (doc if search else None, texts)
 
         take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
-        if also is not None:
-            self.extras = {}
         batch, docs = [], []   # cache rows are stored as they come: never piled up in memory
         for n, (rec, row, extra, doc) in _parallel_map(parse, missing, progress, message):
             slot, rel, archived, _ = missing[n]
             out[slot] = _share_values(rec) if whole else from_row(rel, archived, take(row))
             if also is not None:
-                self.extras[rel] = (extra, row[4])   # and when the file was read
+                self.extras[rel] = extra
             if cached:
                 batch.append(row)
                 docs.append(doc)
-                if len(batch) >= (256 if search else 2000):   # search rows carry the text
+                if len(batch) >= (256 if search or semantic else 2000):   # rows with the text
                     self._store(batch, docs, ())
                     batch, docs = [], []
         self._store(batch, docs, gone)
         return out
 
+    def forget(self, paths):
+        """Drop the rows of `paths` and their children: the next refresh parses them again."""
+        self._store((), (), paths)
+
     def _store(self, rows, docs, gone):
-        """Store the cache rows of fresh parses (and their search rows); drop gone paths' rows."""
+        """Store the cache rows of fresh parses (and their search rows and semantic texts,
+        docs[i] of rows[i]); drop gone paths' rows (and theirs)."""
         if self.db is None or not (rows or gone):
             return
         try:
             with self.db:
                 self.db.executemany("INSERT OR REPLACE INTO episodes(path, size, mtime_ns, ino, "
-                                    f"seen_ns, rec, {', '.join(_CACHE_COLUMNS)}) VALUES (?, ?, ?, "
-                                    f"?, ?, ?{', ?' * len(_CACHE_COLUMNS)})", rows)
+                                    f"seen_ns, rec, {', '.join(_CACHE_COLUMNS)}, verdict) VALUES "
+                                    f"(?, ?, ?, ?, ?, ?{', ?' * len(_CACHE_COLUMNS)}, ?)", rows)
                 self.db.executemany("DELETE FROM episodes WHERE path = ?", [(p,) for p in gone])
+                paths = [r[0] for r in rows] + list(gone)
                 if self.search:
-                    _search_store(self.db, [r[0] for r in rows] + list(gone),
-                                  [d for d in docs if d is not None])
+                    _search_store(self.db, paths, [d for d, _ in docs if d is not None])
+                if self.semantic:
+                    _semantic_store(self.db, paths, [(r[0], texts) for r, (_, texts) in
+                                                     zip(rows, docs) if texts is not None])
         except Exception:
             pass
 
@@ -2133,14 +2163,16 @@ def _cache_db(root):
             row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             stamp = f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}"
             if row is None or row[0] != stamp:
-                for table in ("episodes", "search_dirs") + _SEARCH_TABLES:   # and its children
+                # and its children (doctor_files, semantic_files: tables of earlier code)
+                for table in ("episodes", "search_dirs", "doctor_files", "semantic_files") + \
+                        _SEARCH_TABLES + _SEMANTIC_TABLES:
                     db.execute(f"DROP TABLE IF EXISTS {table}")
-                db.execute("DELETE FROM meta WHERE key = 'search_schema'")
+                db.execute("DELETE FROM meta WHERE key IN ('search_schema', 'doctor_files')")
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
                 db.commit()
             db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
                        " mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, rec TEXT, " +
-                       ", ".join(_CACHE_COLUMNS) + ")")
+                       ", ".join(_CACHE_COLUMNS) + ", verdict TEXT)")
             db.commit()
             return db
         except Exception:
@@ -8920,7 +8952,10 @@ _SEMANTIC_OFFLINE = ("offline: install the wheel and the model from a connected 
                      "set MEMSHELF_SEMANTIC_MODEL to the model folder (docs/semantic.md)")
 _SEMANTIC_LOADED = {}     # (backend, name) -> embedder, reused by a long-running server
 _SEMANTIC_MISS = [None]   # why the last _semantic_rank call returned None (diagnostics)
-_SEMANTIC_TABLES = ("semantic_vectors", "semantic_files", "semantic_meta")
+# children of the store's episode rows: per episode parsed, the texts of its sections; their
+# vectors wait for a build, and are dropped with the row (void with the episodes table)
+_SEMANTIC_TABLES = ("semantic_vectors", "semantic_episodes", "semantic_meta")
+_SEMANTIC_SCHEMA = "2"
 # backend -> (the module it imports, the exact install command)
 _SEMANTIC_NEEDS = {
     "model2vec": ("model2vec", _SEMANTIC_PIP),
@@ -9046,56 +9081,86 @@ def _semantic_embedder(choice=None):
     return _SEMANTIC_LOADED[backend, name]
 
 
-def _semantic_tables(db):
-    db.executescript("CREATE TABLE IF NOT EXISTS semantic_meta(key TEXT PRIMARY KEY, value TEXT);"
-                     " CREATE TABLE IF NOT EXISTS semantic_files(path TEXT PRIMARY KEY,"
-                     " size INTEGER, mtime_ns INTEGER); CREATE TABLE IF NOT EXISTS"
-                     " semantic_vectors(path TEXT, ord INTEGER, heading TEXT, hash TEXT, vec BLOB,"
-                     " PRIMARY KEY(path, ord))")
-    # the racy rule's columns, added to a table made before them too: NULL makes a row stale
-    have = {row[1] for row in db.execute("PRAGMA table_info(semantic_files)")}
-    for column in ("ino INTEGER", "seen_ns INTEGER", "sha1 TEXT"):
-        if column.split()[0] not in have:
-            db.execute(f"ALTER TABLE semantic_files ADD COLUMN {column}")
+def _semantic_ready(db):
+    """Whether semantic build made its tables in their current shape (then the store fills them)."""
+    try:
+        row = db.execute("SELECT value FROM semantic_meta WHERE key='schema'").fetchone()
+    except Exception:
+        return False
+    return bool(row) and row[0] == _SEMANTIC_SCHEMA
 
 
-def _semantic_table(db, name):
-    return db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
-                      (name,)).fetchone() is not None
+def _semantic_reset(db):
+    """(Re)create the semantic tables, empty: from now on every parse of the store fills them."""
+    with db:
+        for table in _SEMANTIC_TABLES:
+            db.execute(f"DROP TABLE IF EXISTS {table}")
+        db.execute("CREATE TABLE semantic_meta(key TEXT PRIMARY KEY, value TEXT)")
+        db.execute("CREATE TABLE semantic_episodes(path TEXT PRIMARY KEY)")
+        db.execute("CREATE TABLE semantic_vectors(path TEXT, ord INTEGER, heading TEXT, text TEXT,"
+                   " vec BLOB, PRIMARY KEY(path, ord))")
+        db.execute("INSERT INTO semantic_meta VALUES ('schema', ?)", (_SEMANTIC_SCHEMA,))
+
+
+def _semantic_texts(doc):
+    """(ord, heading, text) per section of a search document: what its vector stands for, the
+    title, the heading and the head of the body."""
+    return [(ordinal, heading, f"{doc['title']}\n{heading or ''}\n{body[:_SEMANTIC_HEAD_CHARS]}")
+            for ordinal, heading, body in _search_rows(doc)]
+
+
+def _semantic_store(db, paths, texts):
+    """Inside the store's transaction: the sections of `paths` become those of the fresh
+    parses, texts [(path, [(ord, heading, text)])]. A section whose text is the same keeps its
+    vector (a vector stands for its text alone); every other one waits for a build."""
+    keys, new = [(p,) for p in paths], {path: set(sections) for path, sections in texts}
+    stale = [(path, ordinal) for (path,) in keys for ordinal, heading, text in db.execute(
+        "SELECT ord, heading, text FROM semantic_vectors WHERE path = ?", (path,))
+        if (ordinal, heading, text) not in new.get(path, ())]
+    db.executemany("DELETE FROM semantic_vectors WHERE path = ? AND ord = ?", stale)
+    db.executemany("DELETE FROM semantic_episodes WHERE path = ?", keys)
+    db.executemany("INSERT INTO semantic_episodes(path) VALUES (?)", [(p,) for p, _ in texts])
+    db.executemany("INSERT OR IGNORE INTO semantic_vectors(path, ord, heading, text) VALUES"
+                   " (?, ?, ?, ?)", [(path, *section) for path, sections in texts
+                                     for section in sections])
+
+
+def _semantic_orphans(db):
+    """Episode rows the store made without semantic texts (before the tables existed)."""
+    return [p for (p,) in db.execute("SELECT path FROM episodes e WHERE NOT EXISTS (SELECT 1"
+                                     " FROM semantic_episodes s WHERE s.path = e.path)")]
+
+
+def _semantic_refresh(root, db, progress=None):
+    """Bring the semantic texts up to date through the store (one parse of what changed); a
+    row made without them (every row at the first build) is forgotten and parsed again, and
+    sections left by rows deleted wholesale (search's reset, rebuild --full) are dropped."""
+    for _attempt in (1, 2):
+        with _Store(root) as store:
+            store.refresh(progress=progress)
+            orphans = _semantic_orphans(db)
+            if not orphans:
+                break
+            store.forget(orphans)
+    with db:
+        for table in ("semantic_vectors", "semantic_episodes"):
+            db.execute(f"DELETE FROM {table} WHERE path NOT IN (SELECT path FROM episodes)")
 
 
 def _semantic_has_vectors(db):
-    return _semantic_table(db, "semantic_vectors") and \
-        db.execute("SELECT 1 FROM semantic_vectors LIMIT 1").fetchone() is not None
+    return _semantic_ready(db) and db.execute(
+        "SELECT 1 FROM semantic_vectors WHERE vec IS NOT NULL LIMIT 1").fetchone() is not None
 
 
 def _semantic_meta(db):
-    table = _semantic_table(db, "semantic_meta")
-    return dict(db.execute("SELECT key, value FROM semantic_meta")) if table else {}
+    return dict(db.execute("SELECT key, value FROM semantic_meta")) if _semantic_ready(db) else {}
 
 
-def _semantic_stale(db, root):
-    """(time of the scan, the scan, {path: row}, changed files, new rows of the files vouched
-    for by content, gone paths): a file is unchanged when _unchanged, or when its stamp is the
-    same and its content still has the SHA-1 read at build (a racy file, docs/architecture.md §
-    The store and its one rule; stamped anew, it needs no read once aged)."""
-    seen = time.time_ns()   # before the scan: a later write is after it (_unchanged)
-    files = _scan_episode_files(root)
-    known = {row[0]: row[1:] for row in db.execute(
-        "SELECT path, size, mtime_ns, ino, seen_ns, sha1 FROM semantic_files")}
-    changed, vouched = [], []
-    for rel, archived, st in files:
-        row = known.get(rel)
-        if row is None or not _unchanged(st, row[:3], row[3]):
-            if row is not None and st[:3] == row[:3] and _content_sha1(root, rel) == row[4]:
-                vouched.append((rel, *st[:3], seen, row[4]))
-            else:
-                changed.append((rel, archived, st))
-    return seen, files, known, changed, vouched, sorted(set(known) - {f[0] for f in files})
+def _semantic_count(db, where):
+    return db.execute(f"SELECT count(*) FROM semantic_vectors WHERE {where}").fetchone()[0]
 
 
 def _semantic_build(root, force):
-    import hashlib
     embedder = _semantic_embedder()
     db = _cache_db(root)
     if db is None:
@@ -9103,69 +9168,50 @@ def _semantic_build(root, force):
                                           "module, or .memshelf/ is not writable)",
                                           "check the shelf's .memshelf/ folder")
     try:
-        _semantic_tables(db)
-        meta = _semantic_meta(db)
-        if force or meta.get("model") != embedder.model_id:
-            with db:
-                for table in _SEMANTIC_TABLES:
-                    db.execute(f"DELETE FROM {table}")
-        seen, files, _, changed, stamps, gone = _semantic_stale(db, root)
-        with db:
-            removed = db.executemany("DELETE FROM semantic_vectors WHERE path = ?",
-                                     [(p,) for p in gone]).rowcount
-            db.executemany("DELETE FROM semantic_files WHERE path = ?", [(p,) for p in gone])
-        pending, kept = [], 0
-        progress = _Progress("reading episodes", len(changed))
+        if not _semantic_ready(db):
+            _semantic_reset(db)
+        before = _semantic_count(db, "vec IS NOT NULL")
+        if force or _semantic_meta(db).get("model") != embedder.model_id:
+            with db:   # vectors of another model (or all, forced): the texts stay
+                db.execute("UPDATE semantic_vectors SET vec = NULL")
+                db.execute("INSERT OR REPLACE INTO semantic_meta VALUES ('model', ?)",
+                           (embedder.model_id,))
+        progress = _Progress("reading episodes")
         try:
-            for n, (rel, archived, st) in enumerate(changed):
-                progress.update(n)
-                sha1 = _content_sha1(root, rel)   # before the read: a later edit is stale
-                try:
-                    doc = _search_document(root, rel, archived)
-                except OSError:
-                    continue
-                stale = {o: (h, hh) for o, h, hh in db.execute(
-                    "SELECT ord, heading, hash FROM semantic_vectors WHERE path = ?", (rel,))}
-                for ordinal, heading, body in _search_rows(doc):
-                    # what a section's vector stands for: title, heading, the head of the body
-                    text = f"{doc['title']}\n{heading or ''}\n{body[:_SEMANTIC_HEAD_CHARS]}"
-                    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-                    if stale.pop(ordinal, None) == (heading, digest):
-                        kept += 1
-                    else:
-                        pending.append((rel, ordinal, heading, digest, text))
-                with db:
-                    removed += db.executemany("DELETE FROM semantic_vectors WHERE path = ? AND"
-                                              " ord = ?", [(rel, o) for o in stale]).rowcount
-                stamps.append((rel, *st[:3], seen, sha1))
+            _semantic_refresh(root, db, progress)
         finally:
             progress.done()
-        progress = _Progress("embedding sections", len(pending))
+        kept, embedded, last = _semantic_count(db, "vec IS NOT NULL"), 0, -1
+        progress = _Progress("embedding sections", _semantic_count(db, "vec IS NULL"))
         try:
-            for start in range(0, len(pending), _SEMANTIC_BATCH):
-                progress.update(start)
-                batch = pending[start:start + _SEMANTIC_BATCH]
-                vectors = embedder.encode([b[4] for b in batch])
-                with db:
-                    db.executemany(
-                        "INSERT OR REPLACE INTO semantic_vectors(path, ord, heading, hash, vec) "
-                        "VALUES (?, ?, ?, ?, ?)",
-                        [(b[0], b[1], b[2], b[3], v.tobytes()) for b, v in zip(batch, vectors)])
+            while True:
+                batch = db.execute("SELECT rowid, text FROM semantic_vectors WHERE vec IS NULL"
+                                   " AND rowid > ? ORDER BY rowid LIMIT ?",
+                                   (last, _SEMANTIC_BATCH)).fetchall()
+                if not batch:
+                    break
+                progress.update(embedded)
+                vectors = embedder.encode([text for _, text in batch])
+                with db:   # a section parsed again meanwhile keeps its new text, unembedded
+                    embedded += sum(db.execute(
+                        "UPDATE semantic_vectors SET vec = ? WHERE rowid = ? AND text = ?",
+                        (v.tobytes(), rowid, text)).rowcount for (rowid, text), v in
+                        zip(batch, vectors))
+                last = batch[-1][0]
         finally:
             progress.done()
-        row = db.execute("SELECT vec FROM semantic_vectors LIMIT 1").fetchone()
-        dim = embedder.dim or int(meta.get("dim") or 0) or (len(row[0]) // 4 if row else None)
+        row = db.execute("SELECT vec FROM semantic_vectors WHERE vec IS NOT NULL LIMIT 1"
+                         ).fetchone()
+        dim = embedder.dim or (len(row[0]) // 4 if row else None)
         with db:
-            db.executemany("INSERT OR REPLACE INTO semantic_files(path, size, mtime_ns, ino, "
-                           "seen_ns, sha1) VALUES (?, ?, ?, ?, ?, ?)", stamps)
-            db.executemany("INSERT OR REPLACE INTO semantic_meta(key, value) VALUES (?, ?)",
-                           [("model", embedder.model_id), ("dim", str(dim or ""))])
-        total = db.execute("SELECT COUNT(*) FROM semantic_vectors").fetchone()[0]
+            db.execute("INSERT OR REPLACE INTO semantic_meta VALUES ('dim', ?)", (str(dim or ""),))
+        total = _semantic_count(db, "vec IS NOT NULL")
+        files = db.execute("SELECT count(*) FROM semantic_episodes").fetchone()[0]
     finally:
         db.close()
     return {"status": "ok", "action": "build", "model": embedder.model_id, "dim": dim,
-            "embedded": len(pending), "unchanged": kept, "removed": removed, "vectors": total,
-            "files": len(files), "forced": bool(force)}
+            "embedded": embedded, "unchanged": kept, "removed": max(before - kept, 0),
+            "vectors": total, "files": files, "forced": bool(force)}
 
 
 def _semantic_status(root):
@@ -9185,13 +9231,14 @@ def _semantic_status(root):
     try:
         meta = _semantic_meta(db)
         if meta:
-            _semantic_tables(db)
-            _, _, known, changed, _, gone = _semantic_stale(db, root)
+            _semantic_refresh(root, db)   # what changed since has sections without vectors
             result.update(
                 built_model=meta.get("model"),
                 dim=int(meta["dim"]) if (meta.get("dim") or "").isdigit() else None,
-                vectors=db.execute("SELECT COUNT(*) FROM semantic_vectors").fetchone()[0],
-                files=len(known), stale_files=len(changed) + len(gone),
+                vectors=_semantic_count(db, "vec IS NOT NULL"),
+                files=db.execute("SELECT count(*) FROM semantic_episodes").fetchone()[0],
+                stale_files=db.execute("SELECT count(DISTINCT path) FROM semantic_vectors"
+                                       " WHERE vec IS NULL").fetchone()[0],
                 model_changed=bool(choice) and meta.get("model") != _semantic_model_id(choice))
     finally:
         db.close()
@@ -9203,8 +9250,8 @@ def _semantic_drop(root):
     dropped = 0
     if db is not None:
         try:
-            if _semantic_meta(db) or _semantic_has_vectors(db):
-                dropped = db.execute("SELECT COUNT(*) FROM semantic_vectors").fetchone()[0]
+            if _semantic_ready(db):
+                dropped = _semantic_count(db, "vec IS NOT NULL")
             with db:
                 for table in _SEMANTIC_TABLES:
                     db.execute(f"DROP TABLE IF EXISTS {table}")
@@ -9244,8 +9291,10 @@ def _semantic_rank(root, query, k):
             return miss(f"the vectors were built with {built}, not "
                         f"{_semantic_model_id(choice)}; run memshelf semantic build")
         embedder = _semantic_embedder(choice)
-        rows = db.execute("SELECT path, ord, heading, vec FROM semantic_vectors "
-                          "ORDER BY path, ord").fetchall()
+        # (an episode row deleted wholesale leaves its sections until the next build)
+        rows = db.execute("SELECT path, ord, heading, vec FROM semantic_vectors WHERE vec IS"
+                          " NOT NULL AND path IN (SELECT path FROM episodes) ORDER BY path, ord"
+                          ).fetchall()
     except ShelfError as exc:
         return miss(exc.message)
     except sqlite3.DatabaseError as exc:
@@ -12131,92 +12180,12 @@ def _checked_record(rec):
     return rec
 
 
-class _DoctorFileCache:
-    """Per-file doctor results in the shelf cache: trusted while the file is unchanged by the
-    one freshness rule (_unchanged), else while its content hash is the same."""
-
-    _INSERT = "INSERT OR REPLACE INTO doctor_files VALUES (?, ?, ?, ?, ?, ?, ?)"
-
-    def __init__(self, root, fingerprint, enabled):
-        self.db = _cache_db(root) if enabled else None
-        self.fresh, self.gone = [], []
-        if self.db is None:
-            return
-        try:
-            row = self.db.execute("SELECT value FROM meta WHERE key='doctor_files'").fetchone()
-            if row is None or row[0] != fingerprint:
-                # the rules, switches or code changed: every cached verdict is void
-                with self.db:
-                    self.db.execute("DROP TABLE IF EXISTS doctor_files")
-                    self.db.execute("INSERT OR REPLACE INTO meta VALUES ('doctor_files', ?)",
-                                    (fingerprint,))
-            self.db.execute("CREATE TABLE IF NOT EXISTS doctor_files(path TEXT PRIMARY KEY, "
-                            "size INTEGER, mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, "
-                            "hash TEXT, findings TEXT)")
-        except Exception:
-            self.close()
-
-    def lookup_all(self, records, read):
-        """({path: cached findings}, [records to check]); read(rec) -> bytes is called only
-        when a file's stamp changed but its content may not have."""
-        known, todo = {}, []
-        rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, hash, findings "
-                                    "FROM doctor_files ORDER BY path")
-        for rec, row in _beside(rows, sorted(records, key=lambda r: r.path),
-                                lambda r: r.path, self.gone):
-            if row is None:
-                todo.append(rec)
-                continue
-            path, size, mtime_ns, ino, seen, digest, cached = row
-            stamp = (rec.size, rec.mtime_ns, rec.ino, rec.ctime_ns or 0)
-            if not _unchanged(stamp, (size, mtime_ns, ino), seen):
-                seen = time.time_ns()
-                data = read(rec)
-                if size != len(data) or digest != _content_hash(data):
-                    todo.append(rec)
-                    continue
-                self.fresh.append((path, *stamp[:3], seen, digest, cached))
-            # the usual empty answer is one shared empty tuple, not a list each
-            known[rec.path] = () if cached == "[]" else json.loads(cached)
-        return known, todo
-
-    def store(self, rec, digest, findings, seen=None):
-        """Remember findings for rec; digest is _content_hash of the bytes checked, read after
-        `seen` (None: unknown, so only the content hash can vouch for the row later)."""
-        if self.db is not None:
-            self.fresh.append((rec.path, rec.size, rec.mtime_ns, rec.ino, seen,
-                               digest, json.dumps(findings, ensure_ascii=False)))
-            if len(self.fresh) >= 1000:   # written in batches: memory stays flat on big shelves
-                self._write(self._INSERT, self.fresh)
-
-    def _write(self, sql, rows):
-        try:
-            with self.db:
-                self.db.executemany(sql, rows)
-        except Exception:
-            pass
-        self.fresh = []
-
-    def finish(self):
-        if self.db is not None:
-            self._write(self._INSERT, self.fresh)
-            self._write("DELETE FROM doctor_files WHERE path = ?", [(p,) for p in self.gone])
-
-    def close(self):
-        self.db = _close_db(self.db)
-
-
 def _read_bytes(root, rel):
     """A shelf file's bytes for the checks (b'' when it cannot be read)."""
     try:
         return _file_bytes(os.path.join(root, rel))
     except OSError:
         return b""
-
-
-def _content_hash(data):
-    import hashlib
-    return hashlib.sha256(data).hexdigest()
 
 
 # --- INDEX parsing (doctor's budget and stats' entry count) --------------------------------
@@ -12335,7 +12304,7 @@ class _DoctorRun:
         self.git = _Git(root) if _git_available() else None
         self.in_git = bool(self.git and self.git.is_repo())
         self.records = []
-        self.prechecked = {}             # {path: ((findings, content hash), read at)}: catalog
+        self.verdicts = {}               # {path: findings of the file alone}: the store's
         self.manifest = {}               # shelf.yml as parsed (step 1); {} when unreadable
         self.policy = ([], {})           # POLICY.patterns rules and redaction switches (run)
         self.policy_problems = []        # lines of POLICY.patterns that do not parse (run)
@@ -12350,12 +12319,17 @@ class _DoctorRun:
         def check(rec, data, parsed):
             # a file parsed afresh is checked in the same worker, while this process is
             # still small (a worker forked later would start as big as all the records)
-            return _episode_file_findings(rec, data, policy, parsed) or (), _content_hash(data)
+            return _episode_file_findings(rec, data, policy, parsed)
 
+        # what a file's verdict depends on besides the file (the version and the code void the
+        # whole row cache): the checks' schema, the switches and the rules
+        key = _text_digest(f"{_DOCTOR_CACHE_SCHEMA}|{json.dumps(policy[1], sort_keys=True)}|"
+                           + _read_bytes(self.root, "POLICY.patterns").decode("latin-1"))
         try:
             progress = _Progress("reading episodes")
-            self.records = catalog.records(progress=progress, also=check, trim=_checked_record)
-            self.prechecked = catalog.extras
+            self.records = catalog.records(progress=progress, also=(key, check),
+                                           trim=_checked_record)
+            self.verdicts = catalog.extras
             progress.done()
         finally:
             catalog.close()
@@ -12695,58 +12669,22 @@ class _DoctorRun:
     # 5. every episode -------------------------------------------------------------------
 
     def episodes(self, live, archived):
-        # what per-file verdicts depend on besides the file: the rules, the switches, the code
-        fingerprint = f"{__version__}/{_self_hash()}|{_DOCTOR_CACHE_SCHEMA}|" \
-            f"{json.dumps(self.policy[1], sort_keys=True)}|" + \
-            _content_hash(_read_bytes(self.root, "POLICY.patterns"))
-        cache = _DoctorFileCache(self.root, fingerprint, self.use_cache)
         ids = {r.stem for r in self.records} | {r.id for r in self.records if r.id}
         row_fix = self.derived_fix("no-ledger-row")
-        progress = _Progress("checking episodes", len(self.records))
         steps = [[], []]
-        try:
-            known = self.cached_verdicts(live + archived, cache, progress)
-            for done, rec in enumerate(live + archived):
-                progress.update(done)
-                step = steps[0] if done < len(live) else steps[1]
-                step += known[rec.path]
-                missing = [s for s in rec.supersedes or [] if s not in ids]
-                if missing:
-                    step.append(_finding("supersedes-unknown", rec.path, "supersedes names "
-                                         "ids not on the shelf: " + ", ".join(missing)))
-                if self.ledger_ids is not None and rec.id and \
-                        rec.id not in self.ledger_ids:
-                    self.uncounted.append(rec)
-                    step.append(_finding("no-ledger-row", rec.path,
-                                         f"ledger.tsv has no row for {rec.id}", row_fix))
-            cache.finish()
-        finally:
-            cache.close()
-            progress.done()
-        self.prechecked = {}   # done with; the INDEX step that follows needs the memory
+        for done, rec in enumerate(live + archived):
+            step = steps[0] if done < len(live) else steps[1]
+            step += self.verdicts[rec.path]
+            missing = [s for s in rec.supersedes or [] if s not in ids]
+            if missing:
+                step.append(_finding("supersedes-unknown", rec.path, "supersedes names "
+                                     "ids not on the shelf: " + ", ".join(missing)))
+            if self.ledger_ids is not None and rec.id and rec.id not in self.ledger_ids:
+                self.uncounted.append(rec)
+                step.append(_finding("no-ledger-row", rec.path,
+                                     f"ledger.tsv has no row for {rec.id}", row_fix))
+        self.verdicts = {}   # done with; the INDEX step that follows needs the memory
         return steps
-
-    def cached_verdicts(self, records, cache, progress):
-        """{path: findings} of every episode file: cached, else checked (in parallel if it pays)."""
-        root, policy = self.root, self.policy
-        known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec.path))
-        for rec in todo:
-            if rec.path in self.prechecked:
-                (findings, digest), seen = self.prechecked[rec.path]
-                cache.store(rec, digest, list(findings), seen)
-                known[rec.path] = findings
-        todo = [rec for rec in todo if rec.path not in self.prechecked]
-
-        def check(rec):
-            seen = time.time_ns()
-            data = _read_bytes(root, rec.path)
-            return _episode_file_findings(rec, data, policy), _content_hash(data), seen
-
-        for n, (findings, digest, seen) in _parallel_map(check, todo, progress,
-                                                         "checking episodes"):
-            cache.store(todo[n], digest, findings, seen)
-            known[todo[n].path] = findings
-        return known
 
     # 6. derived-layer freshness and git state -------------------------------------------
 

@@ -134,7 +134,7 @@ def test_build_status_incremental_and_drop(shelf, tiny_model, monkeypatch):
     st = run_cli("semantic", "status", "--shelf", shelf, "--json", env=env).json()
     assert st["available"] and st["stale_files"] == 1 and not st["model_changed"]
     third = run_cli("semantic", "build", "--shelf", shelf, "--json", env=env).json()
-    assert third["embedded"] == 1 and third["unchanged"] == 1 and third["vectors"] == 7
+    assert (third["embedded"], third["unchanged"], third["vectors"]) == (1, 6, 7)
     forced = run_cli("semantic", "build", "--shelf", shelf, "--force", env=env)
     assert forced.code == 0 and "7 section(s) embedded" in forced.out
     monkeypatch.setenv("MEMSHELF_SEMANTIC_MODEL", tiny_model)
@@ -190,7 +190,7 @@ def test_an_edit_in_place_with_the_same_stamp_is_stale(aged, tiny_model):
     edit_in_place(path, "load test", "LOAD TEST", keep_mtime=True)
     assert semantic("status", aged, tiny_model)["stale_files"] == 1
     again = semantic("build", aged, tiny_model)
-    assert (again["embedded"], again["unchanged"], again["vectors"]) == (1, 1, 7)
+    assert (again["embedded"], again["unchanged"], again["vectors"]) == (1, 6, 7)
     assert semantic("status", aged, tiny_model)["stale_files"] == 0
 
 
@@ -200,32 +200,88 @@ def test_renamed_and_deleted_behind_the_tools_back(aged, tiny_model):
     research = os.path.join(aged, "docs", "research")
     os.rename(os.path.join(research, REDIS + ".md"), os.path.join(research, REDIS + "-x.md"))
     os.unlink(os.path.join(aged, "docs", "sessions", RELEASE + ".md"))
-    st = semantic("status", aged, tiny_model)
-    assert (st["stale_files"], st["files"]) == (3, 3)     # one new path, two gone
     again = semantic("build", aged, tiny_model)
     assert (again["embedded"], again["removed"], again["vectors"], again["files"]) == (2, 5, 4, 2)
     assert semantic("status", aged, tiny_model)["stale_files"] == 0
 
 
+# --- the vectors are children of the store's episode rows ----------------------------------
+
+def cache_db(root):
+    return sqlite3.connect(os.path.join(root, ".memshelf", "shelf.sqlite"))
+
+
+def vectors(root):
+    """{path: [(ord, has a vector)]} of the semantic rows, and each episode row's seen_ns."""
+    db = cache_db(root)
+    try:
+        out = {}
+        for path, ordinal, embedded in db.execute("SELECT path, ord, vec IS NOT NULL FROM"
+                                                  " semantic_vectors ORDER BY path, ord"):
+            out.setdefault(path, []).append((ordinal, bool(embedded)))
+        return out, dict(db.execute("SELECT path, seen_ns FROM episodes"))
+    finally:
+        db.close()
+
+
 @pytest.mark.slow
-def test_a_table_from_before_the_racy_rule(aged, tiny_model):
-    """semantic_files as an older memshelf made it, (path, size, mtime_ns): every file is stale
-    once, and a build re-reads them without embedding anything again."""
-    assert semantic("build", aged, tiny_model)["vectors"] == 7
-    db = sqlite3.connect(os.path.join(aged, ".memshelf", "shelf.sqlite"))
-    with db:
-        rows = db.execute("SELECT path, size, mtime_ns FROM semantic_files").fetchall()
-        db.execute("DROP TABLE semantic_files")
-        db.execute("CREATE TABLE semantic_files(path TEXT PRIMARY KEY, size INTEGER,"
-                   " mtime_ns INTEGER)")
-        db.executemany("INSERT INTO semantic_files VALUES (?, ?, ?)", rows)
-    db.close()
-    os.unlink(os.path.join(aged, "docs", "sessions", RELEASE + ".md"))
-    st = semantic("status", aged, tiny_model)
-    assert (st["stale_files"], st["files"], st["vectors"]) == (3, 3, 7)
+def test_an_edit_drops_the_episodes_vectors_and_a_build_embeds_only_them(aged, tiny_model):
+    """Any reader's parse of an edited episode drops the vectors of its changed sections in the
+    same transaction as its row; the build embeds those, from the texts of that parse (the
+    episode rows keep their read times: nothing is read again), and nothing else."""
+    assert semantic("build", aged, tiny_model)["embedded"] == 7
+    redis = f"docs/research/{REDIS}.md"
+    path = os.path.join(aged, redis)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text.replace("allkeys-lru keeps", "allkeys-lru holds"))
+    time.sleep(2.1)   # every change ages past the racy window: one read is trusted from now on
+    assert run_cli("index", "--shelf", aged).code == 0     # any reader: the store parses it
+    rows, seen = vectors(aged)
+    assert [v for _, v in rows[redis]] == [True, False]     # Digest unchanged, Findings not
+    assert all(v for p, vs in rows.items() if p != redis for _, v in vs)
     again = semantic("build", aged, tiny_model)
-    assert (again["embedded"], again["unchanged"], again["removed"]) == (0, 4, 3)
-    assert semantic("status", aged, tiny_model)["stale_files"] == 0
+    # (the vector was removed by the index's parse, not by this build)
+    assert (again["embedded"], again["removed"], again["unchanged"], again["vectors"]) == \
+        (1, 0, 6, 7)
+    rows, seen_after = vectors(aged)
+    assert seen_after == seen                                # the build parsed nothing
+    assert all(v for vs in rows.values() for _, v in vs)
+
+
+@pytest.mark.slow
+def test_a_deleted_episode_drops_its_vectors(aged, tiny_model):
+    assert semantic("build", aged, tiny_model)["vectors"] == 7
+    os.unlink(os.path.join(aged, "docs", "sessions", RELEASE + ".md"))
+    assert run_cli("index", "--shelf", aged).code == 0
+    rows, seen = vectors(aged)
+    assert f"docs/sessions/{RELEASE}.md" not in rows and len(seen) == 2
+    assert sum(len(vs) for vs in rows.values()) == 4
+    assert semantic("status", aged, tiny_model)["vectors"] == 4
+
+
+@pytest.mark.slow
+def test_no_stamps_of_its_own_and_a_code_change_clears_the_vectors(aged, tiny_model):
+    """The semantic tables hold texts and vectors, no file stamps; a cache made by other code
+    (or an older memshelf's semantic_files) is dropped whole, and the build embeds it all."""
+    assert semantic("build", aged, tiny_model)["vectors"] == 7
+    db = cache_db(aged)
+    tables = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert "semantic_files" not in tables and "doctor_files" not in tables
+    columns = {r[1] for r in db.execute("PRAGMA table_info(semantic_vectors)")}
+    assert not columns & {"size", "mtime_ns", "ino", "seen_ns", "sha1", "hash"}
+    with db:
+        db.execute("CREATE TABLE semantic_files(path TEXT PRIMARY KEY, size INTEGER)")
+        db.execute("UPDATE meta SET value = 'older code' WHERE key = 'schema'")
+    db.close()
+    assert semantic("status", aged, tiny_model)["vectors"] == 0
+    again = semantic("build", aged, tiny_model)
+    assert (again["embedded"], again["vectors"], again["files"]) == (7, 7, 3)
+    db = cache_db(aged)
+    tables = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    db.close()
+    assert "semantic_files" not in tables
 
 
 @pytest.mark.slow

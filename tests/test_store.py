@@ -341,3 +341,37 @@ def test_a_shelve_leaves_a_spliced_memo_that_rebuild_check_verifies(three):
     assert spliced() is True
     assert run_cli("rebuild", "--shelf", root, "--check").code == 0
     assert spliced() is False and memo_current(root)
+
+
+def parse_times(root):
+    """{path: seen_ns} of the store's rows: when each was parsed (a parse writes it anew)."""
+    import sqlite3
+    db = sqlite3.connect(os.path.join(root, ".memshelf", "shelf.sqlite"))
+    try:
+        return dict(db.execute("SELECT path, seen_ns FROM episodes"))
+    finally:
+        db.close()
+
+
+@pytest.mark.slow
+def test_on_an_empty_cache_each_file_is_parsed_once_for_every_reader(three):
+    """The store's parse fills every cache at once: after a cold search, index, stats, recall
+    and a second search parse nothing; doctor parses once more for its verdicts (they are
+    checked beside the parse), and fills the search rows as it goes."""
+    import shutil
+    root = str(three)
+    shutil.rmtree(os.path.join(root, ".memshelf"))
+    time.sleep(2.1)   # every file's last change ages past the racy window
+    assert run_cli("search", "--shelf", root, "option").code == 0
+    first = parse_times(root)
+    assert len(first) == len(SLUGS)
+    for args in (("index",), ("stats",), ("recall", "--id", SLUGS[0]), ("search", "plan"),
+                 ("rebuild",)):
+        assert run_cli(*args, "--shelf", root).code == 0, args
+    assert parse_times(root) == first
+    run_cli("doctor", "--shelf", root)
+    checked = parse_times(root)
+    assert all(checked[p] > first[p] for p in first)
+    for args in (("doctor",), ("search", "option"), ("index",), ("stats",)):
+        run_cli(*args, "--shelf", root)
+    assert parse_times(root) == checked

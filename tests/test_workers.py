@@ -76,9 +76,9 @@ def test_doctor_in_workers_finds_exactly_what_one_process_finds(shelf_with_work)
 
 
 @pytest.mark.slow
-def test_doctor_checks_in_workers_when_only_its_own_cache_is_void(shelf_with_work):
-    # the episode cache stays warm; a new POLICY.patterns rule voids every cached verdict, so
-    # the checks run in their own pass instead of beside the parse
+def test_doctor_checks_in_workers_when_only_its_verdicts_are_void(shelf_with_work):
+    # the episode rows stay; a new POLICY.patterns rule voids every verdict kept on them, so
+    # the store parses every file again and the workers check it beside the parse
     run_cli("doctor", "--shelf", shelf_with_work, "--json", env={"MEMSHELF_WORKERS": "2"})
     with open(shelf_with_work / "POLICY.patterns", "a", encoding="utf-8") as f:
         f.write("\nqueue-word \\bjitter\\b\n")
@@ -92,7 +92,7 @@ def test_doctor_checks_in_workers_when_only_its_own_cache_is_void(shelf_with_wor
         results.append(r.json())
         # void the verdicts again for the next run, keep the episode rows
         con = sqlite3.connect(db)
-        con.execute("DELETE FROM doctor_files")
+        con.execute("UPDATE episodes SET verdict = NULL")
         con.commit()
         con.close()
     assert results[0] == results[1]
