@@ -2236,7 +2236,7 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
             return None
     _settle(root, "render_memo", memo, key)
     return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
-            "key": key, "episodes": memo.get("episodes") or 0, "spliced": memo.get("spliced")}
+            "key": key, "episodes": memo.get("episodes") or 0}
 
 
 def _remember_if_on_disk(root, rendered):
@@ -2260,8 +2260,7 @@ def _remember_render(root, rendered, files=None):
                for rel, content in (rendered["files"] if files is None else files).items()}
     _save_state(root, render_memo={"key": rendered["key"][0], "racy": rendered["key"][1],
                                    "files": digests, "episodes": rendered["episodes"],
-                                   "warnings": rendered["warnings"],
-                                   "spliced": bool(rendered.get("spliced"))})
+                                   "warnings": rendered["warnings"]})
 
 
 def _forget_render(root):
@@ -6235,10 +6234,6 @@ def _shelve_write(root, git, plans, a, sync_report):
     _check_cancelled()
     mode = _derived_mode(root)
     one = plans[0] if len(plans) == 1 else None
-    before = None
-    if one and mode == "auto" and _index_format(root) == "compact":
-        seen, scanned, subdirs = _render_inputs(root)
-        before = _render_memo_hit(root, _render_key_of(root, "compact", scanned, subdirs, seen))
     ids = [p.result["id"] for p in plans]
     batch = {"status": "ok", "count": len(plans), "ids": ids, "committed": False, "commit": None,
              "derived": None, "sync": sync_report}
@@ -6256,16 +6251,6 @@ def _shelve_write(root, git, plans, a, sync_report):
                 rendered = _render_committed(git, root, strays, *[p.address for p in plans])
                 for p in plans:
                     p.result["warnings"].extend(strays)
-            if rendered is None and before is not None:
-                # the last render, on disk, with this episode's lines moved (not all re-rendered)
-                st = os.stat(os.path.join(root, one.address))
-                scanned = sorted([f for f in scanned if f[0] not in (one.address, one.moved_from)]
-                                 + [(one.address, False, _stamp_of(st))])
-                with _Store(root) as store:
-                    records = store.render_records(files=scanned)
-                rendered = _render_one_change(root, before, records, one.address, one.old,
-                                              _render_key_of(root, "compact", scanned, subdirs,
-                                                             seen))
             rendered = rendered or _render_derived(root)
             rendered_records = rendered["records"]
             for rel, content in rendered["files"].items():
@@ -6911,15 +6896,13 @@ def _superseded_map(records):
 
 
 def _render_derived(root, records=None, fmt=None, progress=None, index_only=False, verify=False,
-                    memo="any", key=None):
+                    key=None):
     """{derived path: text or None (delete)}, from `records` or the whole shelf (`key`: its
-    _render_key if the caller made it), or the render remembered on disk (memo "full": only one a
-    full render made, not shelve's one-change render). verify: no memo, no cached row trusted."""
+    _render_key if the caller made it), or the render remembered on disk. verify: no memo, no
+    cached row trusted."""
     fmt = fmt or _index_format(root)
     if records is None:
         remembered = None if verify else _state(root).get("render_memo")
-        if memo == "full" and isinstance(remembered, dict) and remembered.get("spliced"):
-            remembered = None
         key, scanned = key or _render_key(root, fmt)
         if remembered and isinstance(remembered, dict):
             hit = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
@@ -6973,71 +6956,6 @@ def _render_records(root, records, fmt, index_only, key):
     return {"files": files, "warnings": warnings, "records": records,
             "key": None if index_only else key,   # a partial render is never remembered
             "episodes": sum(1 for r in records if r.get("id"))}
-
-
-def _render_one_change(root, memo, records, new_rel, old, key):
-    """The memo render from before new_rel replaced `old` (record or None), that episode's lines
-    moved: byte-identical to a full render (fuzzed in tests/test_store.py), or None if unsure."""
-    new = next((r for r in records if r["path"] == new_rel), None)
-    if memo is None or new is None or new["supersedes"] or (old and old["supersedes"]) or \
-            not new["id"] or new["fields"].get("date") != new["date"] or \
-            (old and old["id"] and old["fields"].get("date") != old["date"]):
-        return None
-    files = dict(memo["files"])
-    superseded = _superseded_map(records)
-    index = (files.get("INDEX.md") or "").split("\n")
-    ledger = (files.get("ledger.tsv") or "").split("\n")
-    if ledger[0] + "\n" != _LEDGER_HEADER or ledger[-1]:
-        return None
-    rows = [r for r in records if r["id"]]
-    ledger_keys = [(r["date"], r["id"]) for r in rows if r is not new]
-    for rec, add in ((old, False), (new, True)):
-        if rec is None:
-            continue
-        entry, warning = _meta_entry(rec)
-        heading = f"## {_HEADINGS[rec['category']]}"
-        if warning or index.count(heading) != 1:
-            return None
-        live = [r for r in records if r is not new and r["category"] == rec["category"] and
-                not r["archived"]]
-        start = index.index(heading) + 2
-        end = index.index("", start)
-        if not _splice_sorted(index, start, end, _compact_entry(rec, superseded), add,
-                              [(r["date"], r["stem"]) for r in live], (new["date"], new["stem"])):
-            return None
-        if entry is not None:
-            rel = f"docs/{rec['category']}/.meta.json"
-            text = files.get(rel) or ""
-            if not (text.startswith("{\n") and text.endswith("\n}\n")):
-                return None
-            entries = re.split(r",\n(?=  \S)", text[2:-3])
-            if not _splice_sorted(entries, 0, len(entries), entry, add, [
-                    (r["date"], r["id"] or "") for r in live if r["meta_entry"] is not None],
-                    (new["date"], new["id"])):
-                return None
-            files[rel] = "{\n" + ",\n".join(entries) + "\n}\n"
-        if rec["id"] and not _splice_sorted(ledger, 1, len(ledger) - 1, _ledger_row(rec), add,
-                                            ledger_keys, (new["date"], new["id"])):
-            return None
-    files["INDEX.md"] = "\n".join(index)
-    files["ledger.tsv"] = "\n".join(ledger)
-    files["stats.svg"] = _render_chart(rows)
-    return {"files": files, "warnings": memo["warnings"], "records": records, "key": key,
-            "episodes": len(rows), "spliced": True}
-
-
-def _splice_sorted(lines, start, end, line, add, keys, mine):
-    """Take `line` out of lines[start:end] or put it (add) in its place among the other lines'
-    sort `keys`: False when the block is not what they describe, or the place is not unique."""
-    if add:
-        if end - start != len(keys) or mine in keys:
-            return False
-        lines.insert(start + sum(k < mine for k in keys), line)
-        return True
-    if not keys or end - start != len(keys) + 1 or line not in lines[start:end]:
-        return False   # not there, or the last of its block: a heading or a file goes too
-    del lines[lines.index(line, start, end)]
-    return True
 
 
 def _disk_bytes(path):
@@ -7112,10 +7030,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     git = _Git(root)
     committing = commit and not check and git.is_repo()
     left_out = []
-    # --check verifies what shelve's one-change render left: it trusts a full render's memo only
     rendered = committing and _render_committed(git, root, left_out) or \
-        _render_derived(root, fmt=index_format if check else None, progress=progress,
-                        memo="full" if check else "any")
+        _render_derived(root, fmt=index_format if check else None, progress=progress)
     files = rendered["files"]
     # stale derived files that should not exist (e.g. a .meta.json of an emptied category)
     for rel in [f"{base}/{cat}/.meta.json" for base in ("docs", "archive/docs")
