@@ -273,6 +273,7 @@ def _worker_count(items):
     return min(forced or len(os.sched_getaffinity(0)), 8, items)
 
 
+# kept: empty-cache `rebuild` at 10k, 663 ms vs ~1.2 s on one core, docs/performance.md § Fast paths
 def _parallel_map(func, items, progress=None, message=None):
     """(index, func(item)) for every item as done, spread over forked workers when it pays."""
     n = len(items)
@@ -2216,6 +2217,7 @@ def _text_digest(text):
     return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+# kept: cold `index` at 10k, 341 ms vs 824 ms without, docs/performance.md § Fast paths
 def _render_memo_hit(root, key, memo=None, index_only=False):
     """The last full render from disk, if made under `key` and every derived file still holds it."""
     memo = _state(root).get("render_memo") if memo is None else memo
@@ -4925,6 +4927,7 @@ def _finding_excerpt(line, column):
     return "".join(piece for piece, end in zip(pieces, ends) if end <= 80).strip()
 
 
+# kept: cold `recall --section` at 10k, 350 ms vs 528 ms without, docs/performance.md § Fast paths
 def _instruction_rule_hits(text, skip=(), scan=None):
     """Yield (kind, offset) for every rule match; a rule runs only around its trigger words."""
     scan = scan or _TriggerScan(text)
@@ -5115,6 +5118,7 @@ _HIDDEN_BYTES = _LazyPattern(
     b"\xe2\x80[\x8b-\x8d\xaa-\xae]|\xe2\x81[\xa0\xa6-\xa9]|\xef\xbb\xbf|\xf3\xa0[\x80\x81]")
 
 
+# kept: empty-cache `doctor` at 10k, CPU 18.8 s vs 20.0 s without, docs/performance.md § Fast paths
 def _holds_hidden(text):
     """Whether _HIDDEN_CHAR_RE matches, searched in the UTF-8 bytes with the ASCII dropped."""
     return not text.isascii() and bool(_HIDDEN_BYTES.search(
@@ -6787,9 +6791,10 @@ def _split_label(name):
     return label.upper() if re.fullmatch(r"[ivxlcdm]+", label, re.I) else label.capitalize()
 
 
+# kept: empty-cache `rebuild` at 10k, CPU 2.61 s vs 2.95 s without, docs/performance.md § Fast paths
 def _meta_entry(rec):
-    """(an episode's .meta.json entry as json.dumps(indent=2) would write it, or None; the
-    description cap's warning or None). The C string encoder: the indenting one is slow at 100k."""
+    """(an episode's .meta.json entry as json.dumps(indent=2, ensure_ascii=False) would write it,
+    or None; the description cap's warning or None). The C string encoder, not the indenting one."""
     if "meta_entry" in rec:   # a render record brings its own, formatted when parsed
         return rec["meta_entry"], rec["meta_warning"]
     title = rec.get("display_title") or ""

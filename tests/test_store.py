@@ -226,6 +226,9 @@ def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp
         on_disk = {rel: _text_or_none(os.path.join(root, rel)) for rel in full}
         drift = [rel for rel in full if on_disk[rel] != full[rel]]
         assert not drift, (n, slug, amend, kind, drift)
+        for rel, text in full.items():   # _meta_entry writes json.dumps's own layout by hand
+            if rel.endswith(".meta.json") and text:
+                assert text == json.dumps(json.loads(text), indent=2, ensure_ascii=False) + "\n"
         assert memshelf.rebuild(root, check=True)["ok"]
     # moving the last episode out of its category takes its heading and .meta.json with it
     for kind in ("session", "topic"):
