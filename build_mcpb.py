@@ -254,7 +254,8 @@ def _write_file(path, data):
 
 
 # ==========================================================================================
-# Validation (bundle-and-adapters.md § 1.4 step 3)
+# Validation: the staged manifest and icon, before any bundle is written
+# (docs/desktop-extension.md § For maintainers: building and checking the bundles)
 # ==========================================================================================
 
 def png_size(data):

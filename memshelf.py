@@ -4,21 +4,44 @@
 A shelf is a folder (by default a local git repository with no remote) of Markdown episodes.
 An episode records one closed topic: YAML frontmatter, a short digest that passes a mechanical
 contract, and a fixed set of H2 sections. The agent keeps only INDEX.md in context and recalls
-one episode, or one section of it, when it needs it.
+one episode, or one section of it, when it needs it. INDEX.md, ledger.tsv, the .meta.json files
+and stats.svg are derived: pure functions of the episodes, rendered again whenever they change.
 
 Write path:  capture -> redact -> digest contract -> write (lock, atomic replace)
              -> render derived files (INDEX, ledger, .meta.json, chart) -> commit
-Read path:   INDEX.md -> pick an entry -> recall one section -> data envelope
-             (search ranks sections with BM25 when the id is unknown)
+Recall path: INDEX.md (in context) -> pick an id -> recall one section -> data envelope
+             (search ranks sections with FTS5 bm25() when the id is unknown)
+Every reader asks the episode store whether an episode changed; the store alone parses files,
+keeps the cache in .memshelf/ and remembers derived values under one key.
 
-Sections of this file, in data-flow order:
-  common utilities . format (frontmatter, episodes) . policy and redaction .
-  instruction-shaped content . digest contract . shelf operations . derived renders .
-  search . git . lifecycle . doctor . accounting and advisor . views . hooks . CLI
+Sections of this file (banner comments), in data-flow order:
+  common utilities            errors, tokens, the worker pool, the atomic writer, the shelf
+                              lock, which shelf a call uses
+  format                      the YAML subset and the frontmatter parser; episodes: reading,
+                              sections, descriptions, composing
+  store                       the one reader of episode files: listing, stamps, the cache
+                              database, remembered values
+  policy and redaction        redact, find_secrets, POLICY.patterns, the taint memory
+  instruction-shaped content  scan_instructions
+  digest contract             validate_digest, lint_digest
+  shelf operations            configuration, identifiers, init, shelve, recall
+  derived renders             INDEX (compact, docshelf, the served view), ledger, .meta.json,
+                              chart; rebuild and index
+  search                      FTS5 rows, the scan fallback, search, search-bench, semantic
+  git                         the one git wrapper, commits through a private index, hooks,
+                              sync, push and publish, scan
+  lifecycle                   rollup, purge, import, resolve, sync, repair
+  doctor                      every check doctor runs, the per-file verdict cache
+  accounting and advisor      stats, advise
+  views                       tags, graph, retro, fork, mirror, freshness, prune-splits
+  hooks                       the host adapter entry points
+  CLI                         the verb table (argparse, the MCP tool list, `tools`), printing,
+                              main, demo
 
 Every verb is one public function returning a plain dict: the object the CLI prints with
 --json and the MCP tool returns as structuredContent. The CLI and server.py only translate
 arguments. Standard library only; optional extras are imported lazily where they are used.
+docs/architecture.md maps each verb to its functions and lists every cache with its key.
 """
 
 __version__ = "0.5.0"
@@ -30,10 +53,10 @@ try:
 except ImportError:
     import signal
 
-# SIGINT and SIGTERM alike (docs/architecture.md § interruptions): in start-up nothing is written
-# yet, so the process ends at once; inside a verb the signal interrupts it and what it wrote is
-# undone, except across a stretch that must not be split (_Held) or after the commit point, where
-# it waits and the verb completes.
+# SIGINT and SIGTERM alike (docs/architecture.md § Interruptions and repair): in start-up nothing
+# is written yet, so the process ends at once; inside a verb the signal interrupts it and what it
+# wrote is undone, except across a stretch that must not be split (_Held) or after the commit
+# point, where it waits and the verb completes.
 _INTERRUPT = {"held": 0, "pending": False, "committed": False, "started": False}
 
 
@@ -85,7 +108,8 @@ __all__ = [
 
 
 class ShelfError(Exception):
-    """A failure the user can act on: a code, what was wrong, and the fix (verbs.md § 0.3)."""
+    """A failure the user can act on: a code, what was wrong, and the fix (docs/verbs.md § Errors
+    and exit codes)."""
 
     def __init__(self, code, message, fix="", details=None):
         # the backstop for a message that quotes input without _excerpt: bounded all the same
@@ -194,7 +218,7 @@ def _utc_today():
 
 
 def _human_count(n):
-    """Token counts as the chart and banners print them (shelf-format.md § 10)."""
+    """Token counts as the chart and banners print them (docs/format.md § Token counts)."""
     n = int(round(n))
     if n >= 1_000_000:
         return f"{n / 1_000_000:.2f}M"   # two decimals kept, as memshelf-mcp 0.4.0 prints
@@ -490,7 +514,8 @@ def _read_text(path):
 
 
 class _ShelfLock:
-    """The one inter-process write lock of a shelf: .memshelf/lock (git-and-sync.md § 3).
+    """The one inter-process write lock of a shelf: .memshelf/lock: every writing verb holds it
+    for its whole run, and the OS releases it when a process dies, so no lock is ever stale.
     A writer holds it exclusively and writes its pid into it; doctor holds it shared (`shared`),
     so it never reads a shelf halfway through a write (no shared locks on Windows: exclusive)."""
 
@@ -620,13 +645,14 @@ def _is_shelf(root):
 
 
 def _resolve_shelf(shelf_path=None, *, relative_ok=True, must_exist=True):
-    """Resolve the shelf of a call (verbs.md § 0.2). Returns (root, origin variable or None)."""
+    """Resolve the shelf of a call (docs/verbs.md § Which shelf). Returns (root, origin variable
+    or None)."""
     origin, cli = None, _context("client_name") is None
     raw = str(shelf_path).strip() if shelf_path is not None else ""
     if not raw:
         raw, origin = _env_shelf()
         if raw is None and cli:
-            # the CLI finds the shelf it runs in as git finds .git (verbs.md § 0.2)
+            # the CLI finds the shelf it runs in as git finds .git (docs/verbs.md § Which shelf)
             here = os.getcwd()
             while not _is_shelf(here) and os.path.dirname(here) != here:
                 here = os.path.dirname(here)
@@ -721,7 +747,8 @@ _EXTRA_VERB_FACTORIES = []
 # ==========================================================================================
 
 class FrontmatterError(ValueError):
-    """A block or manifest the YAML subset rejects: a § 3.3 class name and a 1-based line."""
+    """A block or manifest the YAML subset rejects: a class name (docs/format.md § The YAML subset)
+    and a 1-based line."""
 
     def __init__(self, error_class, detail, line=None, fix=""):
         self.error_class, self.detail, self.line, self.fix = error_class, detail, line, fix
@@ -790,7 +817,8 @@ def _fm_excerpt(text, limit=40):
 
 
 def _fm_normalise(text):
-    """Decode bytes, strip one BOM and turn CRLF and lone CR into LF (shelf-format.md § 3.1)."""
+    """Decode bytes, strip one BOM and turn CRLF and lone CR into LF (docs/format.md § Files of
+    a shelf)."""
     if isinstance(text, (bytes, bytearray, memoryview)):
         data = bytes(text)
         try:
@@ -843,7 +871,8 @@ def _fm_check_block(block, first_line, line_count, what, where):
 
 
 class _YamlSubsetParser:
-    """One pass over the lines of a block: the grammar of shelf-format.md § 3.2 and § 3.4."""
+    """One pass over the lines of a block: the grammar of docs/frontmatter.md, nested
+    one level for the manifest (docs/format.md § The YAML subset)."""
 
     def __init__(self, lines, first_line, nested):
         self.lines, self.first_line = lines, first_line
@@ -1287,7 +1316,7 @@ def _yaml_retyped(text):
 
 
 def _parse_frontmatter_detail(text):
-    """Parse an episode's frontmatter and report where everything is (shelf-format.md § 3)."""
+    """Parse an episode's frontmatter and report where everything is (docs/frontmatter.md)."""
     text = _fm_normalise(text)
     h1, open_line, start, end, close_line, body_start = _fm_locate(text)
     if open_line is None:
@@ -1308,7 +1337,7 @@ def parse_frontmatter(text):
 
 
 def parse_manifest(text):
-    """Parse shelf.yml with the manifest subset (shelf-format.md § 3.4); returns a dict."""
+    """Parse shelf.yml with the manifest subset (docs/format.md § The YAML subset); a dict."""
     text = _fm_normalise(text)
     lines = text.split("\n")
     if lines and lines[-1] == "":
@@ -1318,7 +1347,7 @@ def parse_manifest(text):
 
 
 def _yaml_quote(value):
-    """Write a free-text value double-quoted (shelf-format.md § 4.2): one line, valid YAML."""
+    """Write a free-text value double-quoted (docs/format.md § Episodes): one line, valid YAML."""
     text = " ".join(value.split()).replace("\\", "\\\\").replace('"', '\\"')
     return '"' + _YAML_QUOTE_ESCAPE.sub(lambda m: "\\u%04x" % ord(m.group()), text) + '"'
 
@@ -1430,7 +1459,7 @@ def _digest_of(sections):
 
 
 def _first_sentence(text):
-    """Through the earliest sentence end of contracts.md § 2, punctuation kept; stripped."""
+    """Through the earliest sentence end (docs/format.md § The description and its cap)."""
     ends = [text.find(mark) + 1 for mark in (". ", ".\n", "! ", "? ", "。", "！", "？")
             if mark in text]
     return (text[:min(ends)] if ends else text).strip()
@@ -1527,7 +1556,8 @@ def _episode_status(fields):
 
 
 def _cap_description(text):
-    """The description cap of contracts.md § 2. Returns (capped, warning or None)."""
+    """The description cap, as 0.4.0 cuts it (docs/format.md § The description and its cap).
+    Returns (capped, warning or None)."""
     flat = " ".join(text.split())
     if len(flat) <= MAX_DESCRIPTION_CHARS:
         return flat, None
@@ -1644,7 +1674,7 @@ def _record_description(rec):
 
 
 def _compose_episode(fields, digest, sections, verbatim=None):
-    """Write an episode H1-first (shelf-format.md § 4.1); fields is an ordered dict; verbatim
+    """Write an episode H1-first (docs/format.md § Episodes); fields is an ordered dict; verbatim
     maps a key to its frontmatter lines as an earlier writer spelled them (amend keeps them)."""
     lines = [f"# {fields['id']}", "", "---"]
     for key in [k for k in _FIELD_ORDER if k in fields] + \
@@ -1775,7 +1805,8 @@ class _Store:
                 rec, extra = _read_episode(root, *job[1:], also=also) if also else \
                     (_read_episode(root, *job[1:]), None)
                 doc = None
-            # columns alone for their reader: encoding records is 1/7 of a rebuild (performance.md)
+            # columns alone for their reader: encoding whole records would weigh on the empty-cache
+            # rebuild (docs/performance.md § 10,000 episodes)
             row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
                    _record_to_row(rec) if cached and whole else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
@@ -1990,8 +2021,8 @@ def _scan_episode_files(root, archive=True, subdirs=None):
     return found
 
 
-# A file's (size, mtime_ns, inode) and its ctime, read like a stat result (~50 MB less at
-# 100,000 files). The first three are the stamp a cache keeps; ctime only dates the last change.
+# A file's (size, mtime_ns, inode) and its ctime, read like a stat result but far smaller (the
+# memory line at 100,000 episodes, docs/performance.md). The first three are the stamp a cache keeps; ctime only dates the last change.
 _FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns st_ino st_ctime_ns")
 # _FileStamp((size, mtime_ns, ino, ctime_ns)) without the Python-level constructor
 _stamp = functools.partial(tuple.__new__, _FileStamp)
@@ -2004,9 +2035,10 @@ def _stamp_of(st):
 
 
 def _unchanged(st, known, seen_ns):
-    """Git's racy rule (shelf-format.md § 6.3): the stamp st[:3] == `known` (a tuple), and the
-    file last changed more than _RACY_NS before it was read at seen_ns. Its last change is its
-    mtime or its ctime, which every write and every mtime put back moves (POSIX)."""
+    """Git's racy rule (docs/architecture.md § The store and its one rule): the stamp st[:3] ==
+    `known` (a tuple), and the file last changed more than _RACY_NS before it was read at
+    seen_ns. Its last change is its mtime or its ctime, which every write and every mtime put
+    back moves (POSIX)."""
     return st[:3] == known and seen_ns is not None and seen_ns - max(st[1], st[3]) > _RACY_NS
 
 
@@ -2034,7 +2066,8 @@ def _cache_db(root):
             _ensure_cache_ignored(root)
             db = sqlite3.connect(path, timeout=10, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
-            # No fsync at checkpoints (1/3 of storing 10,000 rows): an OS crash costs a rebuild
+            # No fsync at checkpoints: every cache fill would wait on the disk (the empty-cache
+            # rebuild, docs/performance.md), and the cache is derived: a crash costs a rebuild
             db.execute("PRAGMA synchronous=OFF")
             db.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT)")
             row = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
@@ -2292,8 +2325,9 @@ def _remember(root, name, key, value):
 import bisect
 
 # One rule set for shelve, amend, rollup, import, doctor, scan and the pre-commit guard
-# (contracts.md § 3): spans are collected over the original text tier by tier (below), a later
-# tier never overlapping an earlier one or an existing mask, and all are replaced in one pass.
+# (docs/redaction.md § The contract): spans are collected over the original text tier by tier
+# (below), a later tier never overlapping an earlier one or an existing mask, and all are
+# replaced in one pass.
 
 REDACTION_KINDS = tuple("""
     aws-access-key aws-secret-key gcp-api-key gcp-oauth-secret azure-client-secret
@@ -2522,7 +2556,8 @@ _REFERENCE_WORD_RE = _re_lazy(r"[A-Za-z_]*_[A-Za-z_]*\Z")
 _REFERENCE_HINTS = ("key", "token", "secret", "pass", "pwd", "cred", "auth")
 _KEYCH = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-"
 
-# Key words of the assignment rule (§ 3.3); found first, the key is then grown around them.
+# Key words of the assignment rule (docs/redaction.md § The two generic rules); found first,
+# the key is then grown around them.
 _KEY_GATES = ("pass", "pwd", "secret", "token", "credential", "key", "api", "access", "auth",
               "sid", "creds")
 _KEY_LEADS = tuple((word, "") for word in _KEY_GATES) + tuple(
@@ -2667,7 +2702,7 @@ _FENCE_RE = _re_lazy(r"(?m)^[ \t>]*(`{3,}|~{3,})[ \t]*([A-Za-z0-9_.+-]*)")
 _CAMEL1_RE = _re_lazy(r"([a-z0-9])([A-Z])")
 _CAMEL2_RE = _re_lazy(r"([A-Z]+)([A-Z][a-z])")
 _KEY_SPLIT_RE = _re_lazy(r"[\s_.\-]+")
-# memshelf-mcp 0.4.0's five at-rest rules, for redaction.legacy_compat (§ 3.7).
+# memshelf-mcp 0.4.0's five at-rest rules, for redaction.legacy_compat (docs/redaction.md).
 _LEGACY_RULES = [
     ("aws-access-key", _re_lazy(r"\bAKIA[0-9A-Z]{16}\b"), 0),
     ("sonar-token", _re_lazy(r"\bsqu_[0-9a-f]{40}\b"), 0),
@@ -2762,10 +2797,10 @@ class _Taken:
         return True
 
 
-# --- what is not a secret (§ 3.4) ---------------------------------------------------------
+# --- what is not a secret (docs/redaction.md § What counts as a placeholder) --------------
 
 def _is_placeholder(value):
-    """True for empty values, masks, references, placeholders and code (§ 3.4)."""
+    """True for empty values, masks, references, placeholders and code (docs/redaction.md)."""
     if not value or _MASK_PREFIX in value:
         return True
     low, first, last = value.lower(), value[0], value[-1]
@@ -3234,7 +3269,7 @@ def _k8s_spans(sc):
     return out
 
 
-# --- tier 5: assignments (§ 3.3) ----------------------------------------------------------
+# --- tier 5: assignments (docs/redaction.md § The two generic rules) ----------------------
 
 @functools.lru_cache(maxsize=4096)
 def _key_info(key):
@@ -3573,7 +3608,7 @@ def _policy_rule(line):
     return "the regex matches the empty string" if rx.fullmatch("") else (kind, rx)
 
 
-# --- memshelf-mcp 0.4.0 compatibility (§ 3.7) ---------------------------------------------
+# --- memshelf-mcp 0.4.0 compatibility: redaction.legacy_compat (docs/redaction.md) ---------
 
 def _legacy_spans(text, disable):
     """What 0.4.0's five rules would still flag in already-redacted text."""
@@ -3646,7 +3681,8 @@ def _select(sc, rules):
 
 
 def _replacement(text, start, end):
-    """After `=`, a mask never stays inside the quotes of a value it fills (§ 3.3)."""
+    """After `=`, a mask never stays inside the quotes of a value it fills: 0.4.0 reads a
+    quoted mask after `=` as a live secret (docs/redaction.md § The contract)."""
     if start and end < len(text) and text[start - 1] in "\"'" and text[end] == text[start - 1]:
         i = start - 2
         while i >= 0 and start - 2 - i < 2 and text[i] in "rbfuRBFU":
@@ -3845,8 +3881,8 @@ def merge_redaction_reports(reports):
 # Instruction-shaped content
 # ==========================================================================================
 
-# Instruction-shaped text is flagged, never rewritten (contracts.md § 4): the raw text, then a
-# normalised copy that undoes obfuscation (a hit only there is reported as obfuscated).
+# Instruction-shaped text is flagged, never rewritten (docs/instruction-scan.md): the raw text,
+# then a normalised copy that undoes obfuscation (a hit only there is reported as obfuscated).
 
 _HIDDEN_CHAR_CLASS = "\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069\U000e0000-\U000e007f"
 _HIDDEN_CHAR_RE = _LazyPattern("[" + _HIDDEN_CHAR_CLASS + "]")
@@ -5074,7 +5110,7 @@ def _leet_token(m):
 
 
 def _deobfuscated_line(line, depth=0):
-    """The line with obfuscation undone (contracts.md § 4.2)."""
+    """The line with obfuscation undone (docs/instruction-scan.md § The families)."""
     s = unicodedata.normalize("NFKC", line)
     if _HIDDEN_CHAR_RE.search(s) or any(ch in s for ch in _INVISIBLE_EXTRA):
         # Tag characters spell ASCII ("ASCII smuggling"); decode them rather than drop them.
@@ -5129,7 +5165,7 @@ def _holds_hidden(text):
 
 
 def scan_instructions(text):
-    """Instruction-shaped findings: [{kind, line, excerpt, obfuscated}] (contracts.md § 4)."""
+    """Instruction-shaped findings [{kind, line, excerpt, obfuscated}] (docs/instruction-scan.md)."""
     if not text:
         return []
     import bisect
@@ -5264,7 +5300,8 @@ _CUE_ZH = ("决定", "否决", "拒绝", "选择", "选定", "待办", "未决",
 
 
 def count_words(text):
-    """Words of a digest: CJK characters count half a word each (contracts.md § 1.1)."""
+    """Words of a digest: CJK characters count half a word each, so an unspaced
+    Chinese paragraph is not one word (docs/format.md § The digest contract)."""
     if not _CJK.search(text):
         return len(text.split())   # then every token is one word
     n = 0
@@ -5337,8 +5374,8 @@ def validate_digest(text, *, patterns=None, strict=False, masked=None):
 
 def lint_digest(digest=None, strict=False, shelf_path=None, digest_file=None, file=None):
     """Check digests against the contract without writing anything, by shelve's rule: masked
-    first, then validated (contracts.md § 1.3). Several --digest-file or --file (episode
-    documents, their ## Digest) are checked one by one; all must pass."""
+    first, then validated (docs/format.md § The digest contract). Several --digest-file or --file
+    (episode documents, their ## Digest) are checked one by one; all must pass."""
     texts = []
     for path in [digest_file] if isinstance(digest_file, str) else digest_file or []:
         texts.append((path, _read_input_file(path, "--digest-file")))
@@ -5555,7 +5592,7 @@ def _check_slug(slug, what="slug"):
 
 
 def _lookup_key(raw):
-    """The lookup-id rule of contracts.md § 5: strip .md and a category prefix; check chars."""
+    """The lookup-id rule (docs/format.md § Identifiers): strip .md and a category prefix."""
     if not isinstance(raw, str):
         raise ShelfError("id-invalid", "the episode id must be a string", "pass the id from INDEX")
     key = raw.strip().removesuffix(".md")
@@ -5786,7 +5823,8 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
            push=False, publish=False, autocommit=True, sync=True, await_render_seconds=0,
            file=None, digest_file=None, section_files=None, drop_sections=None,
            append_sections=None, status=None):
-    """Shelve a closed topic: redact, check the digest, write, render, commit (verbs.md § 1.2).
+    """Shelve a closed topic: redact, check the digest, write, render, commit (docs/verbs.md §
+    shelve).
     On amend, every field, section and frontmatter key the call does not give is kept. `file`
     (paths, directories, - for stdin) may hold many episodes: one lock, one commit, all or none."""
     call = dict(locals())
@@ -6069,7 +6107,7 @@ def _amended_sections(olds, given, appended, drop):
 
 
 def _shelve_plan(root, a, sync_report=None):
-    """Steps 4-9 of verbs.md § 1.2: find, redact, check, keep (amend) and compose; writes
+    """Steps 4-9 of docs/verbs.md § shelve: find, redact, check, keep (amend) and compose; writes
     nothing. Returns a _ShelvePlan; a refusal raises."""
     warnings = a["warnings"]
     slug, kind = a["slug"], a["kind"]
@@ -6285,7 +6323,7 @@ def _shelve_write(root, git, plans, a, sync_report):
     _taint_memory(root, [v for p in plans for v in p.learned])   # docs/redaction.md
     if mode == "auto":
         _remember_render(root, rendered)
-    # push / publish (git-and-sync.md § 7)
+    # push / publish (docs/verbs.md § sync, push and publish)
     if git.is_repo() and batch["committed"]:
         # its warnings go to the episode's result; a batch publishes as shelve/<first id>
         target = one.result if one else dict(batch, id=ids[0], warnings=[])
@@ -6529,7 +6567,8 @@ def _attr(value):
 
 def _envelope(ident, content, section=None, flags=None, superseded_by=None, part=None,
               status=None):
-    """Wrap recalled text so it cannot pose as instructions (contracts.md § 4.4)."""
+    """Wrap recalled text so it cannot pose as instructions (docs/format.md § The data
+    envelope)."""
     note = _ENVELOPE_NOTE
     if superseded_by:
         note += f" It is superseded by {', '.join(superseded_by)}."
@@ -6574,7 +6613,8 @@ def _superseded_by(root, stem):
 
 def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_bytes=100000,
            offset=0, log=True, raw=False):
-    """Recall one episode, or one section of it, in the data envelope (verbs.md § 2.2)."""
+    """Recall one episode, or one section of it, in the data envelope (docs/format.md § The
+    data envelope)."""
     if episode_id is None:
         raise _usage("--id is required", "pass the episode id from INDEX")
     if not isinstance(max_bytes, int) or not 1 <= max_bytes <= 5_000_000:
@@ -6618,7 +6658,7 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
     status = _episode_status(fields)
     content = page if raw else _envelope(stem, page, heading, flags, sup_by, part, status)
     fetched = tokens(content)
-    if log:   # what was printed, outlines too (shelf-format.md § 8)
+    if log:   # what was printed is what was spent, outlines too
         _append_recall_log(root, stem, "(outline)" if outline else heading or "", fetched)
     title = fields.get("display_title") if isinstance(fields.get("display_title"), str) else ""
     mass = _episode_mass(rec, _context_window(root))
@@ -6647,7 +6687,8 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
 
 
 def _append_recall_log(root, stem, section, fetched):
-    """One O_APPEND write per row, without the shelf lock (shelf-format.md § 8)."""
+    """One O_APPEND write per row, without the shelf lock: rows never interleave, and a
+    recall never waits for a writer (docs/format.md § `recall-log.tsv`)."""
     path = os.path.join(root, _RECALL_LOG)
     row = f"{stem}\t{section}\t{fetched}\t{_utc_today()}\n"
     try:
@@ -6836,7 +6877,8 @@ def _ledger_rows(records):
 
 
 def _render_chart(rows):
-    """stats.svg from the ledger's rows (shelf-format.md § 10)."""
+    """stats.svg from the ledger's rows, byte-identical to 0.4.0's (docs/format.md §
+    `.meta.json` and `stats.svg`)."""
     from itertools import accumulate
     per_date = {}
     for r in rows:
@@ -7009,7 +7051,8 @@ def _leftover_temps(root):
 
 
 def rebuild(shelf_path=None, check=False, adopt=False, commit=False, index_format=None, full=False):
-    """Regenerate every derived file from the episodes; --check only compares (verbs.md § 1.3)."""
+    """Regenerate every derived file from the episodes; --check only compares (docs/verbs.md §
+    rebuild)."""
     if adopt and check:
         raise _usage("--adopt writes episodes; it cannot run with --check", "drop one of them")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
@@ -7159,7 +7202,7 @@ _ENTRY_LINE = _re_lazy(r"^- (?:`([^`]+)`|(\S+))(?: \*\*(.+?)\*\*)?(?: — (.*?))
 
 def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, archive=False,
           verify=False, budget=None, period=None, *, _key=None):
-    """The shelf's INDEX, never stale: the file when current, else a fresh render (§ 2.1).
+    """The shelf's INDEX, never stale: the file when current, else a fresh render, never written.
     With a budget or a period (and over MCP by default), the served view within the budget."""
     paged = max_chars is not None or offset or category is not None or since is not None
     if budget is not None and _not_count(budget, _MIN_BUDGET):
@@ -8387,7 +8430,7 @@ def _build_hits(root, chosen, info, superseded, terms, via, held):
     return hits
 
 
-# --- semantic hook (verbs.md § 4.8) -----------------------------------------------------------
+# --- semantic hook (docs/semantic.md) -----------------------------------------------------------
 
 def _semantic_list(root, query, k, requested):
     """[(address, section, similarity)] best first from _semantic_rank, or None; semantic and
@@ -8457,7 +8500,7 @@ def _check_search_args(query, max_results, kinds, tags, since, until, archive, m
 def search(shelf_path=None, query=None, max_results=10, kinds=None, tags=None, since=None,
            until=None, archive="include", per_episode=_SEARCH_PER_EPISODE, mode="auto",
            reindex=False):
-    """Rank episode sections for a query (verbs.md § 2.3, docs/search.md), at most per_episode
+    """Rank episode sections for a query (docs/search.md), at most per_episode
     of one episode (True: 1, False: the default); which query words matched and which did not,
     did_you_mean for the unmatched, and a corrected run when the query found nothing."""
     kinds, tags = _check_search_args(query, max_results, kinds, tags, since, until, archive, mode)
@@ -8580,7 +8623,7 @@ def _fts_semantic_candidates(db, semantic, filters):
     return [(sim,) + tuple(row) for sim, row in rows if row]
 
 
-# --- search-bench (verbs.md § 4.9) ----------------------------------------------------------
+# --- search-bench (docs/search.md § Measuring it) -------------------------------------------
 
 def _bench_queries(path):
     try:
@@ -8690,7 +8733,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("search-bench", search_bench, [
 ], title="Measure search quality on a labelled query set", mcp=False, text=_text_search_bench))
 
 
-# The optional semantic extra (verbs.md § 4.8): one vector per section in the cache, used by
+# The optional semantic extra (docs/semantic.md): one vector per section in the cache, used by
 # search for mode semantic/hybrid/auto through _semantic_rank. The embedding package is imported
 # only inside these functions, so `import memshelf` stays standard-library only.
 
@@ -8860,8 +8903,8 @@ def _semantic_meta(db):
 def _semantic_stale(db, root):
     """(time of the scan, the scan, {path: row}, changed files, new rows of the files vouched
     for by content, gone paths): a file is unchanged when _unchanged, or when its stamp is the
-    same and its content still has the SHA-1 read at build (a racy file, shelf-format.md § 6.3;
-    stamped anew, it needs no read once aged)."""
+    same and its content still has the SHA-1 read at build (a racy file, docs/architecture.md §
+    The store and its one rule; stamped anew, it needs no read once aged)."""
     seen = time.time_ns()   # before the scan: a later write is after it (_unchanged)
     files = _scan_episode_files(root)
     known = {row[0]: row[1:] for row in db.execute(
@@ -8997,7 +9040,7 @@ def _semantic_drop(root):
 
 
 def semantic(action=None, shelf_path=None, force=False):
-    """The embedding sidecar: build, status or drop (verbs.md § 4.8)."""
+    """The embedding sidecar: build, status or drop (docs/semantic.md)."""
     if action not in ("build", "status", "drop"):
         raise _usage(f"unknown semantic action {action!r}", "use build, status or drop")
     root, _ = _resolve_shelf(shelf_path)
@@ -9587,7 +9630,7 @@ def _install_merge_drivers(git, only_missing=False):
     return written
 
 
-# --- sync: the target, the preflight, push, publish, await-render (git-and-sync.md § 7) -----
+# --- sync: the target, the preflight, push, publish, await-render (docs/verbs.md) ------------
 
 def _sync_target(git):
     """((remote, branch), None) to sync with, or (None, why not)."""
@@ -9704,7 +9747,8 @@ class _SetAside:
 
 
 def _sync_preflight(root, git):
-    """Fast-forward before writing (git-and-sync.md § 7.1); None without git or a remote."""
+    """Fast-forward before writing (docs/verbs.md § sync, push and publish); None without git
+    or a remote."""
     if not git.is_repo():
         return None
     target, reason = _sync_target(git)
@@ -9748,7 +9792,8 @@ def _fast_forward(root, git, upstream):
 
 
 def _after_commit_sync(root, git, result, report, a):
-    """Push, publish or await the render after a committed shelve (§ 7.2-7.4); never raises."""
+    """Push, publish or await the render after a committed shelve (docs/verbs.md § sync, push
+    and publish); never raises: the commit stands whatever the network does."""
     publish = bool(a.get("publish"))
     push = bool(a.get("push")) or not publish and _memshelf_config(root).get("autopush") is True
     wait = a.get("await_render_seconds") or 0
@@ -9876,7 +9921,8 @@ def _temporary_attributes(git):
 
 
 def _publish(root, git, result, report):
-    """Push the shelve commit as shelve/<id> without switching the checkout (§ 7.3)."""
+    """Push the shelve commit as shelve/<id> without switching the checkout, for branches that
+    need a pull request."""
     remote, branch = report["remote"], report["branch"]
     report.update(publish_requested=True, performed=True)
     if _derived_mode(root) == "auto":
@@ -9914,7 +9960,8 @@ def _compare_url(remote_url, branch, published):
 
 
 def _await_render(root, git, report, seconds, published):
-    """Wait for the renderer's commit, then fast-forward onto it (§ 7.4); a miss is a note."""
+    """Wait for the renderer's commit, then fast-forward onto it; a miss is a note, never
+    an error."""
     report["render_awaited"] = True
     if _derived_mode(root) != "bot":
         report["render_note"] = "derived: auto renders in this clone; nothing to await"
@@ -10038,7 +10085,8 @@ def _row_key(row):
 
 
 def _union_recall_logs(ours, theirs, base=None):
-    """Multiset union of recall logs, row counts as git-and-sync.md § 6 gives them."""
+    """Multiset union of recall logs: two identical rows are two recalls, so no side's count
+    is lost (docs/verbs.md § resolve)."""
     from collections import Counter
     if _CONFLICT_START.search(ours):
         # a log already merged as text: its two sides, unioned without a base
@@ -10124,7 +10172,7 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("merge-driver", merge_driver_verb, [
 # ==========================================================================================
 
 
-# rollup, purge and import: verbs.md § 1.4, 1.5, 2.8.
+# rollup, purge and import: docs/verbs.md § rollup, § purge, § import.
 
 # --- rollup --------------------------------------------------------------------------------
 
@@ -10228,7 +10276,7 @@ def _rollup_find_live(live, key):
 
 
 def _rollup_select(root, records, slug, until, episode_ids, kinds):
-    """Step 1 of verbs.md § 1.4: the live episodes to fold, or rollup-invalid."""
+    """Step 1 of docs/verbs.md § rollup: the live episodes to fold, or rollup-invalid."""
     live = [r for r in records if not r["archived"]]
     archived = [r for r in records if r["archived"]]
     if episode_ids:
@@ -10267,7 +10315,8 @@ def _rollup_select(root, records, slug, until, episode_ids, kinds):
 
 def rollup(shelf_path=None, slug=None, digest=None, until=None, episode_ids=None, kinds=None,
            display_title=None, sections=None, date=None, dry_run=False, autocommit=True):
-    """Fold a period into one rollup episode; the originals move to archive/ (verbs.md § 1.4).
+    """Fold a period into one rollup episode; the originals move to archive/ (docs/verbs.md §
+    rollup).
     A dry run without slug or digest previews the selection alone."""
     if slug is None and not dry_run:
         raise _usage("a slug is required", f"pass {_arg_word('slug', 'YYYY-MM-DD-words', 'rollup')}"
@@ -10496,7 +10545,7 @@ _PURGE_PLAIN_NOTE = ("this shelf keeps no history: deleted files are gone from t
 
 def purge(shelf_path=None, apply=False, today=None, autocommit=True, episode_ids=None):
     """Delete episodes whose retain_until has passed, or the episodes named by id (a mistaken
-    one); a dry run unless apply (verbs.md § 1.5)."""
+    one); a dry run unless apply (docs/verbs.md § purge)."""
     if today is not None and not _is_iso_date(today):
         raise _usage(f"today {today!r} is not a real YYYY-MM-DD date", "e.g. 2026-07-22")
     if episode_ids and today is not None:
@@ -11020,7 +11069,7 @@ def _import_output_path(out, conv):
 
 def import_transcript(method=None, path=None, format="auto", markers=None, limit=50,
                       select=None, out=None, redact=True):
-    """Prepare an exported transcript for retro-shelving; never touches a shelf (§ 2.8)."""
+    """Prepare an exported transcript for retro-shelving; never touches a shelf (docs/import.md)."""
     if method not in ("discover", "extract"):
         raise _usage(f"import method must be discover or extract (got {method!r})",
                      "memshelf import discover --path FILE, then import extract")
@@ -11164,10 +11213,11 @@ def _import_extract(source, fmt, convs, markers, select, out, redact_on, name):
                        + (f"; {report['summary']}" if report else "")}
 
 
-# --- resolve: finish a merge of two clones (verbs.md § 1.6) ---------------------------------
+# --- resolve: finish a merge of two clones (docs/verbs.md § resolve) --------------------------
 
 def resolve(shelf_path=None, commit=False):
-    """Finish a shelf merge: recall-log union, derived files, conflicts named (verbs.md § 1.6)."""
+    """Finish a shelf merge: recall-log union, derived files, conflicts named (docs/verbs.md §
+    resolve)."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     with _ShelfLock(root):
         result = _resolve_locked(root, commit)
@@ -11283,7 +11333,7 @@ def _resolve_summary(r):
     return "\n".join([text] + [f"note: {n}" for n in r["notes"]])
 
 
-# --- sync: fetch + fast-forward, CLI only (verbs.md § 3.1) ---------------------------------
+# --- sync: fetch + fast-forward, CLI only (docs/verbs.md § sync, push and publish) ----------
 
 def sync_verb(shelf_path=None, push=False):
     """Fetch the upstream and fast-forward; install missing drivers and hooks; --push pushes."""
@@ -11364,10 +11414,11 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("sync", sync_verb, [
 ], title="Fetch and fast-forward the shelf from its upstream", mcp=False, read_only=False,
     text=_text_sync, verdict=lambda r: 1 if r.get("status") == "incomplete" else 0))
 
-# --- repair: back to one consistent commit (docs/architecture.md § Interruptions) -----------
+# --- repair: back to one consistent commit (docs/architecture.md § Interruptions and repair)
 
 def repair(shelf_path=None):
-    """Bring a git shelf back to one consistent commit (docs/architecture.md § Interruptions)."""
+    """Bring a git shelf back to one consistent commit (docs/architecture.md § Interruptions and
+    repair)."""
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     done, left = [], []
     result = {"status": "ok", "done": done, "left": left, "committed": False, "commit": None}
@@ -11476,8 +11527,8 @@ _EXTRA_VERB_FACTORIES.append(lambda: _Verb("repair", repair, [
 # Doctor
 # ==========================================================================================
 
-# Doctor diagnoses a shelf read-only (doctor.md): ten steps in a fixed order, each finding with a
-# level, a class and a one-sentence fix. Per-file results are cached by (size, mtime, hash).
+# Doctor diagnoses a shelf read-only (docs/doctor.md): ten steps in a fixed order, each finding
+# with a level, a class and a one-sentence fix. Per-file results are cached by (size, mtime, hash).
 
 _AMEND = "memshelf shelve --amend --file <path>"
 _REPAIR = "memshelf repair --shelf <shelf>"
@@ -11486,7 +11537,7 @@ _DOCTOR_CODES = {
     # 1. configuration and manifest
     "manifest-missing": ("error", "config", "add it with: memshelf init (nothing else changes)"),
     "manifest-invalid": ("error", "config",
-                         "correct the named key or line in shelf.yml (shelf-format.md § 2.2)"),
+                         "correct the named key or line in shelf.yml"),
     "manifest-unsupported": ("error", "config",
                              "set docs_root: docs in shelf.yml; memshelf supports no other root"),
     "config-invalid": ("error", "config",
@@ -11687,7 +11738,8 @@ _WORD_OR_WIDE_BYTES = bytes(b if (48 <= b <= 57 or 65 <= b <= 90 or 97 <= b <= 1
 
 
 def _content_words(text):
-    """Grounding vocabulary of a text (doctor.md § 3.3): content words and CJK bigrams."""
+    """Grounding vocabulary of a text (docs/doctor.md § Digest grounding): content words and CJK
+    bigrams."""
     # Lower-casing goes character by character but for these (İ and K lower to ASCII, Σ by
     # context); without them the ASCII is lowered as bytes and the rest piece by piece.
     if "\u0130" in text or "\u212a" in text or "\u03a3" in text:
@@ -12059,7 +12111,8 @@ def _recall_log_entries(root):
 
 
 def _read_ledger(root):
-    """(text or None, problems, {episode_id: first line}) of ledger.tsv (shelf-format.md § 7)."""
+    """(text or None, problems, {episode_id: first line}) of ledger.tsv (docs/format.md §
+    `ledger.tsv`)."""
     try:
         with open(os.path.join(root, "ledger.tsv"), "rb") as f:
             text = f.read().decode("utf-8", "replace")
@@ -12094,7 +12147,7 @@ def _read_ledger(root):
 # --- the run ---------------------------------------------------------------------------------
 
 class _DoctorRun:
-    """One doctor run over one shelf: the ten steps of doctor.md § 2, in order."""
+    """One doctor run over one shelf: the ten steps of docs/doctor.md § Order of checks."""
 
     def __init__(self, root, check_remote, stale_hours, use_cache):
         self.root = root
@@ -12542,7 +12595,8 @@ class _DoctorRun:
         yield from self.uncommitted()
 
     def judge_renderer(self):
-        """Is the renderer stopped, or has it not seen the uncounted episodes yet (§ 3.4)?"""
+        """Is the renderer stopped, or has it not seen the uncounted episodes yet (docs/doctor.md §
+        Judging the renderer)?"""
         # In auto mode every writer renders; only the ledger's own age can say it lags.
         if self.mode != "bot" or not self.in_git or not self.git.remotes():
             return self.ledger_age_verdict()
@@ -12589,7 +12643,7 @@ class _DoctorRun:
         return upstream
 
     def renderer_wait(self, render, short_render, visible, full):
-        """Bound how long the renderer has had each visible episode (§ 3.4 step 3)."""
+        """Bound how long the renderer has had each visible episode: commit time and reflog."""
         git = self.git
         now = time.time()
         threshold = self.stale_hours * 3600
@@ -12654,7 +12708,8 @@ class _DoctorRun:
         return []
 
     def ledger_age_verdict(self):
-        """Step 2 of § 3.4: without an upstream the clock is the ledger's age."""
+        """Without an upstream the clock is the ledger's age (docs/doctor.md § Judging the
+        renderer)."""
         import datetime
         sha, when, source = None, None, "its last commit"
         if self.in_git:
@@ -13029,7 +13084,8 @@ def _remote_probe_base(url):
 
 
 def _probe_remote(base):
-    """public / private / unverified from one anonymous smart-HTTP read (doctor.md § 3.6)."""
+    """public / private / unverified from one anonymous smart-HTTP read (docs/doctor.md §
+    Remotes)."""
     import urllib.error
     import urllib.request
     request = urllib.request.Request(base + ".git/info/refs?service=git-upload-pack",
@@ -13046,7 +13102,7 @@ def _probe_remote(base):
 
 def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, only=None,
            min_level="info", no_cache=False):
-    """Diagnose the shelf, read-only: every finding with its level, class and fix (doctor.md)."""
+    """Diagnose the shelf, read-only: each finding with a level, class and fix (docs/doctor.md)."""
     hours = derived_stale_after_hours
     if hours is not None and not _positive_number(hours):
         raise _usage(f"derived_stale_after_hours must be a number above 0, got {hours!r}",
@@ -13089,8 +13145,8 @@ def doctor(shelf_path=None, check_remote=False, derived_stale_after_hours=None, 
 # Accounting and advisor: stats, advise
 # ==========================================================================================
 
-# Accounting (verbs.md § 2.4): claimed economy comes from the catalog, realized economy from
-# the recall log; ledger.tsv is read only to report how far it lags.
+# Accounting (docs/verbs.md § stats and advise): claimed economy comes from the catalog,
+# realized economy from the recall log; ledger.tsv is read only to report how far it lags.
 
 def _not_count(value, minimum=1):
     """True unless value is a whole number (not a bool) of at least minimum."""
@@ -13219,8 +13275,8 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     return result
 
 
-# Advisor (verbs.md § 2.5): the caller reports its context window, which it alone can see;
-# every "already shelved" claim is checked against the episodes. It writes nothing.
+# Advisor (docs/verbs.md § stats and advise): the caller reports its context window, which it
+# alone can see; every "already shelved" claim is checked against the episodes. It writes nothing.
 
 _ADVISE_STATES = ("live", "closed", "unknown")
 _ADVISE_KINDS = ("topic", "research", "tool-output", "instructions", "other")
@@ -13387,7 +13443,8 @@ def _advise_rollup(root, live, index_tokens, budget, line_costs, listed, entry_t
 
 def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_turns=10,
            include_memory_overhead=True, occupants_json=None, summary_only=False):
-    """Where did the context window go, and what could be put down (verbs.md § 2.5)."""
+    """Where did the context window go, and what could be put down (docs/verbs.md § stats and
+    advise)."""
     budget = _advise_int(budget_tokens, "budget_tokens", "advise", minimum=1)
     stale_after = _advise_int(stale_after_turns, "stale_after_turns", "advise")
     if not isinstance(occupants, (list, tuple, type(None))):
@@ -13524,7 +13581,7 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
 # ==========================================================================================
 
 
-# verbs.md § 4; exports skip `export_exclude_tags` episodes; prune-splits alone writes.
+# docs/verbs.md § Views; exports skip `export_exclude_tags` episodes; prune-splits alone writes.
 
 _EXPORT_EXCLUDE_DEFAULT = ("private", "sensitive-*")
 _QUARTER = _re_lazy(r"(\d{4})[Qq]([1-4])\Z")
@@ -13721,7 +13778,7 @@ def _tag_rows(recs):
 
 
 def tags(shelf_path=None, archive="include"):
-    """Tags with their episodes, most used first; compared case-insensitively (§ 4.3)."""
+    """Tags with their episodes, most used first; compared case-insensitively."""
     if archive not in ("include", "exclude"):
         raise _usage(f"unknown archive value {archive!r}", "use include or exclude")
     root, _ = _resolve_shelf(shelf_path)
@@ -13733,7 +13790,7 @@ def tags(shelf_path=None, archive="include"):
 # --- graph --------------------------------------------------------------------------------
 
 def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=None):
-    """Who mentions whom, and who supersedes whom (§ 4.4): JSON or Mermaid."""
+    """Who mentions whom, and who supersedes whom: JSON or Mermaid."""
     if format not in ("json", "mermaid"):
         raise _usage(f"unknown graph format {format!r}", "use --format json or mermaid")
     if section is not None:
@@ -13854,7 +13911,7 @@ def _supersession_chains(recs, in_period):
 
 
 def retro(shelf_path=None, quarter=None, since=None, until=None, out=None, include_private=False):
-    """A Markdown retrospective of a quarter or a date range (§ 4.5); no model involved."""
+    """A Markdown retrospective of a quarter or a date range; no model involved."""
     label, start, end = _retro_period(quarter, since, until)
     out_path = _check_out_path(out) if out is not None else None
     root, _ = _resolve_shelf(shelf_path)
@@ -13948,7 +14005,7 @@ def _export_index(root, records, hidden):
 
 def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budget=None,
          out=None, include_private=False):
-    """One Markdown document that starts a new session from chosen episodes (§ 4.6)."""
+    """One Markdown document that starts a new session from chosen episodes."""
     wanted = list(episode_ids or [])
     if not wanted:
         raise _usage("fork needs at least one --episode ID", "pass the ids to continue from")
@@ -14172,7 +14229,7 @@ def _safe_href(url):
 
 
 class _MirrorMarkdown:
-    """The minimal Markdown of § 4.7: every text node escaped, ids linked to in-page anchors."""
+    """The minimal Markdown of a mirror: every text node escaped, ids linked to in-page anchors."""
 
     def __init__(self, id_pattern, href_of):
         self.id_pattern = id_pattern
@@ -14356,7 +14413,7 @@ def _mirror_anchor(prefix, ident):
 
 
 def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None, include_private=False):
-    """INDEX plus chosen episodes as one self-contained HTML page for a phone (§ 4.7)."""
+    """INDEX plus chosen episodes as one self-contained HTML page for a phone."""
     import base64
     import hashlib
     out_path = _check_out_path(out) if out is not None else None
@@ -14592,7 +14649,7 @@ def _find_copies(top, depth, name_filter=None):
 
 
 def freshness(checkout=None):
-    """Which copies of memshelf would answer a call, and are they the checkout's code (§ 4.1)."""
+    """Which copies of memshelf would answer a call, and are they the checkout's code."""
     root, how = _freshness_checkout(checkout)
     rows = [_copy_row("this process", os.path.abspath(__file__))]
     rows += _path_rows("memshelf") + _path_rows("memshelf-mcp")
@@ -14685,7 +14742,7 @@ def _split_directories(root):
 
 
 def prune_splits(shelf_path=None, apply=False, tracked=False):
-    """Remove legacy H2 split directories; dry run unless apply (§ 4.2)."""
+    """Remove legacy H2 split directories; dry run unless apply."""
     import shutil
     root, _ = _resolve_shelf(shelf_path)
     dirs = _split_directories(root)
@@ -15835,7 +15892,14 @@ def _text_stats(result):
         f" {r['digest_tokens']:>6,}  {r['recalls']:>7,}  {r['realized_savings']:>7,}"
         for r in rows] + ["(tokens; ⌂ archived, * capped at the context window)", ""]
     budget = f"\n{result['index_budget']}" if result.get("index_budget") else ""
-    return "\n".join(table * bool(rows)) + (result.get("banner") or _text_summary(result)) + budget
+    # stats.svg keeps the chart of the shelf format (shared with memshelf-mcp 0.4.0 byte for
+    # byte), whose "saved" is a second figure: named here beside the banner's, never blended
+    chart = f"\nstats.svg: saved {result['chart_ratio']}:1 = every ledger row's estimate over " \
+        "its digest alone (no INDEX, no window cap, archived rows kept); the ratio above is " \
+        "what the shelf holds over what a session carries (INDEX + digests)" \
+        if result.get("chart_ratio") and result.get("index_budget") else ""   # not --banner
+    return "\n".join(table * bool(rows)) + (result.get("banner") or _text_summary(result)) + \
+        chart + budget
 
 
 def _text_doctor(result):
@@ -16443,7 +16507,7 @@ _DEMO_EPISODES = [
 
 
 def demo(shelf_path=None, keep=False):
-    """A narrated tour of shelve -> index -> recall on a scratch shelf (verbs.md § 4.10)."""
+    """A narrated tour of shelve -> index -> recall on a scratch shelf."""
     import shutil
     import tempfile
     scratch = None

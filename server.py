@@ -2,7 +2,8 @@
 """memshelf-mcp: the MCP stdio server of memshelf (stdlib only, Python 3.9+).
 
 It translates JSON-RPC into calls of the verb functions in memshelf.py and back; it holds no
-shelf logic (specification: shared/spec/mcp-server.md).
+shelf logic (docs/tools.md lists the tools; docs/architecture.md maps them to their
+functions).
 
 Data flow:
   stdin bytes -> reader thread: split lines (32 MiB cap) -> decode UTF-8 -> parse JSON
@@ -847,7 +848,8 @@ class _Server:
         return self._result(req, self._modern_result(result) if req.modern else result)
 
     def _result_events(self, req, name, result):
-        """Log events a result reveals (mcp-server.md § 9)."""
+        """Log what a result reveals that the user should see even if the agent does not say it:
+        a push that failed after the commit, search falling back to the scan."""
         if name == "memshelf_shelve" and result.get("status") == "incomplete":
             self.log("warning", "push failed: " + _one_line(result.get("summary") or
                                                             "the commit was not pushed"), req)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Deterministic synthetic shelf for the benchmarks (quality-bars.md § 1).
+"""Deterministic synthetic shelf for the benchmarks (bench/README.md § Method).
 
 Flow: `memshelf.py init` once (config files exactly as init writes them) -> episode files
 written directly in the byte format shelve writes (H1-first, frontmatter in field order) ->
@@ -338,7 +338,7 @@ def _raw_excerpts(rng, pool, mean_bytes):
 
 
 def _episode(p, rng, pool, raw_bytes, tickets, ids, long_descriptions=False):
-    """Compose one episode exactly as shelve writes it (shelf-format.md § 4)."""
+    """Compose one episode exactly as shelve writes it (docs/format.md § Episodes)."""
     comp, prob, dec = COMPONENTS[p.comp][0], PROBLEMS[p.prob][0], DECISIONS[p.dec][0]
     a, b = rng.sample(ACTORS, 2)
     tk = tickets[p.i]

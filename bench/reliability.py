@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""memshelf reliability harness: the stress versions of quality-bars.md § 6.
+"""memshelf reliability harness: the stress versions of the correctness tests (bench/README.md
+§ Reliability).
 
 tests/ proves each scenario once, small and fast; this harness repeats them at scale and prints
 one table row per scenario (trials, passed, failed, wall time, notes):
@@ -10,13 +11,13 @@ one table row per scenario (trials, passed, failed, wall time, notes):
              doctor has no error, no shelf-busy at the default lock timeout, no failed read.
 - crash      kill -9 at a random moment during shelve, rebuild and rollup. Pass per trial:
              every file parses; doctor reports only the documented crash findings
-             (git-and-sync.md § 3); the documented repair makes doctor clean; no committed
+             (docs/architecture.md § Interruptions); the documented repair makes doctor clean; no committed
              episode is lost or changed.
 - clones     two clones shelving at once and pushing to one bare remote (auto mode), many
              rounds. Pass per round: at most one push retry each, both episodes on the remote;
              at the end derived files equal a fresh render and doctor is clean in both clones.
 
-    python3 bench/reliability.py                      # the quality-bars.md numbers
+    python3 bench/reliability.py                      # the full run (bench/README.md)
     python3 bench/reliability.py --quick              # a minute-long smoke run
     python3 bench/reliability.py --only crash --crash-trials 500 --seed 3 --json out.json
 

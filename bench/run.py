@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""memshelf benchmark harness (shared/spec/quality-bars.md § 1-5).
+"""memshelf benchmark harness: speed, memory, token economy and retrieval against
+memshelf-mcp 0.4.0 (bench/README.md; results in docs/performance.md).
 
 Flow: generate (or reuse) a synthetic shelf per size in bench/.cache/ -> copy it once per
 implementation -> run the cases in a fixed order, each case for every implementation in turn
 (on its own copy) -> table (+ JSON/Markdown files) -> optional --check against
 bench/targets.json.
 
-Method (§ 1): cold = a new process per run after one untimed warm-up, median and p90 of
+Method (bench/README.md § Method): cold = a new process per run after one untimed warm-up, median and p90 of
 --repeat runs; every measured child runs under a tiny wrapper process, so the wrapper's
 RUSAGE_CHILDREN peak RSS belongs to that one child; the interpreter binary is called directly
 (sys.executable resolved, never a version-manager shim). Warm = repeated calls in one MCP server.
@@ -83,7 +84,7 @@ CASES = [
                      "guard running; no other memshelf code (ours only)"),
     ("retrieval", "lexical hit@5 / MRR per query label"),
     ("questions", "section hit@1 / hit@5 of bench/questions.tsv on bench/design_docs.py"),
-    ("tokens", "token economy (§ 4)"),
+    ("tokens", "token economy (INDEX and digest tokens)"),
 ]
 CASE_NAMES = [c[0] for c in CASES]
 CASE_GROUPS = {
@@ -106,7 +107,7 @@ MEMORY_CASES = ("rebuild-empty", "rebuild-warm", "doctor-empty", "doctor-warm", 
 # Script mode compiles memshelf.py before its first line runs (argv[2]: its path).
 COMPILE = "import sys\ncompile(open(sys.argv[2], 'rb').read(), sys.argv[2], 'exec')\n"
 
-# What an auto-mode `shelve` must do in git (git-and-sync.md § 2) and no more: in a private
+# What an auto-mode `shelve` must do in git (commits of exact paths, hooks run) and no more: in a private
 # index, stage the new episode and the derived files it changes (each a line longer here, as a
 # render makes them), commit with the hooks running (the pre-commit secret guard runs
 # memshelf), set the real index's entries to the commit's. Its time bounds a shelve's ratio.
@@ -138,7 +139,7 @@ git("update-index", "-q", "--refresh", "-z", "--index-info",
 os.unlink(private)
 '''
 
-# What any `index` must do under the one freshness rule (shelf-format.md § 6.3), and no more:
+# What any `index` must do under the one freshness rule (docs/architecture.md), and no more:
 # start the interpreter, stat every episode file, print INDEX.md. Its time bounds the ratio an
 # `index` can reach against 0.4.0 on this machine.
 FLOOR = r'''
@@ -777,7 +778,7 @@ def work_copy(base_shelf, impl, key):
                             "import memshelf; memshelf._install_git_hooks(memshelf._Git(sys.argv[2]))",
                             impl.code_dir, dest], check=True, env=clean_env({}))
     # a copy's ctimes are now, and no call can age them: wait out the racy window (two seconds,
-    # shelf-format.md § 6.3), as a real shelf ages between the sessions that read it
+    # docs/architecture.md § The store), as a real shelf ages between the sessions that read it
     time.sleep(2.1)
     return dest
 
@@ -1157,7 +1158,7 @@ print(json.dumps(times))
         return self._mcp_warm(ctx, "memshelf_search", lambda k: impl.tool_args(
             ctx["shelf"], query=qs[k % len(qs)]))
 
-    # --- retrieval (§ 5) -------------------------------------------------------------------
+    # --- retrieval -------------------------------------------------------------------------
 
     def retrieval(self, ctx):
         impl, shelf = ctx["impl"], ctx["shelf"]
@@ -1283,7 +1284,7 @@ print(json.dumps(out))
                 ordered.append(i)
         return ordered
 
-    # --- token economy (§ 4) ---------------------------------------------------------------
+    # --- token economy ---------------------------------------------------------------------
 
     def token_economy(self, ctx, cases):
         impl, shelf, env = ctx["impl"], ctx["shelf"], ctx["impl"].env()
@@ -1359,7 +1360,7 @@ print(json.dumps(out))
 
 
 def index_cost(text):
-    """§ 4: base = header, preamble, headings and footer; per entry = (tokens - base) / entries."""
+    """INDEX cost: base = header, preamble, headings and footer; per entry = (tokens - base) / entries."""
     lines = text.split("\n")
     entries = [l for l in lines if l.startswith("- ")]
     if not entries:
@@ -1663,7 +1664,7 @@ def write_files(results, text, want_json, want_md, out_dir):
 # ==========================================================================================
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description="memshelf benchmark harness (quality-bars.md).")
+    ap = argparse.ArgumentParser(description="memshelf benchmark harness (bench/README.md).")
     ap.add_argument("--sizes", default="1000,10000", help="comma-separated shelf sizes")
     ap.add_argument("--cases", default="all",
                     help=f"comma-separated case names or groups ({', '.join(CASE_GROUPS)}); "

@@ -14,14 +14,15 @@ Scores: episode hit@1 and hit@3 (an episode's rank is that of its first section)
 hit@1 / hit@3 / hit@5 and section MRR (over the top 10).
 
 Sets:
-  rfc16     ../shared/corpora/rfc16 (16 Rust RFCs shelved by an agent; its 24 single-episode
-            questions)
+  rfc16     16 Rust RFCs shelved by an agent and its 24 single-episode questions: a folder with
+            shelf.tar.gz and questions.jsonl, bench/corpora/rfc16 (--rfc16 DIR or
+            MEMSHELF_RFC16 for another copy)
   design    bench/design_docs.py and bench/questions.tsv (ten design docs, 32 questions with
             keyword twins)
   relnotes  bench/relnotes.py and bench/relnotes_questions.tsv (40 of Git's own release notes,
             read from /usr/share/doc/git/RelNotes at run time; skipped where they are absent)
 
-    python3 bench/search_quality.py [--sets rfc16,design,relnotes] [--code DIR] [--json]
+    python3 bench/search_quality.py [--sets rfc16,design,relnotes] [--rfc16 DIR] [--code DIR] [--json]
                                     [--misses]
 """
 import argparse
@@ -36,7 +37,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-RFC16 = os.path.join(REPO, "..", "shared", "corpora", "rfc16")
+RFC16 = os.environ.get("MEMSHELF_RFC16") or os.path.join(os.path.dirname(os.path.abspath(
+    __file__)), "corpora", "rfc16")   # the corpus folder; --rfc16 sets it
 DEPTH = 10
 
 
@@ -54,6 +56,8 @@ def _tsv(path):
 
 
 def set_rfc16(work, memshelf):
+    if not RFC16:
+        raise RuntimeError("no corpus: pass --rfc16 DIR (shelf.tar.gz and questions.jsonl)")
     folder = os.path.realpath(RFC16)
     if not os.path.isdir(folder):
         raise RuntimeError(f"{folder} is missing")
@@ -208,12 +212,16 @@ def table(results):
 
 
 def main(argv=None):
+    global RFC16
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sets", default="rfc16,design,relnotes")
+    ap.add_argument("--rfc16", default=RFC16,
+                    help="folder of the rfc16 corpus")
     ap.add_argument("--code", default=REPO, help="folder holding memshelf.py")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--misses", action="store_true", help="list memshelf's misses on stderr")
     args = ap.parse_args(argv)
+    RFC16 = args.rfc16
     sys.path.insert(0, os.path.abspath(args.code))
     os.environ.setdefault("MEMSHELF_SEMANTIC", "off")
     import memshelf

@@ -1,4 +1,4 @@
-"""The Claude Desktop bundles, proven the way the host uses them (bundle-and-adapters.md § 1.5).
+"""The Claude Desktop bundles, proven the way the host uses them (docs/desktop-extension.md).
 
 Build both bundles twice (byte-identical), check their contents, validate them with the official
 mcpb CLI, then install each one like Claude Desktop does: unzip into a read-only folder, build the
@@ -27,6 +27,8 @@ for _path in (ROOT, TESTS):
 
 import build_mcpb  # noqa: E402
 import memshelf  # noqa: E402
+
+pytestmark = pytest.mark.slow   # builds both bundles (module fixture): the full run only
 
 VERSION = build_mcpb.read_version(os.path.join(ROOT, "memshelf.py"))
 TOOL_NAMES = [t["name"] for t in memshelf.tool_definitions("2025-11-25")]

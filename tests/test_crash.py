@@ -1,4 +1,4 @@
-"""kill -9 during shelve (git-and-sync.md § 3, quality-bars.md § 6): each file is old or new,
+"""kill -9 during shelve (docs/architecture.md § Interruptions): each file is old or new,
 never torn; doctor reports only the documented crash findings; the documented repair makes
 doctor clean; no committed episode is lost or changed. bench/reliability.py runs the same
 trial at scale."""
@@ -17,13 +17,14 @@ from conftest import run_cli, shelve_args, snapshot, git
 
 import memshelf
 
-pytestmark = [pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed"),
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed"),
               pytest.mark.skipif(not sys.platform.startswith("linux"),
                                  reason="waits for orphaned git children through /proc")]
 
 TRIALS = 20
 MAX_DELAY = 0.3
-# git-and-sync.md § 3: what an interrupted shelve may leave behind
+# what an interrupted shelve may leave behind: each is a finding doctor names with its repair
 CRASH_FINDINGS = {"uncommitted-episode", "no-ledger-row", "stale-index", "leftover-temp-file",
                   "episode-untracked", "derived-uncommitted", "git-staged",
                   "git-temp-stale"}   # the killed writer's temporary index (issue 31)

@@ -1,5 +1,5 @@
 """The YAML subset: locating the block, the grammar, the reject table, portability checks,
-the manifest subset and the writers (shelf-format.md § 3 and § 4.2)."""
+the manifest subset and the writers (docs/frontmatter.md, docs/format.md § The YAML subset)."""
 
 import pickle
 
@@ -28,7 +28,7 @@ def rejected(text, parse=parse_frontmatter):
 
 
 # ------------------------------------------------------------------------------------------
-# Locating the block (§ 3.1)
+# Locating the block
 # ------------------------------------------------------------------------------------------
 
 def test_frontmatter_at_byte_zero():
@@ -147,7 +147,7 @@ def test_line_numbers_refer_to_the_original_text():
 
 
 # ------------------------------------------------------------------------------------------
-# Grammar (§ 3.2): what is accepted
+# Grammar: what is accepted
 # ------------------------------------------------------------------------------------------
 
 def test_plain_values_and_tabs_after_the_colon():
@@ -264,7 +264,7 @@ def test_unknown_or_bad_escapes(escape):
 
 
 # ------------------------------------------------------------------------------------------
-# The reject table (§ 3.3)
+# The reject table (docs/format.md § The YAML subset)
 # ------------------------------------------------------------------------------------------
 
 UNSUPPORTED = [
@@ -453,7 +453,7 @@ def test_error_survives_pickling():
 
 
 # ------------------------------------------------------------------------------------------
-# Portability problems (§ 3.3)
+# Portability problems (docs/format.md § The YAML subset)
 # ------------------------------------------------------------------------------------------
 
 def portability(block):
@@ -528,7 +528,7 @@ def test_portable_episode_has_no_problems():
 
 
 # ------------------------------------------------------------------------------------------
-# Writers: _yaml_quote, _yaml_flow_list, _yaml_plain_safe (§ 4.2)
+# Writers: _yaml_quote, _yaml_flow_list, _yaml_plain_safe (docs/format.md § Episodes)
 # ------------------------------------------------------------------------------------------
 
 TRICKY = [
@@ -597,7 +597,7 @@ def test_flow_list_writer():
 
 
 # ------------------------------------------------------------------------------------------
-# Manifest subset (§ 3.4)
+# Manifest subset
 # ------------------------------------------------------------------------------------------
 
 SHELF_YML = """\

@@ -1,4 +1,4 @@
-"""Instruction-shaped content (contracts.md § 4; quality-bars.md "Instruction flagging")."""
+"""Instruction-shaped content (docs/instruction-scan.md): every family flagged, prose left alone."""
 
 import base64
 import re
@@ -569,6 +569,7 @@ def test_a_long_jailbreak_is_one_finding_per_kind():
     assert [(h["kind"], h["line"]) for h in hidden] == [("hidden-text", 1), ("hidden-text", 2)]
 
 
+@pytest.mark.slow
 def test_recall_envelope_names_the_families(shelf):
     slug = "2026-08-04-pasted-persona"
     r = run_cli(*shelve_args(shelf, slug=slug, extra=["--section", "Raw=" + LONG_JAILBREAK,

@@ -1,6 +1,6 @@
-"""mirror in a real headless Chromium (verbs.md § 4.7): the page renders, the one inline script
-runs under its CSP hash and filters as you type (pre-filled from #q=...), a tampered script is
-blocked and the page still reads without it, and the light and dark themes both apply.
+"""mirror in a real headless Chromium (docs/verbs.md § Views): the page renders, the one inline
+script runs under its CSP hash and filters as you type (pre-filled from #q=...), a tampered script
+is blocked and the page still reads without it, and the light and dark themes both apply.
 
 CI installs the browser with `apt-get install -y chromium`; only these tests skip without it."""
 import re
@@ -13,6 +13,8 @@ import pytest
 
 import memshelf
 from conftest import run_cli
+
+pytestmark = pytest.mark.slow
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 

@@ -1,6 +1,6 @@
 """Many writers at once: processes sharing one clone through the shelf lock, and two or three
-clones shelving and pushing to one bare remote at the same moment (git-and-sync.md §§ 3, 7;
-quality-bars.md § 6). Nothing may be lost; derived files must equal a fresh render."""
+clones shelving and pushing to one bare remote at the same moment (the shelf lock; docs/verbs.md §
+sync, push and publish). Nothing may be lost; derived files must equal a fresh render."""
 import json
 import shutil
 import subprocess
@@ -12,7 +12,8 @@ from conftest import run_cli, shelve_args, snapshot, git
 
 import memshelf
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")]
 
 
 def spawn(*args):

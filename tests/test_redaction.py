@@ -1,6 +1,6 @@
-"""Secret redaction (contracts.md § 3): every built-in kind in realistic contexts, what is not a
+"""Secret redaction (docs/redaction.md): every built-in kind in realistic contexts, what is not a
 secret, precedence and the quote rule, the report, POLICY.patterns, the per-shelf switches
-and memshelf-mcp 0.4.0 compatibility (shelf-format.md § 13)."""
+and memshelf-mcp 0.4.0 compatibility (docs/format.md § Interop with memshelf-mcp 0.4.0)."""
 
 import base64
 import json
@@ -580,7 +580,7 @@ def test_masks_never_match():
 
 
 # ------------------------------------------------------------------------------------------
-# Not secrets (§ 3.4)
+# Not secrets (docs/redaction.md § What counts as a placeholder)
 # ------------------------------------------------------------------------------------------
 
 BENIGN = [
@@ -681,7 +681,7 @@ def test_digits_only_rule_depends_on_the_key():
 
 
 # ------------------------------------------------------------------------------------------
-# The assignment rule and the quote rule (§ 3.3)
+# The assignment rule and the quote rule (docs/redaction.md § The contract)
 # ------------------------------------------------------------------------------------------
 
 def test_equals_quote_rule():
@@ -783,7 +783,7 @@ def test_find_secrets_positions():
 
 
 # ------------------------------------------------------------------------------------------
-# POLICY.patterns (§ 3.6)
+# POLICY.patterns (docs/redaction.md § The contract)
 # ------------------------------------------------------------------------------------------
 
 def test_load_policy_patterns():
@@ -831,7 +831,7 @@ def test_templates_are_english_prose_and_comments():
 
 
 # ------------------------------------------------------------------------------------------
-# Per-shelf switches (§ 3.7) and memshelf-mcp 0.4.0 (shelf-format.md § 13)
+# Per-shelf switches and memshelf-mcp 0.4.0 (docs/redaction.md § The contract)
 # ------------------------------------------------------------------------------------------
 
 def test_disable_switch():
@@ -931,6 +931,7 @@ ADVERSARIAL_UNITS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unit", ["password=token=", "'password': '", "-----BEGIN PRIVATE KEY-----\n",
                                   "kind: Secret\ndata:\n  k: v\n", "eyJ" + "a" * 20 + "."])
 def test_adversarial_megabyte_returns(unit):
@@ -939,6 +940,7 @@ def test_adversarial_megabyte_returns(unit):
     assert isinstance(out, str) and isinstance(report["total"], int)
 
 
+@pytest.mark.slow
 def test_adversarial_mixed_megabyte_returns():
     rng = random.Random(7)
     parts, size = [], 0
@@ -999,6 +1001,7 @@ def test_prefilters_read_keywords_in_any_case():
 # Taint: a value found once is masked at every occurrence, in every part
 # ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_repeated_secret_masked_in_every_part_of_a_shelved_episode(shelf, cli):
     value = rand(ALNUM, 24)
     r = cli("shelve", "--shelf", shelf, "--slug", "2026-07-22-token-leak", "--kind", "topic",
@@ -1223,6 +1226,7 @@ def _shelve(cli, shelf, slug, section):
     return (shelf / "docs" / "topics" / f"{slug}.md")
 
 
+@pytest.mark.slow
 def test_a_masked_token_is_masked_when_it_comes_back_bare_in_a_later_episode(shelf, cli):
     token, password = rand(ALNUM, 30) + "7", rand(ALNUM, 24) + "5"
     _shelve(cli, shelf, "2026-07-22-rotation", f"export DEPLOY_TOKEN={token}\n"

@@ -1,5 +1,5 @@
 """stats: claimed economy from the episodes, realized economy from the recall log, the banner,
-the chart, and the CLI's handling of bad input (verbs.md § 2.4)."""
+the chart, and the CLI's handling of bad input (docs/verbs.md § stats and advise)."""
 import datetime
 import json
 import os
@@ -194,6 +194,7 @@ def test_chart(shelf):
         assert memshelf._render_chart(chart_rows(f.read())).encode() == rebuilt
 
 
+@pytest.mark.slow
 def test_chart_with_nothing_to_chart(tmp_path):
     root = str(tmp_path / "empty")
     memshelf.init(shelf_path=root, storage="plain")
@@ -203,6 +204,7 @@ def test_chart_with_nothing_to_chart(tmp_path):
     assert not os.path.exists(os.path.join(root, "stats.svg"))
 
 
+@pytest.mark.slow
 def test_cli_banner_json_and_bad_input(shelf, tmp_path):
     r = cli("stats", "--shelf", shelf, "--banner")
     assert r.returncode == 0

@@ -1,6 +1,7 @@
 """git-remote shelves: the sync preflight, push with one retry, publish, await-render, the sync
 verb, merges that resolve themselves, resolve, and doctor's judgement of the renderer
-(git-and-sync.md, verbs.md §§ 1.2, 1.6, 3.1, doctor.md § 3.4). Real bare remotes, real clones."""
+(docs/verbs.md § sync, push and publish, § resolve; docs/doctor.md § Judging the
+renderer). Real bare remotes, real clones."""
 import json
 import os
 import shutil
@@ -98,6 +99,7 @@ def codes(report, level=None):
 
 # --- preflight, push, the sync report ------------------------------------------------------
 
+@pytest.mark.slow
 def test_first_push_creates_the_branch_and_reports(tmp_path):
     bare = bare_remote(tmp_path)
     a = tmp_path / "a"
@@ -123,6 +125,7 @@ def test_first_push_creates_the_branch_and_reports(tmp_path):
     assert head(bare, "main") != head(a)
 
 
+@pytest.mark.slow
 def test_preflight_fast_forwards_before_writing(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -139,6 +142,7 @@ def test_preflight_fast_forwards_before_writing(tmp_path):
         ["shelve: 2026-07-03-from-a", "shelve: 2026-07-02-from-b"]
 
 
+@pytest.mark.slow
 def test_preflight_refuses_a_dirty_tree_before_writing(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -161,6 +165,7 @@ def test_preflight_refuses_a_dirty_tree_before_writing(tmp_path):
     assert git(a, "status", "--porcelain", "--", "POLICY.md").startswith(" M")
 
 
+@pytest.mark.slow
 def test_preflight_refuses_a_diverged_clone(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -176,6 +181,7 @@ def test_preflight_refuses_a_diverged_clone(tmp_path):
     assert snapshot(a) == before
 
 
+@pytest.mark.slow
 def test_offline_only_warns(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -195,6 +201,7 @@ def test_offline_only_warns(tmp_path):
     assert git(a, "log", "-1", "--format=%s").strip() == "shelve: 2026-07-03-unpushed"
 
 
+@pytest.mark.slow
 def test_push_rejected_rebases_once_and_regenerates(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -218,6 +225,7 @@ def test_push_rejected_rebases_once_and_regenerates(tmp_path):
     assert rebuild_check(a)
 
 
+@pytest.mark.slow
 def test_a_refused_push_is_incomplete_with_the_catch_up_hint(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -236,6 +244,7 @@ def test_a_refused_push_is_incomplete_with_the_catch_up_hint(tmp_path):
     assert r.code == 1 and "hint: git -C" in r.out, r
 
 
+@pytest.mark.slow
 def test_bot_mode_commits_episodes_only(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -249,6 +258,7 @@ def test_bot_mode_commits_episodes_only(tmp_path):
 
 # --- publish ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_publish_pushes_a_new_branch_without_switching(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -275,6 +285,7 @@ def test_publish_pushes_a_new_branch_without_switching(tmp_path):
     assert r.code == 2
 
 
+@pytest.mark.slow
 def test_publish_on_an_auto_shelf_warns(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -298,6 +309,7 @@ def test_compare_urls():
 
 # --- await-render ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_await_render_pulls_the_renderers_commit(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -331,6 +343,7 @@ def test_await_render_pulls_the_renderers_commit(tmp_path):
     assert "no-ledger-row" not in codes(doctor(a))
 
 
+@pytest.mark.slow
 def test_await_render_notes_instead_of_failing(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -345,6 +358,7 @@ def test_await_render_notes_instead_of_failing(tmp_path):
 
 # --- the sync verb ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sync_verb_pulls_reports_and_installs(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -381,6 +395,7 @@ def test_sync_verb_pulls_reports_and_installs(tmp_path):
     assert r.code == 1 and "shelf.yml" in r.err
 
 
+@pytest.mark.slow
 def test_sync_without_a_remote(tmp_path, shelf):
     r = run_cli("sync", "--shelf", shelf, "--json")
     assert r.code == 0
@@ -389,6 +404,7 @@ def test_sync_without_a_remote(tmp_path, shelf):
 
 # --- merges resolve themselves -------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rebase", [False, True], ids=["merge", "rebase"])
 def test_pulling_two_clones_leaves_a_correct_shelf(tmp_path, rebase):
     bare = bare_remote(tmp_path)
@@ -415,6 +431,7 @@ def test_pulling_two_clones_leaves_a_correct_shelf(tmp_path, rebase):
     assert codes(doctor(b), "error") == [] and codes(doctor(b), "warning") == []
 
 
+@pytest.mark.slow
 def test_resolve_finishes_a_merge_without_drivers(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -442,6 +459,7 @@ def test_resolve_finishes_a_merge_without_drivers(tmp_path):
     assert git(b, "status", "--porcelain", "--untracked-files=no") == ""
 
 
+@pytest.mark.slow
 def test_resolve_reports_an_episode_conflict_without_touching_it(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -469,6 +487,7 @@ def test_resolve_reports_an_episode_conflict_without_touching_it(tmp_path):
     assert r.json()["committed"] and rebuild_check(b)
 
 
+@pytest.mark.slow
 def test_resolve_outside_a_merge_is_rebuild_and_doctor(tmp_path, shelf):
     put(shelf, "2026-07-01-first")
     (shelf / "INDEX.md").write_text("stale\n", encoding="utf-8")
@@ -520,6 +539,7 @@ def test_merge_driver_verb(tmp_path):
 
 # --- doctor: judging the renderer ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_doctor_judges_the_renderer_from_the_clones_own_evidence(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -554,6 +574,7 @@ def test_doctor_judges_the_renderer_from_the_clones_own_evidence(tmp_path):
     assert report["healthy"]
 
 
+@pytest.mark.slow
 def test_doctor_upstream_not_rendered_and_upstream_unknown(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -570,6 +591,7 @@ def test_doctor_upstream_not_rendered_and_upstream_unknown(tmp_path):
     assert "upstream-unknown" in codes(doctor(a), "warning")
 
 
+@pytest.mark.slow
 def test_doctor_derived_age_unknown_in_a_shallow_clone(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -589,6 +611,7 @@ def test_doctor_derived_age_unknown_in_a_shallow_clone(tmp_path):
     assert "derived-age-unknown" not in codes(doctor(d))
 
 
+@pytest.mark.slow
 def test_a_remote_on_an_unreachable_public_host_is_never_called_private(tmp_path, shelf):
     git(shelf, "remote", "add", "origin", "https://shelf-host.invalid/acme/shelf.git")
     report = memshelf.doctor(shelf_path=str(shelf), check_remote=True)
@@ -613,6 +636,7 @@ def test_templates_name_the_renderer(tmp_path):
 
 # --- the git wrapper's commits and hooks -----------------------------------------------------
 
+@pytest.mark.slow
 def test_commits_hold_exactly_their_paths_and_record_moves(tmp_path, shelf):
     put(shelf, "2026-07-01-first")
     (shelf / "notes.txt").write_text("the user's own work\n")
@@ -629,6 +653,7 @@ def test_commits_hold_exactly_their_paths_and_record_moves(tmp_path, shelf):
     assert git(shelf, "status", "--porcelain") == "A  notes.txt\n"
 
 
+@pytest.mark.slow
 def test_the_guard_follows_a_moved_shelf(tmp_path, shelf):
     moved = tmp_path / "elsewhere" / "shelf"
     moved.parent.mkdir()
@@ -640,7 +665,7 @@ def test_the_guard_follows_a_moved_shelf(tmp_path, shelf):
                        capture_output=True, text=True)
     assert p.returncode == 1, p.stderr   # the guard scanned this index, not the old folder's
     assert "[github-token] docs/topics/2026-07-01-leak.md:1" in p.stderr
-    # hooks that exist are left alone, memshelf's own included (git-and-sync.md, local hooks)
+    # hooks that exist are left alone, memshelf's own included: they are the user's
     hooks = moved / ".git" / "hooks"
     (hooks / "post-merge").write_text("#!/bin/sh\necho mine\n")
     r = run_cli("init", "--shelf", moved, "--json")
@@ -649,6 +674,7 @@ def test_the_guard_follows_a_moved_shelf(tmp_path, shelf):
     assert r.json()["hooks"]["installed"] == [] and "post-merge" in r.json()["hooks"]["skipped"]
 
 
+@pytest.mark.slow
 def test_the_pre_commit_guard_blocks_a_secret(tmp_path, shelf):
     leak = shelf / "docs" / "topics" / "2026-07-01-leak.md"
     leak.write_text("token ghp_a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8\n")
