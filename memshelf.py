@@ -297,6 +297,7 @@ def _worker_count(items):
     return min(forced or len(os.sched_getaffinity(0)), 8, items)
 
 
+# kept: empty-cache `rebuild` at 10k, 663 ms vs ~1.2 s on one core, docs/performance.md § Fast paths
 def _parallel_map(func, items, progress=None, message=None):
     """(index, func(item)) for every item as done, spread over forked workers when it pays."""
     n = len(items)
@@ -2342,6 +2343,7 @@ def _text_digest(text):
     return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+# kept: cold `index` at 10k, 341 ms vs 824 ms without, docs/performance.md § Fast paths
 def _render_memo_hit(root, key, memo=None, index_only=False):
     """The last full render from disk, if made under `key` and every derived file still holds it."""
     memo = _state(root).get("render_memo") if memo is None else memo
@@ -2362,7 +2364,7 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
             return None
     _settle(root, "render_memo", memo, key)
     return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
-            "key": key, "episodes": memo.get("episodes") or 0, "spliced": memo.get("spliced")}
+            "key": key, "episodes": memo.get("episodes") or 0}
 
 
 def _remember_if_on_disk(root, rendered):
@@ -2386,8 +2388,7 @@ def _remember_render(root, rendered, files=None):
                for rel, content in (rendered["files"] if files is None else files).items()}
     _save_state(root, render_memo={"key": rendered["key"][0], "racy": rendered["key"][1],
                                    "files": digests, "episodes": rendered["episodes"],
-                                   "warnings": rendered["warnings"],
-                                   "spliced": bool(rendered.get("spliced"))})
+                                   "warnings": rendered["warnings"]})
 
 
 def _forget_render(root):
@@ -5055,6 +5056,7 @@ def _finding_excerpt(line, column):
     return "".join(piece for piece, end in zip(pieces, ends) if end <= 80).strip()
 
 
+# kept: cold `recall --section` at 10k, 350 ms vs 528 ms without, docs/performance.md § Fast paths
 def _instruction_rule_hits(text, skip=(), scan=None):
     """Yield (kind, offset) for every rule match; a rule runs only around its trigger words."""
     scan = scan or _TriggerScan(text)
@@ -5245,6 +5247,7 @@ _HIDDEN_BYTES = _LazyPattern(
     b"\xe2\x80[\x8b-\x8d\xaa-\xae]|\xe2\x81[\xa0\xa6-\xa9]|\xef\xbb\xbf|\xf3\xa0[\x80\x81]")
 
 
+# kept: empty-cache `doctor` at 10k, CPU 18.8 s vs 20.0 s without, docs/performance.md § Fast paths
 def _holds_hidden(text):
     """Whether _HIDDEN_CHAR_RE matches, searched in the UTF-8 bytes with the ASCII dropped."""
     return not text.isascii() and bool(_HIDDEN_BYTES.search(
@@ -6400,10 +6403,6 @@ def _shelve_write(root, git, plans, a, sync_report):
     _check_cancelled()
     mode = _derived_mode(root)
     one = plans[0] if len(plans) == 1 else None
-    before = None
-    if one and mode == "auto" and _index_format(root) == "compact":
-        seen, scanned, subdirs = _render_inputs(root)
-        before = _render_memo_hit(root, _render_key_of(root, "compact", scanned, subdirs, seen))
     ids = [p.result["id"] for p in plans]
     batch = {"status": "ok", "count": len(plans), "ids": ids, "committed": False, "commit": None,
              "derived": None, "sync": sync_report}
@@ -6421,16 +6420,6 @@ def _shelve_write(root, git, plans, a, sync_report):
                 rendered = _render_committed(git, root, strays, *[p.address for p in plans])
                 for p in plans:
                     p.result["warnings"].extend(strays)
-            if rendered is None and before is not None:
-                # the last render, on disk, with this episode's lines moved (not all re-rendered)
-                st = os.stat(os.path.join(root, one.address))
-                scanned = sorted([f for f in scanned if f[0] not in (one.address, one.moved_from)]
-                                 + [(one.address, False, _stamp_of(st))])
-                with _Store(root) as store:
-                    records = store.render_records(files=scanned)
-                rendered = _render_one_change(root, before, records, one.address, one.old,
-                                              _render_key_of(root, "compact", scanned, subdirs,
-                                                             seen))
             rendered = rendered or _render_derived(root)
             rendered_records = rendered["records"]
             for rel, content in rendered["files"].items():
@@ -6970,9 +6959,10 @@ def _split_label(name):
     return label.upper() if re.fullmatch(r"[ivxlcdm]+", label, re.I) else label.capitalize()
 
 
+# kept: empty-cache `rebuild` at 10k, CPU 2.61 s vs 2.95 s without, docs/performance.md § Fast paths
 def _meta_entry(rec):
-    """(an episode's .meta.json entry as json.dumps(indent=2) would write it, or None; the
-    description cap's warning or None). The C string encoder: the indenting one is slow at 100k."""
+    """(an episode's .meta.json entry as json.dumps(indent=2, ensure_ascii=False) would write it,
+    or None; the description cap's warning or None). The C string encoder, not the indenting one."""
     if rec.index_entry is not None:   # a render record brings its own, formatted when parsed
         return rec.meta_entry, rec.meta_warning
     title = rec.display_title or ""
@@ -7080,15 +7070,13 @@ def _superseded_map(records):
 
 
 def _render_derived(root, records=None, fmt=None, progress=None, index_only=False, verify=False,
-                    memo="any", key=None):
+                    key=None):
     """{derived path: text or None (delete)}, from `records` or the whole shelf (`key`: its
-    _render_key if the caller made it), or the render remembered on disk (memo "full": only one a
-    full render made, not shelve's one-change render). verify: no memo, no cached row trusted."""
+    _render_key if the caller made it), or the render remembered on disk. verify: no memo, no
+    cached row trusted."""
     fmt = fmt or _index_format(root)
     if records is None:
         remembered = None if verify else _state(root).get("render_memo")
-        if memo == "full" and isinstance(remembered, dict) and remembered.get("spliced"):
-            remembered = None
         key, scanned = key or _render_key(root, fmt)
         if remembered and isinstance(remembered, dict):
             hit = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
@@ -7142,71 +7130,6 @@ def _render_records(root, records, fmt, index_only, key):
     return {"files": files, "warnings": warnings, "records": records,
             "key": None if index_only else key,   # a partial render is never remembered
             "episodes": sum(1 for r in records if r.id)}
-
-
-def _render_one_change(root, memo, records, new_rel, old, key):
-    """The memo render from before new_rel replaced `old` (record or None), that episode's lines
-    moved: byte-identical to a full render (fuzzed in tests/test_store.py), or None if unsure."""
-    new = next((r for r in records if r.path == new_rel), None)
-    if memo is None or new is None or new.supersedes or (old and old.supersedes) or \
-            not new.id or new.fields.get("date") != new.date or \
-            (old and old.id and old.fields.get("date") != old.date):
-        return None
-    files = dict(memo["files"])
-    superseded = _superseded_map(records)
-    index = (files.get("INDEX.md") or "").split("\n")
-    ledger = (files.get("ledger.tsv") or "").split("\n")
-    if ledger[0] + "\n" != _LEDGER_HEADER or ledger[-1]:
-        return None
-    rows = [r for r in records if r.id]
-    ledger_keys = [(r.date, r.id) for r in rows if r is not new]
-    for rec, add in ((old, False), (new, True)):
-        if rec is None:
-            continue
-        entry, warning = _meta_entry(rec)
-        heading = f"## {_HEADINGS[rec.category]}"
-        if warning or index.count(heading) != 1:
-            return None
-        live = [r for r in records if r is not new and r.category == rec.category and
-                not r.archived]
-        start = index.index(heading) + 2
-        end = index.index("", start)
-        if not _splice_sorted(index, start, end, _compact_entry(rec, superseded), add,
-                              [(r.date, r.stem) for r in live], (new.date, new.stem)):
-            return None
-        if entry is not None:
-            rel = f"docs/{rec.category}/.meta.json"
-            text = files.get(rel) or ""
-            if not (text.startswith("{\n") and text.endswith("\n}\n")):
-                return None
-            entries = re.split(r",\n(?=  \S)", text[2:-3])
-            if not _splice_sorted(entries, 0, len(entries), entry, add, [
-                    (r.date, r.id or "") for r in live if r.meta_entry is not None],
-                    (new.date, new.id)):
-                return None
-            files[rel] = "{\n" + ",\n".join(entries) + "\n}\n"
-        if rec.id and not _splice_sorted(ledger, 1, len(ledger) - 1, _ledger_row(rec), add,
-                                            ledger_keys, (new.date, new.id)):
-            return None
-    files["INDEX.md"] = "\n".join(index)
-    files["ledger.tsv"] = "\n".join(ledger)
-    files["stats.svg"] = _render_chart(rows)
-    return {"files": files, "warnings": memo["warnings"], "records": records, "key": key,
-            "episodes": len(rows), "spliced": True}
-
-
-def _splice_sorted(lines, start, end, line, add, keys, mine):
-    """Take `line` out of lines[start:end] or put it (add) in its place among the other lines'
-    sort `keys`: False when the block is not what they describe, or the place is not unique."""
-    if add:
-        if end - start != len(keys) or mine in keys:
-            return False
-        lines.insert(start + sum(k < mine for k in keys), line)
-        return True
-    if not keys or end - start != len(keys) + 1 or line not in lines[start:end]:
-        return False   # not there, or the last of its block: a heading or a file goes too
-    del lines[lines.index(line, start, end)]
-    return True
 
 
 def _disk_bytes(path):
@@ -7282,10 +7205,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     git = _Git(root)
     committing = commit and not check and git.is_repo()
     left_out = []
-    # --check verifies what shelve's one-change render left: it trusts a full render's memo only
     rendered = committing and _render_committed(git, root, left_out) or \
-        _render_derived(root, fmt=index_format if check else None, progress=progress,
-                        memo="full" if check else "any")
+        _render_derived(root, fmt=index_format if check else None, progress=progress)
     files = rendered["files"]
     # stale derived files that should not exist (e.g. a .meta.json of an emptied category)
     for rel in [f"{base}/{cat}/.meta.json" for base in ("docs", "archive/docs")

@@ -199,10 +199,9 @@ def _text_or_none(path):
 
 
 def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp_path):
-    """shelve moves one episode's INDEX line, ledger row and .meta.json entry in the last full
-    render instead of rendering the shelf again; on fuzzed shelves (new episodes, amends, a
-    kind change that moves the file, ties on the date, titles and descriptions that need
-    quoting, supersedes that reach other lines) the files equal what rebuild writes."""
+    """On fuzzed shelves (new episodes, amends, a kind change that moves the file, ties on the
+    date, titles and descriptions that need quoting, supersedes that reach other lines) the
+    derived files shelve writes equal what rebuild writes."""
     import random
     import memshelf
     rng = random.Random(20261202)
@@ -211,44 +210,33 @@ def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp
     sections = {"topic": {"Decisions": "- keep it"},
                 "session": {"Timeline": "- 10:00 start", "Open threads": "- none"},
                 "research": {"Findings": "- it works"}}
-    calls = []
-    real = memshelf._render_derived
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    memshelf._render_derived = counted
-    try:
-        slugs = []
-        for n in range(70):
-            amend = bool(slugs) and rng.random() < 0.35
-            if amend:
-                slug = rng.choice(slugs)
-            else:
-                slug = f"2026-0{rng.randint(1, 3)}-{rng.choice(['01', '02', '15'])}-ep-{n}"
-                slugs.append(slug)
-            kind = rng.choice(["topic", "topic", "session", "research"])
-            title = rng.choice([None, f"Plan {n}", "Cache **layer** v2", "Ünïcode — title"])
-            desc = rng.choice([None, f"Ana settled item {n}.", 'Quotes "and" back\\slash.'])
-            sup = [rng.choice(slugs)] if rng.random() < 0.1 and len(slugs) > 1 else None
-            before = len(calls)
-            r = memshelf.shelve(root, slug=slug, kind=kind, amend=amend, display_title=title,
-                                description=desc, supersedes=sup,
-                                date=rng.choice([None, "2026-02-01", "2026-02-02"]),
-                                digest=f"Ana closed item {n} with option A. Open: none.",
-                                sections=sections[kind])
-            assert r["status"] == "ok", r
-            if len(calls) == before:
-                calls.append(0)   # marks a shelve that rendered one change
-            # a full render from the episodes alone: no memo, no cached row (index --verify's)
-            full = real(root, verify=True)["files"]
-            on_disk = {rel: _text_or_none(os.path.join(root, rel)) for rel in full}
-            drift = [rel for rel in full if on_disk[rel] != full[rel]]
-            assert not drift, (n, slug, amend, kind, drift)
-            assert memshelf.rebuild(root, check=True)["ok"]
-    finally:
-        memshelf._render_derived = real
+    slugs = []
+    for n in range(70):
+        amend = bool(slugs) and rng.random() < 0.35
+        if amend:
+            slug = rng.choice(slugs)
+        else:
+            slug = f"2026-0{rng.randint(1, 3)}-{rng.choice(['01', '02', '15'])}-ep-{n}"
+            slugs.append(slug)
+        kind = rng.choice(["topic", "topic", "session", "research"])
+        title = rng.choice([None, f"Plan {n}", "Cache **layer** v2", "Ünïcode — title"])
+        desc = rng.choice([None, f"Ana settled item {n}.", 'Quotes "and" back\\slash.'])
+        sup = [rng.choice(slugs)] if rng.random() < 0.1 and len(slugs) > 1 else None
+        r = memshelf.shelve(root, slug=slug, kind=kind, amend=amend, display_title=title,
+                            description=desc, supersedes=sup,
+                            date=rng.choice([None, "2026-02-01", "2026-02-02"]),
+                            digest=f"Ana closed item {n} with option A. Open: none.",
+                            sections=sections[kind])
+        assert r["status"] == "ok", r
+        # a full render from the episodes alone: no memo, no cached row (index --verify's)
+        full = memshelf._render_derived(root, verify=True)["files"]
+        on_disk = {rel: _text_or_none(os.path.join(root, rel)) for rel in full}
+        drift = [rel for rel in full if on_disk[rel] != full[rel]]
+        assert not drift, (n, slug, amend, kind, drift)
+        for rel, text in full.items():   # _meta_entry writes json.dumps's own layout by hand
+            if rel.endswith(".meta.json") and text:
+                assert text == json.dumps(json.loads(text), indent=2, ensure_ascii=False) + "\n"
+        assert memshelf.rebuild(root, check=True)["ok"]
     # moving the last episode out of its category takes its heading and .meta.json with it
     for kind in ("session", "topic"):
         slug = "2026-04-01-only-session"
@@ -261,17 +249,14 @@ def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp
                 memshelf.shelve(root, slug=name[:-3], kind="topic", amend=True,
                                 digest="Ana moved it to topics. Open: none.",
                                 sections=sections["topic"])
-    full = real(root, verify=True)["files"]
+    full = memshelf._render_derived(root, verify=True)["files"]
     assert [rel for rel in full if _text_or_none(os.path.join(root, rel)) != full[rel]] == []
     assert "## Sessions" not in _text_or_none(os.path.join(root, "INDEX.md"))
-    # most shelves rendered their one change, not the shelf (a heading's first episode, an
-    # episode that supersedes others, or an amended one that did render it all)
-    assert calls.count(0) >= 40, (calls.count(0), calls.count(1))
 
 
 def test_doctor_renders_the_index_itself_and_never_trusts_the_memo(three):
-    """A wrong INDEX remembered as a full render (what a faulty one-change render would leave)
-    is current to the fast readers, but doctor renders from the episodes and names it."""
+    """A wrong INDEX remembered as a full render (a state.json edited by hand) is current to the
+    fast readers, but doctor renders from the episodes and names it."""
     import memshelf
     root = str(three)
     path = os.path.join(root, "INDEX.md")
@@ -299,48 +284,14 @@ def test_doctor_renders_the_index_itself_and_never_trusts_the_memo(three):
     assert "stale-index" not in doctor_codes(run_cli("doctor", "--shelf", root, "--json"))
 
 
-def test_rebuild_check_renders_from_the_episodes_and_forgets_a_wrong_memo(three):
-    """rebuild --check does not trust what shelve's one-change render remembered (`spliced`):
-    it renders from the episodes, names the drift and forgets the memo; a render it verified
-    is remembered as a full one."""
-    import memshelf
-    root = str(three)
-    path = os.path.join(root, "ledger.tsv")
-    with open(path, encoding="utf-8") as f:
-        good = f.read()
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("2026-01-01-ghost\tx\n")
-    state_path = os.path.join(root, ".memshelf", "state.json")
-    with open(state_path, encoding="utf-8") as f:
-        state = json.load(f)
-    with open(path, encoding="utf-8") as f:
-        state["render_memo"]["files"]["ledger.tsv"] = memshelf._text_digest(f.read())
-    state["render_memo"]["spliced"] = True   # as shelve's one-change render remembers
-    with open(state_path, "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    assert memo_current(root)
-    assert run_cli("rebuild", "--shelf", root).code == 0    # plain rebuild trusts it: writes nothing
-    r = run_cli("rebuild", "--shelf", root, "--check", "--json")
-    assert r.code != 0 and r.json()["drifted"] == ["ledger.tsv"], r.out
-    assert not memo_current(root)
-    assert run_cli("rebuild", "--shelf", root).code == 0
-    with open(path, encoding="utf-8") as f:
-        assert f.read() == good
-    assert run_cli("rebuild", "--shelf", root, "--check").code == 0
-
-
-def test_a_shelve_leaves_a_spliced_memo_that_rebuild_check_verifies(three):
+def test_a_shelve_remembers_the_render_it_wrote(three):
     root = str(three)
     r = run_cli("shelve", "--shelf", root, "--slug", "2026-01-04-delta-cache", "--kind", "topic",
                 "--digest", DIGEST, "--section", "Decisions=- option A")
     assert r.code == 0, r
-
-    def spliced():
-        with open(os.path.join(root, ".memshelf", "state.json"), encoding="utf-8") as f:
-            return json.load(f)["render_memo"].get("spliced")
-    assert spliced() is True
+    assert memo_current(root)
     assert run_cli("rebuild", "--shelf", root, "--check").code == 0
-    assert spliced() is False and memo_current(root)
+    assert memo_current(root)
 
 
 def parse_times(root):
