@@ -2193,6 +2193,7 @@ def _render_inputs(root):
 
 def _render_key_of(root, fmt, scanned, subdirs, seen):
     """The store key: (digest of code, format, settings, folders, stamps; {racy path: SHA-1})."""
+    import array
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     files = list(scanned)
@@ -2202,15 +2203,20 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
         except OSError:
             parts.append(f"{rel}\0-")
     # racy files count by content where the key is used: the key stays the same once they age
+    since = seen - _RACY_NS   # changed within _RACY_NS (_unchanged): mtime or ctime since then
     racy = {rel: _content_sha1(root, rel) for rel, _, st in files
-            if seen - max(st[1], st[3]) <= _RACY_NS}   # changed within _RACY_NS (_unchanged)
+            if st[1] >= since or st[3] >= since}
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
         parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += [rel for rel, _, _ in files]
     digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
-    digest.update(repr([n for _, _, st in files for n in st]).encode())   # one string, not 10k
+    stamps = [n for _, _, st in files for n in st]
+    try:   # 64-bit machine integers: half the CPU of their repr (docs/performance.md, index)
+        digest.update(array.array("q", stamps).tobytes())
+    except OverflowError:   # an inode number past 2**63 (some network file systems)
+        digest.update(repr(stamps).encode())
     return digest.hexdigest(), racy
 
 
@@ -16384,6 +16390,12 @@ def main(argv=None):
     a signal after the commit waits for the verb to finish)."""
     previous = _catch_signals()
     _INTERRUPT.update(held=0, pending=False, committed=False, started=True)
+    import gc
+    thresholds = gc.get_threshold()
+    # a CLI call makes its records once and frees them by reference count: the collector's
+    # passes over 10,000 records cost a shelve about 35 ms of CPU (docs/performance.md, the
+    # floors table); cycles are still collected, every 10,000 allocations instead of 700
+    gc.set_threshold(10_000, 10, 10)
     try:
         code = _main(argv)
         if _INTERRUPT["pending"] and _INTERRUPT["committed"]:
@@ -16393,6 +16405,7 @@ def main(argv=None):
         sys.stderr.write("memshelf: interrupted\n")
         return 130
     finally:
+        gc.set_threshold(*thresholds)
         _INTERRUPT.update(pending=False, committed=False, started=False)
         # an in-process caller gets its own handlers back
         _catch_signals({sig: h for sig, h in previous if h is not None})
