@@ -6513,19 +6513,28 @@ def _ledger_row(rec):
 
 def _episode_aggregate(records, window):
     """The per-episode sums behind shelf totals (what INDEX adds is read separately). Live
-    episodes only: an archived one's mass is its rollup's now, and its digest is not loaded."""
-    eps = [r for r in records if r.get("id")]
-    live = [r for r in eps if not r["archived"]]
-    measured = [r for r in live if r.get("approx_src") != "unmeasured"]
-    return {"episodes": len(live), "archived": len(eps) - len(live),
-            "digest_tokens": sum(r["digest_tokens"] for r in live),
-            "mass": sum(_episode_mass(r, window) for r in measured),
-            "work_volume": sum(max(r["approx_tokens"] or 0, 0) for r in measured),
-            "capped": sum(1 for r in measured if _episode_mass(r, window) <
-                          max(r["approx_tokens"] or 0, 0)),
-            "unmeasured": len(live) - len(measured), "unmeasured_digest": sum(
-                r["digest_tokens"] for r in live if r.get("approx_src") == "unmeasured"),
-            "window": window}
+    episodes only: an archived one's mass is its rollup's now, and its digest is not loaded.
+    One pass: a shelve sums 10,000 records after its commit (docs/performance.md, shelve)."""
+    live = archived = digest = mass = volume = capped = unmeasured = unmeasured_digest = 0
+    for r in records:
+        if not r.get("id"):
+            continue
+        if r["archived"]:
+            archived += 1
+            continue
+        live += 1
+        digest += r["digest_tokens"]
+        if r.get("approx_src") == "unmeasured":
+            unmeasured += 1
+            unmeasured_digest += r["digest_tokens"]
+            continue
+        size, held = max(r["approx_tokens"] or 0, 0), _episode_mass(r, window)
+        mass += held
+        volume += size
+        capped += held < size
+    return {"episodes": live, "archived": archived, "digest_tokens": digest, "mass": mass,
+            "work_volume": volume, "capped": capped, "unmeasured": unmeasured,
+            "unmeasured_digest": unmeasured_digest, "window": window}
 
 
 def _shelf_totals(root, records=None, window=None, key=None):
