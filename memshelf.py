@@ -9427,9 +9427,11 @@ class _Git:
                          {"commit": sha, "paths": paths[:20]})
 
     def _agrees(self, paths):
-        """HEAD, the real index and the tree hold the same content for these paths."""
+        """HEAD, the real index and the tree hold the same content for these paths. Tracked
+        paths only: one missing from the index shows as deleted against HEAD, and the search for
+        untracked files would read every episode folder (docs/performance.md, shelve)."""
         try:
-            return not _shelf_status(self, *paths)
+            return not _shelf_status(self, *paths, untracked="no")
         except ShelfError:
             return False
 

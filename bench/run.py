@@ -1461,7 +1461,7 @@ def evaluate(results, targets):
                 continue
             got = fl.get(name)
             if "ratio_max" in spec:
-                v = got["ratio"] if got else None
+                v = round(got["ratio"], 2) if got else None
                 verdicts.append({"what": f"{name} / its floor ({FLOORS_OF[name][0]})",
                                  "size": size, "value": v, "limit": spec["ratio_max"],
                                  "unit": "x", "ok": v is not None and v <= spec["ratio_max"]})
