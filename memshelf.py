@@ -16399,14 +16399,14 @@ def _print_json(obj):
 def main(argv=None):
     """The CLI; returns the exit code (130: SIGINT or SIGTERM stopped the verb, its writes undone;
     a signal after the commit waits for the verb to finish)."""
-    previous = _catch_signals()
-    _INTERRUPT.update(held=0, pending=False, committed=False, started=True)
     import gc
     thresholds = gc.get_threshold()
     # a CLI call makes its records once and frees them by reference count: the collector's
     # passes over 10,000 records cost a shelve about 35 ms of CPU (docs/performance.md, the
     # floors table); cycles are still collected, every 10,000 allocations instead of 700
     gc.set_threshold(10_000, 10, 10)
+    previous = _catch_signals()
+    _INTERRUPT.update(held=0, pending=False, committed=False, started=True)
     try:
         code = _main(argv)
         if _INTERRUPT["pending"] and _INTERRUPT["committed"]:
@@ -16416,10 +16416,10 @@ def main(argv=None):
         sys.stderr.write("memshelf: interrupted\n")
         return 130
     finally:
-        gc.set_threshold(*thresholds)
         _INTERRUPT.update(pending=False, committed=False, started=False)
         # an in-process caller gets its own handlers back
         _catch_signals({sig: h for sig, h in previous if h is not None})
+        gc.set_threshold(*thresholds)
 
 
 def _main(argv):
