@@ -16416,7 +16416,8 @@ def main(argv=None):
         sys.stderr.write("memshelf: interrupted\n")
         return 130
     finally:
-        _INTERRUPT.update(pending=False, committed=False, started=False)
+        # `committed` stays: a signal between here and cli()'s exit must not undo its exit code
+        _INTERRUPT.update(pending=False, started=False)
         # an in-process caller gets its own handlers back
         _catch_signals({sig: h for sig, h in previous if h is not None})
         gc.set_threshold(*thresholds)

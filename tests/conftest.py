@@ -20,6 +20,9 @@ for _name in ("MEMSHELF_SHELF", "MEMSHELF_SHELF_PATH", "MEMSHELF_ROOT", "MEMSHEL
 # reads __pycache__, so each of the hundreds of CLI calls skips compiling the 10k-line file.
 # (Script mode, `python3 memshelf.py`, is exercised by its own tests.)
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# The same for pytest itself: with bytecode writing off it rewrites the asserts of every test
+# module again on each run (a third of collection); on, it keeps them in tests/__pycache__.
+sys.dont_write_bytecode = False
 os.environ["PYTHONPATH"] = ROOT + (os.pathsep + os.environ["PYTHONPATH"]
                                    if os.environ.get("PYTHONPATH") else "")
 os.environ.setdefault("GIT_AUTHOR_NAME", "memshelf tests")
@@ -61,21 +64,38 @@ def cli():
     return run_cli
 
 
-@pytest.fixture
-def shelf(tmp_path):
-    """A fresh git-local shelf made by the real CLI."""
-    root = tmp_path / "shelf"
-    r = run_cli("init", "--shelf", root)
+_TEMPLATES = {}
+
+
+def copy_of_template(tmp_path_factory, dest, key, build):
+    """A copy at `dest` of the shelf `build(root)` makes, built once per session under `key`.
+
+    For read-write setups that many tests repeat: each test gets its own copy, as if it had
+    built it (file mtimes are the copy's; the store's stamps miss once and are read again)."""
+    import shutil
+    if key not in _TEMPLATES:
+        root = tmp_path_factory.mktemp("template-" + key) / "shelf"
+        build(root)
+        _TEMPLATES[key] = root
+    shutil.copytree(_TEMPLATES[key], dest, symlinks=True, copy_function=shutil.copy)
+    return dest
+
+
+def _init(root, *extra):
+    r = run_cli("init", "--shelf", root, *extra)
     assert r.code == 0, r
-    return root
 
 
 @pytest.fixture
-def plain_shelf(tmp_path):
-    root = tmp_path / "plain"
-    r = run_cli("init", "--shelf", root, "--storage", "plain")
-    assert r.code == 0, r
-    return root
+def shelf(tmp_path, tmp_path_factory):
+    """A fresh git-local shelf made by the real CLI (one `init`, copied for each test)."""
+    return copy_of_template(tmp_path_factory, tmp_path / "shelf", "git", _init)
+
+
+@pytest.fixture
+def plain_shelf(tmp_path, tmp_path_factory):
+    return copy_of_template(tmp_path_factory, tmp_path / "plain", "plain",
+                            lambda root: _init(root, "--storage", "plain"))
 
 
 def snapshot(root):

@@ -98,6 +98,7 @@ def claude_cli():
     return found
 
 
+@pytest.mark.slow
 def test_claude_plugin_validate_passes_on_the_adapter_and_the_built_plugin(tmp_path):
     """Claude Code's own check of the plugin manifest and hooks/hooks.json, offline."""
     claude = claude_cli()

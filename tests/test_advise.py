@@ -128,6 +128,7 @@ def test_proposals_do_not_depend_on_input_order(small):
     assert order == [("drop", "c"), ("shelve", "a"), ("shelve", "b")]
 
 
+@pytest.mark.slow
 def test_standing_cost_is_measured_on_a_shelf_of_five_or_more(big):
     r = advise(big, [{"label": "done", "approx_tokens": 20000, "state": "closed"}])
     # the spec's measure, recomputed here from the files: mean INDEX line + mean digest

@@ -5,7 +5,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import memshelf
+
+pytestmark = pytest.mark.slow   # runs the shelf generator: the full run only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEN = os.path.join(ROOT, "bench", "gen_shelf.py")

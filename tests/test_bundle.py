@@ -28,6 +28,8 @@ for _path in (ROOT, TESTS):
 import build_mcpb  # noqa: E402
 import memshelf  # noqa: E402
 
+pytestmark = pytest.mark.slow   # builds both bundles (module fixture): the full run only
+
 VERSION = build_mcpb.read_version(os.path.join(ROOT, "memshelf.py"))
 TOOL_NAMES = [t["name"] for t in memshelf.tool_definitions("2025-11-25")]
 PROMPT_NAMES = [p["name"] for p in memshelf.PROMPTS]

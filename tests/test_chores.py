@@ -108,6 +108,7 @@ def test_amend_without_kind_or_digest_keeps_everything_else(queue):
     assert git(queue, "status", "--porcelain").strip() == ""
 
 
+@pytest.mark.slow
 def test_amend_appends_replaces_and_clears(queue):
     r = run_cli("shelve", "--shelf", queue, "--amend", "--slug", STEM,
                 "--append-section", "Artifacts=- infra/queue-alerts.tf",
@@ -162,6 +163,7 @@ def test_amend_over_mcp(queue):
 
 # --- 2. purge --id -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_purge_by_id_cli(queue):
     snap = snapshot(queue)
     r = run_cli("purge", "--shelf", queue, "--id", STEM)
@@ -300,6 +302,7 @@ def test_one_rule_for_secrets_in_a_digest(shelf):
     assert "lint-digest applies the same rule" in refused.err
 
 
+@pytest.mark.slow
 def test_dry_run_warns_like_the_real_shelve_and_takes_no_lock(shelf):
     args = ["shelve", "--shelf", shelf, "--slug", "2026-07-30-build", "--kind", "topic",
             "--digest", "Dana fixed the build.", "--section", "Decisions=- pin the toolchain"]
@@ -316,6 +319,7 @@ def test_dry_run_warns_like_the_real_shelve_and_takes_no_lock(shelf):
     assert warn in dry.err and warn in real.err
 
 
+@pytest.mark.slow
 def test_rollup_keeps_the_digest_and_the_mass(shelf):
     for i, tokens in ((1, 12000), (2, 30000)):
         stem, _ = record(i)
@@ -393,6 +397,7 @@ def test_password_in_prose_never_reaches_the_mirror(shelf, tmp_path):
 
 # --- 6. numbers that agree ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_recall_numbers_are_true(shelf):
     # many one-line sections: an outline lists each with its cost, more than the lines
     many = [x for i in range(30) for x in ("--section", f"Step {i}=- done {i}")]
@@ -415,6 +420,7 @@ def test_recall_numbers_are_true(shelf):
     assert int(rows[1][2]) == memshelf.tokens(printed)
 
 
+@pytest.mark.slow
 def test_stats_banner_json_and_demo_agree(shelf, tmp_path):
     for i in (1, 2):
         stem, _ = record(i)
@@ -464,6 +470,7 @@ def test_shelf_from_the_variable_is_said_once(shelf):
     assert first.code == second.code == 0 and "shelf from" not in second.err
 
 
+@pytest.mark.slow
 def test_demo_names_a_command_the_user_has(tmp_path):
     env = {"PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
                                    if not os.path.exists(os.path.join(p, "memshelf")))}
@@ -476,6 +483,7 @@ def test_demo_names_a_command_the_user_has(tmp_path):
 
 # --- the same two tools through the official MCP SDK client --------------------------------
 
+@pytest.mark.slow
 def test_amend_and_purge_with_the_sdk_client(queue):
     pytest.importorskip("mcp", reason="the MCP Python SDK is not installed")
     anyio = pytest.importorskip("anyio")

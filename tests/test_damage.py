@@ -70,6 +70,7 @@ def no_outside(r, args=()):
         assert word not in text, r
 
 
+@pytest.mark.slow
 def test_links_are_never_followed(linked, tmp_path):
     root, outside = linked
     before = outside_state(outside)
@@ -119,6 +120,7 @@ def test_links_are_never_followed(linked, tmp_path):
     assert "outside" not in git(root, "log", "-p", "--all")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("linked_dir", ["archive", "docs"])
 def test_linked_archive_or_docs_folder_is_never_followed(tmp_path, linked_dir):
     root = tmp_path / "shelf"
@@ -175,6 +177,7 @@ def damaged(tmp_path):
 DAMAGED = ("2026-07-23-random-bytes", "2026-07-24-nul-byte", "2026-07-25-bad-utf8")
 
 
+@pytest.mark.slow
 def test_damaged_episodes_are_findings_never_the_end_of_a_view(damaged):
     root = damaged
     s = ["--shelf", root]
@@ -236,6 +239,7 @@ def test_oversize_episode_is_a_finding(tmp_path):
     assert "8.0 MiB" in found[0]["detail"] and "8 MiB" in found[0]["fix"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rel", ["INDEX.md", "ledger.tsv", "docs/topics/.meta.json"])
 def test_derived_file_replaced_by_a_directory(tmp_path, rel):
     root = tmp_path / "shelf"

@@ -170,6 +170,7 @@ def test_interop_fixture_has_no_error(tmp_path):
     assert result["episodes_checked"] == 7
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_and_json_shape(tmp_path, three):
     root = three()
     ok = cli("doctor", "--shelf", root, "--json")
@@ -188,6 +189,7 @@ def test_cli_exit_codes_and_json_shape(tmp_path, three):
     assert "manifest-missing" in human.stdout and "fix:" in human.stdout
 
 
+@pytest.mark.slow
 def test_cli_bad_input(tmp_path):
     root = make_shelf(tmp_path)
     r = cli("doctor", "--shelf", root, "--derived-stale-hours", "0")
@@ -738,6 +740,7 @@ def _serve(status, certfile=None):
     return server, Handler.seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status,verdict", [(200, "public"), (404, "private"), (401, "private"),
                                             (403, "private"), (500, "unverified")])
 def test_probe_verdicts(status, verdict):
@@ -750,6 +753,7 @@ def test_probe_verdicts(status, verdict):
         server.shutdown()
 
 
+@pytest.mark.slow
 def test_public_remote_end_to_end(tmp_path):
     if not shutil.which("openssl"):
         pytest.skip("openssl is needed to make a local TLS certificate")

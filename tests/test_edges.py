@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import MEMSHELF, ROOT, SERVER, git, run_cli
+from conftest import MEMSHELF, ROOT, SERVER, copy_of_template, git, run_cli
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mcp_client import McpClient, clean_env  # noqa: E402
@@ -33,16 +33,21 @@ def doctor(root, *extra):
     return r, {f["code"]: f for f in r.json()["findings"]}, r.json()["findings"]
 
 
-@pytest.fixture
-def shelf3(shelf):
-    """A git shelf with three committed episodes."""
+def _three_topics(root):
+    assert run_cli("init", "--shelf", root).code == 0
     for i, word in enumerate(("alpha", "bravo", "charlie")):
-        assert shelve(shelf, f"2026-11-0{i + 1}-{word}-topic").code == 0
-    return shelf
+        assert shelve(root, f"2026-11-0{i + 1}-{word}-topic").code == 0
+
+
+@pytest.fixture
+def shelf3(tmp_path, tmp_path_factory):
+    """A git shelf with three committed episodes (built once, copied for each test)."""
+    return copy_of_template(tmp_path_factory, tmp_path / "shelf", "edges-three", _three_topics)
 
 
 # 1. the commit point: HEAD, the real index and the tree agree, or the verb says so -------------
 
+@pytest.mark.slow
 def test_index_update_failure_after_commit_is_retried(shelf):
     hook = shelf / ".git" / "hooks" / "post-commit"
     hook.write_text("#!/bin/sh\n: > .git/index.lock\n"
@@ -54,6 +59,7 @@ def test_index_update_failure_after_commit_is_retried(shelf):
     assert status(shelf) == "", status(shelf)
 
 
+@pytest.mark.slow
 def test_index_that_stays_locked_fails_the_verb_and_repair_fixes_it(shelf):
     hook = shelf / ".git" / "hooks" / "post-commit"
     hook.write_text("#!/bin/sh\n: > .git/index.lock\n"
@@ -75,6 +81,7 @@ def test_index_that_stays_locked_fails_the_verb_and_repair_fixes_it(shelf):
 
 # 2. git failures are findings; repair rebuilds a broken index first ---------------------------
 
+@pytest.mark.slow
 def test_broken_index_is_a_finding_and_repair_restores_from_head(shelf3):
     index = shelf3 / ".git" / "index"
     data = index.read_bytes()
@@ -100,6 +107,7 @@ VIEWS = (["graph"], ["retro", "--since", "2026-01-01"], ["mirror"],
          ["fork", "--episode", "2026-11-01-alpha-topic"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("view", VIEWS, ids=lambda v: v[0])
 def test_out_refuses_what_it_did_not_write(shelf3, tmp_path, view):
     env = {"XDG_STATE_HOME": str(tmp_path / "state")}
@@ -144,6 +152,7 @@ def dead_pid():
     return p.pid
 
 
+@pytest.mark.slow
 def test_stale_private_index_is_named_removed_and_never_blocks(shelf3):
     git_dir = shelf3 / ".git"
     pid = dead_pid()
@@ -169,6 +178,7 @@ def test_stale_private_index_is_named_removed_and_never_blocks(shelf3):
 
 # 5. repair never commits an episode doctor calls an error ------------------------------------
 
+@pytest.mark.slow
 def test_repair_leaves_a_binary_episode_uncommitted(shelf3):
     path = shelf3 / "docs" / "topics" / "2026-11-01-alpha-topic.md"
     good = path.read_bytes()
@@ -178,6 +188,7 @@ def test_repair_leaves_a_binary_episode_uncommitted(shelf3):
     assert git(shelf3, "show", "HEAD:docs/topics/2026-11-01-alpha-topic.md").encode() == good
 
 
+@pytest.mark.slow
 def test_repair_leaves_an_oversize_episode_uncommitted(shelf3):
     path = shelf3 / "docs" / "topics" / "2026-11-01-alpha-topic.md"
     good = path.read_bytes()
@@ -197,6 +208,7 @@ def test_shelve_refuses_nul_up_front(shelf):
 
 # 6. a category folder linked outside -------------------------------------------------------
 
+@pytest.mark.slow
 def test_linked_category_is_named_not_git_raw(shelf3, tmp_path):
     topics = shelf3 / "docs" / "topics"
     moved = tmp_path / "moved-topics"
@@ -214,6 +226,7 @@ def test_linked_category_is_named_not_git_raw(shelf3, tmp_path):
 
 # 7. text that is not Unicode --------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--digest", "--section", "--notes"])
 def test_invalid_utf8_in_argv_is_a_usage_error(shelf, flag):
     args = [b"shelve", b"--shelf", str(shelf).encode(), b"--slug", b"2026-12-04-bad-bytes",
@@ -236,6 +249,7 @@ def mcp(cwd, *argv, **env):
     return McpClient([sys.executable, SERVER, *argv], env=e, cwd=str(cwd))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["digest", "section", "section name", "notes"])
 def test_lone_surrogates_over_mcp_are_argument_errors(shelf, where):
     args = {"shelf_path": str(shelf), "slug": "2026-12-04-surrogate", "kind": "topic",
@@ -262,6 +276,7 @@ def test_lone_surrogates_over_mcp_are_argument_errors(shelf, where):
 
 # 8. doctor's words for a stale index ------------------------------------------------------
 
+@pytest.mark.slow
 def test_stale_index_is_not_called_missing_from_head(shelf3):
     git(shelf3, "read-tree", "HEAD~1")
     _, _, found = doctor(shelf3)
@@ -275,6 +290,7 @@ def test_stale_index_is_not_called_missing_from_head(shelf3):
 
 # 9. the committed INDEX lists exactly the committed episodes ---------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("leftover", ["untracked", "binary"])
 def test_committed_index_lists_only_committed_episodes(shelf3, leftover):
     stray = shelf3 / "docs" / "topics" / "2026-11-09-stray-file.md"
@@ -298,6 +314,7 @@ def test_committed_index_lists_only_committed_episodes(shelf3, leftover):
 
 # 10. doctor and repair see the shelf lock --------------------------------------------------
 
+@pytest.mark.slow
 def test_doctor_reports_a_write_in_progress(shelf3):
     holder = subprocess.Popen([sys.executable, "-c",
                                "import sys, time, memshelf\n"
@@ -338,6 +355,7 @@ def test_mcp_import_refuses_special_and_unreadable_files(tmp_path):
                 assert ("MiB" if path == str(big) else "not a regular file") in text, text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch", [[SERVER], ["-m", "memshelf", "serve"]],
                          ids=["server.py", "memshelf serve"])
 def test_server_shelf_argument(shelf, launch):
@@ -354,6 +372,7 @@ def test_server_shelf_argument(shelf, launch):
 
 # 12. an extension update unpacked over the old folder never runs the old code ---------------
 
+@pytest.mark.slow
 def test_bundle_update_over_the_old_folder_runs_the_new_code(tmp_path):
     import zipfile
     import build_mcpb

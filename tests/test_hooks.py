@@ -13,7 +13,7 @@ import time
 import pytest
 
 import memshelf
-from conftest import MEMSHELF, git, run_cli
+from conftest import MEMSHELF, copy_of_template, git, run_cli
 
 OLDER = "older entries — use memshelf_index or memshelf_search"   # the cut the served view ended
 FOLD_CALL = "memshelf index --period "   # a shell's words: the hook runs as a command
@@ -86,12 +86,14 @@ def make_shelf(root, storage="git-local", remote=None):
 
 
 @pytest.fixture
-def one_episode(tmp_path):
-    return make_shelf(tmp_path / "shelf")
+def one_episode(tmp_path, tmp_path_factory):
+    """Built once, copied for each test."""
+    return copy_of_template(tmp_path_factory, tmp_path / "shelf", "hooks-one", make_shelf)
 
 
 # --- session-start ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_session_start_injects_banner_rule_and_index(one_episode):
     r = hook("session-start", event("SessionStart", one_episode, source="startup"))
     ctx = context_of(r)
@@ -109,6 +111,7 @@ def test_session_start_injects_banner_rule_and_index(one_episode):
     assert r.err == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["startup", "resume", "clear"])
 def test_session_start_sources_all_inject(one_episode, source):
     ctx = context_of(hook("session-start", event("SessionStart", one_episode, source=source)))
@@ -121,6 +124,7 @@ def test_empty_shelf_says_so(tmp_path):
     assert "memshelf: 0 episodes" in ctx and "no episodes yet" in ctx
 
 
+@pytest.mark.slow
 def test_shelf_found_from_cwd_subfolder_and_environment(one_episode, tmp_path):
     project = one_episode.parent          # <project>/shelf is the shelf
     ctx = context_of(hook("session-start", event("SessionStart", project, source="startup")))
@@ -149,6 +153,7 @@ MALFORMED = ["", "{not json", "[1, 2]", "\x00\xff garbage",
              '{"cwd": 42, "source": ["compact"], "session_id": {}, "stop_hook_active": "yes"}']
 
 
+@pytest.mark.slow
 def test_malformed_stdin_still_exits_zero(one_episode, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -171,6 +176,7 @@ def test_unknown_event_and_missing_shelf_flag_target(tmp_path):
     assert (r.code, r.out) == (0, "")
 
 
+@pytest.mark.slow
 def test_stdin_left_open_does_not_hang(one_episode):
     """Some hosts never close stdin: the hook stops reading once the JSON is complete."""
     proc = subprocess.Popen([sys.executable, MEMSHELF, "hook", "session-start"],
@@ -190,6 +196,7 @@ def test_stdin_left_open_does_not_hang(one_episode):
 
 # --- size cap ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_big_shelf_output_fits_the_cap_newest_first(big_shelf):
     root, stems = big_shelf
     r = hook("session-start", event("SessionStart", root, source="startup"))
@@ -320,6 +327,7 @@ def test_an_empty_session_id_is_no_session(one_episode, tmp_path):
         assert "" not in (json.load(f).get("hook_sessions") or {})
 
 
+@pytest.mark.slow
 def test_stop_stays_quiet_when_short_switched_off_or_already_shelved(one_episode, tmp_path):
     transcript = tmp_path / "session.jsonl"
     transcript.write_text('{"type":"user"}\n' * 200)
@@ -359,6 +367,7 @@ def remote_head(bare, branch):
     return git(bare, "rev-parse", branch).strip()
 
 
+@pytest.mark.slow
 def test_autopush_only_when_asked(remote_shelf):
     root, bare, branch = remote_shelf
     local = git(root, "rev-parse", "HEAD").strip()
@@ -375,6 +384,7 @@ def test_autopush_only_when_asked(remote_shelf):
     assert remote_head(bare, branch) == local
 
 
+@pytest.mark.slow
 def test_autopush_from_config_on_pre_compact(remote_shelf):
     root, bare, branch = remote_shelf
     config = os.path.join(str(root), "memshelf.json")
@@ -389,6 +399,7 @@ def test_autopush_from_config_on_pre_compact(remote_shelf):
     assert remote_head(bare, branch) == git(root, "rev-parse", "HEAD").strip()
 
 
+@pytest.mark.slow
 def test_session_end_push_outlives_the_hook(remote_shelf, tmp_path):
     """SessionEnd hooks get about 1.5 s: the push is started detached and the hook returns at
     once. The remote's pre-receive hook holds the push until the test opens a gate, so the hook
@@ -428,6 +439,7 @@ def test_failed_push_is_ignored(remote_shelf, tmp_path):
 
 # --- git hooks (kept from the git part) -------------------------------------------------------
 
+@pytest.mark.slow
 def test_git_post_merge_regenerates_derived_files(one_episode):
     stem = "2026-07-24-merged-episode"
     path = one_episode / "docs" / "topics" / (stem + ".md")

@@ -140,6 +140,7 @@ def claude_ai_export():
     ]
 
 
+@pytest.mark.slow
 def test_claude_ai_export_markers_select_and_forms(tmp_path):
     src = write(tmp_path / "conversations.json", json.dumps(claude_ai_export()))
     env, out_dir = env_for(tmp_path)
@@ -252,6 +253,7 @@ def test_cuts_are_deterministic_and_need_two_messages(tmp_path):
 
 # --- what is not a transcript, and where output may go --------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, data", [
     ("random.json", b'{"name": "config", "value": 3}'),
     ("numbers.json", b"[1, 2, 3]"),

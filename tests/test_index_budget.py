@@ -156,6 +156,7 @@ def hook_context(root):
 
 # --- the served view at every size ----------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [60, 600, 6000, 60000])
 def test_hook_and_mcp_fit_the_budget_and_reach_every_episode(shelves, n):
     root, ids = shelves(n)
@@ -182,6 +183,7 @@ def test_hook_and_mcp_fit_the_budget_and_reach_every_episode(shelves, n):
         assert ctx.count("\n- 20") >= 30
 
 
+@pytest.mark.slow
 def test_each_fold_call_is_the_expansion(shelves):
     """The call a fold line names, run for real (CLI and MCP), answers what the test expects."""
     root, _ = shelves(6000)
@@ -241,6 +243,7 @@ def tree(root):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, said", [
     (["--budget", "0"], "budget must be a whole number"),
     (["--budget", "999"], "at least 1000"),
@@ -272,6 +275,7 @@ def test_bad_budget_or_period_over_mcp(shelves):
 
 # --- status ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_status_round_trips(tmp_path):
     root = str(tmp_path / "shelf")
     assert run_cli("init", "--shelf", root).code == 0
@@ -346,6 +350,7 @@ def ends_at_clause(description, digest):
     return whole_start and (description[-1] in ".!?" or bool(_BOUNDARY_AFTER.match(after)))
 
 
+@pytest.mark.slow
 def test_rfc16_default_descriptions_end_at_a_clause(tmp_path):
     if not os.path.exists(RFC16):
         pytest.skip("the rfc16 corpus is not here")
@@ -423,6 +428,7 @@ def test_fuzzed_digests_get_descriptions_at_a_clause(tmp_path):
 
 # --- doctor and stats -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_doctor_warns_and_stats_measures_against_the_budget(shelves):
     root, _ = shelves(600)
     memshelf.rebuild(shelf_path=root)

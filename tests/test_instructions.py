@@ -569,6 +569,7 @@ def test_a_long_jailbreak_is_one_finding_per_kind():
     assert [(h["kind"], h["line"]) for h in hidden] == [("hidden-text", 1), ("hidden-text", 2)]
 
 
+@pytest.mark.slow
 def test_recall_envelope_names_the_families(shelf):
     slug = "2026-08-04-pasted-persona"
     r = run_cli(*shelve_args(shelf, slug=slug, extra=["--section", "Raw=" + LONG_JAILBREAK,

@@ -36,6 +36,7 @@ def episodes_of(root):
 
 # --- shelves written by 0.4.0, read by us (committed fixtures) ------------------------------
 
+@pytest.mark.slow
 def test_fixture_shelf_reads_recalls_and_rebuilds_byte_identically(tmp_path):
     root = copy_fixture("shelf-docshelf", str(tmp_path / "fx"))
     before = {p: open(os.path.join(root, p), "rb").read()
@@ -146,6 +147,7 @@ INTEROP_DIGESTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["docshelf", "compact"])
 def test_our_shelf_is_read_by_040(tmp_path, ref040, fmt):
     root = tmp_path / "ours"
@@ -174,6 +176,7 @@ def test_our_shelf_is_read_by_040(tmp_path, ref040, fmt):
     assert run_cli("rebuild", "--shelf", root, "--check").code in (0, 1)
 
 
+@pytest.mark.slow
 def test_040_shelf_is_read_by_us(tmp_path, ref040):
     root = tmp_path / "theirs"
     p = run_ref(ref040, "init", "--shelf", root)

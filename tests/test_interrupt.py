@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, git
+from conftest import ROOT, copy_of_template, git
 
 import memshelf
 
@@ -146,6 +146,7 @@ def _commands(root):
     return {"shelve": shelve, "amend": amend, "rollup": rollup, "rebuild --commit": rebuild}
 
 
+@pytest.mark.slow
 def test_sigint_and_sigterm_sweep(template, tmp_path):
     root = tmp_path / "shelf"
     shutil.copytree(template, root, symlinks=True)
@@ -188,6 +189,7 @@ def test_sigint_and_sigterm_sweep(template, tmp_path):
     assert 0 < counts["committed"] < counts["trials"]
 
 
+@pytest.mark.slow
 def test_sigkill_then_doctor_names_the_damage_and_repair_restores(template, tmp_path):
     root = tmp_path / "shelf"
     shutil.copytree(template, root, symlinks=True)
@@ -246,14 +248,18 @@ def test_a_signal_during_the_imports_ends_quietly(sig):
 
 # --- each finding of the tree / index / HEAD comparison, and its repair ----------------------
 
-@pytest.fixture
-def small(tmp_path):
-    root = tmp_path / "small"
+def _three_small(root):
     memshelf.init(shelf_path=str(root))
     for i in range(3):
         memshelf.shelve(shelf_path=str(root), slug=f"2026-06-0{i + 1}-small", kind="topic",
                         digest=DIGEST, sections={"Decisions": "- JWT."})
-    return root
+
+
+@pytest.fixture
+def small(tmp_path, tmp_path_factory):
+    """Built once, copied for each test."""
+    return copy_of_template(tmp_path_factory, tmp_path / "small", "interrupt-small",
+                            _three_small)
 
 
 def _episode_text(root, slug):
@@ -275,6 +281,7 @@ def _repaired(root, cwd):
     assert report["healthy"] and not [f for f in report["findings"] if f["class"] == "git"]
 
 
+@pytest.mark.slow
 def test_committed_missing(small, tmp_path):
     rel = "docs/topics/2026-06-01-small.md"
     os.unlink(small / rel)
@@ -288,6 +295,7 @@ def test_committed_missing(small, tmp_path):
     assert (small / rel).exists()
 
 
+@pytest.mark.slow
 def test_staged_episode_on_disk_and_gone(small, tmp_path):
     on_disk = "docs/topics/2026-06-10-staged.md"
     gone = "docs/topics/2026-06-11-staged-gone.md"
@@ -302,6 +310,7 @@ def test_staged_episode_on_disk_and_gone(small, tmp_path):
     assert on_disk in tracked and gone not in tracked
 
 
+@pytest.mark.slow
 def test_untracked_episode_and_index_listing_it(small, tmp_path):
     rel = "docs/topics/2026-06-12-orphan.md"
     (small / rel).write_text(_episode_text(small, "2026-06-12-orphan"), encoding="utf-8")
@@ -317,6 +326,7 @@ def test_untracked_episode_and_index_listing_it(small, tmp_path):
     assert rel in git(small, "ls-files", "--", "docs").split()
 
 
+@pytest.mark.slow
 def test_derived_uncommitted_is_an_error_in_auto_a_warning_in_bot(small, tmp_path):
     with open(small / "INDEX.md", "a", encoding="utf-8") as f:
         f.write("\n")
@@ -327,6 +337,7 @@ def test_derived_uncommitted_is_an_error_in_auto_a_warning_in_bot(small, tmp_pat
     _repaired(small, tmp_path)   # bot: put back to HEAD, never rendered here
 
 
+@pytest.mark.slow
 def test_stale_git_lock(small, tmp_path):
     lock = small / ".git" / "index.lock"
     lock.write_bytes(b"")
@@ -342,6 +353,7 @@ def test_stale_git_lock(small, tmp_path):
     assert not lock.exists()
 
 
+@pytest.mark.slow
 def test_rebuild_commit_commits_drift_an_earlier_run_left(small):
     with open(small / "ledger.tsv", "a", encoding="utf-8") as f:
         f.write("2026-01-01\tstale\tlive\t0\t0\t\n")
@@ -352,6 +364,7 @@ def test_rebuild_commit_commits_drift_an_earlier_run_left(small):
     assert r["written"] == [] and r["committed"] and not status(small), r
 
 
+@pytest.mark.slow
 def test_init_refuses_an_unrelated_root_beside_a_remote_history(small, tmp_path):
     bare = tmp_path / "remote.git"
     subprocess.run(["git", "clone", "-q", "--bare", str(small), str(bare)], check=True)
@@ -375,6 +388,7 @@ def _mount_tmpfs(path, size):
                           capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_disk_full_refused_shelve_leaves_nothing(small, tmp_path):
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "3m"):

@@ -68,6 +68,7 @@ ROLLUP_DIGEST = ("January: Dana chose JWT middleware and Priya chose allkeys-lru
 
 # --- rollup ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_rollup_moves_originals_into_the_archive_in_one_commit(period):
     before = head(period)
     r = run_cli("rollup", "--shelf", period, "--slug", "2026-01-31-january", "--until",
@@ -145,6 +146,7 @@ def test_archived_episodes_stay_reachable(period):
     assert memshelf.index(shelf_path=str(period), archive=True)["entries_total"] == 2
 
 
+@pytest.mark.slow
 def test_rollup_keywords_rank_by_units_then_date_then_name(tmp_path):
     root = make_shelf(tmp_path)
     put(root, "2026-01-01-a", tags=["alpha"], display_title="Zeta Plan",
@@ -342,6 +344,7 @@ def retained(retained_template, tmp_path):
     return clone(retained_template, tmp_path)
 
 
+@pytest.mark.slow
 def test_purge_is_a_dry_run_by_default(retained):
     before = snapshot_and_head(retained)
     r = run_cli("purge", "--shelf", retained, "--today", "2026-03-01", "--json")

@@ -14,6 +14,8 @@ import pytest
 import memshelf
 from conftest import run_cli
 
+pytestmark = pytest.mark.slow
+
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 EPISODES = [

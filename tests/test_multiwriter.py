@@ -12,7 +12,8 @@ from conftest import run_cli, shelve_args, snapshot, git
 
 import memshelf
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")]
 
 
 def spawn(*args):

@@ -17,6 +17,7 @@ def _verbs():
 
 # --- help and CLI words -----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verb", _verbs())
 def test_every_verb_help_renders(verb):
     r = run_cli(verb, "--help")
@@ -30,6 +31,7 @@ def test_merge_driver_help_shows_git_placeholders():
     assert "%O %A %B" in r.out
 
 
+@pytest.mark.slow
 def test_help_says_defaults_and_what_off_switches_do():
     text = " ".join(run_cli("advise", "--help").out.split())
     assert "--exclude-self Default: count the INDEX as an occupant; this flag turns that off." \
@@ -54,6 +56,7 @@ def test_help_speaks_cli_words_and_mcp_keeps_its_names():
     assert all("shelf_path" in t["inputSchema"]["properties"] for t in tools)
 
 
+@pytest.mark.slow
 def test_errors_say_cli_flags_at_the_terminal_and_argument_names_over_mcp(shelf):
     assert run_cli(*shelve_args(shelf)).code == 0
     r = run_cli("recall", "--shelf", shelf, "--id", "2026-07-22-auth-refactor",
@@ -68,6 +71,7 @@ def test_errors_say_cli_flags_at_the_terminal_and_argument_names_over_mcp(shelf)
     assert "shelf_path" in fix and "--shelf" not in fix, r
 
 
+@pytest.mark.slow
 def test_index_truncation_names_the_cli_offset_flag(shelf):
     for n in range(3):
         assert run_cli(*shelve_args(shelf, slug=f"2026-07-2{n}-topic-number-{n}")).code == 0
@@ -88,6 +92,7 @@ def test_no_shelf_fix_speaks_cli(tmp_path):
     assert "extension settings" not in r.err
 
 
+@pytest.mark.slow
 def test_shelf_found_from_a_folder_inside_it(shelf):
     inner = shelf / "docs" / "topics"
     args = shelve_args(shelf)
@@ -113,6 +118,7 @@ def test_mistyped_verb_suggests_the_closest(tmp_path):
     assert r.code == 2 and "did you mean" not in r.err and "memshelf --help" in r.err
 
 
+@pytest.mark.slow
 def test_shelf_path_that_is_a_file_suggests_what_works(shelf, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -144,6 +150,7 @@ old host name. Open: retire the old host.
 """
 
 
+@pytest.mark.slow
 def test_shelve_names_id_address_and_redaction_and_fits_its_own_description(shelf, tmp_path):
     ep = tmp_path / "ep1.md"
     ep.write_text(EPISODE)
@@ -170,6 +177,7 @@ def test_shelve_names_id_address_and_redaction_and_fits_its_own_description(shel
     assert r.code == 1 and "pass amend=true" in r.json()["error"]["fix"], r
 
 
+@pytest.mark.slow
 def test_shelve_dry_run_prints_the_episode(shelf, tmp_path):
     ep = tmp_path / "ep1.md"
     ep.write_text(EPISODE)
@@ -191,6 +199,7 @@ def test_call_exits_like_the_verb(tmp_path):
                    json.dumps({"digest": "Dana chose JWT; open: rotation."})).code == 0
 
 
+@pytest.mark.slow
 def test_stats_per_episode_prints_the_table(shelf, tmp_path):
     ep = tmp_path / "ep1.md"
     ep.write_text(EPISODE)
@@ -208,6 +217,7 @@ def test_stats_per_episode_prints_the_table(shelf, tmp_path):
     assert r.out.rstrip().endswith(plain.rstrip())      # the banner still closes it
 
 
+@pytest.mark.slow
 def test_recall_outline_shows_cost_and_first_line(shelf, tmp_path):
     ep = tmp_path / "ep1.md"
     ep.write_text(EPISODE)
@@ -222,6 +232,7 @@ def test_recall_outline_shows_cost_and_first_line(shelf, tmp_path):
     assert all(s["first_line"] and s["tokens"] > 0 for s in fields)
 
 
+@pytest.mark.slow
 def test_rollup_index_line_is_its_digest(shelf):
     for n in (1, 2):
         assert run_cli(*shelve_args(shelf, slug=f"2026-01-0{n}-topic-{n}")).code == 0
@@ -234,6 +245,7 @@ def test_rollup_index_line_is_its_digest(shelf):
     assert "January rollup: Dana kept JWT middleware." in line and "Rollup of" not in line
 
 
+@pytest.mark.slow
 def test_demo_and_stats_say_the_same_standing_cost(tmp_path):
     where = tmp_path / "tour"
     r = subprocess.run([sys.executable, MEMSHELF, "demo", "--keep", "--shelf", str(where)],
@@ -245,6 +257,7 @@ def test_demo_and_stats_say_the_same_standing_cost(tmp_path):
     assert f"standing {said} tok" in run_cli("stats", "--shelf", where).out
 
 
+@pytest.mark.slow
 def test_import_extract_writes_a_private_folder_and_out_takes_a_path(tmp_path):
     src = tmp_path / "notes.md"
     src.write_text("# Notes\n\n## User\n\nHow should Dana rotate keys?\n\n## Assistant\n\n"
@@ -275,6 +288,7 @@ def test_import_extract_writes_a_private_folder_and_out_takes_a_path(tmp_path):
 
 # --- a pip-less launcher ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_install_launcher_compiles_once_into_home_and_says_where(tmp_path):
     import shutil
     home, copy = tmp_path / "home", tmp_path / "src"
@@ -372,6 +386,7 @@ def test_docs_speak_one_truth_and_cite_their_own_files():
     assert "docs/import.md" in readme
 
 
+@pytest.mark.slow
 def test_doctors_amend_fix_runs_inside_the_shelf(shelf):
     assert run_cli(*shelve_args(shelf)).code == 0
     rel = "docs/topics/2026-07-22-auth-refactor.md"

@@ -931,6 +931,7 @@ ADVERSARIAL_UNITS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unit", ["password=token=", "'password': '", "-----BEGIN PRIVATE KEY-----\n",
                                   "kind: Secret\ndata:\n  k: v\n", "eyJ" + "a" * 20 + "."])
 def test_adversarial_megabyte_returns(unit):
@@ -939,6 +940,7 @@ def test_adversarial_megabyte_returns(unit):
     assert isinstance(out, str) and isinstance(report["total"], int)
 
 
+@pytest.mark.slow
 def test_adversarial_mixed_megabyte_returns():
     rng = random.Random(7)
     parts, size = [], 0
@@ -999,6 +1001,7 @@ def test_prefilters_read_keywords_in_any_case():
 # Taint: a value found once is masked at every occurrence, in every part
 # ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_repeated_secret_masked_in_every_part_of_a_shelved_episode(shelf, cli):
     value = rand(ALNUM, 24)
     r = cli("shelve", "--shelf", shelf, "--slug", "2026-07-22-token-leak", "--kind", "topic",
@@ -1223,6 +1226,7 @@ def _shelve(cli, shelf, slug, section):
     return (shelf / "docs" / "topics" / f"{slug}.md")
 
 
+@pytest.mark.slow
 def test_a_masked_token_is_masked_when_it_comes_back_bare_in_a_later_episode(shelf, cli):
     token, password = rand(ALNUM, 30) + "7", rand(ALNUM, 24) + "5"
     _shelve(cli, shelf, "2026-07-22-rotation", f"export DEPLOY_TOKEN={token}\n"

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from conftest import age_files, memo_current
+from conftest import age_files, copy_of_template, memo_current, run_cli
 
 EPISODES = [
     ("2026-03-01-cache-layer", "Mira chose a write-through cache for the billing reads. "
@@ -23,14 +23,22 @@ EPISODES = [
 ]
 
 
-@pytest.fixture
-def filled(plain_shelf, cli):
+def _shelve_episodes(root):
+    assert run_cli("init", "--shelf", root, "--storage", "plain").code == 0
     for slug, digest in EPISODES:
-        r = cli("shelve", "--shelf", plain_shelf, "--slug", slug, "--kind", "topic",
-                "--digest", digest, "--section", "Decisions=- Chosen as the digest says.")
+        r = run_cli("shelve", "--shelf", root, "--slug", slug, "--kind", "topic",
+                    "--digest", digest, "--section", "Decisions=- Chosen as the digest says.")
         assert r.code == 0, r
-    age_files(plain_shelf)
-    return plain_shelf
+
+
+@pytest.fixture
+def filled(tmp_path, tmp_path_factory):
+    # built once and copied; aging the files voids the memo's key in the copy as it does in
+    # the original
+    root = copy_of_template(tmp_path_factory, tmp_path / "plain", "memo-filled",
+                            _shelve_episodes)
+    age_files(root)
+    return root
 
 
 def rebuild(cli, root, *extra):
@@ -44,6 +52,7 @@ def memo(root):
         return json.load(f).get("render_memo")
 
 
+@pytest.mark.slow
 def test_unchanged_shelf_is_answered_from_the_memo(filled, cli):
     first = rebuild(cli, filled)
     m = memo(filled)
@@ -56,6 +65,7 @@ def test_unchanged_shelf_is_answered_from_the_memo(filled, cli):
     assert rebuild(cli, filled, "--check")["ok"] is True
 
 
+@pytest.mark.slow
 def test_a_render_on_a_dropped_cache_is_remembered_like_any_other(filled, cli):
     # nothing remembered, nothing cached: the files are listed without stats and the key is
     # made from the stamps of the reads; it must be the key a full scan gives
@@ -78,6 +88,7 @@ def test_a_render_on_a_dropped_cache_is_remembered_like_any_other(filled, cli):
     assert memshelf._read_episode(str(filled), "docs/topics/gone.md")["fm_error"].startswith("io")
 
 
+@pytest.mark.slow
 def test_an_episode_edited_in_place_is_seen(filled, cli):
     rebuild(cli, filled)
     path = filled / "docs" / "topics" / "2026-03-02-login-flow.md"
@@ -93,6 +104,7 @@ def test_an_episode_edited_in_place_is_seen(filled, cli):
     assert rebuild(cli, filled)["written"] == []
 
 
+@pytest.mark.slow
 def test_a_tampered_or_deleted_derived_file_is_repaired(filled, cli):
     rebuild(cli, filled)
     good_index = (filled / "INDEX.md").read_text()
@@ -107,6 +119,7 @@ def test_a_tampered_or_deleted_derived_file_is_repaired(filled, cli):
     assert (filled / "ledger.tsv").read_text() == good_ledger
 
 
+@pytest.mark.slow
 def test_added_and_removed_episodes_are_seen(filled, cli, tmp_path):
     rebuild(cli, filled)
     src = filled / "docs" / "topics" / "2026-03-03-audit-trail.md"
@@ -120,6 +133,7 @@ def test_added_and_removed_episodes_are_seen(filled, cli, tmp_path):
     assert res["episodes"] == 3 and "2026-03-03-audit-trail" in (filled / "INDEX.md").read_text()
 
 
+@pytest.mark.slow
 def test_settings_and_format_changes_are_seen(filled, cli):
     rebuild(cli, filled)
     cfg_path = filled / ".docshelf.json"
@@ -134,6 +148,7 @@ def test_settings_and_format_changes_are_seen(filled, cli):
     assert rebuild(cli, filled, "--check")["ok"] is True
 
 
+@pytest.mark.slow
 def test_a_broken_or_missing_state_file_only_costs_a_full_render(filled, cli):
     rebuild(cli, filled)
     good = (filled / "INDEX.md").read_text()
@@ -148,6 +163,7 @@ def test_a_broken_or_missing_state_file_only_costs_a_full_render(filled, cli):
     assert (filled / "INDEX.md").read_text() == good
 
 
+@pytest.mark.slow
 def test_a_memo_for_other_inputs_is_never_used(filled, cli):
     rebuild(cli, filled)
     state_path = filled / ".memshelf" / "state.json"
@@ -160,6 +176,7 @@ def test_a_memo_for_other_inputs_is_never_used(filled, cli):
     assert "INDEX.md" in res["written"] and "Mira" in (filled / "INDEX.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_memo_naming_files_outside_the_derived_set_is_never_used(filled, cli, tmp_path):
     rebuild(cli, filled)
     outside = tmp_path / "outside.txt"
@@ -214,6 +231,7 @@ def _renders_agree(root):
     return whole
 
 
+@pytest.mark.slow
 def test_renders_from_cache_columns_equal_renders_from_records(filled, cli):
     r = cli("shelve", "--shelf", filled, "--slug", "2026-03-04-cache-layer-v2", "--kind", "topic",
             "--digest", "Mira replaced the write-through cache with a read-through one. "
@@ -240,6 +258,7 @@ def test_renders_from_cache_columns_on_a_040_shelf(tmp_path):
     assert len(_renders_agree(root)) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("column, value", [
     ("supersedes", "{not json"), ("supersedes", '{"a": 1}'), ("supersedes", 7),
     ("category", "nope"), ("index_entry", 5), ("index_entry", None), ("meta_entry", 7),
@@ -262,6 +281,7 @@ def test_a_cache_row_with_values_a_render_cannot_use_is_read_again(filled, cli, 
     assert (filled / "INDEX.md").read_bytes() == index
 
 
+@pytest.mark.slow
 def test_racy_files_settle_once_a_read_has_verified_them(plain_shelf, cli):
     """A render made while its files were racy (a fresh copy, files just written) remembers
     their content; the first read after they age forgets them, so no later read hashes them

@@ -370,6 +370,7 @@ def test_cli_lines_and_json(corpus):
 
 # --- the sidecar ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_incremental_after_shelve_amend_and_delete(tmp_path):
     root = make_shelf(tmp_path / "s", episodes=EPISODES[:2], archive=False)
     assert search(root, "redis")["engine"] == "fts5"
@@ -446,6 +447,7 @@ def test_deleted_sidecar_is_rebuilt(tmp_path):
     assert os.path.isfile(os.path.join(root, ".memshelf", "shelf.sqlite"))
 
 
+@pytest.mark.slow
 def test_first_build_progress_only_when_asked(tmp_path):
     root = make_shelf(tmp_path / "s", episodes=EPISODES[:2], archive=False)
     shutil.rmtree(os.path.join(root, ".memshelf"))
@@ -459,6 +461,7 @@ def test_first_build_progress_only_when_asked(tmp_path):
     assert "building the search index" not in again.stderr
 
 
+@pytest.mark.slow
 def test_git_local_shelf_never_commits_the_sidecar(tmp_path):
     root = make_shelf(tmp_path / "g", storage="git-local", episodes=EPISODES[1:2],
                       archive=False)
@@ -476,6 +479,7 @@ def test_git_local_shelf_never_commits_the_sidecar(tmp_path):
     assert ids(search(root, "tenant"))[0] == "2026-06-01-queue-split"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ignored_in", [".gitignore", "exclude", None])
 def test_a_latin1_gitignore_keeps_the_cache(tmp_path, ignored_in):
     """git does not ask .gitignore or .git/info/exclude to be UTF-8: a Latin-1 byte in either
@@ -581,6 +585,7 @@ def test_search_bench_on_the_fixture_set(corpus):
     assert [m["query"] for m in lexical["misses"]] == ["entry doorman procedure"]
 
 
+@pytest.mark.slow
 def test_search_bench_text_skips_and_verbose(corpus, tmp_path):
     r = run_cli("search-bench", "--shelf", corpus, "--queries", QUERIES, "--mode", "all",
                 "--verbose", "--k", "3")
@@ -620,6 +625,7 @@ def cli_json(*args, env=None):
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["fts5", "scan"])
 def test_exact_identifier_outranks_its_pieces(docs_shelf, engine):
     env = {"MEMSHELF_SEARCH_ENGINE": engine}
@@ -651,6 +657,7 @@ def test_hits_hold_a_query_word(docs_shelf):
     assert [h["section"] for h in exact["hits"]] == ["Digest"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["fts5", "scan"])
 def test_no_hits_suggests_and_retries_the_nearest_term(docs_shelf, engine):
     env = {"MEMSHELF_SEARCH_ENGINE": engine}
@@ -682,6 +689,7 @@ def test_no_hits_suggests_and_retries_the_nearest_term(docs_shelf, engine):
     assert r.stdout.startswith("no hits for 'postgras' — did you mean postgres")
 
 
+@pytest.mark.slow
 def test_per_episode_n(docs_shelf):
     def per(*args):
         hits = cli_json("search", "--shelf", docs_shelf, "upgrade", "--max-results", "50",
@@ -698,6 +706,7 @@ def test_per_episode_n(docs_shelf):
     assert "--per-episode [N]" in help_text and "Max hits per episode (3)" in help_text
 
 
+@pytest.mark.slow
 def test_the_section_that_answers_comes_first(docs_shelf):
     hits = cli_json("search", "--shelf", docs_shelf, "inout", "LLVM", "constraint")["hits"]
     # BM25 puts the section that says "constraint" five times first; the answer is next
@@ -725,6 +734,7 @@ def test_a_sidecar_of_the_old_schema_is_rebuilt(tmp_path):
     assert ids(search(root, "PROJ-4821")) == ["2026-01-02-redis-cache"]   # ... rebuilt
 
 
+@pytest.mark.slow
 def test_ranking_at_least_plain_fts5_on_the_labelled_sets():
     """bench/search_quality.py on rfc16 and the design docs (relnotes needs Git's release notes
     on the machine): memshelf at least the plain-FTS5 baseline on every number (issue 29)."""

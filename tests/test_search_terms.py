@@ -47,8 +47,8 @@ def shelf(tmp_path_factory):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, MEMSHELF, *args], capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ, MEMSHELF_SEMANTIC="off"))
+    return subprocess.run([sys.executable, "-m", "memshelf", *args], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, MEMSHELF_SEMANTIC="off"))
 
 
 def cli_json(*args):
@@ -63,6 +63,7 @@ def pairs(result):
 
 # --- the CLI ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_unmatched_words_are_named(shelf):
     r = cli_json("search", "--shelf", shelf, "service", "mesh", "Istio", "Linkerd")
     assert r["unmatched"] == ["istio", "linkerd"] and r["matched"] == ["service", "mesh"]
@@ -73,6 +74,7 @@ def test_unmatched_words_are_named(shelf):
     assert "(service, mesh)" in text.splitlines()[0]
 
 
+@pytest.mark.slow
 def test_a_stem_finds_its_inflections(shelf):
     r = cli_json("search", "--shelf", shelf, "retries")
     assert r["unmatched"] == [] and r["hits"]
@@ -80,6 +82,7 @@ def test_a_stem_finds_its_inflections(shelf):
     assert all(h["terms"] == ["retries"] for h in r["hits"])
 
 
+@pytest.mark.slow
 def test_an_identifier_matches_whole(shelf):
     r = cli_json("search", "--shelf", shelf, "_$proto")
     assert {h["id"] for h in r["hits"]} == {"2026-02-04-js-globals"}   # never `prototype`
@@ -90,6 +93,7 @@ def test_an_identifier_matches_whole(shelf):
     assert pairs(r) == [("2026-02-01-http-client-retry", "Artifacts")]
 
 
+@pytest.mark.slow
 def test_minus_one_is_a_word(shelf):
     r = cli_json("search", "--shelf", shelf, "INT_MIN", "/", "-1")
     assert r["hits"] and r["hits"][0]["id"] == "2026-02-03-integer-division"
@@ -99,6 +103,7 @@ def test_minus_one_is_a_word(shelf):
     assert "2026-02-02-service-mesh" not in {h["id"] for h in r["hits"]} and r["hits"]
 
 
+@pytest.mark.slow
 def test_no_hit_without_a_query_word(shelf):
     # "platform team" is in two digests; sections that do not hold it are no hits
     r = cli_json("search", "--shelf", shelf, "platform", "--max-results", "50")
@@ -114,6 +119,7 @@ def test_no_hit_without_a_query_word(shelf):
     assert [h["terms"] for h in r["hits"]] == [["time"]] and r["unmatched"] == ["recovery"]
 
 
+@pytest.mark.slow
 def test_typo_suggestion_is_labelled_when_it_runs(shelf):
     r = cli_json("search", "--shelf", shelf, "retyr")
     assert r["hits"] == [] or r.get("corrected_query")
@@ -123,6 +129,7 @@ def test_typo_suggestion_is_labelled_when_it_runs(shelf):
     assert text.startswith("no hits for 'jitterd'; hits for 'jittered':\n")
 
 
+@pytest.mark.slow
 def test_bad_per_episode_is_a_usage_error(shelf):
     r = cli("search", "--shelf", shelf, "retry", "--per-episode", "0")
     assert r.returncode == 2 and "fix:" in r.stderr
@@ -165,6 +172,7 @@ def test_the_same_through_the_mcp_server(shelf, tmp_path):
     assert all(h["terms"] == ["platform"] for h in out["platform"]["hits"])
 
 
+@pytest.mark.slow
 def test_status_reaches_search_hits(tmp_path):
     """--status round-trips into search results (issue 28): the hit carries it and the text
     marks a deprecated or proposed episode; amend keeps it."""
@@ -182,6 +190,7 @@ def test_status_reaches_search_hits(tmp_path):
     assert r["hits"][0]["status"] == "deprecated"
 
 
+@pytest.mark.slow
 def test_rebuild_full_drops_the_search_rows_and_search_builds_them_again(tmp_path):
     root = str(tmp_path / "shelf")
     memshelf.init(root, storage="plain")

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import memshelf
-from conftest import ROOT, age_files, edit_in_place, run_cli
+from conftest import ROOT, age_files, copy_of_template, edit_in_place, run_cli
 
 AUTH = "2026-07-20-auth-middleware"
 REDIS = "2026-07-25-redis-eviction"
@@ -60,6 +60,7 @@ def test_import_never_pulls_the_extra():
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
 
 
+@pytest.mark.slow
 def test_unavailable_without_the_package(shelf):
     r = stdlib_only("semantic", "build", "--shelf", shelf)
     assert r.returncode == 1, r.stderr
@@ -120,6 +121,7 @@ def tiny_model(tmp_path_factory):
     return str(folder)
 
 
+@pytest.mark.slow
 def test_build_status_incremental_and_drop(shelf, tiny_model, monkeypatch):
     env = {"MEMSHELF_SEMANTIC_MODEL": tiny_model}
     first = run_cli("semantic", "build", "--shelf", shelf, "--json", env=env).json()
@@ -153,13 +155,17 @@ def test_build_status_incremental_and_drop(shelf, tiny_model, monkeypatch):
         "vectors"] == 0
 
 
-@pytest.fixture
-def aged(tmp_path):
-    """A shelf of EPISODES whose files are old, as a shelf is between sessions."""
-    root = str(tmp_path / "shelf")
-    memshelf.init(shelf_path=root, storage="plain")
+def _episodes(root):
+    memshelf.init(shelf_path=str(root), storage="plain")
     for ep in EPISODES:
-        memshelf.shelve(shelf_path=root, **ep)
+        memshelf.shelve(shelf_path=str(root), **ep)
+
+
+@pytest.fixture
+def aged(tmp_path, tmp_path_factory):
+    """A shelf of EPISODES whose files are old, as a shelf is between sessions (built once,
+    copied for each test)."""
+    root = str(copy_of_template(tmp_path_factory, tmp_path / "shelf", "semantic", _episodes))
     age_files(root)
     return root
 
@@ -171,6 +177,7 @@ def semantic(action, root, model):
     return r.json()
 
 
+@pytest.mark.slow
 def test_an_edit_in_place_with_the_same_stamp_is_stale(aged, tiny_model):
     """A file built within the timestamp granularity of its mtime (here an mtime ahead of the
     clock, racy at any build) is vouched for by its content: an edit in place that puts size,
@@ -187,6 +194,7 @@ def test_an_edit_in_place_with_the_same_stamp_is_stale(aged, tiny_model):
     assert semantic("status", aged, tiny_model)["stale_files"] == 0
 
 
+@pytest.mark.slow
 def test_renamed_and_deleted_behind_the_tools_back(aged, tiny_model):
     assert semantic("build", aged, tiny_model)["vectors"] == 7
     research = os.path.join(aged, "docs", "research")
@@ -199,6 +207,7 @@ def test_renamed_and_deleted_behind_the_tools_back(aged, tiny_model):
     assert semantic("status", aged, tiny_model)["stale_files"] == 0
 
 
+@pytest.mark.slow
 def test_a_table_from_before_the_racy_rule(aged, tiny_model):
     """semantic_files as an older memshelf made it, (path, size, mtime_ns): every file is stale
     once, and a build re-reads them without embedding anything again."""
@@ -219,6 +228,7 @@ def test_a_table_from_before_the_racy_rule(aged, tiny_model):
     assert semantic("status", aged, tiny_model)["stale_files"] == 0
 
 
+@pytest.mark.slow
 def test_search_and_bench_use_the_vectors(shelf, tiny_model, tmp_path):
     env = {"MEMSHELF_SEMANTIC_MODEL": tiny_model}
     assert run_cli("semantic", "build", "--shelf", shelf, env=env).code == 0

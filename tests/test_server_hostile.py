@@ -116,6 +116,7 @@ PARSE_ERRORS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PARSE_ERRORS))
 def test_parse_errors_keep_the_server_alive(client, name):
     client.send_raw(PARSE_ERRORS[name] + b"\n")
@@ -235,6 +236,7 @@ def test_batches_of_junk_on_2025_03_26(area):
 
 # --- EOF in the middle of things ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tail", [b'{"jsonrpc":"2.0","id":9,"meth', b"[" * 1000, b"\xff\xfe",
                                   b'{"jsonrpc":"2.0","id":"x","method":"ping"}'],
                          ids=["half-object", "open-brackets", "bad-utf8", "complete-no-newline"])
@@ -340,6 +342,7 @@ HOSTILE_CALLS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", HOSTILE_CALLS,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(HOSTILE_CALLS)])
 def test_hostile_arguments(client, area, call):

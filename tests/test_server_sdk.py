@@ -12,6 +12,8 @@ import tempfile
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 mcp = pytest.importorskip("mcp", reason="the MCP Python SDK is not installed (pip install mcp)")
 anyio = pytest.importorskip("anyio")
 

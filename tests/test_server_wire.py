@@ -22,6 +22,7 @@ MEMSHELF = os.path.join(ROOT, "memshelf.py")
 sys.path.insert(0, HERE)
 
 from mcp_client import McpClient, clean_env, schema_problems, validate  # noqa: E402
+from conftest import copy_of_template  # noqa: E402
 
 VERSIONS = ["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"]
 MODERN = "2026-07-28"
@@ -117,9 +118,9 @@ def shelf(tmp_path_factory):
 
 
 @pytest.fixture
-def fresh_shelf(tmp_path):
-    """A shelf of this test's own, for tests that write episodes."""
-    return make_shelf(tmp_path / "shelf")
+def fresh_shelf(tmp_path, tmp_path_factory):
+    """A shelf of this test's own, for tests that write episodes (one init, copied)."""
+    return str(copy_of_template(tmp_path_factory, tmp_path / "shelf", "wire", make_shelf))
 
 
 # --- process: --version, EOF, watchdog, SIGTERM ----------------------------------------------
@@ -159,6 +160,7 @@ def test_eof_before_anything_exits_zero(tmp_path):
     assert c.lines == []
 
 
+@pytest.mark.slow
 def test_watchdog_exits_3_without_initialize(tmp_path):
     c = spawn(tmp_path, MEMSHELF_HANDSHAKE_TIMEOUT="1")
     assert c.proc.wait(30) == 3
@@ -166,6 +168,7 @@ def test_watchdog_exits_3_without_initialize(tmp_path):
     c.assert_clean()
 
 
+@pytest.mark.slow
 def test_watchdog_disarmed_by_initialize_or_a_modern_request(tmp_path):
     classic = spawn(tmp_path, MEMSHELF_HANDSHAKE_TIMEOUT="1")
     modern = spawn(tmp_path, MEMSHELF_HANDSHAKE_TIMEOUT="1")
@@ -407,6 +410,7 @@ def test_malformed_params(client, method, params):
     assert client.request("ping") == {}
 
 
+@pytest.mark.slow
 def test_null_params_and_null_arguments_are_absent(client, shelf):
     rid = client.new_id()
     client.send({"jsonrpc": "2.0", "id": rid, "method": "tools/list", "params": None})
@@ -430,6 +434,7 @@ def test_null_params_and_null_arguments_are_absent(client, shelf):
 BIG = 16 * 1024 * 1024
 
 
+@pytest.mark.slow
 def test_huge_inputs_are_quoted_as_short_excerpts(client, shelf):
     """No answer to a bad input echoes it: a quoted value is cut to an excerpt and its length."""
     big = "A" * BIG
@@ -459,6 +464,7 @@ def test_huge_inputs_are_quoted_as_short_excerpts(client, shelf):
     assert not os.path.exists(os.path.join(shelf, "docs", "topics", "2026-07-22-big-tag.md"))
 
 
+@pytest.mark.slow
 def test_the_cli_quotes_huge_input_the_same_way(shelf):
     big = "A" * 100000          # about the most one argv entry may carry
     for args in (["recall", "--shelf", shelf, "--id", big], ["index", "--shelf", "rel/" + big],
@@ -515,6 +521,7 @@ def test_responses_from_the_client_are_ignored(client):
 
 # --- lifecycle and versions ----------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", VERSIONS)
 def test_initialize_echoes_supported_versions(tmp_path, version):
     c = spawn(tmp_path)
@@ -620,6 +627,7 @@ def test_tools_list_is_deterministic_and_small(client):
 
 # --- tool calls ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tool_calls_on_a_real_shelf(tmp_path):
     shelf_dir = str(tmp_path / "made-by-mcp")
     c = spawn(tmp_path)
@@ -697,6 +705,7 @@ def test_mcp_text_json(tmp_path):
 
 # --- the default shelf -----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", [None, "", "   ", "${user_config.shelf}"])
 def test_no_default_shelf(tmp_path, shelf, value):
     env = {} if value is None else {"MEMSHELF_SHELF": value}
@@ -730,6 +739,7 @@ def test_alias_variables_and_tilde(tmp_path, shelf):
     assert c.close() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["${HOME}${/}shelf", "${DOCUMENTS}/../shelf",
                                    "${DESKTOP}${pathSeparator}..${/}shelf", "${DOWNLOADS}/../shelf"])
 def test_host_variables_in_the_default_shelf(tmp_path, shelf, value):
@@ -751,6 +761,7 @@ def test_host_variables_in_the_default_shelf(tmp_path, shelf, value):
     assert unknown.returncode == 2 and "no default shelf is set" in unknown.stderr
 
 
+@pytest.mark.slow
 def test_default_shelf_is_created_on_first_write(tmp_path):
     target = str(tmp_path / "fresh" / "shelf")
     c = spawn(tmp_path, MEMSHELF_SHELF=target)
@@ -817,6 +828,7 @@ def test_resource_templates(client):
     assert all(t["mimeType"] == "text/markdown" for t in templates)
 
 
+@pytest.mark.slow
 def test_resources_list(stocked):
     stocked, _ = stocked
     resources = stocked.request("resources/list")["resources"]
@@ -868,6 +880,7 @@ def write_episode(shelf_dir, slug, body="- a decision"):
     return path
 
 
+@pytest.mark.slow
 def test_resources_list_pages_and_big_episodes(tmp_path, fresh_shelf):
     import memshelf
     if not hasattr(memshelf, "list_episodes"):
@@ -896,6 +909,7 @@ def test_resources_list_pages_and_big_episodes(tmp_path, fresh_shelf):
     assert c.close() == 0
 
 
+@pytest.mark.slow
 def test_archive_index_resource(tmp_path, fresh_shelf):
     c = spawn(tmp_path, MEMSHELF_SHELF=fresh_shelf)
     c.initialize()
@@ -969,6 +983,7 @@ def test_progress_is_increasing_and_before_the_response(client, shelf):
     assert values == sorted(set(values))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.name != "posix", reason="holds the shelf lock with fcntl")
 def test_cancel_a_request_waiting_for_the_shelf_lock(tmp_path, fresh_shelf):
     shelf = fresh_shelf
@@ -1024,6 +1039,7 @@ def test_server_discover(tmp_path, after_initialize):
     assert c.close() == 0
 
 
+@pytest.mark.slow
 def test_modern_requests_are_stateless(tmp_path, fresh_shelf):
     shelf = fresh_shelf
     c = spawn(tmp_path, MEMSHELF_SHELF=shelf)
@@ -1085,6 +1101,7 @@ def test_modern_logging_is_per_request(tmp_path):
 
 # --- two servers, one shelf ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_servers_lose_no_write(tmp_path, fresh_shelf):
     shelf = fresh_shelf
     servers = [spawn(tmp_path, MEMSHELF_LOCK_TIMEOUT="120") for _ in range(2)]

@@ -194,6 +194,7 @@ def test_chart(shelf):
         assert memshelf._render_chart(chart_rows(f.read())).encode() == rebuilt
 
 
+@pytest.mark.slow
 def test_chart_with_nothing_to_chart(tmp_path):
     root = str(tmp_path / "empty")
     memshelf.init(shelf_path=root, storage="plain")
@@ -203,6 +204,7 @@ def test_chart_with_nothing_to_chart(tmp_path):
     assert not os.path.exists(os.path.join(root, "stats.svg"))
 
 
+@pytest.mark.slow
 def test_cli_banner_json_and_bad_input(shelf, tmp_path):
     r = cli("stats", "--shelf", shelf, "--banner")
     assert r.returncode == 0

@@ -7,21 +7,28 @@ import time
 
 import pytest
 
-from conftest import age_files, edit_in_place, memo_current, run_cli
+from conftest import age_files, copy_of_template, edit_in_place, memo_current, run_cli
+
+pytestmark = pytest.mark.slow
 
 DIGEST = "Ana chose option A over option B for speed. Open: none."
 SLUGS = ("2026-01-01-alpha-cache", "2026-01-02-beta-queue", "2026-01-03-gamma-auth")
 
 
-@pytest.fixture
-def three(tmp_path):
-    root = tmp_path / "shelf"
+def _shelve_three(root):
     assert run_cli("init", "--shelf", root).code == 0
     for slug in SLUGS:
         r = run_cli("shelve", "--shelf", root, "--slug", slug, "--kind", "topic",
                     "--digest", DIGEST, "--description", f"Ana picked a plan for {slug[11:]}",
                     "--section", "Decisions=- option A")
         assert r.code == 0, r
+
+
+@pytest.fixture
+def three(tmp_path, tmp_path_factory):
+    # the shelved shelf is built once and copied; aging the files voids the store's stamps
+    # and the render memo's key in the copy as it does in the original
+    root = copy_of_template(tmp_path_factory, tmp_path / "shelf", "store-three", _shelve_three)
     age_files(root)
     assert run_cli("rebuild", "--shelf", root).code == 0
     # every reader once, so each has whatever it remembers

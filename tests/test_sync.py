@@ -99,6 +99,7 @@ def codes(report, level=None):
 
 # --- preflight, push, the sync report ------------------------------------------------------
 
+@pytest.mark.slow
 def test_first_push_creates_the_branch_and_reports(tmp_path):
     bare = bare_remote(tmp_path)
     a = tmp_path / "a"
@@ -124,6 +125,7 @@ def test_first_push_creates_the_branch_and_reports(tmp_path):
     assert head(bare, "main") != head(a)
 
 
+@pytest.mark.slow
 def test_preflight_fast_forwards_before_writing(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -140,6 +142,7 @@ def test_preflight_fast_forwards_before_writing(tmp_path):
         ["shelve: 2026-07-03-from-a", "shelve: 2026-07-02-from-b"]
 
 
+@pytest.mark.slow
 def test_preflight_refuses_a_dirty_tree_before_writing(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -162,6 +165,7 @@ def test_preflight_refuses_a_dirty_tree_before_writing(tmp_path):
     assert git(a, "status", "--porcelain", "--", "POLICY.md").startswith(" M")
 
 
+@pytest.mark.slow
 def test_preflight_refuses_a_diverged_clone(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -177,6 +181,7 @@ def test_preflight_refuses_a_diverged_clone(tmp_path):
     assert snapshot(a) == before
 
 
+@pytest.mark.slow
 def test_offline_only_warns(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -196,6 +201,7 @@ def test_offline_only_warns(tmp_path):
     assert git(a, "log", "-1", "--format=%s").strip() == "shelve: 2026-07-03-unpushed"
 
 
+@pytest.mark.slow
 def test_push_rejected_rebases_once_and_regenerates(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -219,6 +225,7 @@ def test_push_rejected_rebases_once_and_regenerates(tmp_path):
     assert rebuild_check(a)
 
 
+@pytest.mark.slow
 def test_a_refused_push_is_incomplete_with_the_catch_up_hint(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -237,6 +244,7 @@ def test_a_refused_push_is_incomplete_with_the_catch_up_hint(tmp_path):
     assert r.code == 1 and "hint: git -C" in r.out, r
 
 
+@pytest.mark.slow
 def test_bot_mode_commits_episodes_only(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -250,6 +258,7 @@ def test_bot_mode_commits_episodes_only(tmp_path):
 
 # --- publish ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_publish_pushes_a_new_branch_without_switching(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -276,6 +285,7 @@ def test_publish_pushes_a_new_branch_without_switching(tmp_path):
     assert r.code == 2
 
 
+@pytest.mark.slow
 def test_publish_on_an_auto_shelf_warns(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -299,6 +309,7 @@ def test_compare_urls():
 
 # --- await-render ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_await_render_pulls_the_renderers_commit(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -332,6 +343,7 @@ def test_await_render_pulls_the_renderers_commit(tmp_path):
     assert "no-ledger-row" not in codes(doctor(a))
 
 
+@pytest.mark.slow
 def test_await_render_notes_instead_of_failing(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -346,6 +358,7 @@ def test_await_render_notes_instead_of_failing(tmp_path):
 
 # --- the sync verb ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sync_verb_pulls_reports_and_installs(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -382,6 +395,7 @@ def test_sync_verb_pulls_reports_and_installs(tmp_path):
     assert r.code == 1 and "shelf.yml" in r.err
 
 
+@pytest.mark.slow
 def test_sync_without_a_remote(tmp_path, shelf):
     r = run_cli("sync", "--shelf", shelf, "--json")
     assert r.code == 0
@@ -390,6 +404,7 @@ def test_sync_without_a_remote(tmp_path, shelf):
 
 # --- merges resolve themselves -------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rebase", [False, True], ids=["merge", "rebase"])
 def test_pulling_two_clones_leaves_a_correct_shelf(tmp_path, rebase):
     bare = bare_remote(tmp_path)
@@ -416,6 +431,7 @@ def test_pulling_two_clones_leaves_a_correct_shelf(tmp_path, rebase):
     assert codes(doctor(b), "error") == [] and codes(doctor(b), "warning") == []
 
 
+@pytest.mark.slow
 def test_resolve_finishes_a_merge_without_drivers(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -443,6 +459,7 @@ def test_resolve_finishes_a_merge_without_drivers(tmp_path):
     assert git(b, "status", "--porcelain", "--untracked-files=no") == ""
 
 
+@pytest.mark.slow
 def test_resolve_reports_an_episode_conflict_without_touching_it(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare)
@@ -470,6 +487,7 @@ def test_resolve_reports_an_episode_conflict_without_touching_it(tmp_path):
     assert r.json()["committed"] and rebuild_check(b)
 
 
+@pytest.mark.slow
 def test_resolve_outside_a_merge_is_rebuild_and_doctor(tmp_path, shelf):
     put(shelf, "2026-07-01-first")
     (shelf / "INDEX.md").write_text("stale\n", encoding="utf-8")
@@ -521,6 +539,7 @@ def test_merge_driver_verb(tmp_path):
 
 # --- doctor: judging the renderer ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_doctor_judges_the_renderer_from_the_clones_own_evidence(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -555,6 +574,7 @@ def test_doctor_judges_the_renderer_from_the_clones_own_evidence(tmp_path):
     assert report["healthy"]
 
 
+@pytest.mark.slow
 def test_doctor_upstream_not_rendered_and_upstream_unknown(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -571,6 +591,7 @@ def test_doctor_upstream_not_rendered_and_upstream_unknown(tmp_path):
     assert "upstream-unknown" in codes(doctor(a), "warning")
 
 
+@pytest.mark.slow
 def test_doctor_derived_age_unknown_in_a_shallow_clone(tmp_path):
     bare = bare_remote(tmp_path)
     a = first_shelf(tmp_path, bare, derived="bot")
@@ -590,6 +611,7 @@ def test_doctor_derived_age_unknown_in_a_shallow_clone(tmp_path):
     assert "derived-age-unknown" not in codes(doctor(d))
 
 
+@pytest.mark.slow
 def test_a_remote_on_an_unreachable_public_host_is_never_called_private(tmp_path, shelf):
     git(shelf, "remote", "add", "origin", "https://shelf-host.invalid/acme/shelf.git")
     report = memshelf.doctor(shelf_path=str(shelf), check_remote=True)
@@ -614,6 +636,7 @@ def test_templates_name_the_renderer(tmp_path):
 
 # --- the git wrapper's commits and hooks -----------------------------------------------------
 
+@pytest.mark.slow
 def test_commits_hold_exactly_their_paths_and_record_moves(tmp_path, shelf):
     put(shelf, "2026-07-01-first")
     (shelf / "notes.txt").write_text("the user's own work\n")
@@ -630,6 +653,7 @@ def test_commits_hold_exactly_their_paths_and_record_moves(tmp_path, shelf):
     assert git(shelf, "status", "--porcelain") == "A  notes.txt\n"
 
 
+@pytest.mark.slow
 def test_the_guard_follows_a_moved_shelf(tmp_path, shelf):
     moved = tmp_path / "elsewhere" / "shelf"
     moved.parent.mkdir()
@@ -650,6 +674,7 @@ def test_the_guard_follows_a_moved_shelf(tmp_path, shelf):
     assert r.json()["hooks"]["installed"] == [] and "post-merge" in r.json()["hooks"]["skipped"]
 
 
+@pytest.mark.slow
 def test_the_pre_commit_guard_blocks_a_secret(tmp_path, shelf):
     leak = shelf / "docs" / "topics" / "2026-07-01-leak.md"
     leak.write_text("token ghp_a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8\n")

@@ -96,6 +96,7 @@ def cli_json(*args):
 
 # --- tags ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tags_lines_counts_and_spelling(shelf):
     r = run_cli("tags", "--shelf", shelf)
     assert r.code == 0, r
@@ -133,6 +134,7 @@ def test_graph_json_edges_sections_and_order(shelf):
     assert run_cli("graph", "--shelf", shelf).out == plain.out
 
 
+@pytest.mark.slow
 def test_graph_mermaid_out_and_bad_input(shelf, tmp_path):
     r = run_cli("graph", "--shelf", shelf, "--format", "mermaid")
     assert r.code == 0, r
@@ -154,6 +156,7 @@ def test_graph_mermaid_out_and_bad_input(shelf, tmp_path):
 
 # --- retro --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_retro_quarter_private_and_determinism(shelf, tmp_path):
     r = run_cli("retro", "--shelf", shelf, "--quarter", "2026Q3")
     assert r.code == 0, r
@@ -195,6 +198,7 @@ def test_retro_bad_periods_are_usage_errors(shelf, args):
 
 # --- fork ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_fork_envelopes_sections_and_flags(shelf, tmp_path):
     r = run_cli("fork", "--shelf", shelf, "--episode", AUTH, "--episode", HOSTILE,
                 "--section", "decisions")
@@ -221,6 +225,7 @@ def test_fork_envelopes_sections_and_flags(shelf, tmp_path):
                                                       REDIS).out
 
 
+@pytest.mark.slow
 def test_fork_budget_private_and_bad_input(shelf):
     data = cli_json("fork", "--shelf", shelf, "--episode", AUTH, "--episode", RELEASE,
                     "--episode", SECRET, "--no-index", "--budget", "260")
@@ -248,6 +253,7 @@ def test_fork_budget_private_and_bad_input(shelf):
 
 # --- mirror (content; the real browser is in test_mirror_browser.py) ------------------------
 
+@pytest.mark.slow
 def test_mirror_is_self_contained_escaped_and_deterministic(shelf, tmp_path):
     r = run_cli("mirror", "--shelf", shelf, "--all")
     assert r.code == 0, r
@@ -281,6 +287,7 @@ def test_mirror_is_self_contained_escaped_and_deterministic(shelf, tmp_path):
     assert w.code == 0 and out.read_text(encoding="utf-8") == page
 
 
+@pytest.mark.slow
 def test_mirror_selection_private_and_bad_input(shelf):
     only = cli_json("mirror", "--shelf", shelf, "--episode", REDIS, "--episode", SECRET)
     assert only["episodes"] == [REDIS]
@@ -326,6 +333,7 @@ def test_mirror_markdown_renderer_units():
 
 # --- prune-splits -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_prune_splits_dry_run_apply_and_tracked(tmp_path):
     root = str(tmp_path / "splits")
     memshelf.init(shelf_path=root)
@@ -388,6 +396,7 @@ def _checkout(tmp_path):
     return co
 
 
+@pytest.mark.slow
 def test_freshness_rows_states_and_unreleased(tmp_path):
     co = _checkout(tmp_path)
     ext = tmp_path / "extensions"

@@ -11,7 +11,7 @@ import sqlite3
 
 import pytest
 
-from conftest import run_cli
+from conftest import copy_of_template, run_cli
 
 TOPICS = [
     ("2026-04-01-queue-retry", "Ana capped queue retries at five with jitter. Open: nothing left."),
@@ -40,15 +40,20 @@ HAND_WRITTEN = {
 }
 
 
-@pytest.fixture
-def shelf_with_work(plain_shelf):
+def _work(root):
+    assert run_cli("init", "--shelf", root, "--storage", "plain").code == 0
     for slug, digest in TOPICS:
-        r = run_cli("shelve", "--shelf", plain_shelf, "--slug", slug, "--kind", "topic",
+        r = run_cli("shelve", "--shelf", root, "--slug", slug, "--kind", "topic",
                     "--digest", digest, "--section", "Decisions=- As the digest says.")
         assert r.code == 0, r
     for slug, text in HAND_WRITTEN.items():
-        (plain_shelf / "docs" / "topics" / f"{slug}.md").write_text(text, encoding="utf-8")
-    return plain_shelf
+        (root / "docs" / "topics" / f"{slug}.md").write_text(text, encoding="utf-8")
+
+
+@pytest.fixture
+def shelf_with_work(tmp_path, tmp_path_factory):
+    """Built once, copied for each test."""
+    return copy_of_template(tmp_path_factory, tmp_path / "plain", "workers", _work)
 
 
 def fresh_run(root, workers, *args):
@@ -56,6 +61,7 @@ def fresh_run(root, workers, *args):
     return run_cli(*args, "--shelf", root, "--json", env={"MEMSHELF_WORKERS": workers})
 
 
+@pytest.mark.slow
 def test_doctor_in_workers_finds_exactly_what_one_process_finds(shelf_with_work):
     serial = fresh_run(shelf_with_work, "1", "doctor")
     forked = fresh_run(shelf_with_work, "2", "doctor")
@@ -69,6 +75,7 @@ def test_doctor_in_workers_finds_exactly_what_one_process_finds(shelf_with_work)
     assert again.json() == serial.json()
 
 
+@pytest.mark.slow
 def test_doctor_checks_in_workers_when_only_its_own_cache_is_void(shelf_with_work):
     # the episode cache stays warm; a new POLICY.patterns rule voids every cached verdict, so
     # the checks run in their own pass instead of beside the parse
@@ -102,6 +109,7 @@ def cache_rows(root):
         con.close()
 
 
+@pytest.mark.slow
 def test_rebuild_in_workers_writes_the_same_files(shelf_with_work):
     names = ["INDEX.md", "ledger.tsv", "docs/topics/.meta.json", "stats.svg"]
     r = fresh_run(shelf_with_work, "1", "rebuild")
@@ -122,6 +130,7 @@ def test_rebuild_in_workers_writes_the_same_files(shelf_with_work):
     assert check.code == 0 and check.json()["ok"] is True, check
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["", "zero", "-3", "0"])
 def test_odd_worker_settings_still_work(shelf_with_work, value):
     r = fresh_run(shelf_with_work, value, "rebuild")
@@ -201,12 +210,14 @@ def _pool(case):
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_the_pool_gives_every_result_once_and_the_parent_works_too():
     out = _pool("results")
     assert out["no_children"] is True and out["collector"] == [True, 0]
     assert out["5001"] == 2   # the parent and one forked worker both did work
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,error", [
     ("raises", "ValueError: bad item"),
     ("unpicklable", "RuntimeError: in a worker process: Odd('odd')"),
