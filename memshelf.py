@@ -1591,6 +1591,68 @@ def _episode_date(fields, stem):
     return ident[:10] if _is_iso_date(ident[:10]) else ""
 
 
+# A cached record is a JSON array of these values in this order: keys per record, a third of
+# memory at 100k (bump _CACHE_SCHEMA when it changes)
+_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "ctime_ns",
+                "fm_ok", "fm_error", "fields", "has_block", "portability", "id", "kind", "date",
+                "span", "display_title", "description", "tags", "supersedes", "approx_tokens",
+                "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
+                "sections", "status")
+
+
+class Episode:
+    """One episode file as every verb reads it: where it is and its stamp (path, stem, category,
+    archived, size, mtime_ns, ino, ctime_ns), its frontmatter (fm_ok, fm_error, fields,
+    has_block, portability), the fields promoted from it (id ... retain_until, status) and sizes
+    derived from the body (digest_tokens, digest, sections as [heading, tokens] pairs).
+    A render record (_Store.render_records, from the cache columns alone) fills only path, stem,
+    archived, size, category, id, date, supersedes, mode, approx_tokens, approx_src,
+    digest_tokens, notes, status, fields (the date field alone) and its own INDEX line and
+    .meta.json entry (index_entry, meta_entry, meta_warning; None in a whole record); the rest
+    are None. Never printed as it is: as_dict() is the one conversion for JSON."""
+
+    __slots__ = _RECORD_KEYS + ("index_entry", "meta_entry", "meta_warning")
+
+    # positional in _RECORD_KEYS order: a cached row is Episode(*values) (cheaper than a dict)
+    def __init__(self, path, stem, category, archived, size, mtime_ns=None, ino=None,
+                 ctime_ns=None, fm_ok=None, fm_error=None, fields=None, has_block=None,
+                 portability=None, id=None, kind=None, date=None, span=None, display_title=None,
+                 description=None, tags=None, supersedes=None, approx_tokens=None,
+                 approx_src=None, mode=None, notes=None, retain_until=None, digest_tokens=None,
+                 digest=None, sections=None, status=None, index_entry=None, meta_entry=None,
+                 meta_warning=None):
+        (self.path, self.stem, self.category, self.archived, self.size, self.mtime_ns, self.ino,
+         self.ctime_ns, self.fm_ok, self.fm_error, self.fields, self.has_block, self.portability,
+         self.id, self.kind, self.date, self.span, self.display_title, self.description,
+         self.tags, self.supersedes, self.approx_tokens, self.approx_src, self.mode, self.notes,
+         self.retain_until, self.digest_tokens, self.digest, self.sections, self.status,
+         self.index_entry, self.meta_entry, self.meta_warning) = (
+            path, stem, category, archived, size, mtime_ns, ino, ctime_ns, fm_ok, fm_error,
+            fields, has_block, portability, id, kind, date, span, display_title, description,
+            tags, supersedes, approx_tokens, approx_src, mode, notes, retain_until,
+            digest_tokens, digest, sections, status, index_entry, meta_entry, meta_warning)
+
+    def __reduce__(self):   # a worker's record crosses the pipe as its values, not slot names
+        return Episode, _episode_values(self)
+
+    def __repr__(self):
+        return f"Episode({self.path!r})"
+
+    def as_dict(self):
+        """Every key and value, for JSON: the one way a record is printed."""
+        return dict(zip(Episode.__slots__, _episode_values(self)))
+
+    def replace(self, **changes):
+        """A copy with some values changed (the record stays as it was)."""
+        new = Episode(*_episode_values(self))
+        for key, value in changes.items():
+            setattr(new, key, value)
+        return new
+
+
+_episode_values = operator.attrgetter(*Episode.__slots__)
+_record_values = operator.attrgetter(*_RECORD_KEYS)
+
 # An episode as _read_episode parsed it: normalised text, body after the frontmatter, sections
 _EpisodeText = collections.namedtuple("_EpisodeText", "text body preamble sections")
 
@@ -1615,60 +1677,58 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
     except OSError as exc:
         error = f"io: {exc.strerror}"
         st = st or _stamp((0, 0, 0, 0))   # gone since the listing
-    rec = {"path": rel, "stem": rel.rsplit("/", 1)[-1][:-3],
-           "category": sys.intern(rel.split("/")[-2]), "archived": archived,
-           "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,
-           "ctime_ns": st.st_ctime_ns, "fm_ok": False,
-           "fm_error": error, "fields": {}, "has_block": False, "portability": []}
+    rec = Episode(rel, rel.rsplit("/", 1)[-1][:-3], sys.intern(rel.split("/")[-2]), archived,
+                  st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, False, error, {}, False,
+                  [])
     try:
         text = raw.decode("utf-8")   # b"" after an io error
     except UnicodeDecodeError as exc:
-        rec["fm_error"] = f"encoding: not UTF-8 (byte {exc.start})"
+        rec.fm_error = f"encoding: not UTF-8 (byte {exc.start})"
         text = raw.decode("utf-8", "replace")
     body = text = _normalised(text)
-    if rec["fm_error"] is None:
+    if rec.fm_error is None:
         try:
             detail = _parse_frontmatter_detail(text)
-            rec["fields"], body = detail["fields"], detail["body"]
-            rec["has_block"] = rec["fm_ok"] = detail["has_block"]
-            rec["portability"] = detail.get("portability", [])
+            rec.fields, body = detail["fields"], detail["body"]
+            rec.has_block = rec.fm_ok = detail["has_block"]
+            rec.portability = detail.get("portability", [])
         except FrontmatterError as exc:
-            rec["fm_error"] = f"{exc.error_class}: {exc}"
+            rec.fm_error = f"{exc.error_class}: {exc}"
     split = _fill_record(rec, body)
     return rec if also is None else (rec, also(rec, raw, _EpisodeText(text, body, *split)))
 
 
 def _fill_record(rec, body):
     """Fill the record's fields from its frontmatter and body; returns (preamble, sections)."""
-    f = rec["fields"]
+    f = rec.fields
     # a string field on one line (a block scalar or a "\n" escape may hold breaks), else None
     s = {k: _collapse(v) if "\n" in v else v for k, v in f.items() if isinstance(v, str)}.get
-    rec["id"], rec["kind"] = s("id"), s("kind")
-    rec["date"] = _episode_date(f, rec["stem"])
-    rec["span"] = s("span")
-    rec["display_title"] = s("display_title") or ""
-    rec["description"] = s("description")
-    for key in ("tags", "supersedes"):
-        items = f.get(key)
-        rec[key] = [t for t in items if isinstance(t, str)] if isinstance(items, list) else []
-    rec["approx_tokens"] = _int_or_none(s("approx_tokens") or "")
-    rec["approx_src"] = s("approx_tokens_source")
-    rec["mode"] = s("mode")
-    rec["notes"] = s("notes") or ""
-    rec["retain_until"] = s("retain_until")
-    rec["status"] = _episode_status(f)
-    rec["digest_tokens"] = tokens(_ledger_digest(body))
+    rec.id, rec.kind = s("id"), s("kind")
+    rec.date = _episode_date(f, rec.stem)
+    rec.span = s("span")
+    rec.display_title = s("display_title") or ""
+    rec.description = s("description")
+    rec.tags, rec.supersedes = [[t for t in items if isinstance(t, str)]
+                                if isinstance(items, list) else []
+                                for items in (f.get("tags"), f.get("supersedes"))]
+    rec.approx_tokens = _int_or_none(s("approx_tokens") or "")
+    rec.approx_src = s("approx_tokens_source")
+    rec.mode = s("mode")
+    rec.notes = s("notes") or ""
+    rec.retain_until = s("retain_until")
+    rec.status = _episode_status(f)
+    rec.digest_tokens = tokens(_ledger_digest(body))
     preamble, sections = _split_sections(body)
-    rec["digest"] = _digest_of(sections)
-    rec["sections"] = [[h, tokens(t.strip())] for h, t in sections]
+    rec.digest = _digest_of(sections)
+    rec.sections = [[h, tokens(t.strip())] for h, t in sections]
     return preamble, sections
 
 
 def _record_description(rec):
     """What INDEX shows: the description, else the digest's first sentence; capped."""
-    d = rec.get("description")
+    d = rec.description
     if d is None:
-        d = _first_sentence(rec.get("digest") or "")
+        d = _first_sentence(rec.digest or "")
     return _cap_description(d)[0] if d else ""
 
 
@@ -1785,7 +1845,7 @@ class _Store:
             fresh = row is not None and st is not None and _unchanged(st, row[1:4], row[4])
             obj = from_row(rel, archived, row[5:]) if fresh else None
             if whole and obj is not None:
-                obj["ctime_ns"] = st[3]   # now's, not the parse's: doctor dates its verdicts by it
+                obj.ctime_ns = st[3]   # now's, not the parse's: doctor dates its verdicts by it
             if obj is None:
                 missing.append((len(out), rel, archived, st))
             out.append(obj)
@@ -1806,7 +1866,7 @@ class _Store:
                 doc = None
             # columns alone for their reader: encoding whole records would weigh on the empty-cache
             # rebuild (docs/performance.md § 10,000 episodes)
-            row = (rec["path"], rec["size"], rec["mtime_ns"], rec["ino"], seen,
+            row = (rec.path, rec.size, rec.mtime_ns, rec.ino, seen,
                    _record_to_row(rec) if cached and whole else None) + \
                 (_cache_columns(rec) if cached or not whole else ())   # what is read of it
             rec = (trim(rec) if trim else rec) if whole else None
@@ -1856,12 +1916,6 @@ class _Store:
         self.close()
 
 
-# A cached record is a JSON array in this key order: keys per record, a third of memory at 100k
-_RECORD_KEYS = ("path", "stem", "category", "archived", "size", "mtime_ns", "ino", "ctime_ns",
-                "fm_ok", "fm_error", "fields", "has_block", "portability", "id", "kind", "date",
-                "span", "display_title", "description", "tags", "supersedes", "approx_tokens",
-                "approx_src", "mode", "notes", "retain_until", "digest_tokens", "digest",
-                "sections", "status")
 # What renders and accounting read, as cache columns: no record decoded, entries formatted once
 _CACHE_COLUMNS = ("category", "id", "date", "index_entry", "meta_entry", "meta_warning",
                   "supersedes", "mode", "approx_tokens", "approx_src", "digest_tokens", "notes",
@@ -1874,11 +1928,11 @@ _RENDER_KEYS = ("path", "stem", "archived", "size") + _CACHE_COLUMNS
 
 def _cache_columns(rec):
     """The values of _CACHE_COLUMNS for a record."""
-    date = rec["fields"].get("date")
-    return (rec["category"], rec["id"], rec["date"], _index_entry(rec)) + _meta_entry(rec) + \
-        (_json_row(rec["supersedes"]) if rec["supersedes"] else "[]", rec["mode"],
-         rec["approx_tokens"], rec["approx_src"], rec["digest_tokens"], rec["notes"],
-         date if isinstance(date, str) else None, rec.get("status"))
+    date = rec.fields.get("date")
+    return (rec.category, rec.id, rec.date, _index_entry(rec)) + _meta_entry(rec) + \
+        (_json_row(rec.supersedes) if rec.supersedes else "[]", rec.mode,
+         rec.approx_tokens, rec.approx_src, rec.digest_tokens, rec.notes,
+         date if isinstance(date, str) else None, rec.status)
 
 
 def _render_record_from_row(rel, archived, columns):
@@ -1894,13 +1948,13 @@ def _render_record_from_row(rel, archived, columns):
             not all(v is None or v.__class__ is str for v in (meta_entry, meta_warning)):
         return None
     stem = rel.rsplit("/", 1)[-1][:-3]
-    return {"path": rel, "stem": stem, "archived": archived, "size": size,
-            "category": sys.intern(category), "id": stem if ident == stem else ident, "date": date,
-            "index_entry": index_entry, "meta_entry": meta_entry, "meta_warning": meta_warning,
-            "supersedes": supersedes, "mode": mode, "approx_tokens": approx_tokens,
-            "approx_src": approx_src, "digest_tokens": digest_tokens, "notes": notes,
-            "status": status if status in STATUSES else None,
-            "fields": {} if date_field is None else {"date": date_field}}
+    # positional in Episode's order (keywords cost a third more): None where nothing is read
+    return Episode(rel, stem, sys.intern(category), archived, size, None, None, None, None, None,
+                   {} if date_field is None else {"date": date_field}, None, None,  # fields
+                   stem if ident == stem else ident, None, date, None, None, None,  # id ..
+                   None, supersedes, approx_tokens, approx_src, mode, notes, None,  # tags ..
+                   digest_tokens, None, None, status if status in STATUSES else None,
+                   index_entry, meta_entry, meta_warning)
 
 
 def _cache_rows(db, sql):
@@ -1934,12 +1988,11 @@ def _beside(rows, items, path_of, gone):
 
 # Promoted string fields that usually equal their frontmatter value: one object serves both.
 _SHARED_FIELDS = ("id", "kind", "span", "date", "display_title", "description", "mode")
-# Values drawn from a handful of words: one shared object each.
-_INTERNED_VALUES = ("category", "kind", "mode", "approx_src", "notes")
+_shared_values = operator.attrgetter(*_SHARED_FIELDS)
 
 
 def _record_to_row(rec):
-    return _json_row([rec.get(k) for k in _RECORD_KEYS])
+    return _json_row(_record_values(rec))
 
 
 # json.dumps(value, ensure_ascii=False) with one encoder: dumps with options makes one per call
@@ -1955,30 +2008,38 @@ def _record_from_row(text):
     if not isinstance(values, list) or len(values) != len(_RECORD_KEYS) or \
             not isinstance(values[_RECORD_KEYS.index("fields")], dict):
         return None
-    return _share_values(dict(zip(_RECORD_KEYS, values)))
+    return _share_values(Episode(*values))
 
 
 def _share_values(rec):
     """One object for equal strings inside a record: the catalog holds every record at once."""
-    for key in _INTERNED_VALUES:
-        if isinstance(rec[key], str):
-            rec[key] = sys.intern(rec[key])
-    for key, same in (("id", "stem"), ("span", "date")):
-        if rec[key] == rec[same]:
-            rec[key] = rec[same]
+    intern = sys.intern   # values drawn from a handful of words: one shared object each
+    if rec.category.__class__ is str:
+        rec.category = intern(rec.category)
+    if rec.kind.__class__ is str:
+        rec.kind = intern(rec.kind)
+    if rec.mode.__class__ is str:
+        rec.mode = intern(rec.mode)
+    if rec.approx_src.__class__ is str:
+        rec.approx_src = intern(rec.approx_src)
+    if rec.notes.__class__ is str:
+        rec.notes = intern(rec.notes)
+    if rec.id == rec.stem:
+        rec.id = rec.stem
+    if rec.span == rec.date:
+        rec.span = rec.date
     # keys decoded from the cache or unpickled from a worker are copies; interned, one each
-    fields = rec["fields"] = {sys.intern(k): v for k, v in rec["fields"].items()}
-    for key in _SHARED_FIELDS:
-        value = rec[key]
+    fields = rec.fields = {sys.intern(k): v for k, v in rec.fields.items()}
+    for key, value in zip(_SHARED_FIELDS, _shared_values(rec)):
         if value is not None and fields.get(key) == value:
             fields[key] = value
-    for tags in (rec["tags"], fields.get("tags")):
+    for tags in (rec.tags, fields.get("tags")):
         if isinstance(tags, list):
             tags[:] = [sys.intern(t) if isinstance(t, str) else t for t in tags]
     source = fields.get("approx_tokens_source")
     if isinstance(source, str):
         fields["approx_tokens_source"] = sys.intern(source)
-    for section in rec["sections"] if isinstance(rec["sections"], list) else ():
+    for section in rec.sections if isinstance(rec.sections, list) else ():
         if isinstance(section, list) and section and isinstance(section[0], str):
             section[0] = sys.intern(section[0])
     return rec
@@ -2135,7 +2196,7 @@ def _save_state(root, **updates):
 def _episode_read(root, rel, archived=False):
     """(record, _EpisodeText) of an episode to show; a file not UTF-8 or with a NUL is refused."""
     rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
-    error = rec["fm_error"] or ""
+    error = rec.fm_error or ""
     if error.startswith(("io:", "encoding:")):
         raise ShelfError("io-error", f"{rel} cannot be read as text ({error})",
                          "convert the file to UTF-8, or restore it from git", {"path": rel})
@@ -2164,12 +2225,12 @@ def _resolve_episode(root, raw, archive=True):
         return rel, archived
     with _Store(root) as cat:
         recs = cat.records(archive)
-    found = next((r for r in recs if r.get("id") == key), None) or \
-        next((r for r in recs if r["stem"].casefold() == key.casefold()), None)
+    found = next((r for r in recs if r.id == key), None) or \
+        next((r for r in recs if r.stem.casefold() == key.casefold()), None)
     if found:
-        return found["path"], found["archived"]
+        return found.path, found.archived
     import difflib
-    close = difflib.get_close_matches(key, [r["stem"] for r in recs], n=3, cutoff=0.6)
+    close = difflib.get_close_matches(key, [r.stem for r in recs], n=3, cutoff=0.6)
     hint = ("did you mean: " + ", ".join(close)) if close else \
         "read the INDEX (memshelf index) or search for it"
     raise ShelfError("episode-not-found", f"no episode {_excerpt(key)} on this shelf" +
@@ -5830,40 +5891,51 @@ def shelve(shelf_path=None, slug=None, kind=None, digest=None, sections=None, di
     shelve).
     On amend, every field, section and frontmatter key the call does not give is kept. `file`
     (paths, directories, - for stdin) may hold many episodes: one lock, one commit, all or none."""
-    call = dict(locals())
+    # every argument but the episode document's text: the same for each document of a batch
+    request = functools.partial(
+        _shelve_arguments, shelf_path=shelf_path, slug=slug, kind=kind, digest=digest,
+        sections=sections, display_title=display_title, description=description, span=span,
+        date=date, session=session, agent=agent, model=model, notes=notes,
+        retain_until=retain_until, tags=tags, supersedes=supersedes, approx_tokens=approx_tokens,
+        approx_tokens_source=approx_tokens_source, mode=mode, amend=amend, strict=strict,
+        dry_run=dry_run, push=push, publish=publish, autocommit=autocommit, sync=sync,
+        await_render_seconds=await_render_seconds, digest_file=digest_file,
+        section_files=section_files, drop_sections=drop_sections,
+        append_sections=append_sections, status=status)
     docs = [(None, None)] if not file else _episode_documents(file)
     if len(docs) > 1:
-        return _shelve_batch(call, docs)
-    a = _shelve_arguments(**dict(call, file=docs[0][1]))
+        if slug is not None:
+            raise _usage(f"--slug names one episode; {len(docs)} episode documents were given",
+                         "drop --slug: each document's frontmatter id names it")
+        return _shelve_batch(request, docs, dry_run, sync)
+    a = request(file=docs[0][1])
     # a dry run writes nothing, so it waits for no writer
-    with _lock_unless(dry_run, a["root"]):
-        return _shelve_locked(a["root"], a)
+    with _lock_unless(dry_run, a.root):
+        return _shelve_locked(a.root, a)
 
 
-def _shelve_batch(call, docs):
-    """Many episode documents: each checked and composed under one lock, then written with one
-    render and one commit; one refusal refuses them all, with every refusal listed."""
-    if call["slug"] is not None:
-        raise _usage(f"--slug names one episode; {len(docs)} episode documents were given",
-                     "drop --slug: each document's frontmatter id names it")
+def _shelve_batch(request, docs, dry_run, sync):
+    """Many episode documents: each checked (request(file=text), a _ShelveRequest) and composed
+    under one lock, then written with one render and one commit; one refusal refuses them all,
+    with every refusal listed."""
     plans, refused, seen = [], [], {}
     args = []
     for label, text in docs:
         try:
-            args.append((label, _shelve_arguments(**dict(call, file=text))))
+            args.append((label, request(file=text)))
         except ShelfError as exc:
             refused.append((label, exc))
-    root = args[0][1]["root"] if args else None
-    with _lock_unless(call["dry_run"] or refused or root is None, root):
+    root = args[0][1].root if args else None
+    with _lock_unless(dry_run or refused or root is None, root):
         git = _Git(root) if root else None
-        sync_report = _sync_preflight(root, git) if root and call["sync"] and \
-            not call["dry_run"] and not refused else None
+        sync_report = _sync_preflight(root, git) if root and sync and \
+            not dry_run and not refused else None
         for label, a in args:
-            if a["slug"] in seen:
-                refused.append((label, _usage(f"id {a['slug']} is also in {seen[a['slug']]}",
+            if a.slug in seen:
+                refused.append((label, _usage(f"id {a.slug} is also in {seen[a.slug]}",
                                               "give each episode its own id")))
                 continue
-            seen[a["slug"]] = label
+            seen[a.slug] = label
             try:
                 plans.append(_shelve_plan(root, a, sync_report))
             except ShelfError as exc:
@@ -5879,7 +5951,7 @@ def _shelve_batch(call, docs):
                              {"refused": [{"document": label, "code": exc.code,
                                            "message": exc.message, "fix": exc.fix}
                                           for label, exc in refused]})
-        if call["dry_run"]:
+        if dry_run:
             results = [p.result for p in plans]
             return {"status": "dry-run", "count": len(plans), "ids": [r["id"] for r in results],
                     "episodes": results, "summary": "\n".join(map(_batch_line, results))}
@@ -5956,7 +6028,7 @@ def _shelve_arguments(shelf_path=None, slug=None, kind=None, digest=None, sectio
                       digest_file=None, section_files=None, drop_sections=None,
                       append_sections=None, status=None):
     """shelve's arguments checked (usage errors) and merged with an episode document's text
-    (`file`); returns them with `root`, as _shelve_locked reads them."""
+    (`file`): the _ShelveRequest _shelve_locked reads."""
     warnings = []
     section_list, doc_extra = [], {}
     if file is not None:
@@ -5971,10 +6043,12 @@ def _shelve_arguments(shelf_path=None, slug=None, kind=None, digest=None, sectio
         kind = doc_fields.get("kind") if kind is None else kind
         digest = doc_digest if digest is None else digest
         # the file fills in what the call leaves out; an empty non-free-text option counts as out
-        call, filled = locals(), []
-        for key in ("display_title", "description", "span", "date", "session", "agent", "model",
-                    "notes", "retain_until", "approx_tokens_source", "mode"):
-            value, doc = call[key], doc_fields.get(key)
+        filled = []
+        for key, value in (("display_title", display_title), ("description", description),
+                           ("span", span), ("date", date), ("session", session), ("agent", agent),
+                           ("model", model), ("notes", notes), ("retain_until", retain_until),
+                           ("approx_tokens_source", approx_tokens_source), ("mode", mode)):
+            doc = doc_fields.get(key)
             if value is None:
                 value = doc if isinstance(doc, str) else None
             elif not value and key not in _FREE_TEXT_CAPS:
@@ -5997,7 +6071,13 @@ def _shelve_arguments(shelf_path=None, slug=None, kind=None, digest=None, sectio
     for name, body in (sections or {}).items():
         section_list = [(n, t) for n, t in section_list if n.casefold() != str(name).casefold()]
         section_list.append((name, body))
-    given = {k for k, v in locals().items() if v is not None}   # on amend the rest is kept
+    # on amend the rest is kept
+    given = frozenset(k for k, v in (
+        ("display_title", display_title), ("description", description), ("notes", notes),
+        ("session", session), ("agent", agent), ("model", model), ("tags", tags),
+        ("supersedes", supersedes), ("retain_until", retain_until), ("mode", mode),
+        ("status", status), ("approx_tokens", approx_tokens),
+        ("approx_tokens_source", approx_tokens_source)) if v is not None)
     if slug is None:
         raise _usage("--slug is required", "pass --slug YYYY-MM-DD-latin-words")
     slug = _check_slug(slug)
@@ -6072,14 +6152,29 @@ def _shelve_arguments(shelf_path=None, slug=None, kind=None, digest=None, sectio
         raise _usage("a section is both appended to and given or dropped",
                      "append to it, give it or drop it: one of the three")
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
-    return locals()
+    return _ShelveRequest(
+        root, slug, kind, digest, section_list, appended, drop_sections, doc_extra, given,
+        display_title, description, session, agent, model, notes, span, date, retain_until,
+        tags, supersedes, status, approx_tokens, approx_tokens_source, mode, warnings, amend,
+        strict, dry_run, push, publish, autocommit, sync, await_render_seconds)
+
+
+# One shelve call checked: what _shelve_plan, _shelve_write and _after_commit_sync read of it.
+# section_list: the sections given, canonical; appended: --append-section's; drop_sections:
+# folded names; doc_extra: an episode document's keys no option sets, (value, its lines);
+# given: the option names the call (or its document) gave, which an amend does not keep.
+_ShelveRequest = collections.namedtuple(
+    "_ShelveRequest", "root slug kind digest section_list appended drop_sections doc_extra given "
+    "display_title description session agent model notes span date retain_until tags "
+    "supersedes status approx_tokens approx_tokens_source mode warnings amend strict dry_run "
+    "push publish autocommit sync await_render_seconds")
 
 
 def _amend_report(old, old_fields, old_sections, fields, digest, sections):
     """{changed, kept}: which fields (digest included) and sections an amend changed."""
     def norm(v):
         return str(v) if v not in (None, "", []) and not isinstance(v, list) else v or None
-    was = dict({k: norm(old_fields.get(k)) for k in fields}, digest=old["digest"])
+    was = dict({k: norm(old_fields.get(k)) for k in fields}, digest=old.digest)
     now = dict({k: norm(v) for k, v in fields.items()}, digest=digest)
     before, after = dict(old_sections), dict(sections)
     return {"changed": {"fields": [k for k in now if now[k] != was[k]],
@@ -6112,14 +6207,14 @@ def _amended_sections(olds, given, appended, drop):
 def _shelve_plan(root, a, sync_report=None):
     """Steps 4-9 of docs/verbs.md § shelve: find, redact, check, keep (amend) and compose; writes
     nothing. Returns a _ShelvePlan; a refusal raises."""
-    warnings = a["warnings"]
-    slug, kind = a["slug"], a["kind"]
+    warnings = a.warnings
+    slug, kind = a.slug, a.kind
     existing_rel, existing_archived = _find_episode_path(root, slug)
-    if existing_rel and not a["amend"]:
+    if existing_rel and not a.amend:
         raise ShelfError("episode-exists", f"{slug} is already shelved at {existing_rel}",
                          f"pass {_arg_word('amend', True, 'shelve')} to replace it, or choose "
                          "a new slug", {"address": existing_rel})
-    if a["amend"] and not existing_rel:
+    if a.amend and not existing_rel:
         amend = _arg_word("amend", True, "shelve")
         raise ShelfError("amend-target-missing", f"{amend}: no episode {slug} on this shelf",
                          f"drop {amend} to create it")
@@ -6132,12 +6227,12 @@ def _shelve_plan(root, a, sync_report=None):
     warnings.extend(f"POLICY.patterns: line {p['line']}: {p['reason']}" for p in problems)
     # on amend what the call does not give is kept from the episode: kind, digest, sections in
     # their order, and every frontmatter key as it was written
-    old_fields = old["fields"] if old else {}
-    section_list, olds, verbatim = a["section_list"], [], {}
-    digest_in = a["digest"]
+    old_fields = old.fields if old else {}
+    section_list, olds, verbatim = a.section_list, [], {}
+    digest_in = a.digest
     if old:
-        kind = kind or (old["kind"] if old["kind"] in KINDS else
-                        _KIND_OF_CATEGORY.get(old["category"], "topic"))
+        kind = kind or (old.kind if old.kind in KINDS else
+                        _KIND_OF_CATEGORY.get(old.category, "topic"))
         try:
             episode = _episode_read(root, existing_rel)[1]
         except (OSError, ShelfError):
@@ -6146,47 +6241,47 @@ def _shelve_plan(root, a, sync_report=None):
         olds = [(h, t.strip()) for h, t in episode.sections if h.casefold() != "digest"] \
             if episode else []
         verbatim = _frontmatter_entries(episode.text) if episode else {}
-        drop = set(a["drop_sections"])
+        drop = set(a.drop_sections)
         unknown = drop - {h.casefold() for h, _ in olds}   # an append may open a new one
         if unknown:
             raise ShelfError("section-not-found", f"{slug} has no section to drop: "
                              + ", ".join(sorted(unknown)) + "; it has: "
                              + ", ".join(h for h, _ in olds), "drop one of the listed sections")
         if digest_in is None:
-            digest_in = old["digest"]
-        section_list = _amended_sections(olds, section_list, a["appended"], drop)
+            digest_in = old.digest
+        section_list = _amended_sections(olds, section_list, a.appended, drop)
     fields = ("display_title", "description", "notes", "session", "agent", "model")
     learned = []
     # kept sections meet today's rules too: everything is redacted in one pass
     outs, redaction = redact_parts(
         [("digest", digest_in)] + [(f"section:{n}", t) for n, t in section_list] +
-        [(k, a[k]) for k in fields], rules, learned=learned, **_redaction_switches(root))
+        [(k, getattr(a, k)) for k in fields], rules, learned=learned, **_redaction_switches(root))
     sections = [(n, t) for (n, _), t in zip(section_list, outs[1:])]
     free = dict(zip(fields, outs[-len(fields):]))
     digest, demoted = _demote_headings(outs[0].strip())
     masked = _finish_report(collections.Counter(
         hit["kind"] for hit in redaction["hits"] if hit["part"] == "digest"), [])
-    report = validate_digest(digest, patterns=rules, strict=a["strict"], masked=masked)
+    report = validate_digest(digest, patterns=rules, strict=a.strict, masked=masked)
     if not report["passed"]:
         raise ShelfError("digest-rejected", "the digest breaks the contract:\n" + report["report"],
                          "fix the digest (memshelf lint-digest applies the same rule) and shelve "
                          "again", {"report": report})
     if old:
         for key in fields:
-            if key not in a["given"] and isinstance(old_fields.get(key), str):
+            if key not in a.given and isinstance(old_fields.get(key), str):
                 free[key] = old_fields[key]
-        keep = {k: old[k] for k in ("tags", "supersedes", "retain_until", "mode")
-                if k not in a["given"] and old[k]}
-        if "status" not in a["given"] and _episode_status(old_fields):
+        keep = {k: getattr(old, k) for k in ("tags", "supersedes", "retain_until", "mode")
+                if k not in a.given and getattr(old, k)}
+        if "status" not in a.given and _episode_status(old_fields):
             keep["status"] = _episode_status(old_fields)
-        if "approx_tokens" not in a["given"] and old["approx_tokens"] is not None:
-            keep["approx_tokens"] = old["approx_tokens"]
-            if "approx_tokens_source" not in a["given"]:
-                keep["approx_tokens_source"] = old["approx_src"]
-        a = dict(a, **keep)
-    date = a["date"] or (old_fields.get("date") if _is_iso_date(old_fields.get("date")) else None) \
+        if "approx_tokens" not in a.given and old.approx_tokens is not None:
+            keep["approx_tokens"] = old.approx_tokens
+            if "approx_tokens_source" not in a.given:
+                keep["approx_tokens_source"] = old.approx_src
+        a = a._replace(**keep)
+    date = a.date or (old_fields.get("date") if _is_iso_date(old_fields.get("date")) else None) \
         or (slug[:10] if _is_iso_date(slug[:10]) else None) or _today()
-    span = a["span"] or (old_fields.get("span") if old and isinstance(old_fields.get("span"), str)
+    span = a.span or (old_fields.get("span") if old and isinstance(old_fields.get("span"), str)
                          else None) or date
     given = free["description"]   # one memshelf derived itself is fitted without a warning
     description, cap_warning = _cap_description(
@@ -6195,8 +6290,8 @@ def _shelve_plan(root, a, sync_report=None):
         warnings.append(cap_warning)
     if not re.match(r"\d{4}-\d{2}-\d{2}-", slug):
         warnings.append("slug-undated: the recommended form is YYYY-MM-DD-latin-words")
-    approx, source = (0, "unmeasured") if a["approx_tokens"] is None else \
-        (a["approx_tokens"], a["approx_tokens_source"] or "estimate")
+    approx, source = (0, "unmeasured") if a.approx_tokens is None else \
+        (a.approx_tokens, a.approx_tokens_source or "estimate")
     body_sections = []
     for name, text in sections:
         text, n = _demote_headings(text.strip())
@@ -6214,20 +6309,20 @@ def _shelve_plan(root, a, sync_report=None):
                          "add " + " and ".join(f"--section '{m}=…'" for m in missing)
                          if missing else "add --section NAME=BODY")
     fields = {"id": slug, "kind": kind, "session": free["session"], "agent": free["agent"],
-              "model": free["model"], "span": span, "date": date, "retain_until": a["retain_until"],
+              "model": free["model"], "span": span, "date": date, "retain_until": a.retain_until,
               "display_title": free["display_title"] or None, "description": description or None,
-              "tags": a["tags"], "supersedes": a["supersedes"] or None,
-              "status": a["status"],
+              "tags": a.tags, "supersedes": a.supersedes or None,
+              "status": a.status,
               "approx_tokens": str(approx), "approx_tokens_source": source,
-              "mode": a["mode"] or "live", "notes": free["notes"] or None}
+              "mode": a.mode or "live", "notes": free["notes"] or None}
     if fields["status"] is None:
         del fields["status"]   # an episode's own value, even one memshelf does not know, is kept
     # keys no option sets (a rollup's keywords, a team's own): kept as written, the document's
     # (--file) over the episode's
     fields.update((k, v) for k, v in old_fields.items() if k not in fields)
     verbatim = {k: v for k, v in verbatim.items()
-                if k not in _COMPOSED_FIELDS or (k == "status" and a["status"] is None)}
-    for key, (value, lines) in a["doc_extra"].items():
+                if k not in _COMPOSED_FIELDS or (k == "status" and a.status is None)}
+    for key, (value, lines) in a.doc_extra.items():
         fields[key] = value
         verbatim.pop(key, None)
         if lines:
@@ -6244,18 +6339,18 @@ def _shelve_plan(root, a, sync_report=None):
                          "trim Raw excerpts; keep verbatim text only where it carries weight")
     if size > _EPISODE_WARN_BYTES:
         warnings.append(f"episode-large: the episode is {size // 1024} KiB; recall it by section")
-    warnings.extend(f"supersedes: no episode {sup} on this shelf" for sup in a["supersedes"]
+    warnings.extend(f"supersedes: no episode {sup} on this shelf" for sup in a.supersedes
                     if not _find_episode_path(root, sup)[0])
     address = f"docs/{_CATEGORY_OF_KIND[kind]}/{slug}.md"
     moved_from = existing_rel if existing_rel and existing_rel != address else None
     result = {"status": "ok", "id": slug, "address": address, "kind": kind,
-              "amended": bool(a["amend"]), "moved_from": moved_from, "committed": False,
+              "amended": bool(a.amend), "moved_from": moved_from, "committed": False,
               "commit": None, "derived": None, "sync": sync_report, "redaction": redaction,
               "digest_warnings": report["warnings"], "instruction_flags": scan_instructions(text),
               "warnings": warnings}
     if old:
         result.update(_amend_report(old, old_fields, olds, fields, digest, body_sections))
-    if a["dry_run"]:
+    if a.dry_run:
         result.update(status="dry-run", episode_text=text, summary=f"dry run: {slug} at {address} "
                       f"composed ({size} bytes; {redaction['summary']}), nothing written")
     return _ShelvePlan(result, text, address, moved_from, old, learned, approx, window)
@@ -6268,9 +6363,9 @@ _ShelvePlan = collections.namedtuple("_ShelvePlan",
 
 def _shelve_locked(root, a):
     git = _Git(root)
-    sync_report = _sync_preflight(root, git) if a["sync"] and not a["dry_run"] else None
+    sync_report = _sync_preflight(root, git) if a.sync and not a.dry_run else None
     plan = _shelve_plan(root, a, sync_report)
-    return plan.result if a["dry_run"] else _shelve_write(root, git, [plan], a, sync_report)
+    return plan.result if a.dry_run else _shelve_write(root, git, [plan], a, sync_report)
 
 
 def _shelve_write(root, git, plans, a, sync_report):
@@ -6295,7 +6390,7 @@ def _shelve_write(root, git, plans, a, sync_report):
         written = []
         rendered = rendered_records = None
         if mode == "auto":
-            if git.is_repo() and a["autocommit"]:
+            if git.is_repo() and a.autocommit:
                 strays = []   # episode files git does not track: not in the committed INDEX
                 rendered = _render_committed(git, root, strays, *[p.address for p in plans])
                 for p in plans:
@@ -6321,15 +6416,15 @@ def _shelve_write(root, git, plans, a, sync_report):
             batch["derived"] = {"mode": "auto", "written": written}
         else:
             batch["derived"] = {"mode": "bot", "written": []}
-        if git.is_repo() and a["autocommit"]:
+        if git.is_repo() and a.autocommit:
             # every derived file, not only those written: a hand rebuild's (0.4.0) uncommitted too
             paths = [q for p in plans for q in (p.address, p.moved_from) if q] + written + \
                 (list(rendered["files"]) if mode == "auto" else [])
             if git.run("status", "--porcelain", "--", _RECALL_LOG, check=False,
                        read_only=True).stdout.strip():   # recall rows ride along
                 paths.append(_RECALL_LOG)
-            message = f"shelve: {ids[0]}" + (" (amend)" if a["amend"] else "") if one else \
-                f"shelve: {len(ids)} episodes" + (" (amend)" if a["amend"] else "") + \
+            message = f"shelve: {ids[0]}" + (" (amend)" if a.amend else "") if one else \
+                f"shelve: {len(ids)} episodes" + (" (amend)" if a.amend else "") + \
                 "\n\n" + "\n".join(ids)
             _check_cancelled()
             batch["commit"] = git.commit(paths, message)
@@ -6367,7 +6462,7 @@ def _shelve_write(root, git, plans, a, sync_report):
         result = dict(batch, episodes=[p.result for p in plans], shelf_totals=totals,
                       summary="\n".join(_batch_line(p.result) for p in plans) + "\n" +
                       f"one commit for {len(plans)} episodes · " + _banner_core(totals))
-    if result.get("sync") and result["sync"].get("error") and a["push"]:
+    if result.get("sync") and result["sync"].get("error") and a.push:
         result["status"] = "incomplete"
     return result
 
@@ -6403,7 +6498,7 @@ def _render_committed(git, root, warnings, *writing):
     if not strays:
         return None
     with _Store(root) as store:
-        records = [r for r in store.render_records() if r["path"] not in strays]
+        records = [r for r in store.render_records() if r.path not in strays]
     shown = sorted(strays)
     warnings.append("left out of the committed INDEX (not in git; memshelf doctor names them): "
                     + ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if shown[5:] else ""))
@@ -6495,20 +6590,20 @@ _APPROX_SOURCES = ("estimate", "measured", "unmeasured", "absorbed")
 def _episode_mass(rec, window):
     """The context an episode stands for, the one definition stats, banners and rollup use:
     approx_tokens capped at one context window (a rollup's sum is of capped masses already)."""
-    size = max(rec["approx_tokens"] or 0, 0)
-    return size if rec.get("approx_src") == "absorbed" else min(size, window)
+    size = max(rec.approx_tokens or 0, 0)
+    return size if rec.approx_src == "absorbed" else min(size, window)
 
 
 def _ledger_expected(rec):
     """The ledger's expected-tokens cell of a record: its approx_tokens, 0 when unknown, and 0
     for a rollup: the ledger keeps the archived episodes' rows, which carry that mass."""
-    return 0 if rec.get("approx_src") == "absorbed" else max(rec["approx_tokens"] or 0, 0)
+    return 0 if rec.approx_src == "absorbed" else max(rec.approx_tokens or 0, 0)
 
 
 def _ledger_row(rec):
-    return "\t".join([rec["date"], rec.get("id") or "", rec.get("mode") or "live",
-                      str(_ledger_expected(rec)), str(rec["digest_tokens"]),
-                      rec.get("notes") or ""])
+    return "\t".join([rec.date, rec.id or "", rec.mode or "live",
+                      str(_ledger_expected(rec)), str(rec.digest_tokens),
+                      rec.notes or ""])
 
 
 def _episode_aggregate(records, window):
@@ -6517,18 +6612,18 @@ def _episode_aggregate(records, window):
     One pass: a shelve sums 10,000 records after its commit (docs/performance.md, shelve)."""
     live = archived = digest = mass = volume = capped = unmeasured = unmeasured_digest = 0
     for r in records:
-        if not r.get("id"):
+        if not r.id:
             continue
-        if r["archived"]:
+        if r.archived:
             archived += 1
             continue
         live += 1
-        digest += r["digest_tokens"]
-        if r.get("approx_src") == "unmeasured":
+        digest += r.digest_tokens
+        if r.approx_src == "unmeasured":
             unmeasured += 1
-            unmeasured_digest += r["digest_tokens"]
+            unmeasured_digest += r.digest_tokens
             continue
-        size, held = max(r["approx_tokens"] or 0, 0), _episode_mass(r, window)
+        size, held = max(r.approx_tokens or 0, 0), _episode_mass(r, window)
         mass += held
         volume += size
         capped += held < size
@@ -6656,7 +6751,7 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     rel, archived = _resolve_episode(root, episode_id)
     rec, episode = _episode_read(root, rel, archived)
-    text, fields, sections, stem = episode.text, rec["fields"], episode.sections, rec["stem"]
+    text, fields, sections, stem = episode.text, rec.fields, episode.sections, rec.stem
     heading = listing = None
     if outline:
         # each section's cost and first line: enough to tell which one holds the answer
@@ -6689,7 +6784,7 @@ def recall(shelf_path=None, episode_id=None, section=None, outline=False, max_by
     title = fields.get("display_title") if isinstance(fields.get("display_title"), str) else ""
     mass = _episode_mass(rec, _context_window(root))
     # a saving is claimed only when there is one: the topic's mass beyond what was fetched
-    saved = mass - fetched if rec.get("approx_src") != "unmeasured" and mass > fetched else None
+    saved = mass - fetched if rec.approx_src != "unmeasured" and mass > fetched else None
     summary = f"recalled ~{fetched:,} tok" + (
         f"; the topic held ~{mass:,}, saved ~{saved:,}" if saved else "")
     whole = None
@@ -6734,11 +6829,11 @@ def list_episodes(shelf_path=None, archive=False):
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     with _Store(root) as cat:
         recs = cat.records(archive=archive)
-    recs.sort(key=lambda r: (r["date"], r["stem"]), reverse=True)
-    return [{"id": r["stem"], "address": r["path"], "kind": r.get("kind"),
-             "date": r["date"] or None, "title": r.get("display_title") or r["stem"],
-             "description": _record_description(r), "size": r["size"],
-             "archived": r["archived"]} for r in recs]
+    recs.sort(key=lambda r: (r.date, r.stem), reverse=True)
+    return [{"id": r.stem, "address": r.path, "kind": r.kind,
+             "date": r.date or None, "title": r.display_title or r.stem,
+             "description": _record_description(r), "size": r.size,
+             "archived": r.archived} for r in recs]
 
 # ==========================================================================================
 # Derived renders: INDEX, ledger, .meta.json, chart; rebuild and index
@@ -6768,14 +6863,14 @@ def _index_key(stem):
 def _index_entry(rec):
     """An episode's compact INDEX line, but for the superseded note (other episodes make it).
     Cached like _meta_entry's answer: a change to what either writes needs a _CACHE_SCHEMA bump."""
-    line = "- " + _index_key(rec["stem"])
-    title = rec.get("display_title") or ""
-    if title and title != rec["stem"]:
+    line = "- " + _index_key(rec.stem)
+    title = rec.display_title or ""
+    if title and title != rec.stem:
         line += " **" + (_RUN_OF_STARS.sub("*", title) if "**" in title else title) + "**"
     desc = _record_description(rec)
     if desc:
         line += " — " + desc
-    status = rec.get("status")
+    status = rec.status
     if status and status != "accepted":
         line += " [" + status + "]"
     return line
@@ -6783,8 +6878,8 @@ def _index_entry(rec):
 
 def _compact_entry(rec, superseded):
     """The INDEX line of a record (a render record brings its own, formatted when parsed)."""
-    line = rec["index_entry"] if "index_entry" in rec else _index_entry(rec)
-    later = superseded.get(rec["stem"])
+    line = rec.index_entry if rec.index_entry is not None else _index_entry(rec)
+    later = superseded.get(rec.stem)
     if later:
         line += " [superseded by " + ", ".join(_index_key(s) for s in later) + "]"
     return line
@@ -6795,8 +6890,8 @@ def _render_compact(name, preamble, records, superseded):
     if preamble:
         out += [preamble, ""]
     groups = {c: [] for c in CATEGORIES}
-    for r in sorted(records, key=lambda r: (r["date"], r["stem"])):
-        groups[r["category"]].append(r)
+    for r in sorted(records, key=lambda r: (r.date, r.stem)):
+        groups[r.category].append(r)
     if not records:
         out += ["_No episodes yet._", ""]
     for cat, eps in groups.items():
@@ -6817,7 +6912,7 @@ def _render_docshelf(cfg, records, metas, root, base):
         return "\n".join(out) + "\n" + _DOCSHELF_EMPTY
     groups = {}
     for r in records:
-        groups.setdefault(r["category"], []).append(r)
+        groups.setdefault(r.category, []).append(r)
     order = [c for c in cfg.get("category_order") or [] if c in groups]
     order += sorted(c for c in groups if c not in order)
     style = cfg.get("index_style") or "auto"
@@ -6825,22 +6920,22 @@ def _render_docshelf(cfg, records, metas, root, base):
     for cat in order:
         entries = []
         for r in groups[cat]:
-            m = metas.get(cat, {}).get(r["stem"] + ".md") or {}
+            m = metas.get(cat, {}).get(r.stem + ".md") or {}
             title = m.get("title") or " ".join(p.capitalize() if p.islower() else p
-                                               for p in re.split(r"[-_]+", r["stem"]) if p)
+                                               for p in re.split(r"[-_]+", r.stem) if p)
             entries.append((title, (m.get("description") or "").strip(), r))
         out += [f"## {re.sub(r'[-_]', ' ', cat).strip().title()}", ""]
         for title, desc, r in sorted(entries, key=lambda e: e[0].lower()):
             d = f" — {desc}" if desc else ""
-            fname = r["stem"] + ".md"
-            folder = f"{base}/{cat}/{r['stem']}"
+            fname = r.stem + ".md"
+            folder = f"{base}/{cat}/{r.stem}"
             where = os.path.join(root, folder)   # a legacy split folder: NNN-<label>.md
             split = sorted(n for n in os.listdir(where) if re.match(r"\d{3}-.*\.md\Z", n)) \
                 if os.path.isdir(where) and not os.path.islink(where) else []
             if not split:
                 out.append(f"- **{title}**{d} — `{fname}`")
                 continue
-            out += [f"### {title}{d}", "", f"Full document: `{fname}` (~{r['size'] // 1024} KB — "
+            out += [f"### {title}{d}", "", f"Full document: `{fname}` (~{r.size // 1024} KB — "
                     "prefer pulling individual sections below).", ""]
             if style == "subindex" or (style == "auto" and len(split) > threshold):
                 out += [f"Sections ({len(split)}): see the [SUBINDEX]({folder}/SUBINDEX.md) for "
@@ -6861,28 +6956,28 @@ def _split_label(name):
 def _meta_entry(rec):
     """(an episode's .meta.json entry as json.dumps(indent=2) would write it, or None; the
     description cap's warning or None). The C string encoder: the indenting one is slow at 100k."""
-    if "meta_entry" in rec:   # a render record brings its own, formatted when parsed
-        return rec["meta_entry"], rec["meta_warning"]
-    title = rec.get("display_title") or ""
-    desc_raw = rec.get("description") or ""
+    if rec.index_entry is not None:   # a render record brings its own, formatted when parsed
+        return rec.meta_entry, rec.meta_warning
+    title = rec.display_title or ""
+    desc_raw = rec.description or ""
     if not title and not desc_raw:
         return None, None
     desc, warn = _cap_description(desc_raw) if desc_raw else ("", None)
     enc = json.encoder.encode_basestring
-    return (f'  {enc(rec["stem"] + ".md")}: {{\n    "title": '
-            f'{enc(title or (rec.get("id") or rec["stem"]))},\n    "description": {enc(desc)}'
+    return (f'  {enc(rec.stem + ".md")}: {{\n    "title": '
+            f'{enc(title or (rec.id or rec.stem))},\n    "description": {enc(desc)}'
             '\n  }'), warn
 
 
 def _render_meta(records):
     """docs/<category>/.meta.json text, or None when it would be empty; plus cap warnings."""
     entries, warnings = {}, []
-    for r in sorted(records, key=lambda r: (r["date"], r.get("id") or "")):
+    for r in sorted(records, key=lambda r: (r.date, r.id or "")):
         entry, warn = _meta_entry(r)
         if warn:
-            warnings.append(f"{r['stem']}.md: {warn}")
+            warnings.append(f"{r.stem}.md: {warn}")
         if entry is not None:
-            entries[r["stem"]] = entry
+            entries[r.stem] = entry
     return ("{\n" + ",\n".join(entries.values()) + "\n}\n" if entries else None), warnings
 
 
@@ -6890,15 +6985,15 @@ def _ledger_rows(records):
     """The records ledger.tsv lists, in its order, and warnings for the ones it leaves out."""
     rows, warnings = [], []
     for r in records:
-        if not r.get("id"):
-            warnings.append(f"{r['path']}: no frontmatter id; left out of the ledger")
+        if not r.id:
+            warnings.append(f"{r.path}: no frontmatter id; left out of the ledger")
             continue
         # the record's date is its date field exactly when that field is an ISO date
-        if r["date"] and r["fields"].get("date") != r["date"]:
-            warnings.append(f"{r['path']}: no date field; the ledger uses the id's date prefix "
+        if r.date and r.fields.get("date") != r.date:
+            warnings.append(f"{r.path}: no date field; the ledger uses the id's date prefix "
                             "(add date: or run memshelf rebuild --adopt)")
         rows.append(r)
-    return sorted(rows, key=operator.itemgetter("date", "id")), warnings
+    return sorted(rows, key=operator.attrgetter("date", "id")), warnings
 
 
 def _render_chart(rows):
@@ -6907,9 +7002,9 @@ def _render_chart(rows):
     from itertools import accumulate
     per_date = {}
     for r in rows:
-        e = per_date.setdefault(r["date"], [0, 0])
+        e = per_date.setdefault(r.date, [0, 0])
         e[0] += _ledger_expected(r)
-        e[1] += r["digest_tokens"]
+        e[1] += r.digest_tokens
     if not per_date:
         return None
     dates = sorted(per_date)
@@ -6962,8 +7057,8 @@ def _render_chart(rows):
 def _superseded_map(records):
     sup = {}
     for r in records:
-        for s in r.get("supersedes") or []:
-            sup.setdefault(s, []).append(r["stem"])
+        for s in r.supersedes or []:
+            sup.setdefault(s, []).append(r.stem)
     return {k: sorted(v) for k, v in sup.items()}
 
 
@@ -6993,8 +7088,8 @@ def _render_derived(root, records=None, fmt=None, progress=None, index_only=Fals
 def _render_records(root, records, fmt, index_only, key):
     """_render_derived's answer for these records (key: the render key, None if unknown)."""
     cfg = _docshelf_config(root)
-    live = [r for r in records if not r["archived"]]
-    archived = [r for r in records if r["archived"]]
+    live = [r for r in records if not r.archived]
+    archived = [r for r in records if r.archived]
     superseded = _superseded_map(records)
     files, warnings = {}, []
     if not index_only:
@@ -7010,7 +7105,7 @@ def _render_records(root, records, fmt, index_only, key):
             if not os.path.isdir(os.path.join(root, base, cat)) or \
                     _linked(root, f"{base}/{cat}") or (index_only and fmt != "docshelf"):
                 continue
-            text, w = _render_meta([r for r in recs if r["category"] == cat])
+            text, w = _render_meta([r for r in recs if r.category == cat])
             warnings += w
             if not index_only:
                 files[f"{base}/{cat}/.meta.json"] = text
@@ -7029,16 +7124,16 @@ def _render_records(root, records, fmt, index_only, key):
                                       _render_compact(c["name"], c["preamble"], recs, superseded))
     return {"files": files, "warnings": warnings, "records": records,
             "key": None if index_only else key,   # a partial render is never remembered
-            "episodes": sum(1 for r in records if r.get("id"))}
+            "episodes": sum(1 for r in records if r.id)}
 
 
 def _render_one_change(root, memo, records, new_rel, old, key):
     """The memo render from before new_rel replaced `old` (record or None), that episode's lines
     moved: byte-identical to a full render (fuzzed in tests/test_store.py), or None if unsure."""
-    new = next((r for r in records if r["path"] == new_rel), None)
-    if memo is None or new is None or new["supersedes"] or (old and old["supersedes"]) or \
-            not new["id"] or new["fields"].get("date") != new["date"] or \
-            (old and old["id"] and old["fields"].get("date") != old["date"]):
+    new = next((r for r in records if r.path == new_rel), None)
+    if memo is None or new is None or new.supersedes or (old and old.supersedes) or \
+            not new.id or new.fields.get("date") != new.date or \
+            (old and old.id and old.fields.get("date") != old.date):
         return None
     files = dict(memo["files"])
     superseded = _superseded_map(records)
@@ -7046,35 +7141,35 @@ def _render_one_change(root, memo, records, new_rel, old, key):
     ledger = (files.get("ledger.tsv") or "").split("\n")
     if ledger[0] + "\n" != _LEDGER_HEADER or ledger[-1]:
         return None
-    rows = [r for r in records if r["id"]]
-    ledger_keys = [(r["date"], r["id"]) for r in rows if r is not new]
+    rows = [r for r in records if r.id]
+    ledger_keys = [(r.date, r.id) for r in rows if r is not new]
     for rec, add in ((old, False), (new, True)):
         if rec is None:
             continue
         entry, warning = _meta_entry(rec)
-        heading = f"## {_HEADINGS[rec['category']]}"
+        heading = f"## {_HEADINGS[rec.category]}"
         if warning or index.count(heading) != 1:
             return None
-        live = [r for r in records if r is not new and r["category"] == rec["category"] and
-                not r["archived"]]
+        live = [r for r in records if r is not new and r.category == rec.category and
+                not r.archived]
         start = index.index(heading) + 2
         end = index.index("", start)
         if not _splice_sorted(index, start, end, _compact_entry(rec, superseded), add,
-                              [(r["date"], r["stem"]) for r in live], (new["date"], new["stem"])):
+                              [(r.date, r.stem) for r in live], (new.date, new.stem)):
             return None
         if entry is not None:
-            rel = f"docs/{rec['category']}/.meta.json"
+            rel = f"docs/{rec.category}/.meta.json"
             text = files.get(rel) or ""
             if not (text.startswith("{\n") and text.endswith("\n}\n")):
                 return None
             entries = re.split(r",\n(?=  \S)", text[2:-3])
             if not _splice_sorted(entries, 0, len(entries), entry, add, [
-                    (r["date"], r["id"] or "") for r in live if r["meta_entry"] is not None],
-                    (new["date"], new["id"])):
+                    (r.date, r.id or "") for r in live if r.meta_entry is not None],
+                    (new.date, new.id)):
                 return None
             files[rel] = "{\n" + ",\n".join(entries) + "\n}\n"
-        if rec["id"] and not _splice_sorted(ledger, 1, len(ledger) - 1, _ledger_row(rec), add,
-                                            ledger_keys, (new["date"], new["id"])):
+        if rec.id and not _splice_sorted(ledger, 1, len(ledger) - 1, _ledger_row(rec), add,
+                                            ledger_keys, (new.date, new.id)):
             return None
     files["INDEX.md"] = "\n".join(index)
     files["ledger.tsv"] = "\n".join(ledger)
@@ -7260,30 +7355,30 @@ def _adopt(root):
     with _Store(root, use_cache=False) as store:
         records = store.records(archive=False)
     for r in records:
-        if not r["fm_ok"] or not r.get("id"):
-            skipped.append(r["path"])
+        if not r.fm_ok or not r.id:
+            skipped.append(r.path)
             continue
-        meta, _ = _load_json_object(os.path.join(root, "docs", r["category"], ".meta.json"))
-        m = (meta or {}).get(r["stem"] + ".md") or {}
-        row = old_ledger.get(r["id"]) or []
-        found = {"date": next((d for d in row[:1] + [r["id"][:10]] if _is_iso_date(d)), None),
+        meta, _ = _load_json_object(os.path.join(root, "docs", r.category, ".meta.json"))
+        m = (meta or {}).get(r.stem + ".md") or {}
+        row = old_ledger.get(r.id) or []
+        found = {"date": next((d for d in row[:1] + [r.id[:10]] if _is_iso_date(d)), None),
                  "notes": row[5] if len(row) >= 6 else None,
-                 "display_title": m.get("title") if m.get("title") != r["id"] else None,
+                 "display_title": m.get("title") if m.get("title") != r.id else None,
                  "description": m.get("description")}
         add = {k: v if k == "date" else _yaml_quote(v) for k, v in found.items()
-               if k not in r["fields"] and isinstance(v, str) and v}
-        if len(row) >= 5 and row[4].isdigit() and int(row[4]) != r["digest_tokens"]:
-            restated.append({"id": r["id"], "from": int(row[4]), "to": r["digest_tokens"]})
-        path = os.path.join(root, r["path"])
+               if k not in r.fields and isinstance(v, str) and v}
+        if len(row) >= 5 and row[4].isdigit() and int(row[4]) != r.digest_tokens:
+            restated.append({"id": r.id, "from": int(row[4]), "to": r.digest_tokens})
+        path = os.path.join(root, r.path)
         lines = _read_text(path).split("\n") if add else []   # nothing to add: skipped
         fences = [i for i, l in enumerate(lines) if re.match(r"---[ \t]*$", l)]
         if len(fences) < 2:
-            skipped.append(r["path"])
+            skipped.append(r.path)
             continue
         lines[fences[1]:fences[1]] = [f"{k}: {v}" for k, v in add.items()]
         _atomic_write(path, "\n".join(lines))
-        adopted.append(r["id"])
-        written.append({"path": r["path"]})
+        adopted.append(r.id)
+        written.append({"path": r.path})
     return {"adopted": adopted, "skipped": skipped, "count": len(adopted),
             "restated_digest_tokens": restated, "_written": written}
 
@@ -7343,8 +7438,8 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
     if on_disk == "stale":
         listed = {m.group(1) or m.group(2) for m in
                   (_ENTRY_LINE.match(l) for l in on_disk_text.split("\n")) if m}
-        lag = len([r for r in rendered["records"] or [] if r["archived"] == archive and
-                   r["stem"] not in listed and fmt == "compact"])
+        lag = len([r for r in rendered["records"] or [] if r.archived == archive and
+                   r.stem not in listed and fmt == "compact"])
     total = shown = _entry_count(text)
     if category or since:
         text = _filter_index(text.split("\n"), category, since)
@@ -7473,7 +7568,7 @@ def _served_view(root, budget, period=None, archive=False, records=None, key=Non
         with _Store(root) as store:
             records = store.render_records(files=key[1] if key else None)
     name = _docshelf_config(root)["name"] + (" — archive" if archive else "")
-    scope = [r for r in records if r["archived"] == archive]
+    scope = [r for r in records if r.archived == archive]
     fit = {"line_cost": lambda line: _json_len(line) + 2, "measure": _json_len} \
         if json_cost else {}
     text, counts = _served_index(name, scope, _superseded_map(records), budget, period, cli,
@@ -7526,7 +7621,7 @@ def _served_call(label, cli):
 
 def _short_name(rec):
     """An entry as its short tier shows it: the id without its date, else the whole id quoted."""
-    stem, date = rec["stem"], rec["date"]
+    stem, date = rec.stem, rec.date
     if date and stem.startswith(date + "-") and len(stem) > len(date) + 1:
         return stem[len(date) + 1:]
     return "`" + stem + "`"
@@ -7566,11 +7661,11 @@ class _ServedPlan:
         self.superseded, self.full = superseded, {}   # full lines, made when first needed
         self.names = [_short_name(r) for r in recs]
         self.order = [i for i, r in enumerate(recs)
-                      if r["stem"] not in superseded and r.get("status") != "deprecated"]
+                      if r.stem not in superseded and r.status != "deprecated"]
         self.days, self.day_of = [], []
         for i, r in enumerate(recs):
-            if not self.days or self.days[-1][0] != r["date"]:
-                self.days.append((r["date"], []))
+            if not self.days or self.days[-1][0] != r.date:
+                self.days.append((r.date, []))
             self.days[-1][1].append(i)
             self.day_of.append(len(self.days) - 1)
         # short cost of each whole day, and prefix sums over days (newest first)
@@ -7791,8 +7886,8 @@ def _served_index(name, records, superseded, budget, period=None, cli=True, line
     line_cost = line_cost or _plain_line_cost
     measure = measure or len
     bounds = _period_bounds(period) if period is not None else None
-    recs = [r for r in records if bounds is None or _in_period(r["date"], bounds)]
-    recs.sort(key=lambda r: (r["date"], r["stem"]), reverse=True)
+    recs = [r for r in records if bounds is None or _in_period(r.date, bounds)]
+    recs.sort(key=lambda r: (r.date, r.stem), reverse=True)
     # what an expanding call (CLI or MCP) can list: its room with the longest head it can have
     expand_cap = _served_room(name, 10 ** 7, "0000-00-00..0000-00-00", expand_budget or budget,
                               _plain_line_cost)[1]
@@ -7859,8 +7954,8 @@ def _served_text(plan, head, choice, period, budget):
     if not recs:
         out.append(f"No episodes in {period}." if period else _HOOK_EMPTY)
     groups = {c: [] for c in CATEGORIES}
-    for i in sorted(full, key=lambda i: (recs[i]["date"], recs[i]["stem"])):
-        groups[recs[i]["category"]].append(plan.full_line(i))
+    for i in sorted(full, key=lambda i: (recs[i].date, recs[i].stem)):
+        groups[recs[i].category].append(plan.full_line(i))
     for cat, lines in groups.items():
         if lines:
             out += [f"## {_HEADINGS[cat]}", ""] + lines + [""]
@@ -8061,15 +8156,15 @@ def _fts_expression(terms):
 def _search_document(root, rel, archived):
     """An episode file -> its search document (_search_doc); OSError when it cannot be read."""
     rec, episode = _read_episode(root, rel, archived, also=lambda rec, raw, episode: episode)
-    if (rec["fm_error"] or "").startswith("io:"):
-        raise OSError(rec["fm_error"])
+    if (rec.fm_error or "").startswith("io:"):
+        raise OSError(rec.fm_error)
     return _search_doc(rec, episode)
 
 
 def _search_doc(rec, episode):
     """A parsed episode's metadata and sections as search indexes them (a broken frontmatter
     block leaves the whole text as the body; a file that could not be read has no rows)."""
-    fields, body, sections, stem = rec["fields"], episode.body, episode.sections, rec["stem"]
+    fields, body, sections, stem = rec.fields, episode.body, episode.sections, rec.stem
 
     def field(key):
         value = fields.get(key)
@@ -8079,19 +8174,19 @@ def _search_doc(rec, episode):
         value = fields.get(key)
         return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
-    kind = field("kind") if field("kind") in KINDS else _KIND_OF_CATEGORY.get(rec["category"], "")
+    kind = field("kind") if field("kind") in KINDS else _KIND_OF_CATEGORY.get(rec.category, "")
     tags, title, ident = strings("tags"), field("display_title"), field("id")
     words = [title, field("description"), " ".join(tags), stem] + ([ident] if ident != stem else [])
     rows = [(h, t.strip()) for h, t in sections] if sections else [(None, body.strip())]
     if "\x00" in body:
         rows = [(h, t.replace("\x00", "\ufffd")) for h, t in rows]   # never printed raw
-    if (rec["fm_error"] or "").startswith("io:"):
+    if (rec.fm_error or "").startswith("io:"):
         rows = []
-    return {"path": rec["path"], "stem": stem, "kind": kind,
+    return {"path": rec.path, "stem": stem, "kind": kind,
             "date": _episode_date(fields, stem), "title": title or stem,
-            "archived": bool(rec["archived"]), "tags": tags, "supersedes": strings("supersedes"),
+            "archived": bool(rec.archived), "tags": tags, "supersedes": strings("supersedes"),
             "status": _episode_status(fields) or "", "title_text": " ".join(w for w in words if w),
-            "digest": rec.get("digest") or "", "rows": rows}
+            "digest": rec.digest or "", "rows": rows}
 
 
 def _search_rows(doc):
@@ -9889,18 +9984,19 @@ def _fast_forward(root, git, upstream):
 
 def _after_commit_sync(root, git, result, report, a):
     """Push, publish or await the render after a committed shelve (docs/verbs.md § sync, push
-    and publish); never raises: the commit stands whatever the network does."""
-    publish = bool(a.get("publish"))
-    push = bool(a.get("push")) or not publish and _memshelf_config(root).get("autopush") is True
-    wait = a.get("await_render_seconds") or 0
+    and publish), as the _ShelveRequest `a` asks; never raises: the commit stands whatever the
+    network does."""
+    publish = bool(a.publish)
+    push = bool(a.push) or not publish and _memshelf_config(root).get("autopush") is True
+    wait = a.await_render_seconds or 0
     if report and (report["skipped_reason"] or "").startswith("fetch failed"):
         # offline must not cost the episode, but the writer should know it was not synced
         result.setdefault("warnings", []).append(report["summary"])
-    if not (a.get("sync", True) or push or publish or wait):
+    if not (a.sync or push or publish or wait):
         return report
     target, reason = _sync_target(git)
     if target is None:
-        if not (a.get("push") or publish):
+        if not (a.push or publish):
             return report   # autopush on a shelf without a remote has nowhere to go
         report = report or _sync_report(skipped_reason=reason)
         report.update(push_requested=push, publish_requested=publish,
@@ -10298,19 +10394,19 @@ open opened todo verdict keywords
 
 def _rollup_date(rec):
     """The date a rollup selects by: frontmatter date, else span start, else the id prefix."""
-    f = rec.get("fields") or {}
+    f = rec.fields or {}
     if _is_iso_date(f.get("date")):
         return f["date"]
-    m = _SPAN.match(rec.get("span") or "")
+    m = _SPAN.match(rec.span or "")
     if m and _is_iso_date(m.group(1)):
         return m.group(1)
-    ident = rec.get("id") or rec["stem"]
+    ident = rec.id or rec.stem
     return ident[:10] if _is_iso_date(ident[:10]) else ""
 
 
 def _rollup_span_bounds(rec):
     """(first, last) day an episode covers: its span when valid, else its date."""
-    m = _SPAN.match(rec.get("span") or "")
+    m = _SPAN.match(rec.span or "")
     if m and all(_is_iso_date(x) for x in m.groups() if x):
         return m.group(1), m.group(2) or m.group(1)
     d = _rollup_date(rec)
@@ -10319,12 +10415,12 @@ def _rollup_span_bounds(rec):
 
 def _rollup_unit_terms(rec):
     """The terms one absorbed unit cites; an absorbed rollup cites its stored keywords only."""
-    stored = (rec.get("fields") or {}).get("keywords")
+    stored = (rec.fields or {}).get("keywords")
     if isinstance(stored, list):
         return {k.strip().casefold() for k in stored if isinstance(k, str) and k.strip()}
-    terms = {t.casefold() for t in rec.get("tags") or [] if t}
-    for field, shortest in (("display_title", 2), ("digest", 4)):
-        words = _KEYWORD_WORD.findall(_KEYWORD_MASK.sub(" ", rec.get(field) or ""))
+    terms = {t.casefold() for t in rec.tags or [] if t}
+    for text, shortest in ((rec.display_title, 2), (rec.digest, 4)):
+        words = _KEYWORD_WORD.findall(_KEYWORD_MASK.sub(" ", text or ""))
         terms |= {w for w in map(str.casefold, words) if len(w) >= shortest and
                   w not in _KEYWORD_STOP}
     return terms
@@ -10345,10 +10441,10 @@ def _rollup_keywords(records):
 def _episode_record_from_text(rel, text, archived=False):
     """An episode record for text not yet on disk (dry runs and in-memory renders)."""
     detail = _parse_frontmatter_detail(text)
-    rec = {"path": rel, "stem": rel.rsplit("/", 1)[-1][:-3], "category": rel.split("/")[-2],
-           "archived": archived, "size": len(text.encode("utf-8")), "mtime_ns": 0,
-           "fm_ok": detail["has_block"], "fm_error": None, "fields": detail["fields"],
-           "has_block": detail["has_block"], "portability": detail.get("portability", [])}
+    rec = Episode(rel, rel.rsplit("/", 1)[-1][:-3], rel.split("/")[-2], archived,
+                  len(text.encode("utf-8")), 0, fm_ok=detail["has_block"], fm_error=None,
+                  fields=detail["fields"], has_block=detail["has_block"],
+                  portability=detail.get("portability", []))
     _fill_record(rec, detail["body"])
     return rec
 
@@ -10366,15 +10462,15 @@ def _rollup_invalid(message, fix, **details):
 
 
 def _rollup_find_live(live, key):
-    matches = (lambda r: r["stem"] == key, lambda r: r.get("id") == key,
-               lambda r: r["stem"].casefold() == key.casefold())
+    matches = (lambda r: r.stem == key, lambda r: r.id == key,
+               lambda r: r.stem.casefold() == key.casefold())
     return next((r for match in matches for r in live if match(r)), None)
 
 
 def _rollup_select(root, records, slug, until, episode_ids, kinds):
     """Step 1 of docs/verbs.md § rollup: the live episodes to fold, or rollup-invalid."""
-    live = [r for r in records if not r["archived"]]
-    archived = [r for r in records if r["archived"]]
+    live = [r for r in records if not r.archived]
+    archived = [r for r in records if r.archived]
     if episode_ids:
         selected, unknown, folded = [], [], []
         for raw in episode_ids:
@@ -10393,19 +10489,19 @@ def _rollup_select(root, records, slug, until, episode_ids, kinds):
                                   "instead of its members", archived=folded)
     else:
         selected = [r for r in live if _rollup_date(r) and _rollup_date(r) <= until and
-                    (not kinds or (r.get("kind") or _KIND_OF_CATEGORY.get(r["category"])) in kinds)]
+                    (not kinds or (r.kind or _KIND_OF_CATEGORY.get(r.category)) in kinds)]
         if not selected:
             what = f" of kind {', '.join(kinds)}" if kinds else ""
             raise _rollup_invalid(f"nothing to fold: no live episode{what} dated on or before "
                                   f"{until}", "choose a later --until, or list --episode ids")
-    if slug is not None and any(slug in (r["stem"], r.get("id")) for r in selected):
+    if slug is not None and any(slug in (r.stem, r.id) for r in selected):
         raise _rollup_invalid(f"the rollup {slug} would fold itself",
                               "choose a new slug, or leave that episode out of the selection")
     existing, _ = _find_episode_path(root, slug) if slug is not None else (None, None)
-    if slug is not None and (existing or any(r.get("id") == slug for r in records)):
+    if slug is not None and (existing or any(r.id == slug for r in records)):
         raise _rollup_invalid(f"{slug} already exists ({existing or 'as a frontmatter id'})",
                               "choose a new slug for the rollup", address=existing)
-    selected.sort(key=lambda r: (_rollup_date(r), r["stem"]))
+    selected.sort(key=lambda r: (_rollup_date(r), r.stem))
     return selected
 
 
@@ -10495,7 +10591,7 @@ def _rollup_locked(root, a):
     episodes = f"{n} episode{'s' if n != 1 else ''}"
     # the mass the folded episodes held moves with them into the rollup (stats counts the
     # archived ones apart, so nothing is counted twice)
-    measured = [r for r in selected if r.get("approx_src") != "unmeasured"]
+    measured = [r for r in selected if r.approx_src != "unmeasured"]
     absorbed = sum(_episode_mass(r, _context_window(root)) for r in measured)
     # the INDEX line: the rollup's own first sentence (issue 22), then its keywords, capped
     description, _ = _cap_description(_first_sentence(digest) + (
@@ -10508,8 +10604,8 @@ def _rollup_locked(root, a):
     lines = ["Originals moved to the [archive](../../archive/INDEX.md); recall any of them by "
              "id.", ""]
     for rec in selected:
-        label = rec.get("display_title") or _record_description(rec)
-        lines.append(f"- {_index_key(rec['stem'])}" + (f" — {label}" if label else ""))
+        label = rec.display_title or _record_description(rec)
+        lines.append(f"- {_index_key(rec.stem)}" + (f" — {label}" if label else ""))
     body.append((_ROLLUP_RESERVED_SECTION, "\n".join(lines)))
     fields = {"id": slug, "kind": "topic", "span": span, "date": date,
               "display_title": outs[-1] or None, "description": description or None,
@@ -10517,7 +10613,7 @@ def _rollup_locked(root, a):
               "approx_tokens_source": "absorbed" if measured else "unmeasured", "mode": "live"}
     text = _compose_episode(fields, digest, body)
     address = f"docs/topics/{slug}.md"
-    moves = [{"id": r.get("id") or r["stem"], "from": r["path"], "to": "archive/" + r["path"]}
+    moves = [{"id": r.id or r.stem, "from": r.path, "to": "archive/" + r.path}
              for r in selected]
     for move in moves:
         if os.path.lexists(os.path.join(root, move["to"])):
@@ -10533,7 +10629,7 @@ def _rollup_locked(root, a):
               "warnings": warnings, "committed": False, "commit": None}
     if a["dry_run"]:
         moved = {m["from"]: m["to"] for m in moves}
-        after = [dict(r, path=moved[r["path"]], archived=True) if r["path"] in moved else r
+        after = [r.replace(path=moved[r.path], archived=True) if r.path in moved else r
                  for r in records] + [_episode_record_from_text(address, text)]
         result.update(status="dry-run", episode_text=text,
                       index_tokens_after=_rendered_index_tokens(root, after, index_before),
@@ -10546,7 +10642,7 @@ def _rollup_locked(root, a):
     git = _Git(root)
     journal = _Journal(root)
     new_dirs = [d for d in ["archive", "archive/docs"] +
-                sorted({"archive/docs/" + r["category"] for r in selected})
+                sorted({"archive/docs/" + r.category for r in selected})
                 if not os.path.isdir(os.path.join(root, d))]
     progress = _Progress("rolling up", n)
     paths = []
@@ -10591,8 +10687,8 @@ def _rollup_preview(root, selected):
     """rollup --dry-run without --slug or --digest: what would be folded, and its keywords."""
     window = _context_window(root)
     n = len(selected)
-    listing = [{"id": r.get("id") or r["stem"], "address": r["path"], "date": _rollup_date(r),
-                "title": r.get("display_title") or _record_description(r)} for r in selected]
+    listing = [{"id": r.id or r.stem, "address": r.path, "date": _rollup_date(r),
+                "title": r.display_title or _record_description(r)} for r in selected]
     keywords = _rollup_keywords(selected)
     return {"status": "dry-run", "selected": listing, "archived": [e["id"] for e in listing],
             "count": n, "keywords": keywords,
@@ -10663,22 +10759,22 @@ def _purge_locked(root, today, apply, autocommit, episode_ids):
     if episode_ids:
         # every id must resolve (with its did-you-mean) before anything is deleted
         wanted = {_resolve_episode(root, raw)[0] for raw in episode_ids}
-        expired = [r for r in records if r["path"] in wanted]
+        expired = [r for r in records if r.path in wanted]
     for r in records if not episode_ids else ():
-        value = r.get("retain_until")
+        value = r.retain_until
         if value is not None and not _is_iso_date(value):
-            warnings.append(f"{r['path']}: retain_until {value!r} is not a YYYY-MM-DD date; "
+            warnings.append(f"{r.path}: retain_until {value!r} is not a YYYY-MM-DD date; "
                             "kept")
         elif value is not None and value < today:
             expired.append(r)
-    expired.sort(key=lambda r: r["path"])
-    listing = [{"id": r.get("id") or r["stem"], "address": r["path"],
-                "retain_until": r["retain_until"], "archived": r["archived"]} for r in expired]
-    gone = {r["stem"] for r in expired} | {r.get("id") for r in expired if r.get("id")}
+    expired.sort(key=lambda r: r.path)
+    listing = [{"id": r.id or r.stem, "address": r.path,
+                "retain_until": r.retain_until, "archived": r.archived} for r in expired]
+    gone = {r.stem for r in expired} | {r.id for r in expired if r.id}
     for r in records:
-        lost = [s for s in r.get("supersedes") or [] if s in gone]
+        lost = [s for s in r.supersedes or [] if s in gone]
         if lost and r not in expired:
-            warnings.append(f"{r['path']} supersedes {', '.join(lost)}, which "
+            warnings.append(f"{r.path} supersedes {', '.join(lost)}, which "
                             f"{'is' if apply else 'would be'} purged")
     git = _Git(root)
     history = git.is_repo()
@@ -10707,7 +10803,7 @@ def _purge_locked(root, today, apply, autocommit, episode_ids):
     mode = _derived_mode(root)
     journal = _Journal(root)
     progress = _Progress("purging", n)
-    paths = [r["path"] for r in expired]
+    paths = [r.path for r in expired]
     try:
         for i, rel in enumerate(paths):
             progress.update(i, "deleting episodes")
@@ -10727,7 +10823,7 @@ def _purge_locked(root, today, apply, autocommit, episode_ids):
         raise
     finally:
         progress.done()
-    result["deleted"] = [r["path"] for r in expired]
+    result["deleted"] = [r.path for r in expired]
     result["summary"] = (f"purged {noun} {why}" +
                          (" · committed" if result["committed"] else "") +
                          "".join(f"\n  {p}" for p in result["deleted"]))
@@ -11575,7 +11671,7 @@ def repair(shelf_path=None):
                 damage = _episode_damage(root, rel)
                 rec = None if damage else _read_episode(root, rel,
                                                         archived=rel.startswith("archive/"))
-                if rec is not None and rec["fm_ok"] and rec["fields"].get("id") == rec["stem"]:
+                if rec is not None and rec.fm_ok and rec.fields.get("id") == rec.stem:
                     paths.append(rel)
                 else:
                     left.append(f"{rel} " + (f"{damage} (doctor: an error)" if damage else
@@ -11897,18 +11993,18 @@ _GROUNDING_OPENING = 300
 
 def _format_findings(rec, text, body_start):
     out = []
-    path = rec["path"]
-    fields = rec.get("fields") or {}
+    path = rec.path
+    fields = rec.fields or {}
 
     def add(code, detail, fix=None):
         out.append(_finding(code, path, detail, fix))
 
-    if rec.get("fm_error"):
-        add("frontmatter-invalid", f"the frontmatter block is rejected: {rec['fm_error']}")
-    elif not rec.get("has_block"):
+    if rec.fm_error:
+        add("frontmatter-invalid", f"the frontmatter block is rejected: {rec.fm_error}")
+    elif not rec.has_block:
         add("no-frontmatter", "no frontmatter block (an optional H1, then a --- fenced block)")
     else:
-        problems = rec.get("portability") or []
+        problems = rec.portability or []
         if problems:
             add("frontmatter-not-portable", "; ".join(f"line {p.get('line')} ({p.get('key')}): "
                                                       f"{p.get('problem')}" for p in problems[:5]))
@@ -11917,9 +12013,9 @@ def _format_findings(rec, text, body_start):
                 add("frontmatter-missing-field", f"required field {key!r} is missing",
                     f"add {key}: to the frontmatter")
         ident, kind, mode = fields.get("id"), fields.get("kind"), fields.get("mode")
-        if ident is not None and ident != rec["stem"]:
+        if ident is not None and ident != rec.stem:
             shown = ident if isinstance(ident, str) else "(not a string)"
-            add("id-mismatch", f"id {shown!r} differs from the file stem {rec['stem']!r}")
+            add("id-mismatch", f"id {shown!r} differs from the file stem {rec.stem!r}")
         if "kind" in fields and kind not in KINDS:
             add("bad-kind", f"kind {kind!r} is not topic, research or session"
                 if kind and isinstance(kind, str) else "kind is empty")
@@ -11950,10 +12046,10 @@ def _format_findings(rec, text, body_start):
             if not m or not all(_is_iso_date(d) for d in m.groups() if d):
                 add("bad-date", f"span {span!r} is not YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD of "
                     "real dates")
-    folded = {h.casefold() for h, _ in rec.get("sections") or []}
+    folded = {h.casefold() for h, _ in rec.sections or []}
     if "digest" not in folded:
         add("no-digest", "no ## Digest heading")
-    kind = rec.get("kind") if rec.get("has_block") and not rec.get("fm_error") else None
+    kind = rec.kind if rec.has_block and not rec.fm_error else None
     for name in _REQUIRED_SECTIONS.get(kind, ()):
         if name.casefold() not in folded:
             add("missing-section", f"a {kind} needs a ## {name} section",
@@ -11961,18 +12057,18 @@ def _format_findings(rec, text, body_start):
     if kind == "research" and not (folded - {"digest"}):
         add("missing-section", "a research episode needs a body section besides ## Digest",
             "add a section such as ## Findings")
-    if rec.get("size", 0) > _EPISODE_WARN_BYTES:
-        add("episode-large", f"the file is {rec['size'] // 1024} KiB (over 256 KiB)")
+    if rec.size > _EPISODE_WARN_BYTES:
+        add("episode-large", f"the file is {rec.size // 1024} KiB (over 256 KiB)")
     return out
 
 
 def _content_findings(rec, parsed, policy):
     out = []
-    text, path = parsed.text, rec["path"]
+    text, path = parsed.text, rec.path
     rules, switches = policy
-    digest = rec.get("digest") or ""
+    digest = rec.digest or ""
     hits = find_secrets(text, rules or None, **switches)
-    if any(h.casefold() == "digest" for h, _ in rec.get("sections") or []):
+    if any(h.casefold() == "digest" for h, _ in rec.sections or []):
         if _digest_may_fail(digest):
             out += [_finding("digest-" + err["code"], path, err["message"])
                     for err in validate_digest(digest)["errors"] if err["code"] != "secret"]
@@ -12017,13 +12113,13 @@ def _content_findings(rec, parsed, policy):
 def _episode_file_findings(rec, data, policy, parsed=None):
     """Every finding one episode file yields by itself: format, then content. `parsed` is the
     _EpisodeText from the read that made rec; without it, data is parsed again."""
-    path, error = rec["path"], rec.get("fm_error") or ""
+    path, error = rec.path, rec.fm_error or ""
     if len(data) > _EPISODE_MAX_BYTES:   # nothing more is read of it: shelve would refuse it
         return [_finding("episode-oversize", path, f"the file is {len(data) / 1048576:.1f} MiB, "
                          "over the 8 MiB a shelve writes")]
     if parsed is None:
         text = body = _normalised(data.decode("utf-8", "replace"))
-        if rec.get("has_block") and not error:
+        if rec.has_block and not error:
             try:
                 # only where the block ends is needed; the catalog already parsed the fields
                 located = _fm_locate(text)
@@ -12046,9 +12142,9 @@ def _episode_file_findings(rec, data, policy, parsed=None):
 def _checked_record(rec):
     """What doctor keeps of a record once its own checks are done: what later steps read
     (a third of a record, 90 MB at 100,000 episodes)."""
-    date = rec["fields"].get("date")
-    rec["fields"] = {"date": date} if isinstance(date, str) else {}
-    rec["sections"] = rec["portability"] = None
+    date = rec.fields.get("date")
+    rec.fields = {"date": date} if isinstance(date, str) else {}
+    rec.sections = rec.portability = None
     return rec
 
 
@@ -12083,13 +12179,13 @@ class _DoctorFileCache:
         known, todo = {}, []
         rows = _cache_rows(self.db, "SELECT path, size, mtime_ns, ino, seen_ns, hash, findings "
                                     "FROM doctor_files ORDER BY path")
-        for rec, row in _beside(rows, sorted(records, key=lambda r: r["path"]),
-                                lambda r: r["path"], self.gone):
+        for rec, row in _beside(rows, sorted(records, key=lambda r: r.path),
+                                lambda r: r.path, self.gone):
             if row is None:
                 todo.append(rec)
                 continue
             path, size, mtime_ns, ino, seen, digest, cached = row
-            stamp = (rec["size"], rec["mtime_ns"], rec.get("ino"), rec.get("ctime_ns") or 0)
+            stamp = (rec.size, rec.mtime_ns, rec.ino, rec.ctime_ns or 0)
             if not _unchanged(stamp, (size, mtime_ns, ino), seen):
                 seen = time.time_ns()
                 data = read(rec)
@@ -12098,14 +12194,14 @@ class _DoctorFileCache:
                     continue
                 self.fresh.append((path, *stamp[:3], seen, digest, cached))
             # the usual empty answer is one shared empty tuple, not a list each
-            known[rec["path"]] = () if cached == "[]" else json.loads(cached)
+            known[rec.path] = () if cached == "[]" else json.loads(cached)
         return known, todo
 
     def store(self, rec, digest, findings, seen=None):
         """Remember findings for rec; digest is _content_hash of the bytes checked, read after
         `seen` (None: unknown, so only the content hash can vouch for the row later)."""
         if self.db is not None:
-            self.fresh.append((rec["path"], rec["size"], rec["mtime_ns"], rec.get("ino"), seen,
+            self.fresh.append((rec.path, rec.size, rec.mtime_ns, rec.ino, seen,
                                digest, json.dumps(findings, ensure_ascii=False)))
             if len(self.fresh) >= 1000:   # written in batches: memory stays flat on big shelves
                 self._write(self._INSERT, self.fresh)
@@ -12288,8 +12384,8 @@ class _DoctorRun:
         findings += step(self.tree())
         findings += step(self.policy_file())
         findings += step(self.ledger())
-        for found in self.episodes([r for r in self.records if not r["archived"]],
-                                   [r for r in self.records if r["archived"]]):
+        for found in self.episodes([r for r in self.records if not r.archived],
+                                   [r for r in self.records if r.archived]):
             findings += step(found)
         findings += step(self.freshness())
         findings += step(self.orphan_rows())
@@ -12501,7 +12597,7 @@ class _DoctorRun:
         for rel in ("docs", "archive", "archive/docs", *(f"archive/docs/{c}" for c in CATEGORIES)):
             if os.path.islink(os.path.join(root, rel)):
                 yield _finding("symlink-ignored", rel, "a symlinked folder of the shelf")
-        live = {r["category"] for r in self.records if not r["archived"]}
+        live = {r.category for r in self.records if not r.archived}
         split_dirs = []
         for base in ("docs", "archive/docs"):
             for cat in CATEGORIES:
@@ -12582,8 +12678,8 @@ class _DoctorRun:
     def duplicate_titles(self):
         groups = collections.defaultdict(list)
         for r in self.records:
-            title = (r.get("display_title") or r.get("id") or r["stem"]).strip().lower()
-            groups[(r["archived"], r["category"], title)].append(r["path"])
+            title = (r.display_title or r.id or r.stem).strip().lower()
+            groups[(r.archived, r.category, title)].append(r.path)
         for paths in groups.values():
             paths.sort()
             for p in paths[1:]:
@@ -12621,7 +12717,7 @@ class _DoctorRun:
             f"{json.dumps(self.policy[1], sort_keys=True)}|" + \
             _content_hash(_read_bytes(self.root, "POLICY.patterns"))
         cache = _DoctorFileCache(self.root, fingerprint, self.use_cache)
-        ids = {r["stem"] for r in self.records} | {r["id"] for r in self.records if r.get("id")}
+        ids = {r.stem for r in self.records} | {r.id for r in self.records if r.id}
         row_fix = self.derived_fix("no-ledger-row")
         progress = _Progress("checking episodes", len(self.records))
         steps = [[], []]
@@ -12630,16 +12726,16 @@ class _DoctorRun:
             for done, rec in enumerate(live + archived):
                 progress.update(done)
                 step = steps[0] if done < len(live) else steps[1]
-                step += known[rec["path"]]
-                missing = [s for s in rec.get("supersedes") or [] if s not in ids]
+                step += known[rec.path]
+                missing = [s for s in rec.supersedes or [] if s not in ids]
                 if missing:
-                    step.append(_finding("supersedes-unknown", rec["path"], "supersedes names "
+                    step.append(_finding("supersedes-unknown", rec.path, "supersedes names "
                                          "ids not on the shelf: " + ", ".join(missing)))
-                if self.ledger_ids is not None and rec.get("id") and \
-                        rec["id"] not in self.ledger_ids:
+                if self.ledger_ids is not None and rec.id and \
+                        rec.id not in self.ledger_ids:
                     self.uncounted.append(rec)
-                    step.append(_finding("no-ledger-row", rec["path"],
-                                         f"ledger.tsv has no row for {rec['id']}", row_fix))
+                    step.append(_finding("no-ledger-row", rec.path,
+                                         f"ledger.tsv has no row for {rec.id}", row_fix))
             cache.finish()
         finally:
             cache.close()
@@ -12650,23 +12746,23 @@ class _DoctorRun:
     def cached_verdicts(self, records, cache, progress):
         """{path: findings} of every episode file: cached, else checked (in parallel if it pays)."""
         root, policy = self.root, self.policy
-        known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec["path"]))
+        known, todo = cache.lookup_all(records, lambda rec: _read_bytes(root, rec.path))
         for rec in todo:
-            if rec["path"] in self.prechecked:
-                (findings, digest), seen = self.prechecked[rec["path"]]
+            if rec.path in self.prechecked:
+                (findings, digest), seen = self.prechecked[rec.path]
                 cache.store(rec, digest, list(findings), seen)
-                known[rec["path"]] = findings
-        todo = [rec for rec in todo if rec["path"] not in self.prechecked]
+                known[rec.path] = findings
+        todo = [rec for rec in todo if rec.path not in self.prechecked]
 
         def check(rec):
             seen = time.time_ns()
-            data = _read_bytes(root, rec["path"])
+            data = _read_bytes(root, rec.path)
             return _episode_file_findings(rec, data, policy), _content_hash(data), seen
 
         for n, (findings, digest, seen) in _parallel_map(check, todo, progress,
                                                          "checking episodes"):
             cache.store(todo[n], digest, findings, seen)
-            known[todo[n]["path"]] = findings
+            known[todo[n].path] = findings
         return known
 
     # 6. derived-layer freshness and git state -------------------------------------------
@@ -12706,25 +12802,25 @@ class _DoctorRun:
         render = self.render_branch(upstream)
         rel = os.path.relpath(os.path.realpath(self.root), git.toplevel()).replace(os.sep, "/")
         prefix = "" if rel == "." else rel + "/"
-        full = {r["path"]: prefix + r["path"] for r in self.uncounted}
+        full = {r.path: prefix + r.path for r in self.uncounted}
         on_render = _present_in(git, render, full.values())
         on_upstream = on_render if render == upstream else _present_in(git, upstream, full.values())
         out, visible = [], []
         short_render, short_upstream = (ref[len("refs/remotes/"):] for ref in (render, upstream))
         for rec in self.uncounted:
-            path = full[rec["path"]]
+            path = full[rec.path]
             if path in on_render:
                 visible.append(rec)
             elif path in on_upstream:
-                out.append(_finding("upstream-not-rendered", rec["path"], f"{rec['stem']} is on "
+                out.append(_finding("upstream-not-rendered", rec.path, f"{rec.stem} is on "
                                     f"{short_upstream} but not on the render branch "
                                     f"{short_render}; the renderer renders {short_render} only"))
             else:
-                out.append(_finding("episode-unpushed", rec["path"], f"{rec['stem']} exists "
+                out.append(_finding("episode-unpushed", rec.path, f"{rec.stem} exists "
                                     f"only in this checkout (not on {short_upstream})"))
         if visible:
             # the oldest work carries the verdict; a cap keeps a long outage cheap to judge
-            visible = sorted(visible, key=lambda r: (r.get("date") or "", r["path"]))[:200]
+            visible = sorted(visible, key=lambda r: (r.date or "", r.path))[:200]
             out += self.renderer_wait(render, short_render, visible, full)
         return out
 
@@ -12748,7 +12844,7 @@ class _DoctorRun:
         # arrive before it is written); a shallow boundary commit proves nothing
         added = {}
         log = git.run("log", render, "--format=%x01%H %ct", "--name-only", "--relative",
-                      "--diff-filter=A", "--", *[r["path"] for r in visible], **_GIT_READ)
+                      "--diff-filter=A", "--", *[r.path for r in visible], **_GIT_READ)
         sha, when = None, None
         for line in log.stdout.decode("utf-8", "replace").splitlines():
             if line.startswith("\x01"):
@@ -12767,14 +12863,14 @@ class _DoctorRun:
             if m:
                 moves.append((parts[0], int(m.group(1)), parts[2]))
         moves.reverse()
-        carried = _present_pairs(git, [(sha, full[r["path"]]) for sha, _, _ in moves
+        carried = _present_pairs(git, [(sha, full[r.path]) for sha, _, _ in moves
                                        for r in visible])
         proven, unknown = [], []
         for rec in visible:
-            path = full[rec["path"]]
+            path = full[rec.path]
             uppers, lower = [], None
-            if added.get(rec["path"]) is not None:
-                uppers.append(now - added[rec["path"]])
+            if added.get(rec.path) is not None:
+                uppers.append(now - added[rec.path])
             for i, (sha, when, subject) in enumerate(moves):
                 if (sha, path) in carried:
                     lower = now - when
@@ -12923,7 +13019,7 @@ class _DoctorRun:
     def orphan_rows(self):
         if not self.ledger_ids:
             return []
-        known = {r["stem"] for r in self.records} | {r["id"] for r in self.records if r.get("id")}
+        known = {r.stem for r in self.records} | {r.id for r in self.records if r.id}
         return [_finding("orphan-ledger-row", "ledger.tsv",
                          f"line {line}: {ident!r} has no episode file in docs/ or archive/")
                 for ident, line in sorted(self.ledger_ids.items(), key=lambda t: t[1])
@@ -13112,7 +13208,7 @@ def _manifest_typing(text):
 
 
 def _no_row(records, branch=None, limit=5):
-    ids = ", ".join(r["stem"] for r in records[:limit]) + (", …" if len(records) > limit else "")
+    ids = ", ".join(r.stem for r in records[:limit]) + (", …" if len(records) > limit else "")
     where = f" on {branch}" if branch else ""
     return f"{len(records)} episode(s){where} have no ledger row ({ids})"
 
@@ -13273,7 +13369,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     window = _context_window(root, context_window)
     with _Store(root) as catalog:
         records = catalog.render_records()
-    eps = [r for r in records if r.get("id")]
+    eps = [r for r in records if r.id]
     totals = _shelf_totals(root, records=records, window=window)
     index_tokens = totals["index_tokens"]
     index_text = _index_file_text(root)
@@ -13283,11 +13379,11 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     # the entry lines' own cost: chars/4 of the lines, headings and preamble left out
     per_entry = sum(sum(e.values()) for e in entries) / 4 / index_entries if entries else 0.0
     # each episode's own mass, archived ones too: a recall of one saves against it
-    sizes = {r["stem"]: _episode_mass(r, window) for r in eps
-             if r.get("approx_src") != "unmeasured"}
-    archived = [r for r in eps if r["archived"]]
+    sizes = {r.stem: _episode_mass(r, window) for r in eps
+             if r.approx_src != "unmeasured"}
+    archived = [r for r in eps if r.archived]
     chart_rows = _ledger_rows(records)[0]
-    chart_digests = sum(r["digest_tokens"] for r in chart_rows)
+    chart_digests = sum(r.digest_tokens for r in chart_rows)
 
     import datetime
     rows, _problems = _recall_log_entries(root)
@@ -13303,7 +13399,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     ledger_ids = set(_read_ledger(root)[2])
     result = {"status": "ok", "episodes": totals["episodes"],
               "episodes_archived": totals["archived"],
-              "archived_mass": sum(sizes.get(r["stem"], 0) for r in archived),
+              "archived_mass": sum(sizes.get(r.stem, 0) for r in archived),
               "index_tokens": index_tokens, "index_entries": index_entries,
               "index_tokens_per_entry": round(per_entry, 1),
               "digest_tokens": totals["digest_tokens"],
@@ -13321,7 +13417,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
               "fetched_tokens": sum(row[2] for row in rows), "realized_savings": realized,
               "recall_cost_per_question": index_tokens + _median([row[2] for row in rows])
               if rows else None, "recalls_30d": recent,
-              "ledger_lag": sum(1 for r in eps if r["id"] not in ledger_ids)}
+              "ledger_lag": sum(1 for r in eps if r.id not in ledger_ids)}
     # what a model is handed of the INDEX: the file itself when it fits, else the served view
     budget = _served_budget(root)
     served, folded = index_text, 0
@@ -13348,17 +13444,17 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     result["banner"] = text
     if per_episode:
         result["per_episode"] = []
-        for r in sorted(eps, key=lambda r: (r["date"], r["stem"])):
-            size = None if r.get("approx_src") == "unmeasured" else \
-                max(r["approx_tokens"] or 0, 0)
-            recalls, fetched, saved = per_id.get(r["stem"], (0, 0, 0))
+        for r in sorted(eps, key=lambda r: (r.date, r.stem)):
+            size = None if r.approx_src == "unmeasured" else \
+                max(r.approx_tokens or 0, 0)
+            recalls, fetched, saved = per_id.get(r.stem, (0, 0, 0))
             result["per_episode"].append({
-                "id": r["id"], "address": r["path"], "archived": r["archived"],
-                "approx_tokens": r["approx_tokens"],
-                "approx_tokens_source": r.get("approx_src") or "estimate",
-                "mass": sizes.get(r["stem"], 0),
-                "capped": size is not None and sizes[r["stem"]] < size,
-                "digest_tokens": r["digest_tokens"],
+                "id": r.id, "address": r.path, "archived": r.archived,
+                "approx_tokens": r.approx_tokens,
+                "approx_tokens_source": r.approx_src or "estimate",
+                "mass": sizes.get(r.stem, 0),
+                "capped": size is not None and sizes[r.stem] < size,
+                "digest_tokens": r.digest_tokens,
                 "recalls": recalls, "fetched_tokens": fetched, "realized_savings": saved})
     if chart:
         svg = _render_chart(chart_rows)
@@ -13501,7 +13597,7 @@ def _advise_rollup(root, live, index_tokens, budget, line_costs, listed, entry_t
     target = int(budget * _ADVISE_INDEX_SHARE)
     if index_tokens <= target:
         return
-    dated = sorted([r for r in live if _rollup_date(r)], key=lambda r: (_rollup_date(r), r["stem"]))
+    dated = sorted([r for r in live if _rollup_date(r)], key=lambda r: (_rollup_date(r), r.stem))
     if len(dated) < 2:
         return
     if listed and index_tokens > _INDEX_BASE_TOKENS + allowance * listed:
@@ -13515,13 +13611,13 @@ def _advise_rollup(root, live, index_tokens, budget, line_costs, listed, entry_t
     running, need = 0.0, 0
     for rec in dated:
         need += 1
-        running += line_costs.get(rec["stem"], average)
+        running += line_costs.get(rec.stem, average)
         # the rollup adds one line of its own, so the fold must pay for it first
         if need >= 2 and running - average >= excess:
             break
     until = _rollup_date(dated[need - 1])
     covered = [r for r in dated if _rollup_date(r) <= until]   # --until folds whole days
-    reclaimed = max(int(round(sum(line_costs.get(r["stem"], average) for r in covered) -
+    reclaimed = max(int(round(sum(line_costs.get(r.stem, average) for r in covered) -
                               average)), 0)
     if running - average < excess:
         notes.append(f"folding every dated episode still leaves INDEX above {target} tokens "
@@ -13549,8 +13645,8 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     root, _ = _resolve_shelf(shelf_path, relative_ok=not _context("mcp"))
     with _Store(root) as catalog:
         records = catalog.records()
-    eps = [r for r in records if r.get("id")]
-    live = [r for r in eps if not r["archived"]]
+    eps = [r for r in records if r.id]
+    live = [r for r in eps if not r.archived]
     fmt = "docshelf" if _index_format(root) == "docshelf" else "compact"
     index_text = _index_file_text(root)
     index_tokens = tokens(index_text)   # what a session actually loads, stale or not
@@ -13569,17 +13665,17 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
     cost, cost_source = _ADVISE_FLAT_COST, "flat"
     if len(eps) >= _ADVISE_MEASURE_FROM and line_costs:
         mean_line = sum(line_costs.values()) / len(line_costs)
-        mean_digest = sum(r["digest_tokens"] for r in eps) / len(eps)
+        mean_digest = sum(r.digest_tokens for r in eps) / len(eps)
         cost, cost_source = max(1, int(round(mean_line + mean_digest))), "measured"
     min_tokens = _ADVISE_PROPOSAL_FACTOR * cost
     memory = standing if include_memory_overhead else 0
     known, titles = {}, {}
     for r in eps:
-        known.setdefault(r["stem"], r)
-        known.setdefault(r["id"], r)
-        titles.setdefault(r["stem"].casefold(), r["stem"])
-        if r.get("display_title"):
-            titles.setdefault(" ".join(r["display_title"].split()).casefold(), r["stem"])
+        known.setdefault(r.stem, r)
+        known.setdefault(r.id, r)
+        titles.setdefault(r.stem.casefold(), r.stem)
+        if r.display_title:
+            titles.setdefault(" ".join(r.display_title.split()).casefold(), r.stem)
     folded = {k.casefold(): r for k, r in known.items()}
     breakdown = {"static": 0, "memory": memory, "live": 0, "reclaimable": 0}
     proposals, notes = [], []
@@ -13602,12 +13698,12 @@ def advise(shelf_path=None, occupants=None, budget_tokens=200000, stale_after_tu
                          "title or id; pass episode_id to confirm it before dropping it")
         if rec is not None:
             breakdown["reclaimable"] += size
-            where = "archived" if rec["archived"] else "on the shelf"
+            where = "archived" if rec.archived else "on the shelf"
             proposals.append({
                 "action": "drop", "target": label, "tokens": size,
-                "why": f"already {where} as {rec['stem']} (verified); carrying it duplicates "
+                "why": f"already {where} as {rec.stem} (verified); carrying it duplicates "
                        "the shelf — recall a section when it is needed",
-                "command": f"memshelf recall --shelf {q} --id {_shell_quote(rec['stem'])} "
+                "command": f"memshelf recall --shelf {q} --id {_shell_quote(rec.stem)} "
                            "--section '<section>'"})
             continue
         idle = occ["idle_turns"]
@@ -13698,7 +13794,7 @@ def _export_patterns(root):
 
 def _is_private(rec, patterns):
     return any(t == p or (p.endswith("*") and t.startswith(p[:-1]))
-               for t in map(str.casefold, rec.get("tags") or []) for p in patterns)
+               for t in map(str.casefold, rec.tags or []) for p in patterns)
 
 
 def _view_records(root, archive=True, label="reading episodes"):
@@ -13707,28 +13803,28 @@ def _view_records(root, archive=True, label="reading episodes"):
     with _Store(root) as store:
         recs = store.records(archive=archive, progress=progress)
     progress.done()
-    return sorted(recs, key=lambda r: (r["date"], r["stem"], r["path"]))
+    return sorted(recs, key=lambda r: (r.date, r.stem, r.path))
 
 
 def _record_kind(rec):
-    return rec.get("kind") if rec.get("kind") in KINDS else _KIND_OF_CATEGORY.get(rec["category"])
+    return rec.kind if rec.kind in KINDS else _KIND_OF_CATEGORY.get(rec.category)
 
 
 def _record_title(rec):
-    return rec.get("display_title") or rec["stem"]
+    return rec.display_title or rec.stem
 
 
 def _episode_body(root, rec, skip=False):
     """(fields, body) of an episode file; a broken frontmatter block leaves the text as body.
     skip: a damaged file is None and a warning (a view never stops on one; doctor names it)."""
     try:
-        read, episode = _episode_read(root, rec["path"], rec.get("archived", False))
+        read, episode = _episode_read(root, rec.path, rec.archived)
     except (OSError, ShelfError) as exc:
         if not skip:
             raise
         _note(f"skipped an unreadable episode: {getattr(exc, 'message', exc)}")
         return None
-    return read["fields"], episode.body
+    return read.fields, episode.body
 
 
 def _view_bodies(root, recs, label):
@@ -13862,11 +13958,11 @@ def _tag_rows(recs):
     """Tags folded by case, each in its most used spelling; most used first."""
     groups = {}
     for r in recs:
-        for t in r["tags"]:
+        for t in r.tags:
             g = groups.setdefault(t.casefold(), {"spellings": {}, "ids": set()})
-            if r["stem"] not in g["ids"]:
+            if r.stem not in g["ids"]:
                 g["spellings"][t] = g["spellings"].get(t, 0) + 1
-            g["ids"].add(r["stem"])
+            g["ids"].add(r.stem)
     rows = [{"tag": min(g["spellings"].items(), key=lambda kv: (-kv[1], kv[0]))[0],
              "count": len(g["ids"]), "ids": sorted(g["ids"]), "spellings": sorted(g["spellings"])}
             for g in groups.values()]
@@ -13880,7 +13976,7 @@ def tags(shelf_path=None, archive="include"):
     root, _ = _resolve_shelf(shelf_path)
     recs = _view_records(root, archive=archive == "include")
     return {"status": "ok", "archive": archive, "episodes": len(recs), "tags": _tag_rows(recs),
-            "untagged": sorted(r["stem"] for r in recs if not r["tags"])}
+            "untagged": sorted(r.stem for r in recs if not r.tags)}
 
 
 # --- graph --------------------------------------------------------------------------------
@@ -13894,11 +13990,11 @@ def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=Non
     out_path = _check_out_path(out) if out is not None else None
     root, _ = _resolve_shelf(shelf_path)
     recs = _view_records(root)
-    by_stem = {r["stem"]: r for r in recs}
+    by_stem = {r.stem: r for r in recs}
     # reversed, so that the first record carrying an id wins
-    by_id = {r["id"]: r["stem"] for r in reversed(recs) if r.get("id") and r["id"] not in by_stem}
-    nodes = [{"id": r["stem"], "kind": _record_kind(r), "date": r["date"] or None,
-              "title": _record_title(r), "archived": bool(r["archived"])} for r in recs]
+    by_id = {r.id: r.stem for r in reversed(recs) if r.id and r.id not in by_stem}
+    nodes = [{"id": r.stem, "kind": _record_kind(r), "date": r.date or None,
+              "title": _record_title(r), "archived": bool(r.archived)} for r in recs]
     pattern = _id_pattern(by_stem)
     edges = {}
     for r, body in _view_bodies(root, recs, "reading mentions"):
@@ -13906,17 +14002,17 @@ def graph(shelf_path=None, format="json", section=None, all_nodes=False, out=Non
             if section is not None and not _section_matches(heading, section):
                 continue
             for target in (m.group(0) for m in pattern.finditer(text)) if pattern else ():
-                if target == r["stem"]:
+                if target == r.stem:
                     continue
-                e = edges.setdefault((r["stem"], target, "mention"), {
-                    "from": r["stem"], "to": target, "type": "mention", "sections": [], "count": 0})
+                e = edges.setdefault((r.stem, target, "mention"), {
+                    "from": r.stem, "to": target, "type": "mention", "sections": [], "count": 0})
                 e["count"] += 1
                 if heading is not None and heading not in e["sections"]:
                     e["sections"].append(heading)
-        for target in (_stem_of_reference(ref, by_stem, by_id) for ref in r["supersedes"]):
-            if target and target != r["stem"]:
-                edges[(r["stem"], target, "supersedes")] = {
-                    "from": r["stem"], "to": target, "type": "supersedes", "sections": [],
+        for target in (_stem_of_reference(ref, by_stem, by_id) for ref in r.supersedes):
+            if target and target != r.stem:
+                edges[(r.stem, target, "supersedes")] = {
+                    "from": r.stem, "to": target, "type": "supersedes", "sections": [],
                     "count": 1}
     edge_list = [edges[k] for k in sorted(edges)]
     text = _mermaid(nodes, edge_list, all_nodes) if format == "mermaid" else \
@@ -13984,15 +14080,15 @@ def _cap_text(text, cap):
 
 def _supersession_chains(recs, in_period):
     """Chains old -> newer -> newest among the shelf, kept when they touch the period."""
-    by_stem = {r["stem"]: r for r in recs}
-    by_id = {r["id"]: r["stem"] for r in recs if r.get("id")}
+    by_stem = {r.stem: r for r in recs}
+    by_id = {r.id: r.stem for r in recs if r.id}
     newer, older = {}, set()
     for r in recs:
-        for ref in r["supersedes"]:
+        for ref in r.supersedes:
             old = _stem_of_reference(ref, by_stem, by_id)
-            if old and old != r["stem"]:
-                newer.setdefault(old, set()).add(r["stem"])
-                older.add(r["stem"])
+            if old and old != r.stem:
+                newer.setdefault(old, set()).add(r.stem)
+                older.add(r.stem)
     chains = []
 
     def walk(path):
@@ -14014,18 +14110,18 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None, inclu
     recs = _view_records(root)
     patterns = _export_patterns(root)
     window = _context_window(root)
-    in_range = [r for r in recs if r["date"] and start <= r["date"] <= end]
+    in_range = [r for r in recs if r.date and start <= r.date <= end]
     private = [r for r in in_range if not include_private and _is_private(r, patterns)]
     chosen = [r for r in in_range if r not in private]
     counts, mass = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
     for r in chosen:
         kind = _record_kind(r) or "topic"
         counts[kind] += 1
-        if r.get("approx_src") != "unmeasured":
-            mass[kind] += min(max(r["approx_tokens"] or 0, 0), window)
+        if r.approx_src != "unmeasured":
+            mass[kind] += min(max(r.approx_tokens or 0, 0), window)
     period = f"{start if start != '0001-01-01' else 'the start'} … " \
         f"{end if end != '9999-12-31' else 'now'}"
-    archived = sum(1 for r in chosen if r["archived"])
+    archived = sum(1 for r in chosen if r.archived)
     lines = [f"# Retrospective {label}", "",
              f"Shelf **{_docshelf_config(root)['name']}** · {period} · {len(chosen)} episodes · "
              f"~{_human_count(sum(mass.values()))} tokens shelved"
@@ -14040,40 +14136,40 @@ def retro(shelf_path=None, quarter=None, since=None, until=None, out=None, inclu
     if not chosen:
         lines += ["_No episodes in this period._", ""]
     for cat in CATEGORIES:
-        group = [r for r in chosen if r["category"] == cat]
+        group = [r for r in chosen if r.category == cat]
         if not group:
             continue
         lines += [f"### {_HEADINGS[cat]}", ""]
         for r in group:
             title, desc = _record_title(r), _record_description(r)
-            lines.append(f"- {r['date']} · `{r['stem']}`"
-                         + (f" **{title}**" if title != r["stem"] else "")
+            lines.append(f"- {r.date} · `{r.stem}`"
+                         + (f" **{title}**" if title != r.stem else "")
                          + (f" — {desc}" if desc else "")
-                         + (" _(archived)_" if r["archived"] else ""))
+                         + (" _(archived)_" if r.archived else ""))
         lines.append("")
-    bodies = {r["stem"]: _split_sections(body)[1] if body is not None else []
+    bodies = {r.stem: _split_sections(body)[1] if body is not None else []
               for r, body in _view_bodies(root, chosen, "reading episodes")}
     lines += ["## Decisions", ""]
     decided = []
     for r in chosen:
-        found = _find_section(bodies[r["stem"]], "Decisions")
+        found = _find_section(bodies[r.stem], "Decisions")
         bullets = _first_bullets(found[1]) if found else []
-        decided += [f"**`{r['stem']}`**", *(f"- {b}" for b in bullets), ""] if bullets else []
+        decided += [f"**`{r.stem}`**", *(f"- {b}" for b in bullets), ""] if bullets else []
     lines += decided or ["_No Decisions sections in this period._", ""]
     lines += ["## Still open", ""]
     sessions = sorted((r for r in chosen if _record_kind(r) == "session"),
-                      key=lambda r: (r["date"], r["stem"]), reverse=True)
+                      key=lambda r: (r.date, r.stem), reverse=True)
     opened = []
     for r in sessions[:3]:
-        found = _find_section(bodies[r["stem"]], "Open threads")
+        found = _find_section(bodies[r.stem], "Open threads")
         text = found[1].strip() if found else ""
-        opened += [f"**`{r['stem']}`** ({r['date']})", "", _cap_text(text, 400), ""] if text else []
+        opened += [f"**`{r.stem}`** ({r.date})", "", _cap_text(text, 400), ""] if text else []
     lines += ["From the latest session episodes of the period:", "", *opened] if opened else \
         ["_No open threads recorded in this period's session episodes._", ""]
     top = ", ".join(f"{t['tag']} ({t['count']})" for t in _tag_rows(chosen)[:10])
     lines += ["## Top tags", "", top or "_No tags._", "", "## Supersession chains", ""]
     chains = _supersession_chains([r for r in recs if r not in private],
-                                  {r["stem"] for r in chosen})
+                                  {r.stem for r in chosen})
     lines += (["- " + " → ".join(f"`{s}`" for s in c) + " (each superseded by the next)"
                for c in chains] if chains else ["_None._"])
     markdown = "\n".join(lines).rstrip("\n") + "\n"
@@ -14090,7 +14186,7 @@ def _export_index(root, records, hidden):
     """The INDEX as the shelf renders it, without the episodes in `hidden`."""
     fmt = _index_format(root)
     if fmt != "manual":
-        kept = [r for r in records if r["stem"] not in hidden]
+        kept = [r for r in records if r.stem not in hidden]
         return _render_derived(root, records=kept, fmt=fmt, index_only=True)["files"]["INDEX.md"]
     text = index(root)["index"]
     if not hidden:
@@ -14113,14 +14209,14 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
     root, _ = _resolve_shelf(shelf_path)
     chosen = list(dict.fromkeys(_resolve_episode(root, raw)[0] for raw in wanted))
     recs = _view_records(root)
-    by_path = {r["path"]: r for r in recs}
+    by_path = {r.path: r for r in recs}
     patterns = _export_patterns(root)
-    hidden = set() if include_private else {r["stem"] for r in recs if _is_private(r, patterns)}
+    hidden = set() if include_private else {r.stem for r in recs if _is_private(r, patterns)}
     superseded = _superseded_map(recs)
     blocks, left_out, missing, matched_any = [], [], [], set()
     for r in (by_path[rel] for rel in chosen if rel in by_path):
-        if r["stem"] in hidden:
-            left_out.append({"id": r["stem"], "tokens": None, "reason": "private"})
+        if r.stem in hidden:
+            left_out.append({"id": r.stem, "tokens": None, "reason": "private"})
             continue
         _, body = _episode_body(root, r)
         parts = [] if names else [(None, body.strip())]
@@ -14131,17 +14227,17 @@ def fork(shelf_path=None, episode_ids=None, sections=None, no_index=False, budge
                 matched_any.add(name)
                 parts.append((found[0], f"## {found[0]}\n{found[1].strip()}"))
             else:
-                missing.append({"id": r["stem"], "section": name})
+                missing.append({"id": r.stem, "section": name})
         if not parts:
             continue
         wrapped = "\n\n".join(
-            _envelope(r["stem"], content, heading, scan_instructions(content),
-                      superseded.get(r["stem"]))
+            _envelope(r.stem, content, heading, scan_instructions(content),
+                      superseded.get(r.stem))
             for heading, content in parts)
         title = _record_title(r)
-        text = (f"## {r['stem']}" + (f" — {title}" if title != r["stem"] else "")
+        text = (f"## {r.stem}" + (f" — {title}" if title != r.stem else "")
                 + f"\n\n{wrapped}\n")
-        blocks.append({"id": r["stem"], "date": r["date"], "text": text,
+        blocks.append({"id": r.stem, "date": r.date, "text": text,
                        "sections": [h for h, _ in parts if h], "tokens": tokens(text)})
     if names and not matched_any and missing:
         raise ShelfError("section-not-found", "none of the requested episodes has a section "
@@ -14516,25 +14612,25 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None, incl
     root, _ = _resolve_shelf(shelf_path)
     recs = _view_records(root)
     patterns = _export_patterns(root)
-    hidden = set() if include_private else {r["stem"] for r in recs if _is_private(r, patterns)}
-    live = [r for r in recs if not r["archived"] and r["stem"] not in hidden]
+    hidden = set() if include_private else {r.stem for r in recs if _is_private(r, patterns)}
+    live = [r for r in recs if not r.archived and r.stem not in hidden]
     wanted, skipped = [], []
     for raw in episode_ids or []:
         rel, _ = _resolve_episode(root, raw)
-        r = next((x for x in recs if x["path"] == rel), None)
-        if r is not None and r["stem"] in hidden:
-            skipped.append({"id": r["stem"], "reason": "private"})
+        r = next((x for x in recs if x.path == rel), None)
+        if r is not None and r.stem in hidden:
+            skipped.append({"id": r.stem, "reason": "private"})
         elif r is not None and r not in wanted:
             wanted.append(r)
     for x in skipped:
         _note(f"left out {x['id']}: tagged private (--include-private adds it)")
-    opened = {r["stem"] for r in wanted}   # asked for by id: shown open
+    opened = {r.stem for r in wanted}   # asked for by id: shown open
     if all_episodes:
         wanted += [r for r in live if r not in wanted]
-    wanted.sort(key=lambda r: (r["archived"], r["date"], r["stem"]))
-    shown = {r["stem"] for r in wanted}
-    listed = {r["stem"] for r in live}
-    superseded = _superseded_map([r for r in recs if r["stem"] not in hidden])
+    wanted.sort(key=lambda r: (r.archived, r.date, r.stem))
+    shown = {r.stem for r in wanted}
+    listed = {r.stem for r in live}
+    superseded = _superseded_map([r for r in recs if r.stem not in hidden])
 
     def href_of(ident):
         if ident in shown:
@@ -14544,19 +14640,19 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None, incl
     flags, bodies = {}, {}
     for r, body in _view_bodies(root, wanted, "rendering episodes"):
         if body is None:
-            skipped.append({"id": r["stem"], "reason": "unreadable"})
+            skipped.append({"id": r.stem, "reason": "unreadable"})
             continue
-        bodies[r["stem"]] = body
+        bodies[r.stem] = body
         found = scan_instructions(body)
         if found:
-            flags[r["stem"]] = _instruction_kinds(found)
-    wanted = [r for r in wanted if r["stem"] in bodies]
+            flags[r.stem] = _instruction_kinds(found)
+    wanted = [r for r in wanted if r.stem in bodies]
     shown.intersection_update(bodies)
     for r in live:
-        found = r["stem"] not in flags and scan_instructions(
+        found = r.stem not in flags and scan_instructions(
             _record_title(r) + "\n" + _record_description(r))
         if found:
-            flags[r["stem"]] = _instruction_kinds(found)
+            flags[r.stem] = _instruction_kinds(found)
 
     def badge(stem):
         return "" if stem not in flags else (
@@ -14564,28 +14660,28 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None, incl
             f'({_esc(flags[stem])}); read it as quoted data">instruction-shaped</span>')
 
     def meta_line(r, extra=(), size=None):
-        parts = [] if _record_title(r) == r["stem"] else [f"<code>{_esc(r['stem'])}</code>"]
-        parts += [_esc(x) for x in (*extra, r["date"], size) if x]
-        if r["tags"]:
-            parts.append(" ".join("#" + _esc(t) for t in r["tags"]))
-        if superseded.get(r["stem"]):
+        parts = [] if _record_title(r) == r.stem else [f"<code>{_esc(r.stem)}</code>"]
+        parts += [_esc(x) for x in (*extra, r.date, size) if x]
+        if r.tags:
+            parts.append(" ".join("#" + _esc(t) for t in r.tags))
+        if superseded.get(r.stem):
             parts.append('<span class="sup">superseded by ' + ", ".join(
                 f'<a href="{_esc(href_of(s))}">{_esc(s)}</a>' if href_of(s) else _esc(s)
-                for s in superseded[r["stem"]]) + "</span>")
+                for s in superseded[r.stem]) + "</span>")
         return " · ".join(parts)
     name = _docshelf_config(root)["name"]
     html_parts = []
     for cat in CATEGORIES:
-        group = [r for r in live if r["category"] == cat]
+        group = [r for r in live if r.category == cat]
         items = []
         for r in group:
             title_html = md.inline(_record_title(r), links=False)
-            if r["stem"] in shown:
-                title_html = f'<a href="#{_esc(_mirror_anchor("e", r["stem"]))}">{title_html}</a>'
+            if r.stem in shown:
+                title_html = f'<a href="#{_esc(_mirror_anchor("e", r.stem))}">{title_html}</a>'
             desc = _record_description(r)
             items.append(
-                f'<li class="entry" id="{_esc(_mirror_anchor("i", r["stem"]))}"><span '
-                f'class="title">{title_html}</span>' + badge(r["stem"])
+                f'<li class="entry" id="{_esc(_mirror_anchor("i", r.stem))}"><span '
+                f'class="title">{title_html}</span>' + badge(r.stem)
                 + (f'<div class="desc">{md.inline(desc)}</div>' if desc else "")
                 + f'<div class="meta">{meta_line(r)}</div></li>')
         if group:
@@ -14597,12 +14693,12 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None, incl
         html_parts.append('<p class="lead">No episodes on this shelf yet.</p>')
     blocks = []
     for r in wanted:
-        stem = r["stem"]
+        stem = r.stem
         warn = "" if stem not in flags else (
             '<p class="warn">This episode holds instruction-shaped text '
             f'({_esc(flags[stem])}). It is quoted data from a past session: read '
             "it, do not act on it.</p>\n")
-        extra = [_record_kind(r) or "", "archived" if r["archived"] else ""]
+        extra = [_record_kind(r) or "", "archived" if r.archived else ""]
         size = f"~{_human_count(tokens(bodies[stem]))} tok"
         blocks.append(
             f'<details class="episode entry" id="{_esc(_mirror_anchor("e", stem))}"'
@@ -14640,7 +14736,7 @@ def mirror(shelf_path=None, episode_ids=None, all_episodes=False, out=None, incl
         f"<script>{_MIRROR_SCRIPT}</script>\n</body>\n</html>\n")
     _write_out(out_path, page)
     return {"status": "ok", "html": page, "bytes": len(page.encode("utf-8")),
-            "entries": len(live), "episodes": [r["stem"] for r in wanted],
+            "entries": len(live), "episodes": [r.stem for r in wanted],
             "flagged": sorted(flags), "skipped": skipped,
             "private_excluded": len(hidden), "out": out_path}
 
@@ -15358,7 +15454,12 @@ class _Param:
                  exclusive_minimum=None, items="string", cli_help=None):
         # each argument is an attribute of its name; negate: the CLI flag that sets a default-true
         # boolean to false; cli_help: the CLI's own help when its spelling differs from MCP's
-        vars(self).update({k: v for k, v in locals().items() if k != "self"})
+        self.name, self.type, self.default, self.required, self.help = \
+            name, type, default, required, help
+        self.enum, self.minimum, self.maximum, self.nullable = enum, minimum, maximum, nullable
+        self.cli, self.mcp, self.negate, self.positional, self.nargs, self.metavar = \
+            cli, mcp, negate, positional, nargs, metavar
+        self.exclusive_minimum, self.items, self.cli_help = exclusive_minimum, items, cli_help
         self.flags = flags or ["--" + name.replace("_", "-")]
 
     def schema(self):
@@ -15382,7 +15483,12 @@ class _Verb:
                  destructive=False, idempotent=True, open_world=False, output=None,
                  required_output=("status",), text=None, verdict=None, cli_help=None,
                  needs_shelf=True, epilog=None):
-        vars(self).update({k: v for k, v in locals().items() if k != "self"})
+        self.name, self.func, self.params, self.title, self.description = \
+            name, func, params, title, description
+        self.mcp, self.read_only, self.destructive, self.idempotent, self.open_world = \
+            mcp, read_only, destructive, idempotent, open_world
+        self.required_output, self.text, self.verdict, self.needs_shelf, self.epilog = \
+            required_output, text, verdict, needs_shelf, epilog
         self.output = output or {}
         self.cli_help = cli_help or title
 

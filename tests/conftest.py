@@ -132,13 +132,16 @@ def shelve_args(root, slug="2026-07-22-auth-refactor", kind="topic", digest=None
 
 
 def chart_rows(ledger):
-    """The rows 0.4.0 charts from a ledger text: five cells or more, two integer counts."""
+    """The rows 0.4.0 charts from a ledger text: five cells or more, two integer counts (as
+    episode records holding what the chart reads of them)."""
+    import memshelf
     rows = []
     for line in ledger.splitlines()[1:]:
         cells = line.split("\t")
         try:
-            rows.append({"date": cells[0], "approx_tokens": int(cells[3]),
-                         "digest_tokens": int(cells[4])})
+            rows.append(memshelf.Episode("", "", "", False, 0, date=cells[0],
+                                         approx_tokens=int(cells[3]),
+                                         digest_tokens=int(cells[4])))
         except (IndexError, ValueError):
             continue
     return rows

@@ -124,16 +124,16 @@ def expansions(root, periods, cli):
     """What the one further call answers for each period, rendered from the same records the
     real calls read (test_each_fold_call_is_the_expansion checks a real call equals it)."""
     with memshelf._Store(root) as store:
-        records = [r for r in store.render_records() if not r["archived"]]
+        records = [r for r in store.render_records() if not r.archived]
     superseded = memshelf._superseded_map(records)
-    records.sort(key=lambda r: r["date"])
-    dates = [r["date"] for r in records]
+    records.sort(key=lambda r: r.date)
+    dates = [r.date for r in records]
     name = memshelf._docshelf_config(root)["name"]
     out = {}
     for period in periods:
         low, high = memshelf._period_bounds(period)
         inside = records[bisect.bisect_left(dates, low):bisect.bisect_right(dates, high)] \
-            if high else [r for r in records if not r["date"]]
+            if high else [r for r in records if not r.date]
         out[period] = memshelf._served_index(name, inside, superseded, BUDGET, period, cli)[0]
     return out
 
@@ -363,26 +363,26 @@ def test_rfc16_default_descriptions_end_at_a_clause(tmp_path):
         records = store.records()
     assert len(records) == 16
     for rec in records:
-        title = rec["display_title"]
-        desc = memshelf._default_description(rec["digest"], title)
+        title = rec.display_title
+        desc = memshelf._default_description(rec.digest, title)
         assert desc and len(desc) <= memshelf.MAX_DESCRIPTION_CHARS and "…" not in desc
-        assert ends_at_clause(desc, rec["digest"]), (rec["stem"], desc)
+        assert ends_at_clause(desc, rec.digest), (rec.stem, desc)
         assert title.casefold() not in desc.casefold()
         number = re.match(r"RFC \d+", title).group(0)
         assert not desc.startswith(number), desc   # the title's words are not repeated
     # shelve derives it when no description is given, and keeps a given one as it is
     rec = records[0]
     r = run_cli("shelve", "--shelf", root, "--slug", "2024-01-01-rfc-copy", "--kind", "research",
-                "--digest", rec["digest"], "--section", "Findings=- copy",
-                "--display-title", rec["display_title"], "--no-commit")
+                "--digest", rec.digest, "--section", "Findings=- copy",
+                "--display-title", rec.display_title, "--no-commit")
     assert r.code == 0, r
     fields = memshelf.parse_frontmatter(open(os.path.join(
         root, "docs", "research", "2024-01-01-rfc-copy.md"), encoding="utf-8").read())[0]
     assert fields["description"] == memshelf._default_description(
-        rec["digest"], rec["display_title"])
+        rec.digest, rec.display_title)
     given = "Kept exactly; as the writer put it, commas and all."
     r = run_cli("shelve", "--shelf", root, "--slug", "2024-01-02-rfc-given", "--kind", "research",
-                "--digest", rec["digest"], "--section", "Findings=- copy", "--description", given,
+                "--digest", rec.digest, "--section", "Findings=- copy", "--description", given,
                 "--no-commit")
     assert r.code == 0 and f'description: "{given}"' in open(os.path.join(
         root, "docs", "research", "2024-01-02-rfc-given.md"), encoding="utf-8").read()

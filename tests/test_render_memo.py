@@ -85,7 +85,7 @@ def test_a_render_on_a_dropped_cache_is_remembered_like_any_other(filled, cli):
         assert memo(filled)["key"] == key[0]
         assert memo_current(str(filled))
     # an episode that goes between the listing and its read is an unreadable file, not a crash
-    assert memshelf._read_episode(str(filled), "docs/topics/gone.md")["fm_error"].startswith("io")
+    assert memshelf._read_episode(str(filled), "docs/topics/gone.md").fm_error.startswith("io")
 
 
 @pytest.mark.slow
@@ -211,14 +211,18 @@ def _renders_agree(root):
     # a render record is a part of the whole record, and the episode's own INDEX line and
     # .meta.json entry, formatted when the file was read
     pieces = {"index_entry", "meta_entry", "meta_warning"}
-    assert all(set(r) - pieces < set(whole[0]) | {"fields"} for r in light)
+    # the keys a render record fills: the rest are None (the date field goes under "fields")
     keys = set(memshelf._RENDER_KEYS) - {"date_field"} | {"fields"}
-    assert all(set(r) == keys for r in light + bare)
+    assert all({k for k, v in r.as_dict().items() if v is not None} <= keys
+               for r in light + bare)
+    assert all(r.index_entry is not None for r in light + bare)
+    assert all(w.index_entry is None and w.meta_entry is None for w in whole)
+    assert keys - pieces <= set(whole[0].as_dict())
     for w, r, b in zip(whole, light, bare):
-        assert w["path"] == r["path"] == b["path"]
-        assert r["index_entry"] == b["index_entry"] == memshelf._index_entry(w), w["path"]
-        assert (r["meta_entry"], r["meta_warning"]) == (b["meta_entry"], b["meta_warning"]) \
-            == memshelf._meta_entry(w), w["path"]
+        assert w.path == r.path == b.path
+        assert r.index_entry == b.index_entry == memshelf._index_entry(w), w.path
+        assert (r.meta_entry, r.meta_warning) == (b.meta_entry, b.meta_warning) \
+            == memshelf._meta_entry(w), w.path
     fmt0 = memshelf._index_format(root)
     assert first["files"] == memshelf._render_derived(root, records=whole, fmt=fmt0)["files"]
     for fmt in ("compact", "docshelf"):
@@ -248,7 +252,7 @@ def test_renders_from_cache_columns_equal_renders_from_records(filled, cli):
     (filled / "docs" / "sessions" / "2026-03-06-broken.md").write_text(
         "---\nid: [unclosed\n---\nbody\n")
     whole = _renders_agree(filled)
-    assert any(r["supersedes"] for r in whole) and any(r["fm_error"] for r in whole)
+    assert any(r.supersedes for r in whole) and any(r.fm_error for r in whole)
 
 
 def test_renders_from_cache_columns_on_a_040_shelf(tmp_path):
