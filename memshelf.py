@@ -2287,6 +2287,7 @@ def _render_inputs(root):
 
 def _render_key_of(root, fmt, scanned, subdirs, seen):
     """The store key: (digest of code, format, settings, folders, stamps; {racy path: SHA-1})."""
+    import array
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     files = list(scanned)
@@ -2296,15 +2297,20 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
         except OSError:
             parts.append(f"{rel}\0-")
     # racy files count by content where the key is used: the key stays the same once they age
+    since = seen - _RACY_NS   # changed within _RACY_NS (_unchanged): mtime or ctime since then
     racy = {rel: _content_sha1(root, rel) for rel, _, st in files
-            if seen - max(st[1], st[3]) <= _RACY_NS}   # changed within _RACY_NS (_unchanged)
+            if st[1] >= since or st[3] >= since}
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
         parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += [rel for rel, _, _ in files]
     digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
-    digest.update(repr([n for _, _, st in files for n in st]).encode())   # one string, not 10k
+    stamps = [n for _, _, st in files for n in st]
+    try:   # 64-bit machine integers: half the CPU of their repr (docs/performance.md, index)
+        digest.update(array.array("q", stamps).tobytes())
+    except OverflowError:   # an inode number past 2**63 (some network file systems)
+        digest.update(repr(stamps).encode())
     return digest.hexdigest(), racy
 
 
@@ -6623,19 +6629,28 @@ def _ledger_row(rec):
 
 def _episode_aggregate(records, window):
     """The per-episode sums behind shelf totals (what INDEX adds is read separately). Live
-    episodes only: an archived one's mass is its rollup's now, and its digest is not loaded."""
-    eps = [r for r in records if r.id]
-    live = [r for r in eps if not r.archived]
-    measured = [r for r in live if r.approx_src != "unmeasured"]
-    return {"episodes": len(live), "archived": len(eps) - len(live),
-            "digest_tokens": sum(r.digest_tokens for r in live),
-            "mass": sum(_episode_mass(r, window) for r in measured),
-            "work_volume": sum(max(r.approx_tokens or 0, 0) for r in measured),
-            "capped": sum(1 for r in measured if _episode_mass(r, window) <
-                          max(r.approx_tokens or 0, 0)),
-            "unmeasured": len(live) - len(measured), "unmeasured_digest": sum(
-                r.digest_tokens for r in live if r.approx_src == "unmeasured"),
-            "window": window}
+    episodes only: an archived one's mass is its rollup's now, and its digest is not loaded.
+    One pass: a shelve sums 10,000 records after its commit (docs/performance.md, shelve)."""
+    live = archived = digest = mass = volume = capped = unmeasured = unmeasured_digest = 0
+    for r in records:
+        if not r.id:
+            continue
+        if r.archived:
+            archived += 1
+            continue
+        live += 1
+        digest += r.digest_tokens
+        if r.approx_src == "unmeasured":
+            unmeasured += 1
+            unmeasured_digest += r.digest_tokens
+            continue
+        size, held = max(r.approx_tokens or 0, 0), _episode_mass(r, window)
+        mass += held
+        volume += size
+        capped += held < size
+    return {"episodes": live, "archived": archived, "digest_tokens": digest, "mass": mass,
+            "work_volume": volume, "capped": capped, "unmeasured": unmeasured,
+            "unmeasured_digest": unmeasured_digest, "window": window}
 
 
 def _shelf_totals(root, records=None, window=None, key=None):
@@ -9477,9 +9492,11 @@ class _Git:
                          {"commit": sha, "paths": paths[:20]})
 
     def _agrees(self, paths):
-        """HEAD, the real index and the tree hold the same content for these paths."""
+        """HEAD, the real index and the tree hold the same content for these paths. Tracked
+        paths only: one missing from the index shows as deleted against HEAD, and the search for
+        untracked files would read every episode folder (docs/performance.md, shelve)."""
         try:
-            return not _shelf_status(self, *paths)
+            return not _shelf_status(self, *paths, untracked="no")
         except ShelfError:
             return False
 
@@ -16347,6 +16364,12 @@ def _print_json(obj):
 def main(argv=None):
     """The CLI; returns the exit code (130: SIGINT or SIGTERM stopped the verb, its writes undone;
     a signal after the commit waits for the verb to finish)."""
+    import gc
+    thresholds = gc.get_threshold()
+    # a CLI call makes its records once and frees them by reference count: the collector's
+    # passes over 10,000 records cost a shelve about 35 ms of CPU (docs/performance.md, the
+    # floors table); cycles are still collected, every 10,000 allocations instead of 700
+    gc.set_threshold(10_000, 10, 10)
     previous = _catch_signals()
     _INTERRUPT.update(held=0, pending=False, committed=False, started=True)
     try:
@@ -16362,6 +16385,7 @@ def main(argv=None):
         _INTERRUPT.update(pending=False, started=False)
         # an in-process caller gets its own handlers back
         _catch_signals({sig: h for sig, h in previous if h is not None})
+        gc.set_threshold(*thresholds)
 
 
 def _main(argv):

@@ -56,6 +56,8 @@ SHELVE_DIGEST = ("Bench Runner chose a fixed layout for run {k} of the shelve ca
 # (name, what is measured) in execution order; order matters: writes come last
 CASES = [
     ("version", "`--version`, cold, console script"),
+    ("interpreter-floor", "floor of every cold process: the venv's interpreter starts and "
+                          "exits (`-c pass`); no memshelf code (ours only)"),
     ("index", "`index`, cold, INDEX current (fast path)"),
     ("index-script", "`python3 memshelf.py index`, cold, script mode (0.4.0: its console script)"),
     ("index-floor", "floor of any `index` under the freshness rule: the interpreter, a stat "
@@ -88,12 +90,13 @@ CASES = [
 ]
 CASE_NAMES = [c[0] for c in CASES]
 CASE_GROUPS = {
-    "cold": ["version", "index", "index-script", "index-floor", "index-script-floor",
+    "cold": ["version", "interpreter-floor", "index", "index-script", "index-floor", "index-script-floor",
              "recall-section",
              "recall-script", "stats", "hook-session-start", "rebuild-empty", "rebuild-warm",
              "rebuild-check",
              "doctor-empty", "doctor-warm", "search-build", "search", "shelve-auto",
              "shelve-bot", "shelve-script", "shelve-floor"],
+    "floors": ["interpreter-floor", "index-floor", "index-script-floor", "shelve-floor"],
     "mcp": ["mcp-initialize", "mcp-recall", "mcp-search"],
     "find": ["search-build", "search", "mcp-search", "search-incremental", "retrieval",
              "questions"],
@@ -102,6 +105,20 @@ CASE_GROUPS = {
 # --cases takes both: a group named like a case would select more than that case
 assert not set(CASE_GROUPS) & set(CASE_NAMES), "a case group is named like a case"
 HEAVY = {"rebuild-empty", "doctor-empty", "search-build"}
+# Each cold case's floor (FLOORS_OF[case]: the floor cases summed, "listing" is index-floor
+# less interpreter-floor and "compile" index-script-floor less index-floor): what the case pays
+# before memshelf's own work, measured in the same run. bench/README.md § Floors.
+FLOOR_PARTS = {"listing": ("index-floor", "interpreter-floor"),
+               "compile": ("index-script-floor", "index-floor")}
+FLOORS_OF = dict(
+    {"version": ("interpreter-floor",)},
+    **{c: ("index-floor",) for c in (
+        "index", "recall-section", "stats", "hook-session-start", "rebuild-empty",
+        "rebuild-warm", "rebuild-check", "doctor-empty", "doctor-warm", "search-build",
+        "search")},
+    **{c: ("index-script-floor",) for c in ("index-script", "recall-script")},
+    **{c: ("shelve-floor", "listing") for c in ("shelve-auto", "shelve-bot")},
+    **{"shelve-script": ("shelve-floor", "listing", "compile")})
 MEMORY_CASES = ("rebuild-empty", "rebuild-warm", "doctor-empty", "doctor-warm", "search-build")
 
 # Script mode compiles memshelf.py before its first line runs (argv[2]: its path).
@@ -907,6 +924,7 @@ class Bench:
             for r in res.values():
                 r.pop("stdout", None)
                 r.pop("stderr", None)
+        out["floors"] = floors(out["cases"])
         return out
 
     # --- cold CLI cases --------------------------------------------------------------------
@@ -942,6 +960,12 @@ class Bench:
 
     def case_index(self, ctx):
         return self._cold(ctx, "index", "index")
+
+    def case_interpreter_floor(self, ctx):
+        impl = ctx["impl"]
+        if impl.ref:
+            return {"status": "n/a", "reason": "a property of the interpreter and the machine"}
+        return self.cold(ctx, "interpreter-floor", lambda k: [impl.console[0], "-c", "pass"])
 
     def case_index_script(self, ctx):
         return self._cold(ctx, "index-script", "index-script")
@@ -1374,6 +1398,31 @@ def index_cost(text):
 # Targets, tables, files
 # ==========================================================================================
 
+def floors(cases):
+    """{case: {floor, floor_s, ratio, above_s}} for every cold case of ours whose floor cases
+    ran: the floor's name (its parts joined by " + "), its median in seconds, ours / floor and
+    ours − floor (FLOORS_OF)."""
+    def median(name):
+        res = cases.get(name, {}).get("ours") or {}
+        return res.get("median") if res.get("status") == "ok" else None
+
+    def part(name):
+        if name not in FLOOR_PARTS:
+            return median(name)
+        whole, less = (median(n) for n in FLOOR_PARTS[name])
+        return None if whole is None or less is None else max(whole - less, 0.0)
+    out = {}
+    for case, parts in FLOORS_OF.items():
+        ours, got = median(case), [part(p) for p in parts]
+        if ours is None or not ours or any(g is None for g in got):
+            continue
+        floor = sum(got)
+        out[case] = {"floor": " + ".join(parts), "floor_s": round(floor, 5),
+                     "ratio": round(ours / floor, 3) if floor else None,
+                     "above_s": round(ours - floor, 5)}
+    return out
+
+
 def load_targets():
     with open(TARGETS, encoding="utf-8") as f:
         return json.load(f)
@@ -1406,7 +1455,32 @@ def evaluate(results, targets):
                 verdicts.append({"what": name + " vs 0.4.0", "size": size, "value": round(r, 2),
                                  "limit": ratio_min, "unit": "x", "ok": r >= ratio_min,
                                  "higher_is_better": True})
+        fl = data.get("floors") or floors(cases)
+        for name, spec in targets.get("floors", {}).items():
+            if name not in cases or (spec.get("size") and spec["size"] != size):
+                continue
+            got = fl.get(name)
+            if "ratio_max" in spec:
+                v = round(got["ratio"], 2) if got else None
+                verdicts.append({"what": f"{name} / its floor ({FLOORS_OF[name][0]})",
+                                 "size": size, "value": v, "limit": spec["ratio_max"],
+                                 "unit": "x", "ok": v is not None and v <= spec["ratio_max"]})
+            if "above_max" in spec:
+                v = got["above_s"] if got else None
+                verdicts.append({"what": f"{name} above its floor ({got['floor'] if got else 'n/a'})",
+                                 "size": size, "value": v, "limit": spec["above_max"],
+                                 "unit": "s", "ok": v is not None and v <= spec["above_max"]})
         mem = targets.get("memory", {})
+        every_limit = mem.get("every_process_mb", {}).get(size)
+        if every_limit:
+            peaks = {c: r["ours"].get("rss_mb") for c, r in cases.items()
+                     if r.get("ours", {}).get("status") == "ok"
+                     and r["ours"].get("rss_mb") is not None}
+            if peaks:
+                worst = max(peaks, key=peaks.get)
+                verdicts.append({"what": f"every process's peak (largest: {worst})",
+                                 "size": size, "value": peaks[worst], "limit": every_limit,
+                                 "unit": "MB", "ok": peaks[worst] <= every_limit})
         peak_limit = mem.get("peak_mb", {}).get(size)
         peaks = [cases[c]["ours"].get("rss_mb") for c in mem.get("peak_cases", [])
                  if c in cases and cases[c].get("ours", {}).get("status") == "ok"]
@@ -1480,6 +1554,16 @@ def target_text(targets, case, size):
     return " ".join(parts)
 
 
+def floor_text(fl, case):
+    """The floor and ratio cells of a case's row: `name` median | ratio (+ above)."""
+    f = fl.get(case)
+    if not f:
+        return " |"
+    above = ("+" if f["above_s"] >= 0 else "−") + fmt_s(abs(f["above_s"]))
+    return (f"{' + '.join('`%s`' % p for p in f['floor'].split(' + '))} {fmt_s(f['floor_s'])} | "
+            f"{f['ratio']:.2f}× ({above})" if f["ratio"] else " |")
+
+
 def markdown(results, targets, check):
     env, cfg = results["environment"], results["config"]
     out = [f"# memshelf benchmark — {env['date']}", ""]
@@ -1500,8 +1584,9 @@ def markdown(results, targets, check):
                 f"Shelf: {sh['episodes']:,} episodes, {sh['episode_mb']} MB of episodes, seed "
                 f"{sh['seed']}, raw-kb {sh['raw_kb']}, {sh['format']} INDEX, {sh['storage']}.", ""]
         has_ref = any("ref" in r for r in data["cases"].values())
-        head = "| case | median | p90 | peak RSS | target |"
-        rule = "|---|---:|---:|---:|---|"
+        fl = data.get("floors") or floors(data["cases"])
+        head = "| case | median | p90 | peak RSS | target | floor | ours / floor |"
+        rule = "|---|---:|---:|---:|---|---|---:|"
         if has_ref:
             head += " 0.4.0 median | 0.4.0 / ours | ratio target |"
             rule += "---:|---:|---|"
@@ -1525,7 +1610,7 @@ def markdown(results, targets, check):
                 notes.append(f"{case} (memshelf): {o.get('reason')}")
             label = f"{what}"
             row = (f"| {label} | {med} | {fmt_s(p90) if o.get('status') == 'ok' else ''} | "
-                   f"{rss_text} | {target_text(targets, case, size)} |")
+                   f"{rss_text} | {target_text(targets, case, size)} | {floor_text(fl, case)} |")
             if has_ref:
                 rf = r.get("ref")
                 if rf is None:
