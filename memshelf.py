@@ -13226,8 +13226,9 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
         raise _usage(f"context_window must be a positive integer, got {context_window!r}",
                      "pass a token count such as 200000")
     window = _context_window(root, context_window)
+    key = _render_key(root, _index_format(root))   # the served view is remembered under it
     with _Store(root) as catalog:
-        records = catalog.render_records()
+        records = catalog.render_records(files=key[1])
     eps = [r for r in records if r.id]
     totals = _shelf_totals(root, records=records, window=window)
     index_tokens = totals["index_tokens"]
@@ -13281,7 +13282,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
     budget = _served_budget(root)
     served, folded = index_text, 0
     if len(index_text) > budget:
-        served, counts, _ = _served_view(root, budget, records=records, cli=True)
+        served, counts, _ = _served_view(root, budget, records=records, key=key, cli=True)
         folded = counts["entries_folded"]
     result.update(index_chars=len(index_text), index_budget_chars=budget,
                   served_index_chars=len(served), served_index_tokens=tokens(served),
