@@ -1644,7 +1644,7 @@ def markdown(results, targets, check):
                 f" {'memshelf' if k == 'ours' else '0.4.0'} hit@5 | "
                 f"{'memshelf' if k == 'ours' else '0.4.0'} MRR |" for k in impls) + " target |"
             out += [head, "|---|---:|" + "---:|---:|" * len(impls) + "---|"]
-            floors = targets.get("retrieval", {}).get("hit_at_5_min", {})
+            hit_floors = targets.get("retrieval", {}).get("hit_at_5_min", {})
             labels = []
             for k in impls:
                 r = data["retrieval"][k]
@@ -1661,7 +1661,7 @@ def markdown(results, targets, check):
                     v = r.get("labels", {}).get(lb) if r.get("status") == "ok" else None
                     count = count or (str(v["n"]) if v else "")
                     cells += (f" {v['hit@5']:.2f} | {v['mrr']:.2f} |" if v else " n/a | n/a |")
-                floor = floors.get(lb)
+                floor = hit_floors.get(lb)
                 out.append(row + f" {count} |" + cells +
                            (f" hit@5 ≥ {floor:.2f} |" if floor else " reported |"))
         q = (data.get("questions") or {}).get("ours")
