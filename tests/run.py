@@ -40,7 +40,12 @@ def groups(files, jobs):
 
 
 def main(args):
-    jobs = int(os.environ.get("MEMSHELF_TEST_JOBS") or min(os.cpu_count() or 1, 2))
+    wanted = os.environ.get("MEMSHELF_TEST_JOBS") or str(min(os.cpu_count() or 1, 2))
+    if not wanted.isdigit():
+        print(f"tests/run.py: MEMSHELF_TEST_JOBS must be a whole number, got {wanted!r}",
+              file=sys.stderr)
+        return 2
+    jobs = int(wanted)
     pytest = [sys.executable, "-m", "pytest"]
     if jobs <= 1:
         return subprocess.call(pytest + ["-q"] + args, cwd=os.path.dirname(HERE))
