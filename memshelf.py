@@ -1820,11 +1820,36 @@ class _Store:
         self.search = self.db is not None and _search_ready(self.db)
         self.semantic = self.db is not None and _semantic_ready(self.db)
 
-    def refresh(self, archive=True, progress=None):
+    def refresh(self, progress=None):
         """Re-parse what changed (and fill its search rows and semantic texts); nothing decoded
-        from the cache."""
-        self._merge(archive, progress, None, ("size",), lambda rel, archived, columns: True,
-                    message=None)
+        from the cache. Skipped when the store key is the one the rows last matched whole."""
+        seen, files, subdirs = _render_inputs(self.root)
+        key, racy = _render_key_of(self.root, "store", files, subdirs, seen)
+        if self.db is None:
+            return self._merge(True, progress, files, ("size",), _fresh_row, message=None)
+        try:
+            if self.db.execute("SELECT 1 FROM meta WHERE key = 'fresh' AND value = ?",
+                               (key,)).fetchone():
+                return
+            before = self.db.execute("PRAGMA data_version").fetchone()[0]
+        except Exception:
+            before = None
+        self._merge(True, progress, files, ("size",), _fresh_row, message=None)
+        if racy or before is None:   # a racy file is read again until it settles
+            return
+        # kept: `search`, cold, at 10,000 episodes (docs/performance.md § Fast paths): an
+        # unchanged shelf skips reading and comparing 10,000 rows. Remembered only if no other
+        # process wrote a row since the read began (its row may be older than its file); any
+        # later write of a row forgets it (the trigger made with the episodes table).
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                if self.db.execute("PRAGMA data_version").fetchone()[0] == before:
+                    self.db.execute("INSERT OR REPLACE INTO meta VALUES ('fresh', ?)", (key,))
+            finally:
+                self.db.execute("COMMIT")
+        except Exception:
+            pass
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
         """Every record; trim(rec) is kept. With also=(key, check): self.extras[path] =
@@ -1986,6 +2011,11 @@ def _render_record_from_row(rel, archived, columns):
                    None, supersedes, approx_tokens, approx_src, mode, notes, None,  # tags ..
                    digest_tokens, None, None, status if status in STATUSES else None,
                    index_entry, meta_entry, meta_warning)
+
+
+def _fresh_row(rel, archived, columns):
+    """refresh() decodes nothing: a fresh row needs no record."""
+    return True
 
 
 def _cache_rows(db, sql):
@@ -2174,6 +2204,10 @@ def _cache_db(root):
             db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
                        " mtime_ns INTEGER, ino INTEGER, seen_ns INTEGER, rec TEXT, " +
                        ", ".join(_CACHE_COLUMNS) + ", verdict TEXT)")
+            # any write of a row, by any code or process, voids the key refresh() remembered
+            for event in ("INSERT", "UPDATE", "DELETE"):
+                db.execute(f"CREATE TRIGGER IF NOT EXISTS episodes_{event.lower()} AFTER {event}"
+                           " ON episodes BEGIN DELETE FROM meta WHERE key = 'fresh'; END")
             db.commit()
             return db
         except Exception:
@@ -2298,20 +2332,28 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
             parts.append(f"{rel}\0-")
     # racy files count by content where the key is used: the key stays the same once they age
     since = seen - _RACY_NS   # changed within _RACY_NS (_unchanged): mtime or ctime since then
-    racy = {rel: _content_sha1(root, rel) for rel, _, st in files
-            if st[1] >= since or st[3] >= since}
+    stamps = list(map(_stamp_part, files))
+    # a settled shelf has no racy file: two passes at C speed tell (`index`, cold)
+    newest = max(max(map(_mtime_part, stamps), default=0),
+                 max(map(_ctime_part, stamps), default=0))
+    racy = {} if newest < since else {rel: _content_sha1(root, rel) for rel, _, st in files
+                                      if st[1] >= since or st[3] >= since}
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
         parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += [rel for rel, _, _ in files]
     digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
-    stamps = [n for _, _, st in files for n in st]
+    stamps = [n for st in stamps for n in st]
     try:   # 64-bit machine integers: half the CPU of their repr (docs/performance.md, index)
         digest.update(array.array("q", stamps).tobytes())
     except OverflowError:   # an inode number past 2**63 (some network file systems)
         digest.update(repr(stamps).encode())
     return digest.hexdigest(), racy
+
+
+_stamp_part, _mtime_part, _ctime_part = (operator.itemgetter(2), operator.itemgetter(1),
+                                         operator.itemgetter(3))
 
 
 def _content_sha1(root, rel):

@@ -326,3 +326,38 @@ def test_on_an_empty_cache_each_file_is_parsed_once_for_every_reader(three):
     for args in (("doctor",), ("search", "option"), ("index",), ("stats",)):
         run_cli(*args, "--shelf", root)
     assert parse_times(root) == checked
+
+
+def test_a_row_written_after_a_full_match_voids_the_remembered_key(three):
+    """An unchanged shelf's refresh reads no row: it keeps the store key at which every row last
+    matched its file. A row another process writes later (an older reader storing what it
+    parsed, a row forgotten) must void that key, or search would skip the episode's re-parse."""
+    import sqlite3
+    root = str(three)
+    time.sleep(2.2)   # no file is racy now: the key can be remembered
+    assert SLUGS[2] in run_cli("search", "--shelf", root, "gamma", "--json").out
+    db = sqlite3.connect(os.path.join(root, ".memshelf", "shelf.sqlite"))
+    try:
+        with db:   # what another process's forget does: the episode's row and its search rows
+            path = f"docs/topics/{SLUGS[2]}.md"
+            db.execute("DELETE FROM search_fts WHERE rowid IN (SELECT s.sid FROM search_sections"
+                       " s JOIN search_episodes e ON e.ep = s.ep WHERE e.path = ?)", (path,))
+            db.execute("DELETE FROM search_sections WHERE ep IN (SELECT ep FROM search_episodes"
+                       " WHERE path = ?)", (path,))
+            db.execute("DELETE FROM search_episodes WHERE path = ?", (path,))
+            db.execute("DELETE FROM episodes WHERE path = ?", (path,))
+    finally:
+        db.close()
+    hits = run_cli("search", "--shelf", root, "gamma", "--json").json()["hits"]
+    assert [h["id"] for h in hits][:1] == [SLUGS[2]]
+    assert len(parse_times(root)) == len(SLUGS)   # the row is back
+
+
+def test_an_edit_after_the_key_is_remembered_is_found(three):
+    root = str(three)
+    time.sleep(2.2)
+    assert run_cli("search", "--shelf", root, "option").code == 0
+    assert run_cli("search", "--shelf", root, "zebracorn", "--json").json()["hits"] == []
+    edit_in_place(os.path.join(root, "docs", "topics", SLUGS[0] + ".md"), "for speed", "zebracorn")
+    hits = run_cli("search", "--shelf", root, "zebracorn", "--json").json()["hits"]
+    assert [h["id"] for h in hits] == [SLUGS[0]]
