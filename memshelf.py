@@ -1920,7 +1920,7 @@ class _Store:
                 ((f"{key}\t{_json_row(extra)}" if check else None,) if cached else ())
             rec = (trim(rec) if trim else rec) if whole else None
             texts = _semantic_texts(doc) if semantic else None
-            return rec, row, extra, (doc if search else None, texts)
+            return rec, row, extra, (_search_entry(doc) if search else None, texts)
 
         take = None if whole else operator.itemgetter(*[_ROW_SLOTS[c] for c in columns])
         batch, docs = [], []   # cache rows are stored as they come: never piled up in memory
@@ -8297,8 +8297,22 @@ def _search_reset(db):
         raise
 
 
-def _search_store(db, paths, docs):
-    """Inside the store's transaction: replace the search rows of `paths` by `docs`."""
+def _search_entry(doc):
+    """A search document as its rows store it, the texts as FTS5 is given them: made in the
+    worker that parsed the file (the first search's build, issue 29)."""
+    identity, digest = _index_text(doc["title_text"]), _index_text(doc["digest"])
+    # the Digest's body is the digest: counted once
+    return ((doc["path"], doc["stem"], doc["kind"], doc["date"], doc["title"],
+             int(doc["archived"]), _tag_field(doc["tags"]), _tag_field(doc["supersedes"]),
+             doc["status"]),
+            [(ordinal, heading, len(body), identity, "" if heading == "Digest" else digest,
+              _index_text(heading or ""), _index_text(body))
+             for ordinal, heading, body in _search_rows(doc)])
+
+
+def _search_store(db, paths, entries):
+    """Inside the store's transaction: replace the search rows of `paths` by `entries`
+    (_search_entry)."""
     keys = [(p,) for p in paths]
     db.executemany("DELETE FROM search_fts WHERE rowid IN (SELECT s.sid FROM search_sections s"
                    " JOIN search_episodes e ON e.ep = s.ep WHERE e.path = ?)", keys)
@@ -8308,18 +8322,13 @@ def _search_store(db, paths, docs):
     ep = db.execute("SELECT max(ep) FROM search_episodes").fetchone()[0] or 0
     sid = db.execute("SELECT max(sid) FROM search_sections").fetchone()[0] or 0
     eps, secs, fts = [], [], []
-    for doc in docs:
+    for episode, sections in entries:
         ep += 1
-        eps.append((ep, doc["path"], doc["stem"], doc["kind"], doc["date"], doc["title"],
-                    int(doc["archived"]), _tag_field(doc["tags"]), _tag_field(doc["supersedes"]),
-                    doc["status"]))
-        identity, digest = _index_text(doc["title_text"]), _index_text(doc["digest"])
-        for ordinal, heading, body in _search_rows(doc):
+        eps.append((ep,) + episode)
+        for ordinal, heading, chars, *texts in sections:
             sid += 1
-            secs.append((sid, ep, ordinal, heading, len(body)))
-            # the Digest's body is the digest: counted once
-            fts.append((sid, identity, "" if heading == "Digest" else digest,
-                        _index_text(heading or ""), _index_text(body)))
+            secs.append((sid, ep, ordinal, heading, chars))
+            fts.append((sid, *texts))
     db.executemany("INSERT INTO search_episodes VALUES (?,?,?,?,?,?,?,?,?,?)", eps)
     db.executemany("INSERT INTO search_sections VALUES (?,?,?,?,?)", secs)
     db.executemany("INSERT INTO search_fts(rowid, identity, digest, heading, body)"
