@@ -12982,7 +12982,9 @@ class _DoctorRun:
         yield from self.index_budget(on_disk)
         limit = _served_budget(root)
         if len(on_disk) > limit:
-            _, served, _ = _served_view(root, limit, cli=True)
+            # from the records doctor holds: a second set read from the cache would double its
+            # peak at 100,000 episodes (docs/performance.md)
+            _, served, _ = _served_view(root, limit, cli=True, records=self.records)
             folds = served["folds"]
             yield _finding("index-injection-cap", "INDEX.md", f"INDEX.md has {len(on_disk):,} "
                            f"characters, more than the {limit:,} a model is handed: the served "
