@@ -1826,7 +1826,8 @@ class _Store:
         seen, files, subdirs = _render_inputs(self.root)
         key, racy = _render_key_of(self.root, "store", files, subdirs, seen)
         if self.db is None:
-            return self._merge(True, progress, files, ("size",), _fresh_row, message=None)
+            self._merge(True, progress, files, ("size",), _fresh_row, message=None)
+            return
         try:
             if self.db.execute("SELECT 1 FROM meta WHERE key = 'fresh' AND value = ?",
                                (key,)).fetchone():
@@ -1842,6 +1843,9 @@ class _Store:
         # process wrote a row since the read began (its row may be older than its file); any
         # later write of a row forgets it (the trigger made with the episodes table).
         try:
+            # no wait for the lock: a writer at work changes data_version, so the key would not
+            # be kept anyway
+            self.db.execute("PRAGMA busy_timeout = 0")
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 if self.db.execute("PRAGMA data_version").fetchone()[0] == before:
@@ -1850,6 +1854,8 @@ class _Store:
                 self.db.execute("COMMIT")
         except Exception:
             pass
+        finally:
+            self.db.execute(f"PRAGMA busy_timeout = {_CACHE_WAIT_MS}")
 
     def records(self, archive=True, progress=None, files=None, also=None, trim=None):
         """Every record; trim(rec) is kept. With also=(key, check): self.extras[path] =
@@ -2180,6 +2186,9 @@ def _close_db(db):
     return None
 
 
+_CACHE_WAIT_MS = 10_000   # how long a cache write waits for another process's
+
+
 def _cache_db(root):
     """The SQLite cache; any error (or no sqlite3) means running without it."""
     try:
@@ -2192,7 +2201,7 @@ def _cache_db(root):
         try:
             os.makedirs(cache, exist_ok=True)
             _ensure_cache_ignored(root)
-            db = sqlite3.connect(path, timeout=10, check_same_thread=False)
+            db = sqlite3.connect(path, timeout=_CACHE_WAIT_MS / 1000, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             # No fsync at checkpoints: every cache fill would wait on the disk (the empty-cache
             # rebuild, docs/performance.md), and the cache is derived: a crash costs a rebuild
