@@ -361,3 +361,43 @@ def test_an_edit_after_the_key_is_remembered_is_found(three):
     edit_in_place(os.path.join(root, "docs", "topics", SLUGS[0] + ".md"), "for speed", "zebracorn")
     hits = run_cli("search", "--shelf", root, "zebracorn", "--json").json()["hits"]
     assert [h["id"] for h in hits] == [SLUGS[0]]
+
+
+def test_refresh_keeps_no_key_when_another_process_wrote_a_row_while_it_compared(three):
+    """The row another process stores while refresh compares may be older than its file (it
+    parsed before the file changed): the key is then not remembered, and the next refresh
+    compares every row again."""
+    import sqlite3
+    import memshelf
+    root = str(three)
+    time.sleep(2.2)
+    path = os.path.join(root, ".memshelf", "shelf.sqlite")
+
+    def fresh():
+        db = sqlite3.connect(path)
+        try:
+            return db.execute("SELECT value FROM meta WHERE key = 'fresh'").fetchall()
+        finally:
+            db.close()
+
+    store = memshelf._Store(root)
+    compare = store._merge
+
+    def compare_while_another_writes(*args, **kwargs):
+        out = compare(*args, **kwargs)
+        other = sqlite3.connect(path)
+        with other:   # as a store of what it parsed: the row written again, read later
+            other.execute("UPDATE episodes SET seen_ns = seen_ns + 1 WHERE path = ?",
+                          (f"docs/topics/{SLUGS[0]}.md",))
+        other.close()
+        return out
+
+    try:
+        store._merge = compare_while_another_writes
+        store.refresh()
+        assert fresh() == []
+        store._merge = compare
+        store.refresh()   # nobody else writes now: the key is kept
+        assert len(fresh()) == 1
+    finally:
+        store.close()
