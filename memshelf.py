@@ -2214,7 +2214,9 @@ def _cache_db(root):
                 for table in ("episodes", "search_dirs", "doctor_files", "semantic_files") + \
                         _SEARCH_TABLES + _SEMANTIC_TABLES:
                     db.execute(f"DROP TABLE IF EXISTS {table}")
-                db.execute("DELETE FROM meta WHERE key IN ('search_schema', 'doctor_files')")
+                # (a dropped table fires no trigger: refresh's key goes by hand)
+                db.execute("DELETE FROM meta WHERE key IN ('search_schema', 'doctor_files', "
+                           "'fresh')")
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (stamp,))
                 db.commit()
             db.execute("CREATE TABLE IF NOT EXISTS episodes(path TEXT PRIMARY KEY, size INTEGER,"
