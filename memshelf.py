@@ -1823,11 +1823,10 @@ class _Store:
     def refresh(self, progress=None):
         """Re-parse what changed (and fill its search rows and semantic texts); nothing decoded
         from the cache. Skipped when the store key is the one the rows last matched whole."""
-        seen, files, subdirs = _render_inputs(self.root)
-        key, racy = _render_key_of(self.root, "store", files, subdirs, seen)
         if self.db is None:
-            self._merge(True, progress, files, ("size",), _fresh_row, message=None)
+            self._merge(True, progress, None, ("size",), _fresh_row, message=None)
             return
+        (key, racy), files = _render_key(self.root, "store")
         try:
             if self.db.execute("SELECT 1 FROM meta WHERE key = 'fresh' AND value = ?",
                                (key,)).fetchone():
@@ -8317,7 +8316,7 @@ def _search_reset(db):
 
 def _search_entry(doc):
     """A search document as its rows store it, the texts as FTS5 is given them: made in the
-    worker that parsed the file (the first search's build, issue 29)."""
+    worker that parsed the file (the first search's build, docs/performance.md § Search)."""
     identity, digest = _index_text(doc["title_text"]), _index_text(doc["digest"])
     # the Digest's body is the digest: counted once
     return ((doc["path"], doc["stem"], doc["kind"], doc["date"], doc["title"],
