@@ -89,6 +89,7 @@ import math
 import operator
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -2330,6 +2331,26 @@ def _render_key(root, fmt):
     return _render_key_of(root, fmt, scanned, subdirs, seen), scanned
 
 
+def _scanned_stamp(scanned, rel):
+    """The stamp (size, mtime_ns, inode) a scan holds for rel, or None."""
+    at = bisect.bisect_left(scanned, (rel,))
+    return tuple(scanned[at][2][:3]) if at < len(scanned) and scanned[at][0] == rel else None
+
+
+def _scanned_again(root, scanned, paths):
+    """The scan as it would be now if only `paths` (a write's own files) had changed since."""
+    out = [f for f in scanned if f[0] not in paths]
+    for rel in paths:
+        try:
+            st = os.lstat(os.path.join(root, rel))
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and not _linked(root, rel.rsplit("/", 1)[0]):
+            out.append((rel, rel.startswith("archive/"), _stamp_of(st)))
+    out.sort(key=_path_part)
+    return out
+
+
 def _render_inputs(root):
     """(time before the scan, the episode scan, the folders inside category folders)."""
     seen, subdirs = time.time_ns(), []
@@ -2429,7 +2450,9 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
             return None
     _settle(root, "render_memo", memo, key)
     return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
-            "key": key, "episodes": memo.get("episodes") or 0}
+            "key": key, "episodes": memo.get("episodes") or 0, "plain": memo.get("plain"),
+            "superseded": memo.get("superseded"), "chart": memo.get("chart"),
+            "spliced": memo.get("spliced")}
 
 
 def _remember_if_on_disk(root, rendered):
@@ -2451,9 +2474,18 @@ def _remember_render(root, rendered, files=None):
         return
     digests = {rel: None if content is None else _text_digest(content)
                for rel, content in (rendered["files"] if files is None else files).items()}
-    _save_state(root, render_memo={"key": rendered["key"][0], "racy": rendered["key"][1],
-                                   "files": digests, "episodes": rendered["episodes"],
-                                   "warnings": rendered["warnings"]})
+    key, racy = rendered["key"]
+    # and what the banners sum (_shelf_totals), from its records or as shelve's splice moved it
+    aggregate = rendered.get("aggregate")
+    if aggregate is None and rendered["records"] is not None:
+        aggregate = _episode_aggregate(rendered["records"], _context_window(root))
+    summed = {} if aggregate is None else {
+        "aggregate": {"key": key, "racy": racy, "value": aggregate}}
+    _save_state(root, **summed, render_memo={
+        "key": key, "racy": racy, "files": digests, "episodes": rendered["episodes"],
+        "warnings": rendered["warnings"], "plain": rendered.get("plain") is True,
+        "superseded": rendered.get("superseded"), "chart": rendered.get("chart"),
+        "spliced": rendered.get("spliced") is True})
 
 
 def _forget_render(root):
@@ -6472,6 +6504,15 @@ def _shelve_write(root, git, plans, a, sync_report):
     batch = {"status": "ok", "count": len(plans), "ids": ids, "committed": False, "commit": None,
              "derived": None, "sync": sync_report}
     journal = _Journal(root)
+    touched = [q for p in plans for q in (p.address, p.moved_from) if q]
+    if mode == "auto":   # the one listing: the render after the write is keyed by it
+        fmt = _index_format(root)
+        seen, scanned, subdirs = _render_inputs(root)
+        before = _render_key_of(root, fmt, scanned, subdirs, seen)
+        # the render on disk before the write, for the splice; only if `old` is what it shows
+        hit = _render_memo_hit(root, before) if one and fmt == "compact" and (
+            one.old is None or _scanned_stamp(scanned, one.old.path) ==
+            (one.old.size, one.old.mtime_ns, one.old.ino)) else None
     try:
         for p in plans:
             journal.write(p.address, p.text)
@@ -6480,15 +6521,25 @@ def _shelve_write(root, git, plans, a, sync_report):
         written = []
         rendered = rendered_records = None
         if mode == "auto":
+            after = _scanned_again(root, scanned, touched)
+            key = _render_key_of(root, fmt, after, subdirs, seen)
             if git.is_repo() and a.autocommit:
                 strays = []   # episode files git does not track: not in the committed INDEX
                 rendered = _render_committed(git, root, strays, *[p.address for p in plans])
                 for p in plans:
                     p.result["warnings"].extend(strays)
-            rendered = rendered or _render_derived(root)
+            if rendered is None and hit is not None:
+                new = _read_episode(root, one.address)
+                rendered = _render_splice(hit, one.old, new, key)
+                if rendered is not None:
+                    rendered["aggregate"] = _aggregate_moved(root, before, one.old, new,
+                                                             one.window)
+            rendered = rendered or _render_derived(root, key=(key, after))
             rendered_records = rendered["records"]
             for rel, content in rendered["files"].items():
-                if journal.write_if_changed(rel, content):
+                # a file the splice kept is the text just read from disk (_render_memo_hit)
+                kept = rendered.get("spliced") and content is hit["files"].get(rel)
+                if not kept and journal.write_if_changed(rel, content):
                     written.append(rel)
             for p in plans:
                 p.result["warnings"].extend(w for w in rendered["warnings"]
@@ -6498,8 +6549,7 @@ def _shelve_write(root, git, plans, a, sync_report):
             batch["derived"] = {"mode": "bot", "written": []}
         if git.is_repo() and a.autocommit:
             # every derived file, not only those written: a hand rebuild's (0.4.0) uncommitted too
-            paths = [q for p in plans for q in (p.address, p.moved_from) if q] + written + \
-                (list(rendered["files"]) if mode == "auto" else [])
+            paths = touched + written + (list(rendered["files"]) if mode == "auto" else [])
             if git.run("status", "--porcelain", "--", _RECALL_LOG, check=False,
                        read_only=True).stdout.strip():   # recall rows ride along
                 paths.append(_RECALL_LOG)
@@ -6526,7 +6576,9 @@ def _shelve_write(root, git, plans, a, sync_report):
             batch.update(warnings=target["warnings"], status=target["status"])
             if target.get("hint"):
                 batch["hint"] = target["hint"]
-    totals = _shelf_totals(root, window=plans[0].window, records=rendered_records)
+    totals = _shelf_totals(root, window=plans[0].window, records=rendered_records,
+                           key=(rendered["key"], after) if mode == "auto" and rendered["key"]
+                           else None)
     for p in plans:
         p.result.update({k: batch[k] for k in ("committed", "commit", "derived", "sync")})
         p.result.update(ledger_row=_ledger_row(_read_episode(root, p.address)),
@@ -6718,9 +6770,8 @@ def _shelf_totals(root, records=None, window=None, key=None):
     window = window or _context_window(root)
     if records is None:
         key, scanned = key or _render_key(root, _index_format(root))
-        aggregate = _remembered(root, "aggregate", key)
-        if not isinstance(aggregate, dict) or aggregate.get("window") != window or \
-                "archived" not in aggregate:
+        aggregate = _remembered_aggregate(root, key, window)
+        if aggregate is None:
             with _Store(root) as cat:   # what the aggregate sums, no whole records
                 records = cat.render_records(files=scanned)
             aggregate = _episode_aggregate(records, window)
@@ -6741,6 +6792,28 @@ def _shelf_totals(root, records=None, window=None, key=None):
             "compression_ratio": round(aggregate["mass"] / divisor, 1) if divisor > 0 else 0.0,
             "unmeasured": aggregate["unmeasured"],
             "unmeasured_digest": aggregate["unmeasured_digest"]}
+
+
+def _remembered_aggregate(root, key, window):
+    aggregate = _remembered(root, "aggregate", key)
+    ok = isinstance(aggregate, dict) and aggregate.get("window") == window and \
+        all(isinstance(aggregate.get(k), int) for k in _AGGREGATE_SUMS)
+    return aggregate if ok else None
+
+
+# The figures of an aggregate: each a sum over the episodes, so one episode's change moves it
+_AGGREGATE_SUMS = ("episodes", "archived", "digest_tokens", "mass", "work_volume", "capped",
+                   "unmeasured", "unmeasured_digest")
+
+
+def _aggregate_moved(root, before, old, new, window):
+    """The aggregate remembered under the store key `before` a shelve's write, with `old` (or
+    None) taken out and `new` put in; None if none was remembered."""
+    aggregate = _remembered_aggregate(root, before, window)
+    if aggregate is None:
+        return None
+    plus, minus = (_episode_aggregate([r] if r else [], window) for r in (new, old))
+    return dict(aggregate, **{k: aggregate[k] + plus[k] - minus[k] for k in _AGGREGATE_SUMS})
 
 
 def _banner_core(t):
@@ -7077,15 +7150,24 @@ def _ledger_rows(records):
     return sorted(rows, key=operator.attrgetter("date", "id")), warnings
 
 
-def _render_chart(rows):
-    """stats.svg from the ledger's rows, byte-identical to 0.4.0's (docs/format.md §
-    `.meta.json` and `stats.svg`)."""
-    from itertools import accumulate
-    per_date = {}
+def _chart_sums(rows, sums=None, sign=1):
+    """{date: [expected tokens, digest tokens, rows]} of the ledger's rows, what the chart
+    draws; with `sums`, those moved by these rows (sign -1: taken out)."""
+    sums = {} if sums is None else sums
     for r in rows:
-        e = per_date.setdefault(r.date, [0, 0])
-        e[0] += _ledger_expected(r)
-        e[1] += r.digest_tokens
+        e = sums.setdefault(r.date, [0, 0, 0])
+        e[0] += sign * _ledger_expected(r)
+        e[1] += sign * r.digest_tokens
+        e[2] += sign
+        if not e[2]:
+            del sums[r.date]
+    return sums
+
+
+def _render_chart(per_date):
+    """stats.svg from the ledger's sums per date (_chart_sums), byte-identical to 0.4.0's
+    (docs/format.md § `.meta.json` and `stats.svg`)."""
+    from itertools import accumulate
     if not per_date:
         return None
     dates = sorted(per_date)
@@ -7144,13 +7226,15 @@ def _superseded_map(records):
 
 
 def _render_derived(root, records=None, fmt=None, progress=None, index_only=False, verify=False,
-                    key=None):
+                    key=None, spliced=True):
     """{derived path: text or None (delete)}, from `records` or the whole shelf (`key`: its
-    _render_key if the caller made it), or the render remembered on disk. verify: no memo, no
-    cached row trusted."""
+    _render_key if the caller made it), or the render remembered on disk (spliced=False: only
+    one a full render made). verify: no memo, no cached row trusted."""
     fmt = fmt or _index_format(root)
     if records is None:
         remembered = None if verify else _state(root).get("render_memo")
+        if not spliced and isinstance(remembered, dict) and remembered.get("spliced"):
+            remembered = None
         key, scanned = key or _render_key(root, fmt)
         if remembered and isinstance(remembered, dict):
             hit = _render_memo_hit(root, key, memo=remembered, index_only=index_only)
@@ -7175,7 +7259,8 @@ def _render_records(root, records, fmt, index_only, key):
         rows, w = _ledger_rows(records)
         warnings += w
         files["ledger.tsv"] = _LEDGER_HEADER + "".join([_ledger_row(r) + "\n" for r in rows])
-        chart = _render_chart(rows)
+        sums = _chart_sums(rows)
+        chart = _render_chart(sums)
         if chart is not None:
             files["stats.svg"] = chart
     for base, prefix, recs in (("docs", "", live), ("archive/docs", "archive/", archived)):
@@ -7201,9 +7286,113 @@ def _render_records(root, records, fmt, index_only, key):
         files[prefix + "INDEX.md"] = (_render_docshelf(c, recs, metas, root, base)
                                       if fmt == "docshelf" else
                                       _render_compact(c["name"], c["preamble"], recs, superseded))
+    # what shelve's splice needs to move one episode's lines (_render_splice)
+    plain = not index_only and not warnings and all(r.id == r.stem for r in records) and \
+        len({r.id for r in records}) == len(records)
     return {"files": files, "warnings": warnings, "records": records,
             "key": None if index_only else key,   # a partial render is never remembered
-            "episodes": sum(1 for r in records if r.id)}
+            "episodes": sum(1 for r in records if r.id), "plain": plain,
+            "superseded": superseded if plain else None, "chart": sums if plain else None}
+
+
+# kept: `shelve`, auto, at 10,000 episodes (docs/performance.md § Fast paths): the other
+# episodes' rows are neither read nor rendered
+def _render_splice(hit, old, new, key):
+    """The render remembered before a shelve (`hit`, made under the scan before the write) with
+    the lines of the one episode it wrote moved from `old` (the record it replaced, or None) to
+    `new`, in the derived texts alone. Their lines are found by binary search: an INDEX or
+    .meta.json line's sort key is its stem and that stem's date in the ledger, which on a plain
+    shelf lists every episode under its stem (_render_records: no warning, every id its stem,
+    none twice). A full render's bytes (checked against one in tests/test_store.py), or None
+    where unsure: a supersedes on either side, a warning, a category that appears or empties."""
+    files, superseded, sums = dict(hit["files"]), hit.get("superseded"), hit.get("chart")
+    ledger, index = files.get("ledger.tsv"), files.get("INDEX.md")
+    if not (hit.get("plain") is True and isinstance(superseded, dict) and isinstance(sums, dict)
+            and ledger and index and ledger.startswith(_LEDGER_HEADER)) or \
+            any(r is not None and (r.archived or r.supersedes or r.id != r.stem or
+                                   r.fields.get("date") != r.date or _meta_entry(r)[1])
+                for r in (old, new)) or \
+            (old is None and "\t" + new.id + "\t" in ledger):
+        return None
+    try:
+        sums = {d: [int(v) for v in e] for d, e in sums.items() if len(e) == 3}
+    except (TypeError, ValueError):
+        return None
+
+    def dated(stem):   # (its date in the ledger, stem): the INDEX's and .meta.json's order
+        at = ledger.find("\t" + stem + "\t", len(_LEDGER_HEADER))
+        start = ledger.rfind("\n", 0, at) + 1
+        return None if at < 0 or "\t" in ledger[start:at] else (ledger[start:at], stem)
+
+    rows = ledger[len(_LEDGER_HEADER):].split("\n")
+    if rows[-1] != "" or len(rows) - 1 != hit["episodes"]:
+        return None   # a row broken across lines, or not one per episode
+    lines = index.split("\n")
+    for rec, add in ((old, False), (new, True)) if old else ((new, True),):
+        if not _splice_line(rows, lambda row: tuple(row.split("\t", 2)[:2]),
+                            (rec.date, rec.id), _ledger_row(rec), add, 0, len(rows) - 1):
+            return None
+        _chart_sums([rec], sums, 1 if add else -1)
+        heading = "## " + _HEADINGS[rec.category]
+        start = lines.index(heading) + 2 if lines.count(heading) == 1 else len(lines)
+        if "" not in lines[start:] or not _splice_line(
+                lines, lambda line: dated(_entry_stem(line) or "\n"), (rec.date, rec.stem),
+                _compact_entry(rec, superseded), add, start, lines.index("", start)):
+            return None
+        entry = _meta_entry(rec)[0]
+        rel = f"docs/{rec.category}/.meta.json"
+        text = files.get(rel)
+        if entry is None:
+            continue
+        if not (text and text.startswith("{\n") and text.endswith("\n}\n")):
+            return None
+        entries = text[2:-3].split(',\n  "')   # each entry's first line: `  "<stem>.md": {`
+        entries[1:] = ['  "' + e for e in entries[1:]]
+        if not _splice_line(entries, lambda e: dated(e[3:e.find('.md": {\n')] or "\n"),
+                            (rec.date, rec.id), entry, add, 0, len(entries)):
+            return None
+        files[rel] = "{\n" + ",\n".join(entries) + "\n}\n"
+    files["INDEX.md"] = "\n".join(lines)
+    files["ledger.tsv"] = _LEDGER_HEADER + "\n".join(rows)
+    files["stats.svg"] = _render_chart(sums)
+    return {"files": files, "warnings": hit["warnings"], "records": None, "key": key,
+            "episodes": len(rows) - 1, "plain": True, "superseded": superseded, "chart": sums,
+            "spliced": True}
+
+
+def _entry_stem(line):
+    """The stem a compact INDEX line names (_index_key quotes some in backticks), or None."""
+    if line.startswith("- `"):
+        end = line.find("`", 3)
+        # a stem holding a backtick is not read back: the splice then declines
+        closed = end > 0 and (len(line) == end + 1 or line[end + 1] == " ")
+        return line[3:end] if closed else None
+    return line[2:].split(" ", 1)[0] if line.startswith("- ") else None
+
+
+def _splice_line(lines, key_of, mine, line, add, lo, hi):
+    """Put `line` (add) into lines[lo:hi], sorted by key_of(line), at the place of its key
+    `mine`, or take it out of that place; False when that place does not hold what it should,
+    a key there cannot be read (None), or taking it out would empty the block."""
+    start, end = lo, hi
+    while lo < hi:   # bisect_left with a key (Python 3.10's key= is not in 3.9)
+        mid = (lo + hi) // 2
+        k = key_of(lines[mid])
+        if k is None:
+            return False
+        lo, hi = (mid + 1, hi) if k < mine else (lo, mid)
+    there = key_of(lines[lo]) if lo < end else ()
+    if there is None:
+        return False
+    if add:
+        if there == mine:
+            return False
+        lines.insert(lo, line)
+    else:
+        if there != mine or lines[lo] != line or end - start == 1:
+            return False
+        del lines[lo]
+    return True
 
 
 def _disk_bytes(path):
@@ -7280,7 +7469,8 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     committing = commit and not check and git.is_repo()
     left_out = []
     rendered = committing and _render_committed(git, root, left_out) or \
-        _render_derived(root, fmt=index_format if check else None, progress=progress)
+        _render_derived(root, fmt=index_format if check else None, progress=progress,
+                        spliced=not check)   # --check renders what shelve's splice left
     files = rendered["files"]
     # stale derived files that should not exist (e.g. a .meta.json of an emptied category)
     for rel in [f"{base}/{cat}/.meta.json" for base in ("docs", "archive/docs")
@@ -11314,7 +11504,6 @@ def import_transcript(method=None, path=None, format="auto", markers=None, limit
     source = os.path.realpath(os.path.expanduser(path))
     if not os.path.exists(source):
         raise ShelfError("io-error", f"no such file {path}", "check the path", {"path": path})
-    import stat
     try:   # O_NONBLOCK: a FIFO swapped in after a check must not hang the call
         fd = os.open(source, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         try:
@@ -13387,7 +13576,7 @@ def stats(shelf_path=None, context_window=None, banner=False, chart=False, per_e
                 "digest_tokens": r.digest_tokens,
                 "recalls": recalls, "fetched_tokens": fetched, "realized_savings": saved})
     if chart:
-        svg = _render_chart(chart_rows)
+        svg = _render_chart(_chart_sums(chart_rows))
         if svg is None:
             raise ShelfError("nothing-to-chart", "no episode with an id yet: nothing to chart",
                              "shelve an episode first, then run memshelf stats --chart")
@@ -13822,7 +14011,6 @@ def _check_out_path(out):
             break
         here = up
     target = os.path.join(folder, name)
-    import stat
     try:
         st = os.lstat(target)
     except FileNotFoundError:

@@ -210,7 +210,7 @@ def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp
     sections = {"topic": {"Decisions": "- keep it"},
                 "session": {"Timeline": "- 10:00 start", "Open threads": "- none"},
                 "research": {"Findings": "- it works"}}
-    slugs = []
+    slugs, spliced = [], 0
     for n in range(70):
         amend = bool(slugs) and rng.random() < 0.35
         if amend:
@@ -228,8 +228,13 @@ def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp
                             digest=f"Ana closed item {n} with option A. Open: none.",
                             sections=sections[kind])
         assert r["status"] == "ok", r
+        with open(os.path.join(root, ".memshelf", "state.json"), encoding="utf-8") as f:
+            spliced += json.load(f)["render_memo"]["spliced"]
         # a full render from the episodes alone: no memo, no cached row (index --verify's)
-        full = memshelf._render_derived(root, verify=True)["files"]
+        whole = memshelf._render_derived(root, verify=True)
+        full = whole["files"]
+        # the banner's totals, moved by the splice, are those of every episode summed again
+        assert r["shelf_totals"] == memshelf._shelf_totals(root, records=whole["records"]), n
         on_disk = {rel: _text_or_none(os.path.join(root, rel)) for rel in full}
         drift = [rel for rel in full if on_disk[rel] != full[rel]]
         assert not drift, (n, slug, amend, kind, drift)
@@ -237,6 +242,8 @@ def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp
             if rel.endswith(".meta.json") and text:
                 assert text == json.dumps(json.loads(text), indent=2, ensure_ascii=False) + "\n"
         assert memshelf.rebuild(root, check=True)["ok"]
+    # most shelves moved their episode's lines in the texts (_render_splice), the rest rendered
+    assert 35 <= spliced < 70, spliced
     # moving the last episode out of its category takes its heading and .meta.json with it
     for kind in ("session", "topic"):
         slug = "2026-04-01-only-session"
@@ -252,6 +259,75 @@ def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp
     full = memshelf._render_derived(root, verify=True)["files"]
     assert [rel for rel in full if _text_or_none(os.path.join(root, rel)) != full[rel]] == []
     assert "## Sessions" not in _text_or_none(os.path.join(root, "INDEX.md"))
+
+
+def _state(root):
+    with open(os.path.join(root, ".memshelf", "state.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_rebuild_check_renders_what_a_splice_left_and_finds_a_wrong_line(three):
+    """rebuild --check compares the derived files with a render from the episodes: a memo made
+    by shelve's splice is not taken as that render, so a wrong line it vouches for is found."""
+    import memshelf
+    root = str(three)
+    r = run_cli("shelve", "--shelf", root, "--slug", "2026-01-04-delta-cache", "--kind",
+                "topic", "--digest", DIGEST, "--section", "Decisions=- option A")
+    assert r.code == 0, r
+    assert _state(root)["render_memo"]["spliced"] is True
+    path = os.path.join(root, "INDEX.md")
+    with open(path, encoding="utf-8") as f:
+        wrong = f.read().replace("Ana picked a plan for", "Ana picked no plan for", 1)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(wrong)
+    state = _state(root)
+    state["render_memo"]["files"]["INDEX.md"] = memshelf._text_digest(wrong)
+    with open(os.path.join(root, ".memshelf", "state.json"), "w", encoding="utf-8") as f:
+        json.dump(state, f)
+    assert memo_current(root)   # the spliced memo vouches for the wrong file
+    check = run_cli("rebuild", "--shelf", root, "--check", "--json")
+    assert check.code == 1 and "INDEX.md" in check.json()["drifted"], check
+
+
+def test_a_shelf_whose_ids_are_not_their_stems_is_rendered_whole(three):
+    """The splice finds a line by its stem's date in the ledger, which names episodes by id: on
+    a shelf where an id is not its file's stem the render is made whole, and is right."""
+    import memshelf
+    root = str(three)
+    path = os.path.join(root, "docs", "topics", SLUGS[1] + ".md")
+    edit_in_place(path, f"id: {SLUGS[1]}", "id: 2026-01-02-beta-qveve")
+    assert run_cli("rebuild", "--shelf", root).code == 0
+    assert _state(root)["render_memo"]["plain"] is False
+    r = run_cli("shelve", "--shelf", root, "--slug", "2026-01-04-delta-cache", "--kind",
+                "topic", "--digest", DIGEST, "--section", "Decisions=- option A")
+    assert r.code == 0, r
+    assert _state(root)["render_memo"]["spliced"] is False
+    full = memshelf._render_derived(root, verify=True)["files"]
+    assert {rel: _text_or_none(os.path.join(root, rel)) for rel in full} == full
+
+
+def test_a_splice_declines_a_line_it_cannot_place(three):
+    """An INDEX line whose stem the ledger does not list (a hand edit the memo was told of)
+    leaves the splice unsure: the shelve renders the whole shelf instead, and it is right."""
+    import memshelf
+    root = str(three)
+    path = os.path.join(root, "INDEX.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    odd = text.replace(f"- {SLUGS[0]} ", "- 2026-01-01-not-on-this-shelf ", 1)
+    assert odd != text
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(odd)
+    state = _state(root)
+    state["render_memo"]["files"]["INDEX.md"] = memshelf._text_digest(odd)
+    with open(os.path.join(root, ".memshelf", "state.json"), "w", encoding="utf-8") as f:
+        json.dump(state, f)
+    r = run_cli("shelve", "--shelf", root, "--slug", "2026-01-01-zeta-cache", "--kind",
+                "topic", "--digest", DIGEST, "--section", "Decisions=- option A")
+    assert r.code == 0, r
+    assert _state(root)["render_memo"]["spliced"] is False
+    full = memshelf._render_derived(root, verify=True)["files"]
+    assert {rel: _text_or_none(os.path.join(root, rel)) for rel in full} == full
 
 
 def test_doctor_renders_the_index_itself_and_never_trusts_the_memo(three):
