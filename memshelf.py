@@ -5,7 +5,8 @@ A shelf is a folder (by default a local git repository with no remote) of Markdo
 An episode records one closed topic: YAML frontmatter, a short digest that passes a mechanical
 contract, and a fixed set of H2 sections. The agent keeps only INDEX.md in context and recalls
 one episode, or one section of it, when it needs it. INDEX.md, ledger.tsv, the .meta.json files
-and stats.svg are derived: pure functions of the episodes, rendered again whenever they change.
+and stats.svg are derived: pure functions of the episodes, rendered again whenever they change
+(a shelve of one episode moves its lines in the last render instead, byte for byte the same).
 
 Write path:  capture -> redact -> digest contract -> write (lock, atomic replace)
              -> render derived files (INDEX, ledger, .meta.json, chart) -> commit
@@ -26,7 +27,7 @@ Sections of this file (banner comments), in data-flow order:
   digest contract             validate_digest, lint_digest
   shelf operations            configuration, identifiers, init, shelve, recall
   derived renders             INDEX (compact, docshelf, the served view), ledger, .meta.json,
-                              chart; rebuild and index
+                              chart, shelve's splice of one episode's lines; rebuild and index
   search                      FTS5 rows, the scan fallback, search, search-bench, semantic
   git                         the one git wrapper, commits through a private index, hooks,
                               sync, push and publish, scan

@@ -1040,9 +1040,12 @@ class Bench:
     def _shelve(self, ctx, case, mode, verb="shelve"):
         impl, shelf = ctx["impl"], ctx["shelf"]
         cfg = os.path.join(shelf, "memshelf.json")
-        if not impl.ref:
+        want = json.dumps({"derived": mode}, indent=2) + "\n"
+        # written only when the mode changes: a settings file is in the store key, and a shelf
+        # whose settings are rewritten before every shelve never keeps its render memo
+        if not impl.ref and _read(cfg) != want:
             with open(cfg, "w") as f:
-                f.write(json.dumps({"derived": mode}, indent=2) + "\n")
+                f.write(want)
         tag = {"shelve-auto": "a", "shelve-bot": "b"}.get(case, "s")
 
         def argv(k):
