@@ -6506,14 +6506,16 @@ def _shelve_write(root, git, plans, a, sync_report):
              "derived": None, "sync": sync_report}
     journal = _Journal(root)
     touched = [q for p in plans for q in (p.address, p.moved_from) if q]
-    if mode == "auto":   # the one listing: the render after the write is keyed by it
-        fmt = _index_format(root)
-        seen, scanned, subdirs = _render_inputs(root)
-        before = _render_key_of(root, fmt, scanned, subdirs, seen)
-        # the render on disk before the write, for the splice; only if `old` is what it shows
-        hit = _render_memo_hit(root, before) if one and fmt == "compact" and (
-            one.old is None or _scanned_stamp(scanned, one.old.path) ==
-            (one.old.size, one.old.mtime_ns, one.old.ino)) else None
+    # the one listing: the key after the write (for the render, the totals) is made from it
+    fmt = _index_format(root)
+    seen, scanned, subdirs = _render_inputs(root)
+    before = _render_key_of(root, fmt, scanned, subdirs, seen)
+    # the render on disk before the write, for the splice; only if `old` is what it shows
+    hit = _render_memo_hit(root, before) if mode == "auto" and one and fmt == "compact" and (
+        one.old is None or _scanned_stamp(scanned, one.old.path) ==
+        (one.old.size, one.old.mtime_ns, one.old.ino)) else None
+    # and the totals (read before the write: an amend rewrites a file the key may hold racy)
+    held = _remembered_aggregate(root, before, one.window) if one else None
     try:
         for p in plans:
             journal.write(p.address, p.text)
@@ -6521,20 +6523,21 @@ def _shelve_write(root, git, plans, a, sync_report):
                 journal.remove(p.moved_from)
         written = []
         rendered = rendered_records = None
+        after = _scanned_again(root, scanned, touched)
+        key = _render_key_of(root, fmt, after, subdirs, seen)
+        new = _read_episode(root, one.address) if one else None
+        # the totals before the write, moved by this episode (None if none were remembered)
+        moved = one and _aggregate_moved(held, one.old, new, one.window)
         if mode == "auto":
-            after = _scanned_again(root, scanned, touched)
-            key = _render_key_of(root, fmt, after, subdirs, seen)
             if git.is_repo() and a.autocommit:
                 strays = []   # episode files git does not track: not in the committed INDEX
                 rendered = _render_committed(git, root, strays, *[p.address for p in plans])
                 for p in plans:
                     p.result["warnings"].extend(strays)
             if rendered is None and hit is not None:
-                new = _read_episode(root, one.address)
                 rendered = _render_splice(hit, one.old, new, key)
                 if rendered is not None:
-                    rendered["aggregate"] = _aggregate_moved(root, before, one.old, new,
-                                                             one.window)
+                    rendered["aggregate"] = moved
             rendered = rendered or _render_derived(root, key=(key, after))
             rendered_records = rendered["records"]
             for rel, content in rendered["files"].items():
@@ -6565,7 +6568,9 @@ def _shelve_write(root, git, plans, a, sync_report):
         raise
     _taint_memory(root, [v for p in plans for v in p.learned])   # docs/redaction.md
     if mode == "auto":
-        _remember_render(root, rendered)
+        _remember_render(root, rendered)   # and its totals
+    elif moved:
+        _remember(root, "aggregate", key, moved)
     # push / publish (docs/verbs.md § sync, push and publish)
     if git.is_repo() and batch["committed"]:
         # its warnings go to the episode's result; a batch publishes as shelve/<first id>
@@ -6577,9 +6582,9 @@ def _shelve_write(root, git, plans, a, sync_report):
             batch.update(warnings=target["warnings"], status=target["status"])
             if target.get("hint"):
                 batch["hint"] = target["hint"]
-    totals = _shelf_totals(root, window=plans[0].window, records=rendered_records,
-                           key=(rendered["key"], after) if mode == "auto" and rendered["key"]
-                           else None)
+    # remembered under the key after the write, but for a render that left strays out
+    totals = _shelf_totals(root, window=plans[0].window, key=(key, after), records=(
+        rendered_records if mode == "auto" and not rendered["key"] else None))
     for p in plans:
         p.result.update({k: batch[k] for k in ("committed", "commit", "derived", "sync")})
         p.result.update(ledger_row=_ledger_row(_read_episode(root, p.address)),
@@ -6807,10 +6812,9 @@ _AGGREGATE_SUMS = ("episodes", "archived", "digest_tokens", "mass", "work_volume
                    "unmeasured", "unmeasured_digest")
 
 
-def _aggregate_moved(root, before, old, new, window):
-    """The aggregate remembered under the store key `before` a shelve's write, with `old` (or
-    None) taken out and `new` put in; None if none was remembered."""
-    aggregate = _remembered_aggregate(root, before, window)
+def _aggregate_moved(aggregate, old, new, window):
+    """The aggregate (remembered before a shelve's write) with `old` (or None) taken out and
+    `new` put in; None for None."""
     if aggregate is None:
         return None
     plus, minus = (_episode_aggregate([r] if r else [], window) for r in (new, old))

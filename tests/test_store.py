@@ -266,6 +266,26 @@ def _state(root):
         return json.load(f)
 
 
+def test_a_bot_mode_shelve_moves_the_remembered_totals(tmp_path):
+    """With derived files left to a bot, a shelve still answers the shelf's totals: those
+    remembered before its write, moved by its episode, and remembered for the next reader."""
+    import memshelf
+    root = str(tmp_path / "shelf")
+    memshelf.init(root, storage="plain")
+    with open(os.path.join(root, "memshelf.json"), "w", encoding="utf-8") as f:
+        json.dump({"derived": "bot"}, f)
+    for n, (slug, amend) in enumerate([(SLUGS[0], False), (SLUGS[1], False), (SLUGS[0], True),
+                                       (SLUGS[2], False)]):
+        r = memshelf.shelve(root, slug=slug, kind="topic", amend=amend, approx_tokens=1000 * n,
+                            digest=f"Ana closed item {n} with option A. Open: none.",
+                            sections={"Decisions": "- keep it"})
+        assert r["status"] == "ok" and r["derived"]["mode"] == "bot", r
+        whole = memshelf._render_derived(root, verify=True)["records"]
+        assert r["shelf_totals"] == memshelf._shelf_totals(root, records=whole), n
+        key = memshelf._render_key(root, memshelf._index_format(root))[0]
+        assert memshelf._remembered(root, "aggregate", key) is not None, n
+
+
 def test_rebuild_check_renders_what_a_splice_left_and_finds_a_wrong_line(three):
     """rebuild --check compares the derived files with a render from the episodes: a memo made
     by shelve's splice is not taken as that render, so a wrong line it vouches for is found."""
