@@ -266,6 +266,29 @@ def _state(root):
         return json.load(f)
 
 
+def _vouch_for_index(root, text):
+    """INDEX.md written as `text`, and the render memo told it holds that (as a hand edit of
+    state.json would)."""
+    import memshelf
+    with open(os.path.join(root, "INDEX.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    state = _state(root)
+    state["render_memo"]["files"]["INDEX.md"] = memshelf._text_digest(text)
+    with open(os.path.join(root, ".memshelf", "state.json"), "w", encoding="utf-8") as f:
+        json.dump(state, f)
+
+
+def _shelve_rendered_whole(root, slug):
+    """A shelve of `slug` that the splice declined: its derived files are a full render's."""
+    import memshelf
+    r = run_cli("shelve", "--shelf", root, "--slug", slug, "--kind", "topic", "--digest",
+                DIGEST, "--section", "Decisions=- option A")
+    assert r.code == 0, r
+    assert _state(root)["render_memo"]["spliced"] is False
+    full = memshelf._render_derived(root, verify=True)["files"]
+    assert {rel: _text_or_none(os.path.join(root, rel)) for rel in full} == full
+
+
 def test_a_bot_mode_shelve_moves_the_remembered_totals(tmp_path):
     """With derived files left to a bot, a shelve still answers the shelf's totals: those
     remembered before its write, moved by its episode, and remembered for the next reader."""
@@ -289,21 +312,14 @@ def test_a_bot_mode_shelve_moves_the_remembered_totals(tmp_path):
 def test_rebuild_check_renders_what_a_splice_left_and_finds_a_wrong_line(three):
     """rebuild --check compares the derived files with a render from the episodes: a memo made
     by shelve's splice is not taken as that render, so a wrong line it vouches for is found."""
-    import memshelf
     root = str(three)
     r = run_cli("shelve", "--shelf", root, "--slug", "2026-01-04-delta-cache", "--kind",
                 "topic", "--digest", DIGEST, "--section", "Decisions=- option A")
     assert r.code == 0, r
     assert _state(root)["render_memo"]["spliced"] is True
-    path = os.path.join(root, "INDEX.md")
-    with open(path, encoding="utf-8") as f:
-        wrong = f.read().replace("Ana picked a plan for", "Ana picked no plan for", 1)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(wrong)
-    state = _state(root)
-    state["render_memo"]["files"]["INDEX.md"] = memshelf._text_digest(wrong)
-    with open(os.path.join(root, ".memshelf", "state.json"), "w", encoding="utf-8") as f:
-        json.dump(state, f)
+    with open(os.path.join(root, "INDEX.md"), encoding="utf-8") as f:
+        _vouch_for_index(root, f.read().replace("Ana picked a plan for", "Ana picked no plan for",
+                                                1))
     assert memo_current(root)   # the spliced memo vouches for the wrong file
     check = run_cli("rebuild", "--shelf", root, "--check", "--json")
     assert check.code == 1 and "INDEX.md" in check.json()["drifted"], check
@@ -312,42 +328,24 @@ def test_rebuild_check_renders_what_a_splice_left_and_finds_a_wrong_line(three):
 def test_a_shelf_whose_ids_are_not_their_stems_is_rendered_whole(three):
     """The splice finds a line by its stem's date in the ledger, which names episodes by id: on
     a shelf where an id is not its file's stem the render is made whole, and is right."""
-    import memshelf
     root = str(three)
     path = os.path.join(root, "docs", "topics", SLUGS[1] + ".md")
     edit_in_place(path, f"id: {SLUGS[1]}", "id: 2026-01-02-beta-qveve")
     assert run_cli("rebuild", "--shelf", root).code == 0
     assert _state(root)["render_memo"]["plain"] is False
-    r = run_cli("shelve", "--shelf", root, "--slug", "2026-01-04-delta-cache", "--kind",
-                "topic", "--digest", DIGEST, "--section", "Decisions=- option A")
-    assert r.code == 0, r
-    assert _state(root)["render_memo"]["spliced"] is False
-    full = memshelf._render_derived(root, verify=True)["files"]
-    assert {rel: _text_or_none(os.path.join(root, rel)) for rel in full} == full
+    _shelve_rendered_whole(root, "2026-01-04-delta-cache")
 
 
 def test_a_splice_declines_a_line_it_cannot_place(three):
     """An INDEX line whose stem the ledger does not list (a hand edit the memo was told of)
     leaves the splice unsure: the shelve renders the whole shelf instead, and it is right."""
-    import memshelf
     root = str(three)
-    path = os.path.join(root, "INDEX.md")
-    with open(path, encoding="utf-8") as f:
+    with open(os.path.join(root, "INDEX.md"), encoding="utf-8") as f:
         text = f.read()
     odd = text.replace(f"- {SLUGS[0]} ", "- 2026-01-01-not-on-this-shelf ", 1)
     assert odd != text
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(odd)
-    state = _state(root)
-    state["render_memo"]["files"]["INDEX.md"] = memshelf._text_digest(odd)
-    with open(os.path.join(root, ".memshelf", "state.json"), "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    r = run_cli("shelve", "--shelf", root, "--slug", "2026-01-01-zeta-cache", "--kind",
-                "topic", "--digest", DIGEST, "--section", "Decisions=- option A")
-    assert r.code == 0, r
-    assert _state(root)["render_memo"]["spliced"] is False
-    full = memshelf._render_derived(root, verify=True)["files"]
-    assert {rel: _text_or_none(os.path.join(root, rel)) for rel in full} == full
+    _vouch_for_index(root, odd)
+    _shelve_rendered_whole(root, "2026-01-01-zeta-cache")
 
 
 def test_doctor_renders_the_index_itself_and_never_trusts_the_memo(three):
