@@ -6518,10 +6518,13 @@ def _shelve_write(root, git, plans, a, sync_report):
     fmt = _index_format(root)
     seen, scanned, subdirs = _render_inputs(root)
     before = _render_key_of(root, fmt, scanned, subdirs, seen)
-    # the render on disk before the write, for the splice; only if `old` is what it shows
-    hit = _render_memo_hit(root, before) if mode == "auto" and one and fmt == "compact" and (
-        one.old is None or _scanned_stamp(scanned, one.old.path) ==
-        (one.old.size, one.old.mtime_ns, one.old.ino)) else None
+    # the render on disk before the write, for the splice: read only if the splice can use it
+    # (a plain memo, `old` what it shows)
+    memo = _state(root).get("render_memo") if mode == "auto" and one and fmt == "compact" \
+        else None
+    hit = _render_memo_hit(root, before, memo=memo) if isinstance(memo, dict) and \
+        memo.get("plain") is True and (one.old is None or _scanned_stamp(
+            scanned, one.old.path) == (one.old.size, one.old.mtime_ns, one.old.ino)) else None
     # and the totals (read before the write: an amend rewrites a file the key may hold racy)
     held = _remembered_aggregate(root, before, one.window) if one else None
     try:
