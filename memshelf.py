@@ -86,6 +86,7 @@ if __name__ == "__main__" or os.path.basename(getattr(sys, "argv", [""])[0]) == 
 import collections
 import functools
 import json
+import marshal
 import math
 import operator
 import os
@@ -450,11 +451,11 @@ def _file_bytes(path, size=-1):
 
 
 def _file_bytes_stamped(path):
-    """(bytes, _FileStamp) of a file, the stamp taken from the descriptor that reads it."""
+    """(bytes, stamp) of a file, the stamp (_stat_stamp) taken from the descriptor that reads it."""
     fd = os.open(path, _O_READ)
     try:
         st = os.fstat(fd)
-        return _fd_bytes(fd, st.st_size), _stamp_of(st)
+        return _fd_bytes(fd, st.st_size), _stat_stamp(st)
     finally:
         os.close(fd)
 
@@ -1676,12 +1677,12 @@ def _read_episode(root, rel, archived=False, stat=None, also=None):
         if st is None:   # listed without a stat: the descriptor that reads it says
             raw, st = _file_bytes_stamped(path)
         else:
-            raw = _file_bytes(path, st.st_size)
+            raw = _file_bytes(path, st[0])
     except OSError as exc:
         error = f"io: {exc.strerror}"
-        st = st or _stamp((0, 0, 0, 0))   # gone since the listing
+        st = st or (0, 0, 0, 0)   # gone since the listing
     rec = Episode(rel, rel.rsplit("/", 1)[-1][:-3], sys.intern(rel.split("/")[-2]), archived,
-                  st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, False, error, {}, False,
+                  st[0], st[1], st[2], st[3], False, error, {}, False,
                   [])
     try:
         text = raw.decode("utf-8")   # b"" after an io error
@@ -2126,47 +2127,52 @@ def _linked(root, rel):
 
 
 def _scan_episode_files(root, archive=True, subdirs=None):
-    """(path, archived, _FileStamp) per episode file, by path; subfolders' (path, mtime_ns) to
+    """(path, archived, stamp) per episode file, by path; subfolders' (path, mtime_ns) to
     `subdirs`. Every reader lists the shelf here: the folders in path order, each one's entries
     sorted by name, the stamps and rows made by map() and zip() at C speed (`index`, cold)."""
-    paths, stats, archived = [], [], 0
+    paths, stamps, archived = [], [], 0
     for base in ("archive/docs", "docs") if archive else ("docs",):
         for cat in sorted(CATEGORIES):
-            try:
-                entries = [] if _linked(root, f"{base}/{cat}") else \
-                    sorted(os.scandir(os.path.join(root, base, cat)), key=_entry_name)
+            if _linked(root, f"{base}/{cat}"):
+                continue
+            try:   # listed by its descriptor: each stat then resolves one name, not the path
+                folder = os.open(os.path.join(root, base, cat), _DIR_FLAGS) if _SCAN_FD else \
+                    os.path.join(root, base, cat)
             except OSError:
                 continue
-            prefix = f"{base}/{cat}/"
-            for e in entries:
-                name = e.name
+            try:
+                entries = sorted(os.scandir(folder), key=_entry_name)
+                prefix = f"{base}/{cat}/"
                 # a regular file, never a symlink (d_type answers without a system call)
-                if name.endswith(".md") and name[:1] != "." and e.is_file(follow_symlinks=False):
-                    paths.append(prefix + name)
-                    stats.append(e.stat())
-                elif subdirs is not None and e.is_dir(follow_symlinks=False):
-                    subdirs.append((prefix + name, e.stat().st_mtime_ns))
+                files = [e for e in entries if e.name.endswith(".md") and e.name[:1] != "." and
+                         e.is_file(follow_symlinks=False)]
+                paths += [prefix + e.name for e in files]
+                stamps += map(_stat_stamp, map(os.DirEntry.stat, files))
+                if subdirs is not None:
+                    subdirs += [(prefix + e.name, e.stat().st_mtime_ns) for e in entries
+                                if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            finally:
+                if _SCAN_FD:
+                    os.close(folder)
         if base != "docs":
             archived = len(paths)
     flags = itertools.chain(itertools.repeat(True, archived), itertools.repeat(False))
-    return list(zip(paths, flags, map(_stamp, map(_stat_stamp, stats))))
+    return list(zip(paths, flags, stamps))
 
 
+# os.scandir(fd) where the platform has it (not Windows): DirEntry.stat() is then an fstatat of
+# the bare name (`index`, cold, docs/performance.md)
+_SCAN_FD = os.scandir in os.supports_fd
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _entry_name = operator.attrgetter("name")
+# A file's stamp: (size, mtime_ns, inode, ctime_ns) of its stat result, a plain tuple (far
+# smaller than the stat result: the memory line at 100,000 episodes, docs/performance.md). The
+# first three are what a cache keeps; ctime only dates the last change.
 _stat_stamp = operator.attrgetter("st_size", "st_mtime_ns", "st_ino", "st_ctime_ns")
-
-
-# A file's (size, mtime_ns, inode) and its ctime, read like a stat result but far smaller (the
-# memory line at 100,000 episodes, docs/performance.md). The first three are the stamp a cache keeps; ctime only dates the last change.
-_FileStamp = collections.namedtuple("_FileStamp", "st_size st_mtime_ns st_ino st_ctime_ns")
-# _FileStamp((size, mtime_ns, ino, ctime_ns)) without the Python-level constructor
-_stamp = functools.partial(tuple.__new__, _FileStamp)
 # Coarsest mtime granularity (FAT's 2 s): a file read this soon may change with the same mtime.
 _RACY_NS = 2_000_000_000
-
-
-def _stamp_of(st):
-    return _stamp(_stat_stamp(st))
 
 
 def _unchanged(st, known, seen_ns):
@@ -2347,7 +2353,7 @@ def _scanned_again(root, scanned, paths):
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode) and not _linked(root, rel.rsplit("/", 1)[0]):
-            out.append((rel, rel.startswith("archive/"), _stamp_of(st)))
+            out.append((rel, rel.startswith("archive/"), _stat_stamp(st)))
     out.sort(key=_path_part)
     return out
 
@@ -2360,13 +2366,12 @@ def _render_inputs(root):
 
 def _render_key_of(root, fmt, scanned, subdirs, seen):
     """The store key: (digest of code, format, settings, folders, stamps; {racy path: SHA-1})."""
-    import array
     import hashlib
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     files = list(scanned)
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
         try:
-            files.append((rel, False, _stamp_of(os.stat(os.path.join(root, rel)))))
+            files.append((rel, False, _stat_stamp(os.stat(os.path.join(root, rel)))))
         except OSError:
             parts.append(f"{rel}\0-")
     # racy files count by content where the key is used: the key stays the same once they age
@@ -2385,11 +2390,9 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += map(_path_part, files)
     digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
-    stamps = list(itertools.chain.from_iterable(stamps))
-    try:   # 64-bit machine integers: half the CPU of their repr (docs/performance.md, index)
-        digest.update(array.array("q", stamps).tobytes())
-    except OverflowError:   # an inode number past 2**63 (some network file systems)
-        digest.update(repr(stamps).encode())
+    # the stamps as marshal's version 2 writes them: by value alone (no back-references, which
+    # later versions add), any size of integer, at C speed (`index`, cold)
+    digest.update(marshal.dumps(stamps, 2))
     return digest.hexdigest(), racy
 
 
@@ -4156,6 +4159,9 @@ def _phrase_rule(verbs, nouns, quals, gap=4, after=2):
     return _trigger_words(verbs), source, lambda m, _q=qualifier: _q.search(m.group(0)) is not None
 
 
+_LITERAL_RUN = _LazyPattern(r"[^\\()|\[\]?+*]+")
+
+
 def _trigger_words(alternation):
     r"""The trigger words an alternation spells: literals, \s, (?:a|b), [ab], ?; + and * ignored."""
     def spell(i):
@@ -4176,8 +4182,11 @@ def _trigger_words(alternation):
             elif ch == "\\":
                 esc = alternation[i + 1]
                 options, i = [" " if esc == "s" else "\0" if esc in "wWdD" else esc], i + 2
-            else:
-                options, i = [ch], i + 1
+            else:   # a run of literals at once; a quantifier after it binds its last character
+                run = _LITERAL_RUN.match(alternation, i).group()
+                if len(run) > 1 and alternation[i + len(run):i + len(run) + 1] in ("?", "+", "*"):
+                    run = run[:-1]
+                options, i = [run], i + len(run)
             if i < len(alternation) and alternation[i] in "+*":
                 i += 1
             if i < len(alternation) and alternation[i] == "?":
