@@ -16658,6 +16658,11 @@ def main(argv=None):
     # passes over 10,000 records cost a shelve about 35 ms of CPU (docs/performance.md, the
     # floors table); cycles are still collected, every 10,000 allocations instead of 700
     gc.set_threshold(10_000, 10, 10)
+    # and what the import made (this module's functions, tables, the standard library's) is
+    # never traversed again: a cold `index` spent about 4 ms collecting over it
+    # (docs/performance.md § Fast paths); an in-process caller's own freeze is left as it was
+    thawed = not gc.get_freeze_count()
+    gc.freeze()
     previous = _catch_signals()
     _INTERRUPT.update(held=0, pending=False, committed=False, started=True)
     try:
@@ -16674,6 +16679,8 @@ def main(argv=None):
         # an in-process caller gets its own handlers back
         _catch_signals({sig: h for sig, h in previous if h is not None})
         gc.set_threshold(*thresholds)
+        if thawed:
+            gc.unfreeze()
 
 
 def _main(argv):
