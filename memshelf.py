@@ -16660,7 +16660,7 @@ def main(argv=None):
     gc.set_threshold(10_000, 10, 10)
     # and what the import made (this module's functions, tables, the standard library's) is
     # never traversed again: a cold `index` spent about 4 ms collecting over it
-    # (docs/performance.md § Fast paths); an in-process caller's own freeze is left as it was
+    # (docs/performance.md, s14); an in-process caller's own freeze is left as it was
     thawed = not gc.get_freeze_count()
     gc.freeze()
     previous = _catch_signals()
