@@ -2459,7 +2459,8 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
         if (os.path.lexists(path) if digest is None else _data_digest(data) != digest):
             return None
     _settle(root, "render_memo", memo, key)
-    return {"files": files, "warnings": list(memo.get("warnings") or []), "records": None,
+    return {"files": files, "digests": {rel: memo["files"][rel] for rel in files},
+            "warnings": list(memo.get("warnings") or []), "records": None,
             "key": key, "episodes": memo.get("episodes") or 0, "plain": memo.get("plain"),
             "superseded": memo.get("superseded"), "chart": memo.get("chart"),
             "spliced": memo.get("spliced")}
@@ -2478,12 +2479,15 @@ def _remember_if_on_disk(root, rendered):
     _remember_render(root, rendered)
 
 
-def _remember_render(root, rendered, files=None):
-    """After the derived files on disk equal a full render: remember it under its key."""
+def _remember_render(root, rendered, digests=None):
+    """After the derived files on disk equal a full render: remember it under its key, with
+    each file's digest (`digests`: {path: _data_digest of its bytes, None if absent}, as the
+    writer that just encoded them has them; else from the texts)."""
     if not rendered.get("key"):
         return
-    digests = {rel: None if content is None else _text_digest(content)
-               for rel, content in (rendered["files"] if files is None else files).items()}
+    if digests is None:
+        digests = {rel: None if content is None else _text_digest(content)
+                   for rel, content in rendered["files"].items()}
     key, racy = rendered["key"]
     # and what the banners sum (_shelf_totals), from its records or as shelve's splice moved it
     aggregate = rendered.get("aggregate")
@@ -6541,7 +6545,7 @@ def _shelve_write(root, git, plans, a, sync_report):
             journal.write(p.address, p.text)
             if p.moved_from:
                 journal.remove(p.moved_from)
-        written = []
+        written, digests = [], {}   # digests: of the derived files' bytes, as written or kept
         rendered = rendered_records = None
         after = _scanned_again(root, scanned, touched)
         key = _render_key_of(root, fmt, after, subdirs, seen)
@@ -6561,9 +6565,13 @@ def _shelve_write(root, git, plans, a, sync_report):
             rendered = rendered or _render_derived(root, key=(key, after))
             rendered_records = rendered["records"]
             for rel, content in rendered["files"].items():
-                # a file the splice kept is the text just read from disk (_render_memo_hit)
-                kept = rendered.get("spliced") and content is hit["files"].get(rel)
-                if not kept and journal.write_if_changed(rel, content):
+                if rendered.get("spliced") and content is hit["files"].get(rel):
+                    # kept by the splice: the text just read from disk (_render_memo_hit)
+                    digests[rel] = hit["digests"][rel]
+                    continue
+                data = None if content is None else content.encode("utf-8")
+                digests[rel] = None if data is None else _data_digest(data)
+                if journal.write_if_changed(rel, data):
                     written.append(rel)
             for p in plans:
                 p.result["warnings"].extend(w for w in rendered["warnings"]
@@ -6588,7 +6596,7 @@ def _shelve_write(root, git, plans, a, sync_report):
         raise
     _taint_memory(root, [v for p in plans for v in p.learned])   # docs/redaction.md
     if mode == "auto":
-        _remember_render(root, rendered)   # and its totals
+        _remember_render(root, rendered, digests)   # and its totals
     elif moved:
         _remember(root, "aggregate", key, moved)
     # push / publish (docs/verbs.md § sync, push and publish)
@@ -6685,13 +6693,14 @@ class _Journal:
         _atomic_write(path, text)
 
     def write_if_changed(self, rel, content):
+        """Write `content` (text or bytes; None removes the file) unless the file holds it."""
         path = _shelf_join(self.root, *rel.split("/"))
         if content is None:
             if os.path.exists(path):
                 self.remove(rel)
                 return True
             return False
-        if _disk_bytes(path) == content.encode("utf-8"):
+        if _disk_bytes(path) == (content.encode("utf-8") if isinstance(content, str) else content):
             return False
         self.write(rel, content)
         return True
@@ -7435,10 +7444,12 @@ def _disk_bytes(path):
 
 def _write_derived(root, files, rendered=None, journal=None):
     """Write what differs; with the full render it came from, remember that render."""
-    written, unchanged, deleted = [], [], []
+    written, unchanged, deleted, digests = [], [], [], {}
     for rel, content in sorted(files.items()):
         path = _shelf_join(root, *rel.split("/"))
         data = None if content is None else content.encode("utf-8")
+        if rendered is not None:
+            digests[rel] = None if data is None else _data_digest(data)
         if content is None and not os.path.exists(path):
             continue
         if data is not None and _disk_bytes(path) == data:
@@ -7454,7 +7465,7 @@ def _write_derived(root, files, rendered=None, journal=None):
         _atomic_write(path, data)
         written.append(rel)
     if rendered is not None:
-        _remember_render(root, rendered, files)
+        _remember_render(root, rendered, digests)
     return written, unchanged, deleted
 
 
@@ -7515,8 +7526,10 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
     if adoption is not None:
         result["adoption"] = adoption
     if check:
+        digests = {}
         for rel, content in sorted(files.items()):
             data = None if content is None else content.encode("utf-8")
+            digests[rel] = None if data is None else _data_digest(data)
             same = _disk_bytes(os.path.join(root, rel)) == data
             (result["unchanged"] if same else result["drifted"]).append(rel)
         if result["drifted"]:
@@ -7524,7 +7537,7 @@ def _rebuild_locked(root, check, adopt, commit, index_format, full):
             result.update(status="drift", ok=False)
             _note("derived files diverge from the episodes: " + ", ".join(result["drifted"]))
         else:
-            _remember_render(root, rendered, files)
+            _remember_render(root, rendered, digests)
         result["summary"] = ("derived files match the episodes" if result["ok"] else
                              "drift: " + ", ".join(result["drifted"]) + " — run memshelf rebuild")
         progress.done()

@@ -117,3 +117,24 @@ def test_script_mode_ends_the_same_way(shelf):
     missing = _run([sys.executable, MEMSHELF, "index", "--shelf", shelf / "missing"])
     assert missing.returncode == 1 and "memshelf init --shelf" in missing.stderr
     assert _run([sys.executable, MEMSHELF, "index", "--no-such-flag"]).returncode == 2
+
+
+def test_main_in_process_leaves_the_collector_as_it_found_it(tmp_path, capsys):
+    # main() freezes what the import made for its call and thaws it after; a caller's own
+    # freeze stays
+    import gc
+    sys.path.insert(0, str(ROOT))
+    import memshelf
+    thresholds = gc.get_threshold()
+    gc.unfreeze()
+    missing = ["index", "--shelf", str(tmp_path / "none")]   # an error, answered as usual
+    code = memshelf.main(missing)
+    assert code != 0 and gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        assert memshelf.main(missing) == code
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
+    assert capsys.readouterr().err.count("fix:") == 2

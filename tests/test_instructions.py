@@ -729,3 +729,10 @@ def test_hidden_character_gate_agrees_with_the_class():
         hidden = bool(memshelf._HIDDEN_CHAR_RE.search(ch))
         assert memshelf._holds_hidden("a" + ch) == hidden, hex(code)
     assert not memshelf._holds_hidden("plain ascii \u00e9")
+
+
+def test_trigger_words_spell_literal_runs_and_the_character_a_quantifier_binds():
+    # a run of literals is taken at once; ? + * bind only its last character
+    assert memshelf._trigger_words(
+        r"instructions?|polic(?:y|ies)|pay\s+no\s+attention|colou?rs|ab+c|[dt]ry") == \
+        "abc attention colors colours dry instruction instructions policies policy try"

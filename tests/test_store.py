@@ -495,3 +495,29 @@ def test_refresh_keeps_no_key_when_another_process_wrote_a_row_while_it_compared
         assert len(fresh()) == 1
     finally:
         store.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_the_listing_closes_each_folder_it_opens_and_stamps_every_file(three):
+    import memshelf
+    before = sorted(os.listdir("/proc/self/fd"))
+    scanned = memshelf._scan_episode_files(str(three))
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    paths = [rel for rel, _, _ in scanned]
+    assert paths == sorted(paths) and len(paths) == len(SLUGS)
+    for rel, archived, stamp in scanned:
+        st = os.lstat(three / rel)
+        assert not archived and stamp == (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+
+def test_the_store_key_takes_any_inode_number_and_tells_two_apart(three):
+    # some network file systems hand out inode numbers past 2**63
+    import memshelf
+    seen, scanned, subdirs = memshelf._render_inputs(str(three))
+
+    def key(ino):
+        files = [(rel, archived, st[:2] + (ino + n,) + st[3:])
+                 for n, (rel, archived, st) in enumerate(scanned)]
+        return memshelf._render_key_of(str(three), "compact", files, subdirs, seen)[0]
+
+    assert key(2 ** 64) == key(2 ** 64) != key(2 ** 64 + 1)
