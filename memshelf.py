@@ -2439,8 +2439,9 @@ def _data_digest(data):
 
 
 # kept: cold `index` at 10k, 341 ms vs 824 ms without, docs/performance.md § Fast paths
-def _render_memo_hit(root, key, memo=None, index_only=False):
-    """The last full render from disk, if made under `key` and every derived file still holds it."""
+def _render_memo_hit(root, key, memo=None, index_only=False, settle=True):
+    """The last full render from disk, if made under `key` and every derived file still holds it.
+    settle=False: the caller remembers a new render next, so what settled is not written first."""
     memo = _state(root).get("render_memo") if memo is None else memo
     if not _key_holds(root, memo, key) or not isinstance(memo.get("files"), dict):
         return None
@@ -2458,7 +2459,8 @@ def _render_memo_hit(root, key, memo=None, index_only=False):
             return None
         if (os.path.lexists(path) if digest is None else _data_digest(data) != digest):
             return None
-    _settle(root, "render_memo", memo, key)
+    if settle:
+        _settle(root, "render_memo", memo, key)
     return {"files": files, "digests": {rel: memo["files"][rel] for rel in files},
             "warnings": list(memo.get("warnings") or []), "records": None,
             "key": key, "episodes": memo.get("episodes") or 0, "plain": memo.get("plain"),
@@ -2508,12 +2510,14 @@ def _forget_render(root):
         _save_state(root, render_memo=None)
 
 
-def _remembered(root, name, key):
-    """A derived value remembered under the store key (_render_key_of), or None."""
+def _remembered(root, name, key, settle=True):
+    """A derived value remembered under the store key (_render_key_of), or None (settle: as in
+    _render_memo_hit)."""
     entry = _state(root).get(name)
     if not _key_holds(root, entry, key):
         return None
-    _settle(root, name, entry, key)
+    if settle:
+        _settle(root, name, entry, key)
     return entry.get("value")
 
 
@@ -5514,7 +5518,8 @@ _CUE_ZH = ("决定", "否决", "拒绝", "选择", "选定", "待办", "未决",
 def count_words(text):
     """Words of a digest: CJK characters count half a word each, so an unspaced
     Chinese paragraph is not one word (docs/format.md § The digest contract)."""
-    if not _CJK.search(text):
+    # (ASCII text holds none: the class's compile, about 3 ms a process, is then not paid)
+    if text.isascii() or not _CJK.search(text):
         return len(text.split())   # then every token is one word
     n = 0
     for tok in text.split():
@@ -6535,11 +6540,12 @@ def _shelve_write(root, git, plans, a, sync_report):
     # (a plain memo, `old` what it shows)
     memo = _state(root).get("render_memo") if mode == "auto" and one and fmt == "compact" \
         else None
-    hit = _render_memo_hit(root, before, memo=memo) if isinstance(memo, dict) and \
+    # (neither settles: the render and the totals are remembered anew after the write)
+    hit = _render_memo_hit(root, before, memo=memo, settle=False) if isinstance(memo, dict) and \
         memo.get("plain") is True and (one.old is None or _scanned_stamp(
             scanned, one.old.path) == (one.old.size, one.old.mtime_ns, one.old.ino)) else None
     # and the totals (read before the write: an amend rewrites a file the key may hold racy)
-    held = _remembered_aggregate(root, before, one.window) if one else None
+    held = _remembered_aggregate(root, before, one.window, settle=False) if one else None
     try:
         for p in plans:
             journal.write(p.address, p.text)
@@ -6829,8 +6835,8 @@ def _shelf_totals(root, records=None, window=None, key=None):
             "unmeasured_digest": aggregate["unmeasured_digest"]}
 
 
-def _remembered_aggregate(root, key, window):
-    aggregate = _remembered(root, "aggregate", key)
+def _remembered_aggregate(root, key, window, settle=True):
+    aggregate = _remembered(root, "aggregate", key, settle)
     ok = isinstance(aggregate, dict) and aggregate.get("window") == window and \
         all(isinstance(aggregate.get(k), int) for k in _AGGREGATE_SUMS)
     return aggregate if ok else None
