@@ -2133,33 +2133,48 @@ def _scan_episode_files(root, archive=True, subdirs=None):
     paths, stamps, archived = [], [], 0
     for base in ("archive/docs", "docs") if archive else ("docs",):
         for cat in sorted(CATEGORIES):
-            if _linked(root, f"{base}/{cat}"):
+            rel = f"{base}/{cat}"
+            listed = None if _linked(root, rel) else _list_folder(
+                os.path.join(root, base, cat), subdirs is not None)
+            if listed is None:
                 continue
-            try:   # listed by its descriptor: each stat then resolves one name, not the path
-                folder = os.open(os.path.join(root, base, cat), _DIR_FLAGS) if _SCAN_FD else \
-                    os.path.join(root, base, cat)
-            except OSError:
-                continue
-            try:
-                entries = sorted(os.scandir(folder), key=_entry_name)
-                prefix = f"{base}/{cat}/"
-                # a regular file, never a symlink (d_type answers without a system call)
-                files = [e for e in entries if e.name.endswith(".md") and e.name[:1] != "." and
-                         e.is_file(follow_symlinks=False)]
-                paths += [prefix + e.name for e in files]
-                stamps += map(_stat_stamp, map(os.DirEntry.stat, files))
-                if subdirs is not None:
-                    subdirs += [(prefix + e.name, e.stat().st_mtime_ns) for e in entries
-                                if e.is_dir(follow_symlinks=False)]
-            except OSError:
-                continue
-            finally:
-                if _SCAN_FD:
-                    os.close(folder)
+            names, folder_stamps, folders = listed
+            paths += [f"{rel}/{name}" for name in names]
+            stamps += folder_stamps
+            if subdirs is not None:
+                subdirs += [(f"{rel}/{name}", mtime) for name, mtime in folders]
         if base != "docs":
             archived = len(paths)
     flags = itertools.chain(itertools.repeat(True, archived), itertools.repeat(False))
     return list(zip(paths, flags, stamps))
+
+
+def _list_folder(path, with_folders):
+    """(episode file names, their stamps, [(subfolder name, mtime_ns)] if with_folders) of one
+    category folder, each sorted by name; None when it cannot be listed. A file removed between
+    the listing and its stat (another writer's move) lists the folder again."""
+    for attempt in (1, 2, 3):
+        try:   # listed by its descriptor: each stat then resolves one name, not the path
+            folder = os.open(path, _DIR_FLAGS) if _SCAN_FD else path
+        except OSError:
+            return None
+        try:
+            try:
+                entries = sorted(os.scandir(folder), key=_entry_name)
+            except OSError:
+                return None
+            # a regular file, never a symlink (d_type answers without a system call)
+            files = [e for e in entries if e.name.endswith(".md") and e.name[:1] != "." and
+                     e.is_file(follow_symlinks=False)]
+            return ([e.name for e in files], list(map(_stat_stamp, map(os.DirEntry.stat, files))),
+                    [(e.name, e.stat().st_mtime_ns) for e in entries
+                     if e.is_dir(follow_symlinks=False)] if with_folders else [])
+        except FileNotFoundError:
+            if attempt == 3:
+                raise
+        finally:
+            if _SCAN_FD:
+                os.close(folder)
 
 
 # os.scandir(fd) where the platform has it (not Windows): DirEntry.stat() is then an fstatat of
