@@ -2484,16 +2484,19 @@ def _render_memo_hit(root, key, memo=None, index_only=False, settle=True):
 
 
 def _remember_if_on_disk(root, rendered):
-    """Remember a full render that every derived file on disk already holds."""
+    """Remember a full render that every derived file on disk already holds (the digests of
+    the bytes just compared)."""
+    digests = {}
     for rel, content in rendered["files"].items():
         path = os.path.join(root, rel)
         try:
-            if (os.path.lexists(path) if content is None else
-                    _file_bytes(path) != content.encode("utf-8")):
+            data = None if content is None else _file_bytes(path)
+            if (os.path.lexists(path) if content is None else data != content.encode("utf-8")):
                 return
         except OSError:
             return
-    _remember_render(root, rendered)
+        digests[rel] = None if data is None else _data_digest(data)
+    _remember_render(root, rendered, digests)
 
 
 def _remember_render(root, rendered, digests=None):

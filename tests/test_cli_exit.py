@@ -123,8 +123,7 @@ def test_main_in_process_leaves_the_collector_as_it_found_it(tmp_path, capsys):
     # main() freezes what the import made for its call and thaws it after; a caller's own
     # freeze stays
     import gc
-    sys.path.insert(0, str(ROOT))
-    import memshelf
+    import memshelf   # importable: conftest puts the repository on sys.path
     thresholds = gc.get_threshold()
     gc.unfreeze()
     missing = ["index", "--shelf", str(tmp_path / "none")]   # an error, answered as usual
