@@ -97,6 +97,11 @@ import threading
 import time
 import unicodedata
 
+try:   # BLAKE2 as hashlib has it, without hashlib's load of OpenSSL: 3 ms of a cold `index`
+    from _blake2 import blake2b as _blake2b   # (docs/performance.md, s15)
+except ImportError:
+    from hashlib import blake2b as _blake2b
+
 __all__ = [
     "__version__", "ShelfError", "FrontmatterError", "Cancelled",
     "parse_frontmatter", "parse_manifest", "redact", "find_secrets", "scan_instructions",
@@ -787,22 +792,27 @@ _FM_YAML_BREAKS = _re_lazy("[\x85\u2028\u2029]")
 
 # Plain scalars a YAML 1.1 or 1.2-core loader resolves to a non-string (PyYAML's resolvers,
 # plus the 1.1 spec's y/n booleans and the 1.2 core forms such as 1e3 and 0o7).
+# (type, the characters its spellings begin with, its pattern): a scalar is matched only against
+# the types it may be, and most scalars (words) compile none of the patterns (`recall`, cold)
 _YAML_IMPLICIT_TYPES = (
-    ("null", _re_lazy(r"(?:~|null|Null|NULL)\Z")),
-    ("boolean", _re_lazy(r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE"
-                         r"|on|On|ON|off|Off|OFF)\Z")),
-    ("integer", _re_lazy(r"[-+]?(?:0b[01_]+|0o[0-7]+|0[0-7_]+|0x[0-9a-fA-F_]+|[0-9]+"
-                         r"|[1-9][0-9_]*|[1-9][0-9_]*(?::[0-5]?[0-9])+)\Z")),
-    ("float", _re_lazy(r"(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
-                       r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
-                       r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
-                       r"|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*"
-                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")),
-    ("date", _re_lazy(r"(?:[0-9]{4}-[0-9]{2}-[0-9]{2}"
-                      r"|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)[0-9]{1,2}:[0-9]{2}:[0-9]{2}"
-                      r"(?:\.[0-9]*)?(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)\Z")),
-    ("merge key", _re_lazy(r"<<\Z")),
-    ("value key", _re_lazy(r"=\Z")),
+    ("null", "~nN", _re_lazy(r"(?:~|null|Null|NULL)\Z")),
+    ("boolean", "yYnNtTfFoO", _re_lazy(
+        r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE|on|On|ON|off|Off|OFF)\Z")),
+    ("integer", "-+0123456789", _re_lazy(
+        r"[-+]?(?:0b[01_]+|0o[0-7]+|0[0-7_]+|0x[0-9a-fA-F_]+|[0-9]+"
+        r"|[1-9][0-9_]*|[1-9][0-9_]*(?::[0-5]?[0-9])+)\Z")),
+    ("float", "-+.0123456789", _re_lazy(
+        r"(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
+        r"|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")),
+    ("date", "0123456789", _re_lazy(
+        r"(?:[0-9]{4}-[0-9]{2}-[0-9]{2}"
+        r"|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)[0-9]{1,2}:[0-9]{2}:[0-9]{2}"
+        r"(?:\.[0-9]*)?(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)\Z")),
+    ("merge key", "<", _re_lazy(r"<<\Z")),
+    ("value key", "=", _re_lazy(r"=\Z")),
 )
 
 # First characters that keep a string from being written plain (YAML indicators, plus - ? :).
@@ -1100,7 +1110,7 @@ class _YamlSubsetParser:
         if issue:
             self.problem(key, "the plain value %s %s; quote it: %s"
                          % (_fm_excerpt(value), issue[1], _yaml_quote(value)))
-        return None if not item and _YAML_IMPLICIT_TYPES[0][1].match(value) else value, "plain"
+        return None if not item and _YAML_IMPLICIT_TYPES[0][2].match(value) else value, "plain"
 
     def flow_list(self, text, key):
         """Parse '[a, "b", 'c']' at text[0]: (items, index after ']', quoted items' spans)."""
@@ -1294,7 +1304,11 @@ def _yaml_implicit_type(text):
     """The type a YAML 1.1 (or 1.2 core) loader gives this plain scalar, or None for a string."""
     if not text:
         return "null"
-    return next((name for name, pattern in _YAML_IMPLICIT_TYPES if pattern.match(text)), None)
+    if len(text) == 10 and text[4] == text[7] == "-" and text.count("-") == 2 and \
+            text.isascii() and text.replace("-", "").isdigit():
+        return "date"   # YYYY-MM-DD: the commonest typed scalar, which no other type spells
+    return next((name for name, first, pattern in _YAML_IMPLICIT_TYPES
+                 if text[0] in first and pattern.match(text)), None)
 
 
 _YAML_CANONICAL_INT = _re_lazy(r"(?:0|-?[1-9][0-9]*)\Z")
@@ -2380,8 +2394,7 @@ def _render_inputs(root):
 
 
 def _render_key_of(root, fmt, scanned, subdirs, seen):
-    """The store key: (digest of code, format, settings, folders, stamps; {racy path: SHA-1})."""
-    import hashlib
+    """The store key: (digest of code, format, settings, folders, stamps; {racy path: digest})."""
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
     files = list(scanned)
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
@@ -2396,15 +2409,16 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
     newest = max(max(map(_mtime_part, stamps), default=0),
                  max(map(_ctime_part, stamps), default=0))
     # else the racy ones, picked at C speed (after a shelve's write its own file is racy)
-    racy = {} if newest < since else {rel: _content_sha1(root, rel) for rel in itertools.compress(
-        map(_path_part, files), map(since.__le__, map(max, map(_mtime_part, stamps),
-                                                      map(_ctime_part, stamps))))}
+    racy = {} if newest < since else {
+        rel: _content_digest(root, rel) for rel in itertools.compress(
+            map(_path_part, files), map(since.__le__, map(max, map(_mtime_part, stamps),
+                                                          map(_ctime_part, stamps))))}
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
         parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += map(_path_part, files)
-    digest = hashlib.sha1("\n".join(parts).encode("utf-8", "surrogatepass"))
+    digest = _blake2b("\n".join(parts).encode("utf-8", "surrogatepass"), digest_size=20)
     # the stamps as marshal's version 2 writes them: by value alone (no back-references, which
     # later versions add), any size of integer, at C speed (`index`, cold)
     digest.update(marshal.dumps(stamps, 2))
@@ -2415,7 +2429,7 @@ _path_part, _stamp_part, _mtime_part, _ctime_part = (
     operator.itemgetter(0), operator.itemgetter(2), operator.itemgetter(1), operator.itemgetter(3))
 
 
-def _content_sha1(root, rel):
+def _content_digest(root, rel):
     try:
         return _data_digest(_file_bytes(os.path.join(root, rel)))
     except OSError:
@@ -2427,21 +2441,27 @@ def _key_holds(root, entry, key):
     racy = entry.get("racy") if isinstance(entry, dict) else None
     return isinstance(racy, dict) and key is not None and entry.get("key") == key[0] and \
         all(isinstance(rel, str) and ".." not in rel.split("/") and not os.path.isabs(rel) and
-            _content_sha1(root, rel) == h for rel, h in racy.items())
+            _content_digest(root, rel) == h for rel, h in racy.items())
 
 
-def _settle(root, name, entry, key):
+def _settle(root, name, entry, key, stamps=None):
     """After _key_holds verified `entry`: forget the racy files that have since settled (their
     content was just checked), so later reads stop hashing them. A copied or cloned shelf is
     all racy at its first render; without this every read would hash every file (git refreshes
-    its index on reads for the same reason)."""
+    its index on reads for the same reason). `stamps`: the render memo's derived files that a
+    read verified, by the stamp it read them with (_render_memo_hit)."""
     racy = entry["racy"]
-    if not set(racy) - set(key[1]):
+    known = entry.get("stamps") if isinstance(entry.get("stamps"), dict) else {}
+    new = {rel: st for rel, st in (stamps or {}).items() if known.get(rel) != st}
+    if not set(racy) - set(key[1]) and not new:
         return
     current = _state(root).get(name)
-    if isinstance(current, dict) and current.get("key") == entry.get("key"):
+    if isinstance(current, dict) and current.get("key") == entry.get("key") and \
+            current.get("files") == entry.get("files"):
+        held = current.get("stamps") if isinstance(current.get("stamps"), dict) else {}
         _save_state(root, **{name: dict(current, racy={
-            rel: h for rel, h in racy.items() if rel in key[1]})})
+            rel: h for rel, h in racy.items() if rel in key[1]}, **(
+                {"stamps": dict(held, **new)} if new else {}))})
 
 
 def _text_digest(text):
@@ -2449,18 +2469,20 @@ def _text_digest(text):
 
 
 def _data_digest(data):
-    import hashlib
-    return hashlib.sha1(data).hexdigest()
+    return _blake2b(data, digest_size=20).hexdigest()
 
 
 # kept: cold `index` at 10k, 341 ms vs 824 ms without, docs/performance.md § Fast paths
 def _render_memo_hit(root, key, memo=None, index_only=False, settle=True):
-    """The last full render from disk, if made under `key` and every derived file still holds it.
-    settle=False: the caller remembers a new render next, so what settled is not written first."""
+    """The last full render from disk, if made under `key` and every derived file still holds it:
+    its bytes hash to the memo's digest, or its stamp is the one a read that hashed them took,
+    unchanged since (_unchanged). settle=False: the caller remembers a new render next, so what
+    settled is not written first."""
     memo = _state(root).get("render_memo") if memo is None else memo
     if not _key_holds(root, memo, key) or not isinstance(memo.get("files"), dict):
         return None
-    files = {}
+    stamps = memo.get("stamps") if isinstance(memo.get("stamps"), dict) else {}
+    files, settled, seen = {}, {}, time.time_ns()
     for rel, digest in memo["files"].items():
         if not isinstance(rel, str) or not _is_derived_path(rel):
             return None   # state.json is a local file anyone may edit: only derived names count
@@ -2468,19 +2490,29 @@ def _render_memo_hit(root, key, memo=None, index_only=False, settle=True):
             continue
         path = os.path.join(root, rel)
         try:   # the bytes are hashed as read: their text is not encoded again
-            data = None if digest is None else _file_bytes(path)
+            data, st = (None, None) if digest is None else _file_bytes_stamped(path)
             files[rel] = None if data is None else data.decode("utf-8")
         except (OSError, UnicodeDecodeError):
             return None
-        if (os.path.lexists(path) if digest is None else _data_digest(data) != digest):
+        if digest is None:
+            if os.path.lexists(path):
+                return None
+            continue
+        known = stamps.get(rel)
+        if isinstance(known, list) and len(known) == 4 and \
+                all(type(n) is int for n in known) and _unchanged(st, tuple(known[:3]), known[3]):
+            settled[rel] = known   # hashed by an earlier read: a cold `index` skips 1.5 ms
+        elif _data_digest(data) != digest:
             return None
+        elif seen - max(st[1], st[3]) > _RACY_NS:   # settled: the next read trusts its stamp
+            settled[rel] = [*st[:3], seen]
     if settle:
-        _settle(root, "render_memo", memo, key)
+        _settle(root, "render_memo", memo, key, settled)
     return {"files": files, "digests": {rel: memo["files"][rel] for rel in files},
             "warnings": list(memo.get("warnings") or []), "records": None,
             "key": key, "episodes": memo.get("episodes") or 0, "plain": memo.get("plain"),
             "superseded": memo.get("superseded"), "chart": memo.get("chart"),
-            "spliced": memo.get("spliced")}
+            "spliced": memo.get("spliced"), "entries": memo.get("entries")}
 
 
 def _remember_if_on_disk(root, rendered):
@@ -2519,7 +2551,7 @@ def _remember_render(root, rendered, digests=None):
         "key": key, "racy": racy, "files": digests, "episodes": rendered["episodes"],
         "warnings": rendered["warnings"], "plain": rendered.get("plain") is True,
         "superseded": rendered.get("superseded"), "chart": rendered.get("chart"),
-        "spliced": rendered.get("spliced") is True})
+        "spliced": rendered.get("spliced") is True, "entries": rendered.get("entries")})
 
 
 def _forget_render(root):
@@ -4185,43 +4217,47 @@ def _phrase_rule(verbs, nouns, quals, gap=4, after=2):
     return _trigger_words(verbs), source, lambda m, _q=qualifier: _q.search(m.group(0)) is not None
 
 
-_LITERAL_RUN = _LazyPattern(r"[^\\()|\[\]?+*]+")
+# An alternation's pieces, found in one pass: a group's opening, its closing, a bar, a class,
+# an escape, a quantifier, or a run of literals
+_ALTERNATION_PIECE = _LazyPattern(r"\(\?:|[)|?+*]|\[[^\]]*\]|\\.|[^\\()|\[\]?+*]+")
+_WORD_BREAKS = _LazyPattern(r"[\W_]+")
 
 
 def _trigger_words(alternation):
     r"""The trigger words an alternation spells: literals, \s, (?:a|b), [ab], ?; + and * ignored."""
-    def spell(i):
-        # The spellings of one alternation level from i, and the index of its closing ")".
+    pieces = _ALTERNATION_PIECE.findall(alternation)
+
+    def spell(k):
+        # The spellings of one alternation level from piece k, and the index of its ")".
         forms, partial = [], [""]
-        while i < len(alternation) and alternation[i] != ")":
-            ch = alternation[i]
-            if ch == "|":
+        while k < len(pieces) and pieces[k] != ")":
+            piece = pieces[k]
+            k += 1
+            if piece == "|":
                 forms += partial
-                partial, i = [""], i + 1
+                partial = [""]
                 continue
-            if alternation.startswith("(?:", i):
-                options, i = spell(i + 3)
-                i += 1
-            elif ch == "[":
-                end = alternation.index("]", i)
-                options, i = list(alternation[i + 1:end]), end + 1
-            elif ch == "\\":
-                esc = alternation[i + 1]
-                options, i = [" " if esc == "s" else "\0" if esc in "wWdD" else esc], i + 2
+            if piece == "(?:":
+                options, k = spell(k)
+                k += 1
+            elif piece[0] == "[":
+                options = list(piece[1:-1])
+            elif piece[0] == "\\":
+                options = [" " if piece[1] == "s" else "\0" if piece[1] in "wWdD" else piece[1]]
             else:   # a run of literals at once; a quantifier after it binds its last character
-                run = _LITERAL_RUN.match(alternation, i).group()
-                if len(run) > 1 and alternation[i + len(run):i + len(run) + 1] in ("?", "+", "*"):
-                    run = run[:-1]
-                options, i = [run], i + len(run)
-            if i < len(alternation) and alternation[i] in "+*":
-                i += 1
-            if i < len(alternation) and alternation[i] == "?":
-                options, i = options + [""], i + 1
+                if len(piece) > 1 and k < len(pieces) and pieces[k] in ("?", "+", "*"):
+                    partial = [p + piece[:-1] for p in partial]
+                    piece = piece[-1]
+                options = [piece]
+            if k < len(pieces) and pieces[k] in ("+", "*"):
+                k += 1
+            if k < len(pieces) and pieces[k] == "?":
+                options, k = options + [""], k + 1
             partial = [p + o for p in partial for o in options][:256]
-        return forms + partial, i
+        return forms + partial, k
 
     # A form stands for its longest word; a form with a \w wildcard is a stem, not a trigger.
-    forms = {max(re.split(r"[\W_]+", form), key=len) for form in spell(0)[0]
+    forms = {max(_WORD_BREAKS.split(form), key=len) for form in spell(0)[0]
              if form.strip() and "\0" not in form}
     return " ".join(sorted(forms))
 
@@ -7352,7 +7388,9 @@ def _render_records(root, records, fmt, index_only, key):
     return {"files": files, "warnings": warnings, "records": records,
             "key": None if index_only else key,   # a partial render is never remembered
             "episodes": sum(1 for r in records if r.id), "plain": plain,
-            "superseded": superseded if plain else None, "chart": sums if plain else None}
+            "superseded": superseded if plain else None, "chart": sums if plain else None,
+            "entries": {rel: _entry_count(text) for rel, text in files.items()
+                        if rel.endswith("INDEX.md")}}
 
 
 # kept: `shelve`, auto, at 10k, 475 ms vs 644 ms without, docs/performance.md § Fast paths:
@@ -7418,9 +7456,15 @@ def _render_splice(hit, old, new, key):
     files["INDEX.md"] = "\n".join(lines)
     files["ledger.tsv"] = _LEDGER_HEADER + "\n".join(rows)
     files["stats.svg"] = _render_chart(sums)
+    # one entry line moved, or one more
+    entries = dict(hit.get("entries") or {})
+    if isinstance(entries.get("INDEX.md"), int):
+        entries["INDEX.md"] += old is None
+    else:
+        entries.pop("INDEX.md", None)
     return {"files": files, "warnings": hit["warnings"], "records": None, "key": key,
             "episodes": len(rows) - 1, "plain": True, "superseded": superseded, "chart": sums,
-            "spliced": True}
+            "spliced": True, "entries": entries}
 
 
 def _entry_stem(line):
@@ -7709,7 +7753,10 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
                   (_ENTRY_LINE.match(l) for l in on_disk_text.split("\n")) if m}
         lag = len([r for r in rendered["records"] or [] if r.archived == archive and
                    r.stem not in listed and fmt == "compact"])
-    total = shown = _entry_count(text)
+    # the memo's count of the file's entry lines, else counted (`index`, cold: 1.6 ms at 10k)
+    total = (rendered.get("entries") or {}).get(rel) if text is rendered["files"].get(rel) \
+        else None
+    total = shown = total if isinstance(total, int) and total >= 0 else _entry_count(text)
     if category or since:
         text = _filter_index(text.split("\n"), category, since)
         shown = _entry_count(text)
@@ -9985,12 +10032,18 @@ def _shelf_status(git, *specs, untracked="all", renames=False, read_only=False):
 
 
 def _is_derived_path(path):
-    return bool(_DERIVED_PATH.fullmatch(path))
+    """Whether a render writes `path`: ledger.tsv, stats.svg, [archive/]INDEX.md,
+    [archive/]docs/<category>/.meta.json or docs/<category>/<folder>/SUBINDEX.md (string tests:
+    the regex they replace took 0.3 ms of a cold `index` to compile)."""
+    parts = path.split("/")
+    archived = parts[0] == "archive"
+    docs = parts[1:] if archived else parts
+    return all(parts) and (
+        path in ("ledger.tsv", "stats.svg", "INDEX.md", "archive/INDEX.md")
+        or len(docs) == 3 and docs[0] == "docs" and docs[2] == ".meta.json"
+        or not archived and len(docs) == 4 and docs[0] == "docs" and docs[3] == "SUBINDEX.md")
 
 
-_DERIVED_PATH = _re_lazy(r"(ledger\.tsv|INDEX\.md|stats\.svg|docs/[^/]+/\.meta\.json|"
-                           r"archive/INDEX\.md|archive/docs/[^/]+/\.meta\.json|"
-                           r"docs/[^/]+/[^/]+/SUBINDEX\.md)")
 # what a renderer commit touches (the render bot's `git add` list)
 _DERIVED_PATHSPECS = ("ledger.tsv", "INDEX.md", "stats.svg", "docs/*/.meta.json",
                       "archive/INDEX.md", "archive/docs/*/.meta.json")
@@ -16546,7 +16599,9 @@ class _ArgumentError(Exception):
 
 
 def _build_parser(only=None):
-    """The argparse tree; with `only`, arguments are added for that verb alone (faster start)."""
+    """The argparse tree of every verb; with `only` (a verb's name), that verb's parser alone,
+    as the tree would make it: a call names its verb first, and building one parser instead of
+    two halves argparse's start (`index`, cold, docs/performance.md)."""
     import argparse
 
     class Formatter(argparse.HelpFormatter):
@@ -16563,53 +16618,66 @@ def _build_parser(only=None):
         def error(self, message):
             raise _ArgumentError(message)
 
+    if only is not None:
+        v = _verb(only)
+        parser = Parser(prog=f"memshelf {v.name}", epilog=v.epilog,
+                        description=_cli_words(v, v.description or v.title))
+        parser.set_defaults(verb__name=v.name, version=False)
+        _add_verb_arguments(parser, v)
+        return parser
     parser = Parser(prog="memshelf", description=(
         "memshelf: a working-memory shelf for AI agents. Shelve closed topics as Markdown "
         "episodes, keep only INDEX.md in context, recall one section at a time."),
         epilog="Start with: memshelf demo. Per-verb help: memshelf VERB --help.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="verb__name", metavar="VERB")
-    for v in [v for v in _verb_table() if only in (None, v.name)]:
-        p = sub.add_parser(v.name, help=v.cli_help, epilog=v.epilog,
-                           description=_cli_words(v, v.description or v.title))
-        for prm in [prm for prm in v.params if prm.cli]:
-            # help is written in MCP words; the CLI reads flags, a default, and a bare %
-            text = _cli_words(v, prm.cli_help or prm.help).replace("%", "%%")
-            if prm.default not in (None, "", [], {}, False) and prm.type != "boolean" and \
-                    "default" not in text.lower():
-                text = f"{text} Default: {prm.default}."
-            if prm.positional:
-                p.add_argument(prm.name, nargs=prm.nargs, metavar=prm.metavar or prm.name.upper(),
-                               help=text, default=None)
-                if prm.flags != ["--" + prm.name.replace("_", "-")] or prm.name == "query":
-                    # memshelf-mcp 0.4.0 spelled some positionals as options (--query)
-                    p.add_argument(*prm.flags, dest=prm.name + "__flag", action="append",
-                                   default=None, metavar=prm.metavar, help=argparse.SUPPRESS)
-                continue
-            kw = {"dest": prm.name, "help": text}
-            if prm.type == "boolean":
-                if prm.negate:
-                    # the MCP sentence says what happens by default; the switch turns that off
-                    done = text[:1].lower() + text[1:].rstrip(".")
-                    p.add_argument(prm.negate, dest=prm.name, action="store_false", default=None,
-                                   help=f"Default: {done}; this flag turns that off.")
-                else:
-                    p.add_argument(*prm.flags, action="store_true", default=None, **kw)
-                continue
-            if prm.type in ("array", "object"):
-                p.add_argument(*prm.flags, action="append", default=None,
-                               metavar=prm.metavar or "VALUE", **kw)
-                continue
-            conv = {"integer": functools.partial(_cli_number, kind=int),
-                    "number": _cli_number}.get(prm.type, str)
-            choices = [e for e in prm.enum if e is not None] if prm.enum else None
-            p.add_argument(*prm.flags, type=conv, default=None, choices=choices,
-                           **({"nargs": "?", "const": prm.minimum} if prm.nargs == "?" else {}),
-                           metavar=prm.metavar or ("{" + ",".join(choices) + "}" if choices
-                                                   else prm.name.upper()), **kw)
-        p.add_argument("--json", action="store_true", help="print the result object as JSON")
-        p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
+    for v in _verb_table():
+        _add_verb_arguments(sub.add_parser(v.name, help=v.cli_help, epilog=v.epilog,
+                                           description=_cli_words(v, v.description or v.title)),
+                            v)
     return parser
+
+
+def _add_verb_arguments(p, v):
+    """A verb's flags and positionals on its argparse parser."""
+    import argparse
+    for prm in [prm for prm in v.params if prm.cli]:
+        # help is written in MCP words; the CLI reads flags, a default, and a bare %
+        text = _cli_words(v, prm.cli_help or prm.help).replace("%", "%%")
+        if prm.default not in (None, "", [], {}, False) and prm.type != "boolean" and \
+                "default" not in text.lower():
+            text = f"{text} Default: {prm.default}."
+        if prm.positional:
+            p.add_argument(prm.name, nargs=prm.nargs, metavar=prm.metavar or prm.name.upper(),
+                           help=text, default=None)
+            if prm.flags != ["--" + prm.name.replace("_", "-")] or prm.name == "query":
+                # memshelf-mcp 0.4.0 spelled some positionals as options (--query)
+                p.add_argument(*prm.flags, dest=prm.name + "__flag", action="append",
+                               default=None, metavar=prm.metavar, help=argparse.SUPPRESS)
+            continue
+        kw = {"dest": prm.name, "help": text}
+        if prm.type == "boolean":
+            if prm.negate:
+                # the MCP sentence says what happens by default; the switch turns that off
+                done = text[:1].lower() + text[1:].rstrip(".")
+                p.add_argument(prm.negate, dest=prm.name, action="store_false", default=None,
+                               help=f"Default: {done}; this flag turns that off.")
+            else:
+                p.add_argument(*prm.flags, action="store_true", default=None, **kw)
+            continue
+        if prm.type in ("array", "object"):
+            p.add_argument(*prm.flags, action="append", default=None,
+                           metavar=prm.metavar or "VALUE", **kw)
+            continue
+        conv = {"integer": functools.partial(_cli_number, kind=int),
+                "number": _cli_number}.get(prm.type, str)
+        choices = [e for e in prm.enum if e is not None] if prm.enum else None
+        p.add_argument(*prm.flags, type=conv, default=None, choices=choices,
+                       **({"nargs": "?", "const": prm.minimum} if prm.nargs == "?" else {}),
+                       metavar=prm.metavar or ("{" + ",".join(choices) + "}" if choices
+                                               else prm.name.upper()), **kw)
+    p.add_argument("--json", action="store_true", help="print the result object as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
 
 
 def _terminal_columns():
@@ -16729,8 +16797,9 @@ def _main(argv):
         if argv and argv[0] == "--version":
             return _print_version()
         known = {v.name for v in _verb_table()}
-        parser = _build_parser(only=verb_name if verb_name in known else None)
-        ns, extra = parser.parse_known_args(argv)
+        first = bool(argv) and argv[0] in known   # `memshelf VERB ...`: its parser alone
+        parser = _build_parser(only=argv[0] if first else None)
+        ns, extra = parser.parse_known_args(argv[1:] if first else argv)
         if extra:
             # `memshelf search cache -redis`: an unknown -word is an exclusion, not a flag
             if getattr(ns, "verb__name", None) == "search" and \
@@ -16789,7 +16858,7 @@ def _main(argv):
 
 def _print_version():
     try:
-        sys.stdout.write(f"memshelf {__version__} ({_self_hash()})\n")
+        sys.stdout.write(f"memshelf {__version__} ({code_hash()})\n")
         sys.stdout.flush()
     except OSError as exc:
         return _output_failed(exc)
@@ -16865,11 +16934,15 @@ def _fail(error, verb_name, want_json):
 
 
 def _self_hash():
-    """The first 12 hex digits of this file's SHA-256: the code stamp of everything remembered,
-    so a changed memshelf.py never answers from what older code derived."""
+    """This file's code stamp, the stamp of everything remembered, so that a changed memshelf.py
+    never answers from what older code derived: the CRC-32 and Adler-32 of its bytes (64 bits
+    against an accidental match; zlib's sums take a quarter of a digest's time, 0.5 ms of a
+    cold `index`, docs/performance.md, s15). By content: copies of one release (a bundle, a
+    plugin, an install) share what each remembers."""
     if not _SELF_HASH:
-        import hashlib
-        _SELF_HASH.append(hashlib.sha256(_file_bytes(os.path.abspath(__file__))).hexdigest()[:12])
+        import zlib
+        data = _file_bytes(os.path.abspath(__file__))
+        _SELF_HASH.append(f"{zlib.crc32(data):08x}{zlib.adler32(data):08x}")
     return _SELF_HASH[0]
 
 

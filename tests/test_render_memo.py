@@ -303,3 +303,36 @@ def test_racy_files_settle_once_a_read_has_verified_them(plain_shelf, cli):
     assert memo(plain_shelf)["racy"] == {}
     second = rebuild(cli, plain_shelf)              # still answered from the memo
     assert second["written"] == [] and memo(plain_shelf)["racy"] == {}
+
+
+def test_a_derived_file_trusted_by_its_stamp_is_hashed_again_once_touched(plain_shelf, cli):
+    """A read that hashed INDEX.md after it settled keeps its stamp, and later reads trust the
+    stamp instead of hashing the file again; an edit that keeps the size, the inode and even
+    the mtime still moves the ctime, so the file is hashed again and found changed."""
+    import time
+    for slug, digest in EPISODES:
+        r = cli("shelve", "--shelf", plain_shelf, "--slug", slug, "--kind", "topic",
+                "--digest", digest, "--section", "Decisions=- Chosen as the digest says.")
+        assert r.code == 0, r
+    rebuild(cli, plain_shelf)
+    time.sleep(2.2)                                 # every file settles
+    assert cli("index", "--shelf", plain_shelf).code == 0
+    stamp = memo(plain_shelf)["stamps"]["INDEX.md"]
+    index = plain_shelf / "INDEX.md"
+    st = os.stat(index)
+    assert stamp[:3] == [st.st_size, st.st_mtime_ns, st.st_ino]
+    first = cli("index", "--shelf", plain_shelf, "--json").json()
+    assert first["on_disk"] == "current" and first["source"] == "file"
+    text = index.read_text(encoding="utf-8")
+    with open(index, "r+", encoding="utf-8") as f:   # in place: same inode, same size
+        f.write(text.replace("Mira", "Miro"))
+    os.utime(index, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = cli("index", "--shelf", plain_shelf, "--json").json()
+    assert after["on_disk"] == "stale" and "Mira" in after["index"] and "Miro" not in after["index"]
+    # a stamp in state.json that is not four integers is not trusted
+    rebuild(cli, plain_shelf)
+    state = json.loads((plain_shelf / ".memshelf" / "state.json").read_text())
+    state["render_memo"]["stamps"] = {"INDEX.md": ["x", 1, 2, 3]}
+    (plain_shelf / ".memshelf" / "state.json").write_text(json.dumps(state))
+    again = cli("index", "--shelf", plain_shelf, "--json").json()
+    assert again["on_disk"] == "current" and "Mira" in again["index"]

@@ -229,7 +229,12 @@ def test_shelve_updates_the_derived_files_for_its_episode_as_a_rebuild_would(tmp
                             sections=sections[kind])
         assert r["status"] == "ok", r
         with open(os.path.join(root, ".memshelf", "state.json"), encoding="utf-8") as f:
-            spliced += json.load(f)["render_memo"]["spliced"]
+            remembered = json.load(f)["render_memo"]
+        spliced += remembered["spliced"]
+        # the entry count index answers with, moved by the splice, is the file's own
+        index_text = _text_or_none(os.path.join(root, "INDEX.md"))
+        assert remembered["entries"]["INDEX.md"] == memshelf._entry_count(index_text), n
+        assert memshelf.index(root)["entries_total"] == memshelf._entry_count(index_text)
         # a full render from the episodes alone: no memo, no cached row (index --verify's)
         whole = memshelf._render_derived(root, verify=True)
         full = whole["files"]
