@@ -792,27 +792,28 @@ _FM_YAML_BREAKS = _re_lazy("[\x85\u2028\u2029]")
 
 # Plain scalars a YAML 1.1 or 1.2-core loader resolves to a non-string (PyYAML's resolvers,
 # plus the 1.1 spec's y/n booleans and the 1.2 core forms such as 1e3 and 0o7).
-# (type, the characters its spellings begin with, its pattern): a scalar is matched only against
-# the types it may be, and most scalars (words) compile none of the patterns (`recall`, cold)
+# (type, the characters its spellings begin with, all the characters they hold, its pattern): a
+# scalar is matched only against the types it may be, so most scalars (words, and ids that start
+# with a date) compile none of the patterns (1.1 ms of a cold `recall`)
 _YAML_IMPLICIT_TYPES = (
-    ("null", "~nN", _re_lazy(r"(?:~|null|Null|NULL)\Z")),
-    ("boolean", "yYnNtTfFoO", _re_lazy(
+    ("null", "~nN", frozenset("~nulNL"), _re_lazy(r"(?:~|null|Null|NULL)\Z")),
+    ("boolean", "yYnNtTfFoO", frozenset("yYeEsSnNoOtTrRuUfFaAlL"), _re_lazy(
         r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE|on|On|ON|off|Off|OFF)\Z")),
-    ("integer", "-+0123456789", _re_lazy(
+    ("integer", "-+0123456789", frozenset("-+0123456789_:boxabcdefABCDEF"), _re_lazy(
         r"[-+]?(?:0b[01_]+|0o[0-7]+|0[0-7_]+|0x[0-9a-fA-F_]+|[0-9]+"
         r"|[1-9][0-9_]*|[1-9][0-9_]*(?::[0-5]?[0-9])+)\Z")),
-    ("float", "-+.0123456789", _re_lazy(
+    ("float", "-+.0123456789", frozenset("-+.0123456789_eE:infIFNaA"), _re_lazy(
         r"(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
         r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
         r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
         r"|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*"
         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")),
-    ("date", "0123456789", _re_lazy(
+    ("date", "0123456789", frozenset("0123456789-:.+ \tTtZ"), _re_lazy(
         r"(?:[0-9]{4}-[0-9]{2}-[0-9]{2}"
         r"|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:[Tt]|[ \t]+)[0-9]{1,2}:[0-9]{2}:[0-9]{2}"
         r"(?:\.[0-9]*)?(?:[ \t]*(?:Z|[-+][0-9]{1,2}(?::[0-9]{2})?))?)\Z")),
-    ("merge key", "<", _re_lazy(r"<<\Z")),
-    ("value key", "=", _re_lazy(r"=\Z")),
+    ("merge key", "<", frozenset("<"), _re_lazy(r"<<\Z")),
+    ("value key", "=", frozenset("="), _re_lazy(r"=\Z")),
 )
 
 # First characters that keep a string from being written plain (YAML indicators, plus - ? :).
@@ -1110,7 +1111,7 @@ class _YamlSubsetParser:
         if issue:
             self.problem(key, "the plain value %s %s; quote it: %s"
                          % (_fm_excerpt(value), issue[1], _yaml_quote(value)))
-        return None if not item and _YAML_IMPLICIT_TYPES[0][2].match(value) else value, "plain"
+        return None if not item and _YAML_IMPLICIT_TYPES[0][3].match(value) else value, "plain"
 
     def flow_list(self, text, key):
         """Parse '[a, "b", 'c']' at text[0]: (items, index after ']', quoted items' spans)."""
@@ -1307,8 +1308,8 @@ def _yaml_implicit_type(text):
     if len(text) == 10 and text[4] == text[7] == "-" and text.count("-") == 2 and \
             text.isascii() and text.replace("-", "").isdigit():
         return "date"   # YYYY-MM-DD: the commonest typed scalar, which no other type spells
-    return next((name for name, first, pattern in _YAML_IMPLICIT_TYPES
-                 if text[0] in first and pattern.match(text)), None)
+    return next((name for name, first, chars, pattern in _YAML_IMPLICIT_TYPES
+                 if text[0] in first and chars.issuperset(text) and pattern.match(text)), None)
 
 
 _YAML_CANONICAL_INT = _re_lazy(r"(?:0|-?[1-9][0-9]*)\Z")
@@ -16935,14 +16936,11 @@ def _fail(error, verb_name, want_json):
 
 def _self_hash():
     """This file's code stamp, the stamp of everything remembered, so that a changed memshelf.py
-    never answers from what older code derived: the CRC-32 and Adler-32 of its bytes (64 bits
-    against an accidental match; zlib's sums take a quarter of a digest's time, 0.5 ms of a
-    cold `index`, docs/performance.md, s15). By content: copies of one release (a bundle, a
-    plugin, an install) share what each remembers."""
+    never answers from what older code derived: 16 hex digits of the BLAKE2b of its bytes. By
+    content: copies of one release (a bundle, a plugin, an install) share what each remembers."""
     if not _SELF_HASH:
-        import zlib
         data = _file_bytes(os.path.abspath(__file__))
-        _SELF_HASH.append(f"{zlib.crc32(data):08x}{zlib.adler32(data):08x}")
+        _SELF_HASH.append(_blake2b(data, digest_size=8).hexdigest())
     return _SELF_HASH[0]
 
 

@@ -865,3 +865,26 @@ def test_null_id_is_a_missing_id(plain_shelf, cli):
     found = [f for f in doctor.json()["findings"] if f.get("path", "").endswith("null-id.md")]
     assert any(f["code"] == "frontmatter-missing-field" and "id" in f["detail"]
                for f in found), found
+
+
+def test_implicit_types_are_gated_by_their_characters_alone():
+    """_yaml_implicit_type tries a type's pattern only on a scalar that begins and is spelled
+    with that type's characters; the gate never changes the answer the patterns alone give."""
+    import random
+    import re
+    patterns = [(name, re.compile(p.pattern)) for name, _, _, p in memshelf._YAML_IMPLICIT_TYPES]
+
+    def by_patterns(text):
+        return "null" if not text else next(
+            (name for name, p in patterns if p.match(text)), None)
+
+    rng = random.Random(20261204)
+    alphabet = "0123456789-+._:eExXbBoOnNyYtTfFaAsSlLuUrRiIzZ~<= \t\u0663q"
+    spelled = ["2024-12-09", "2024-1-9 10:00:00", "2001-12-14t21:59:43.10-05:00", "null", "Null",
+               "yes", "No", "on", "OFF", "0x1F", "0o17", "0b101", "-12", "1_000", "1:30", "3.14",
+               "-.5", ".inf", "-.Inf", ".NaN", "1e5", "<<", "=", "~", "Tokens", "20-4-12-09",
+               "\u0662\u0660\u0662\u0664-\u0661\u0662-\u0660\u0669", "2024-12-09x",
+               "2024-12-09-image-resizer", "12:30:45"]
+    spelled += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+                for _ in range(50000)]
+    assert [memshelf._yaml_implicit_type(t) for t in spelled] == [by_patterns(t) for t in spelled]
