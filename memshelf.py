@@ -2406,9 +2406,12 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
     # racy files count by content where the key is used: the key stays the same once they age
     since = seen - _RACY_NS   # changed within _RACY_NS (_unchanged): mtime or ctime since then
     stamps = list(map(_stamp_part, files))
-    # a settled shelf has no racy file: two passes at C speed tell (`index`, cold)
-    newest = max(max(map(_mtime_part, stamps), default=0),
-                 max(map(_ctime_part, stamps), default=0))
+    # a settled shelf has no racy file: a pass at C speed tells (`index`, cold). On POSIX every
+    # change, an mtime put back included, moves the ctime to now; elsewhere the ctime is the
+    # creation time and the mtime dates a change
+    newest = max(map(_ctime_part, stamps), default=0)
+    if os.name != "posix":
+        newest = max(newest, max(map(_mtime_part, stamps), default=0))
     # else the racy ones, picked at C speed (after a shelve's write its own file is racy)
     racy = {} if newest < since else {
         rel: _content_digest(root, rel) for rel in itertools.compress(
@@ -4913,7 +4916,7 @@ def _trigger_part(word):
     if "\u3040" <= word[0] <= "\u30ff" or "\u3130" <= word[0] <= "\u318f" \
             or "\u3400" <= word[0] <= "\u9fff" or "\uac00" <= word[0] <= "\ud7af":
         return ("wide", (encoded,), word)
-    if any("\u0600" <= ch <= "\u06ff" for ch in word):
+    if not _ARABIC_LETTERS.isdisjoint(word):
         return ("arabic", (encoded,), None)
     if word.isalnum():
         forms = {v.encode().lower() for v in (word, word.capitalize(), word.upper())}
@@ -4921,21 +4924,32 @@ def _trigger_part(word):
     return ("piece", (word.lower().encode(),), None)
 
 
+_ARABIC_LETTERS = frozenset(map(chr, range(0x0600, 0x0700)))
+
+
 @functools.lru_cache(maxsize=None)   # built on first use: the tables cost a few milliseconds
 def _instruction_rules():
     """(token index, wide-piece index by first character, other pieces, rules, Arabic pieces)."""
     rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
+    part = {}   # a word's _trigger_part: many rules share their words
+
+    def parts_of(entry):
+        return [part.get(w) or part.setdefault(w, _trigger_part(w)) for w in entry.split("+")]
+
     for number, (kind, triggers, source, check, flags, also) in enumerate(
             _instruction_rule_table()):
-        entries = [tuple(_trigger_part(w) for w in entry.split("+")) for entry in also.split()]
-        one_word = [e for e in entries if len(e) == 1 and e[0][0] == "token"]
+        one_word, other = [], []
+        for entry in also.split():
+            parts = parts_of(entry)
+            (one_word if len(parts) == 1 and parts[0][0] == "token" else other).append(
+                tuple(parts))
         # (the forms of the one-word entries, for one set lookup; the other entries)
-        gate = (frozenset(f for e in one_word for f in e[0][1]),
-                tuple(e for e in entries if e not in one_word)) if entries else None
+        gate = (frozenset(f for e in one_word for f in e[0][1]), tuple(other)) \
+            if one_word or other else None
         # Compiled when a text first needs the rule: most texts fire a handful of rules.
         rules.append((kind, _LazyPattern(source, flags | re.MULTILINE), check, gate))
         for entry in triggers.split():
-            parts = [_trigger_part(w) for w in entry.split("+")]
+            parts = parts_of(entry)
             first, rest = parts[0], tuple(parts[1:])
             if first[0] == "token":
                 for form in first[1]:
