@@ -1111,7 +1111,8 @@ class _YamlSubsetParser:
         if issue:
             self.problem(key, "the plain value %s %s; quote it: %s"
                          % (_fm_excerpt(value), issue[1], _yaml_quote(value)))
-        return None if not item and _YAML_IMPLICIT_TYPES[0][3].match(value) else value, "plain"
+        null = not item and value[:1] in ("~", "n", "N") and _YAML_IMPLICIT_TYPES[0][3].match(value)
+        return None if null else value, "plain"
 
     def flow_list(self, text, key):
         """Parse '[a, "b", 'c']' at text[0]: (items, index after ']', quoted items' spans)."""
@@ -16616,7 +16617,8 @@ class _ArgumentError(Exception):
 def _build_parser(only=None):
     """The argparse tree of every verb; with `only` (a verb's name), that verb's parser alone,
     as the tree would make it: a call names its verb first, and building one parser instead of
-    two halves argparse's start (`index`, cold, docs/performance.md)."""
+    two halves argparse's start (`index`, cold, docs/performance.md). That parser is built
+    without its help texts, which --help alone reads: printing help builds it again with them."""
     import argparse
 
     class Formatter(argparse.HelpFormatter):
@@ -16633,13 +16635,13 @@ def _build_parser(only=None):
         def error(self, message):
             raise _ArgumentError(message)
 
+        def print_help(self, file=None):
+            if not getattr(self, "helps", True):   # built without its help texts
+                return _verb_parser(_verb(only), Parser, True).print_help(file)
+            return super().print_help(file)
+
     if only is not None:
-        v = _verb(only)
-        parser = Parser(prog=f"memshelf {v.name}", epilog=v.epilog,
-                        description=_cli_words(v, v.description or v.title))
-        parser.set_defaults(verb__name=v.name, version=False)
-        _add_verb_arguments(parser, v)
-        return parser
+        return _verb_parser(_verb(only), Parser, False)
     parser = Parser(prog="memshelf", description=(
         "memshelf: a working-memory shelf for AI agents. Shelve closed topics as Markdown "
         "episodes, keep only INDEX.md in context, recall one section at a time."),
@@ -16653,12 +16655,22 @@ def _build_parser(only=None):
     return parser
 
 
-def _add_verb_arguments(p, v):
-    """A verb's flags and positionals on its argparse parser."""
+def _verb_parser(v, parser_class, helps):
+    """A verb's parser alone, as the tree makes it; helps=False: without its help texts."""
+    parser = parser_class(prog=f"memshelf {v.name}", epilog=v.epilog if helps else None,
+                          description=_cli_words(v, v.description or v.title) if helps else None)
+    parser.set_defaults(verb__name=v.name, version=False)
+    parser.helps = helps
+    _add_verb_arguments(parser, v, helps)
+    return parser
+
+
+def _add_verb_arguments(p, v, helps=True):
+    """A verb's flags and positionals on its argparse parser (helps=False: no help texts)."""
     import argparse
     for prm in [prm for prm in v.params if prm.cli]:
         # help is written in MCP words; the CLI reads flags, a default, and a bare %
-        text = _cli_words(v, prm.cli_help or prm.help).replace("%", "%%")
+        text = _cli_words(v, prm.cli_help or prm.help).replace("%", "%%") if helps else ""
         if prm.default not in (None, "", [], {}, False) and prm.type != "boolean" and \
                 "default" not in text.lower():
             text = f"{text} Default: {prm.default}."

@@ -800,3 +800,19 @@ def test_memshelf_py_defines_each_top_level_name_once():
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
     assert [n for n, k in names.items() if k > 1] == []
+
+
+def test_a_verb_named_first_prints_the_help_the_whole_tree_would(monkeypatch):
+    """`memshelf VERB ...` builds that verb's parser alone and without its help texts; asked for
+    help, it prints exactly what the parser of every verb prints for it."""
+    import io
+    import memshelf
+    monkeypatch.setenv("COLUMNS", "100")
+    tree = memshelf._build_parser()
+    verbs = tree._subparsers._group_actions[0].choices
+    for v in memshelf._verb_table():
+        alone = memshelf._build_parser(only=v.name)
+        assert alone.helps is False and alone.description is None
+        out = io.StringIO()
+        alone.print_help(out)
+        assert out.getvalue() == verbs[v.name].format_help(), v.name
