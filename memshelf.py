@@ -6985,7 +6985,9 @@ def _page(text, offset, max_bytes):
 
 
 def _superseded_by(root, stem):
-    key, scanned = _render_key(root, _index_format(root))
+    # the links are the episodes' own: remembered under the store's key, which no setting of
+    # the INDEX's moves (recall reads no shelf.yml)
+    key, scanned = _render_key(root, "store")
     links = _remembered(root, "supersedes", key)
     if not isinstance(links, dict):
         with _Store(root) as cat:
@@ -16962,11 +16964,19 @@ def _fail(error, verb_name, want_json):
 
 def _self_hash():
     """This file's code stamp, the stamp of everything remembered, so that a changed memshelf.py
-    never answers from what older code derived: 16 hex digits of the BLAKE2b of its bytes. By
-    content: copies of one release (a bundle, a plugin, an install) share what each remembers."""
+    never answers from what older code derived. By content, so copies of one release (a bundle,
+    a plugin, an install) share what each remembers: the 64-bit keyed hash that Python's own
+    hash-checked bytecode caches keep of their source (`_imp.source_hash`, SipHash at C speed,
+    a fifth of a BLAKE2b's time: 0.9 ms of a cold `index`, docs/performance.md, s15), or a
+    BLAKE2b where the interpreter has none."""
     if not _SELF_HASH:
         data = _file_bytes(os.path.abspath(__file__))
-        _SELF_HASH.append(_blake2b(data, digest_size=8).hexdigest())
+        try:
+            import _imp
+            stamp = _imp.source_hash(0, data).hex()
+        except (ImportError, AttributeError):
+            stamp = _blake2b(data, digest_size=8).hexdigest()
+        _SELF_HASH.append(stamp)
     return _SELF_HASH[0]
 
 
