@@ -888,3 +888,22 @@ def test_implicit_types_are_gated_by_their_characters_alone():
     spelled += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
                 for _ in range(50000)]
     assert [memshelf._yaml_implicit_type(t) for t in spelled] == [by_patterns(t) for t in spelled]
+
+
+def test_iso_dates_are_the_ones_datetime_takes():
+    """_iso_date_ok checks the calendar by hand (no datetime import at every start); it takes
+    exactly the YYYY-MM-DD strings datetime.date.fromisoformat takes."""
+    import datetime
+
+    def by_datetime(value):
+        try:
+            return memshelf._ISO_DATE.match(value) is not None and \
+                bool(datetime.date.fromisoformat(value))
+        except ValueError:
+            return False
+
+    values = [f"{y:04d}-{mo:02d}-{d:02d}" for y in (0, 1, 4, 100, 1900, 2000, 2023, 2024, 2100,
+                                                      9999)
+              for mo in range(0, 14) for d in range(0, 33)]
+    values += ["\u0662\u0660\u0662\u0664-\u0661\u0662-\u0660\u0669", "2024-1-01", "2024-01-01 "]
+    assert [memshelf._iso_date_ok(v) for v in values] == [by_datetime(v) for v in values]
