@@ -4231,12 +4231,13 @@ _WORD_BREAKS = _LazyPattern(r"[\W_]+")
 
 def _trigger_words(alternation):
     r"""The trigger words an alternation spells: literals, \s, (?:a|b), [ab], ?; + and * ignored."""
-    pieces = _ALTERNATION_PIECE.findall(alternation)
+    # closings past the end: a level always stops at one, and a piece always has one after it
+    pieces = _ALTERNATION_PIECE.findall(alternation) + [")", ")"]
 
     def spell(k):
         # The spellings of one alternation level from piece k, and the index of its ")".
         forms, partial = [], [""]
-        while k < len(pieces) and pieces[k] != ")":
+        while pieces[k] != ")":
             piece = pieces[k]
             k += 1
             if piece == "|":
@@ -4251,20 +4252,21 @@ def _trigger_words(alternation):
             elif piece[0] == "\\":
                 options = [" " if piece[1] == "s" else "\0" if piece[1] in "wWdD" else piece[1]]
             else:   # a run of literals at once; a quantifier after it binds its last character
-                if len(piece) > 1 and k < len(pieces) and pieces[k] in ("?", "+", "*"):
+                if len(piece) > 1 and pieces[k] in ("?", "+", "*"):
                     partial = [p + piece[:-1] for p in partial]
                     piece = piece[-1]
                 options = [piece]
-            if k < len(pieces) and pieces[k] in ("+", "*"):
+            if pieces[k] in ("+", "*"):
                 k += 1
-            if k < len(pieces) and pieces[k] == "?":
+            if pieces[k] == "?":
                 options, k = options + [""], k + 1
-            partial = [p + o for p in partial for o in options][:256]
+            partial = [p + o for p in partial for o in options][:256] if len(options) > 1 else \
+                [p + options[0] for p in partial]
         return forms + partial, k
 
     # A form stands for its longest word; a form with a \w wildcard is a stem, not a trigger.
-    forms = {max(_WORD_BREAKS.split(form), key=len) for form in spell(0)[0]
-             if form.strip() and "\0" not in form}
+    forms = {max(form.split() if form.replace(" ", "").isalnum() else _WORD_BREAKS.split(form),
+                 key=len) for form in spell(0)[0] if form.strip() and "\0" not in form}
     return " ".join(sorted(forms))
 
 
