@@ -93,9 +93,11 @@ import os
 import re
 import stat
 import sys
-import threading
 import time
 import unicodedata
+# threading's lock and thread-local data, without importing threading (0.75 ms of every cold
+# call, docs/performance.md, s15): the functions that start threads import it
+import _thread
 
 try:   # BLAKE2 as hashlib has it, without hashlib's load of OpenSSL: 3 ms of a cold `index`
     from _blake2 import blake2b as _blake2b   # (docs/performance.md, s15)
@@ -238,7 +240,7 @@ def _human_count(n):
 
 # --- the per-call context: progress, cancellation, the MCP client's name -----------------
 
-_call_context = threading.local()
+_call_context = _thread._local()   # what threading.local is
 _QUIET = [False]   # --quiet
 
 
@@ -296,12 +298,19 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _other_threads():
+    """Whether a thread besides the main one runs (every such thread came through threading,
+    which is imported only where one is started)."""
+    threading = sys.modules.get("threading")
+    return threading is not None and threading.active_count() > 1
+
+
 def _worker_count(items):
     """Forked workers for `items` jobs: 1 unless a CLI run on Linux has cores and work to spare."""
     raw = os.environ.get("MEMSHELF_WORKERS", "").strip()
     forced = int(raw) if raw.isdigit() else None
     if forced in (0, 1) or items < (2 if forced else 256) or \
-            not sys.platform.startswith("linux") or _context("mcp") or threading.active_count() > 1:
+            not sys.platform.startswith("linux") or _context("mcp") or _other_threads():
         return 1
     return min(forced or len(os.sched_getaffinity(0)), 8, items)
 
@@ -352,6 +361,7 @@ def _parallel_map(func, items, progress=None, message=None):
                     os._exit(status)
             os.close(into)
             children[out] = pid
+        import threading
         for out in children:
             readers.append(threading.Thread(target=_read_results, args=(out, arrived), daemon=True))
             readers[-1].start()
@@ -15424,6 +15434,7 @@ def _read_hook_payload(stream=None, wait=_HOOK_STDIN_WAIT):
                     break
         except OSError:
             pass
+    import threading
     reader = threading.Thread(target=pump, name="memshelf-hook-stdin", daemon=True)
     reader.start()
     reader.join(wait)
@@ -16154,7 +16165,7 @@ def _verbs():
 
 
 _VERB_CACHE = []
-_VERB_LOCK = threading.Lock()
+_VERB_LOCK = _thread.allocate_lock()
 
 
 def _verb_table():
@@ -16929,7 +16940,7 @@ def cli():
     except OSError as exc:
         code = _output_failed(exc) or code
     if sys.gettrace() is not None or sys.getprofile() is not None or \
-            "coverage" in sys.modules or threading.active_count() > 1:
+            "coverage" in sys.modules or _other_threads():
         sys.exit(code)
     try:
         sys.stderr.flush()
