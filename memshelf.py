@@ -2485,7 +2485,16 @@ def _text_digest(text):
 
 
 def _data_digest(data):
+    """40 hex digits that name the bytes: their BLAKE2b (20 bytes), or from 4 MiB their SHA-1,
+    where OpenSSL's speed pays for loading it (a shelve at 100,000 episodes hashes about 35 MB
+    of derived files: 44 ms less; a read at 10,000 loads no OpenSSL, docs/performance.md, s15)."""
+    if len(data) >= _DIGEST_SHA1_FROM:
+        import hashlib
+        return hashlib.sha1(data).hexdigest()
     return _blake2b(data, digest_size=20).hexdigest()
+
+
+_DIGEST_SHA1_FROM = 4 << 20
 
 
 # kept: cold `index` at 10k, 341 ms vs 824 ms without, docs/performance.md § Fast paths

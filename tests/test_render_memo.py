@@ -336,3 +336,21 @@ def test_a_derived_file_trusted_by_its_stamp_is_hashed_again_once_touched(plain_
     (plain_shelf / ".memshelf" / "state.json").write_text(json.dumps(state))
     again = cli("index", "--shelf", plain_shelf, "--json").json()
     assert again["on_disk"] == "current" and "Mira" in again["index"]
+
+
+def test_a_derived_file_of_megabytes_is_remembered_like_a_small_one(filled, cli):
+    """A derived file from 4 MiB is named by another digest (_data_digest: SHA-1 where OpenSSL's
+    speed pays); its memo holds all the same, and an edit of it is still seen."""
+    config = filled / ".docshelf.json"
+    settings = json.loads(config.read_text(encoding="utf-8"))
+    settings["preamble"] = "Recall the section you need. " * 150_000   # INDEX.md over 4 MiB
+    config.write_text(json.dumps(settings), encoding="utf-8")
+    first = rebuild(cli, filled)
+    assert "INDEX.md" in first["written"]
+    assert (filled / "INDEX.md").stat().st_size >= 4 << 20
+    assert rebuild(cli, filled)["written"] == []      # answered from the memo
+    assert cli("index", "--shelf", filled, "--json").json()["on_disk"] == "current"
+    with open(filled / "INDEX.md", "a", encoding="utf-8") as f:
+        f.write("- a line by hand\n")
+    assert cli("index", "--shelf", filled, "--json").json()["on_disk"] == "stale"
+    assert "INDEX.md" in rebuild(cli, filled)["written"]
