@@ -2434,11 +2434,10 @@ def _render_key_of(root, fmt, scanned, subdirs, seen):
         parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
     parts += map(_path_part, files)
-    digest = _blake2b("\n".join(parts).encode("utf-8", "surrogatepass"), digest_size=20)
     # the stamps as marshal's version 2 writes them: by value alone (no back-references, which
     # later versions add), any size of integer, at C speed (`index`, cold)
-    digest.update(marshal.dumps(stamps, 2))
-    return digest.hexdigest(), racy
+    return _data_digest(b"".join((
+        "\n".join(parts).encode("utf-8", "surrogatepass"), marshal.dumps(stamps, 2)))), racy
 
 
 _path_part, _stamp_part, _mtime_part, _ctime_part = (
