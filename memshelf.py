@@ -16854,6 +16854,9 @@ def _main(argv):
     verb_name = next((a for a in argv if not a.startswith("-")), None)
     try:
         if argv and argv[0] == "--version":
+            # nothing is written: a signal ends it at once, as in start-up, rather than raising
+            # inside an import (importlib's lock callbacks print what they cannot raise)
+            _INTERRUPT["started"] = False
             return _print_version()
         known = {v.name for v in _verb_table()}
         first = bool(argv) and argv[0] in known   # `memshelf VERB ...`: its parser alone
