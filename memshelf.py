@@ -809,7 +809,8 @@ _FM_YAML_BREAKS = _re_lazy("[\x85\u2028\u2029]")
 _YAML_IMPLICIT_TYPES = (
     ("null", "~nN", frozenset("~nulNL"), _re_lazy(r"(?:~|null|Null|NULL)\Z")),
     ("boolean", "yYnNtTfFoO", frozenset("yYeEsSnNoOtTrRuUfFaAlL"), _re_lazy(
-        r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE|on|On|ON|off|Off|OFF)\Z")),
+        r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE"
+        r"|on|On|ON|off|Off|OFF)\Z")),
     ("integer", "-+0123456789", frozenset("-+0123456789_:boxabcdefABCDEF"), _re_lazy(
         r"[-+]?(?:0b[01_]+|0o[0-7]+|0[0-7_]+|0x[0-9a-fA-F_]+|[0-9]+"
         r"|[1-9][0-9_]*|[1-9][0-9_]*(?::[0-5]?[0-9])+)\Z")),
@@ -7436,8 +7437,8 @@ def _render_records(root, records, fmt, index_only, key):
             "key": None if index_only else key,   # a partial render is never remembered
             "episodes": sum(1 for r in records if r.id), "plain": plain,
             "superseded": superseded if plain else None, "chart": sums if plain else None,
-            "entries": {rel: _entry_count(text) for rel, text in files.items()
-                        if rel.endswith("INDEX.md")}}
+            "entries": {rel: _entry_count(files[rel]) for rel in ("INDEX.md", "archive/INDEX.md")
+                        if files.get(rel) is not None}}
 
 
 # kept: `shelve`, auto, at 10k, 475 ms vs 644 ms without, docs/performance.md § Fast paths:
@@ -7503,9 +7504,9 @@ def _render_splice(hit, old, new, key):
     files["INDEX.md"] = "\n".join(lines)
     files["ledger.tsv"] = _LEDGER_HEADER + "\n".join(rows)
     files["stats.svg"] = _render_chart(sums)
-    # one entry line moved, or one more
-    entries = dict(hit.get("entries") or {})
-    if isinstance(entries.get("INDEX.md"), int):
+    # one entry line moved, or one more (state.json is a local file anyone may edit)
+    entries = dict(hit["entries"]) if isinstance(hit.get("entries"), dict) else {}
+    if type(entries.get("INDEX.md")) is int and entries["INDEX.md"] >= 0:
         entries["INDEX.md"] += old is None
     else:
         entries.pop("INDEX.md", None)
@@ -7801,9 +7802,10 @@ def index(shelf_path=None, max_chars=None, offset=0, category=None, since=None, 
         lag = len([r for r in rendered["records"] or [] if r.archived == archive and
                    r.stem not in listed and fmt == "compact"])
     # the memo's count of the file's entry lines, else counted (`index`, cold: 1.6 ms at 10k)
-    total = (rendered.get("entries") or {}).get(rel) if text is rendered["files"].get(rel) \
-        else None
-    total = shown = total if isinstance(total, int) and total >= 0 else _entry_count(text)
+    entries = rendered.get("entries")
+    total = entries.get(rel) if isinstance(entries, dict) and \
+        text is rendered["files"].get(rel) else None
+    total = shown = total if type(total) is int and total >= 0 else _entry_count(text)
     if category or since:
         text = _filter_index(text.split("\n"), category, since)
         shown = _entry_count(text)

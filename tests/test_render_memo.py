@@ -354,3 +354,22 @@ def test_a_derived_file_of_megabytes_is_remembered_like_a_small_one(filled, cli)
         f.write("- a line by hand\n")
     assert cli("index", "--shelf", filled, "--json").json()["on_disk"] == "stale"
     assert "INDEX.md" in rebuild(cli, filled)["written"]
+
+
+@pytest.mark.parametrize("entries", ["many", ["INDEX.md", 3], {"INDEX.md": "3"}, {"INDEX.md": -1},
+                                     {"INDEX.md": True}, None])
+def test_an_entry_count_state_json_does_not_hold_is_counted_again(filled, cli, entries):
+    """The render memo's entry counts come from a local file anyone may edit: a value that is
+    not a count is not used, by `index` or by shelve's splice, and nothing fails."""
+    rebuild(cli, filled)
+    path = filled / ".memshelf" / "state.json"
+    state = json.loads(path.read_text(encoding="utf-8"))
+    state["render_memo"]["entries"] = entries
+    path.write_text(json.dumps(state), encoding="utf-8")
+    answer = cli("index", "--shelf", filled, "--json").json()
+    assert answer["entries_total"] == 3 and answer["on_disk"] == "current"
+    r = cli("shelve", "--shelf", filled, "--slug", "2026-03-04-entry-count", "--kind", "topic",
+            "--digest", "Mira counted the entries again. Open: none.",
+            "--section", "Decisions=- Count again.")
+    assert r.code == 0, r
+    assert cli("index", "--shelf", filled, "--json").json()["entries_total"] == 4
