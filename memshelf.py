@@ -1318,8 +1318,7 @@ def _yaml_implicit_type(text):
     """The type a YAML 1.1 (or 1.2 core) loader gives this plain scalar, or None for a string."""
     if not text:
         return "null"
-    if len(text) == 10 and text[4] == text[7] == "-" and text.count("-") == 2 and \
-            text.isascii() and text.replace("-", "").isdigit():
+    if _ISO_DATE.match(text) and text.isascii():
         return "date"   # YYYY-MM-DD: the commonest typed scalar, which no other type spells
     return next((name for name, first, chars, pattern in _YAML_IMPLICIT_TYPES
                  if text[0] in first and chars.issuperset(text) and pattern.match(text)), None)
@@ -2556,15 +2555,12 @@ def _remember_if_on_disk(root, rendered):
     _remember_render(root, rendered, digests)
 
 
-def _remember_render(root, rendered, digests=None):
+def _remember_render(root, rendered, digests):
     """After the derived files on disk equal a full render: remember it under its key, with
     each file's digest (`digests`: {path: _data_digest of its bytes, None if absent}, as the
-    writer that just encoded them has them; else from the texts)."""
+    writer or the reader that just had the bytes took them)."""
     if not rendered.get("key"):
         return
-    if digests is None:
-        digests = {rel: None if content is None else _text_digest(content)
-                   for rel, content in rendered["files"].items()}
     key, racy = rendered["key"]
     # and what the banners sum (_shelf_totals), from its records or as shelve's splice moved it
     aggregate = rendered.get("aggregate")
