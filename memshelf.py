@@ -2154,10 +2154,10 @@ def _linked(root, rel):
 
 
 def _scan_episode_files(root, archive=True, subdirs=None):
-    """(path, archived, stamp) per episode file, by path; subfolders' (path, mtime_ns) to
-    `subdirs`. Every reader lists the shelf here: the folders in path order, each one's entries
-    sorted by name, the stamps and rows made by map() and zip() at C speed (`index`, cold)."""
-    paths, stamps, archived = [], [], 0
+    """The _Listing of the episode files; subfolders' (path, mtime_ns) to `subdirs`. Every
+    reader lists the shelf here: the folders in path order, each one's entries sorted by name,
+    the stamps made by map() at C speed (`index`, cold)."""
+    folders = []
     for base in ("archive/docs", "docs") if archive else ("docs",):
         for cat in sorted(CATEGORIES):
             rel = f"{base}/{cat}"
@@ -2165,15 +2165,67 @@ def _scan_episode_files(root, archive=True, subdirs=None):
                 os.path.join(root, base, cat), subdirs is not None)
             if listed is None:
                 continue
-            names, folder_stamps, folders = listed
-            paths += [f"{rel}/{name}" for name in names]
-            stamps += folder_stamps
+            names, stamps, inside = listed
+            folders.append((rel, base != "docs", names, stamps))
             if subdirs is not None:
-                subdirs += [(f"{rel}/{name}", mtime) for name, mtime in folders]
-        if base != "docs":
-            archived = len(paths)
-    flags = itertools.chain(itertools.repeat(True, archived), itertools.repeat(False))
-    return list(zip(paths, flags, stamps))
+                subdirs += [(f"{rel}/{name}", mtime) for name, mtime in inside]
+    return _Listing(folders)
+
+
+class _Listing:
+    """The episode files of one listing: (folder, archived, names, stamps) per category folder,
+    in path order. Its rows (path, archived, stamp), sorted by path, are made when a reader first
+    iterates them: a read the memo answers needs the key alone, and 10,000 rows cost 4.5 ms to
+    make and free (`index` and `recall --section`, cold, docs/performance.md, s16)."""
+    __slots__ = ("folders", "_rows")
+
+    def __init__(self, folders):
+        self.folders, self._rows = folders, None
+
+    @property
+    def rows(self):
+        if self._rows is None:
+            rows = []
+            for rel, archived, names, stamps in self.folders:
+                rows += zip([f"{rel}/{name}" for name in names], itertools.repeat(archived),
+                            stamps)
+            self._rows = rows
+        return self._rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self):
+        return sum(len(f[2]) for f in self.folders)
+
+    def stamp(self, rel):
+        """The stamp (size, mtime_ns, inode) this listing holds for rel, or None."""
+        folder, _, name = rel.rpartition("/")
+        for at, archived, names, stamps in self.folders:
+            if at == folder:
+                i = bisect.bisect_left(names, name)
+                return tuple(stamps[i][:3]) if i < len(names) and names[i] == name else None
+        return None
+
+    def again(self, root, paths):
+        """The listing as it would be now if only `paths` (a write's own files) had changed."""
+        folders = {f[0]: (f[1], list(f[2]), list(f[3])) for f in self.folders}
+        for rel in paths:
+            folder, _, name = rel.rpartition("/")
+            archived, names, stamps = folders.get(folder) or folders.setdefault(
+                folder, (folder.startswith("archive/"), [], []))
+            i = bisect.bisect_left(names, name)
+            if i < len(names) and names[i] == name:
+                del names[i], stamps[i]
+            try:
+                st = os.lstat(os.path.join(root, rel))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and not _linked(root, folder):
+                names.insert(i, name)
+                stamps.insert(i, _stat_stamp(st))
+        return _Listing([(rel, *folders[rel]) for rel in sorted(folders)
+                         if folders[rel][1] or rel in {f[0] for f in self.folders}])
 
 
 def _list_folder(path, with_folders):
@@ -2380,68 +2432,54 @@ def _render_key(root, fmt):
     return _render_key_of(root, fmt, scanned, subdirs, seen), scanned
 
 
-def _scanned_stamp(scanned, rel):
-    """The stamp (size, mtime_ns, inode) a scan holds for rel, or None."""
-    at = bisect.bisect_left(scanned, (rel,))
-    return tuple(scanned[at][2][:3]) if at < len(scanned) and scanned[at][0] == rel else None
-
-
-def _scanned_again(root, scanned, paths):
-    """The scan as it would be now if only `paths` (a write's own files) had changed since."""
-    out = [f for f in scanned if f[0] not in paths]
-    for rel in paths:
-        try:
-            st = os.lstat(os.path.join(root, rel))
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode) and not _linked(root, rel.rsplit("/", 1)[0]):
-            out.append((rel, rel.startswith("archive/"), _stat_stamp(st)))
-    out.sort(key=_path_part)
-    return out
-
-
 def _render_inputs(root):
     """(time before the scan, the episode scan, the folders inside category folders)."""
     seen, subdirs = time.time_ns(), []
     return seen, _scan_episode_files(root, subdirs=subdirs), subdirs
 
 
-def _render_key_of(root, fmt, scanned, subdirs, seen):
+def _render_key_of(root, fmt, listing, subdirs, seen):
     """The store key: (digest of code, format, settings, folders, stamps; {racy path: digest})."""
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
-    files = list(scanned)
+    names, stamps = [], []   # the settings files, a folder of their own
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
         try:
-            files.append((rel, False, _stat_stamp(os.stat(os.path.join(root, rel)))))
+            stamps.append(_stat_stamp(os.stat(os.path.join(root, rel))))
         except OSError:
             parts.append(f"{rel}\0-")
+        else:
+            names.append(rel)
+    folders = listing.folders + [("", False, names, stamps)]
     # racy files count by content where the key is used: the key stays the same once they age
     since = seen - _RACY_NS   # changed within _RACY_NS (_unchanged): mtime or ctime since then
-    stamps = list(map(_stamp_part, files))
     # a settled shelf has no racy file: a pass at C speed tells (`index`, cold). On POSIX every
     # change, an mtime put back included, moves the ctime to now; elsewhere the ctime is the
     # creation time and the mtime dates a change
-    newest = max(map(_ctime_part, stamps), default=0)
+    newest = max((max(map(_ctime_part, f[3]), default=0) for f in folders), default=0)
     if os.name != "posix":
-        newest = max(newest, max(map(_mtime_part, stamps), default=0))
+        newest = max(newest, max((max(map(_mtime_part, f[3]), default=0) for f in folders),
+                                 default=0))
+    racy = {}
     # else the racy ones, picked at C speed (after a shelve's write its own file is racy)
-    racy = {} if newest < since else {
-        rel: _content_digest(root, rel) for rel in itertools.compress(
-            map(_path_part, files), map(since.__le__, map(max, map(_mtime_part, stamps),
-                                                          map(_ctime_part, stamps))))}
+    for rel, _, names, stamps in folders if newest >= since else ():
+        for name in itertools.compress(names, map(since.__le__, map(
+                max, map(_mtime_part, stamps), map(_ctime_part, stamps)))):
+            path = f"{rel}/{name}" if rel else name
+            racy[path] = _content_digest(root, path)
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
     for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
         parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
-    parts += map(_path_part, files)
+    for rel, _, names, _ in folders:   # each folder's names joined, not a path per file
+        parts.append(f"{rel}/\0" + "\n".join(names))
     # the stamps as marshal's version 2 writes them: by value alone (no back-references, which
     # later versions add), any size of integer, at C speed (`index`, cold)
     return _data_digest(b"".join((
-        "\n".join(parts).encode("utf-8", "surrogatepass"), marshal.dumps(stamps, 2)))), racy
+        "\n".join(parts).encode("utf-8", "surrogatepass"),
+        marshal.dumps([f[3] for f in folders], 2)))), racy
 
 
-_path_part, _stamp_part, _mtime_part, _ctime_part = (
-    operator.itemgetter(0), operator.itemgetter(2), operator.itemgetter(1), operator.itemgetter(3))
+_mtime_part, _ctime_part = operator.itemgetter(1), operator.itemgetter(3)
 
 
 def _content_digest(root, rel):
@@ -4290,7 +4328,8 @@ def _instruction_rule_table():
     rows = []
 
     def add(kind, triggers, source, check=None, flags=re.IGNORECASE, lead=False, also=""):
-        # also: words of which one must occur too, so a common verb alone runs no rule.
+        # also: words of which one must occur too, so a common verb alone runs no rule (or a
+        # function that spells them: called when a text first fires the rule).
         if lead:
             check = _addresses_reader if check is None else (
                 lambda m, _inner=check: _addresses_reader(m) and _inner(m))
@@ -4316,7 +4355,7 @@ def _instruction_rule_table():
 
     # "ignore all lint rules" is a build note; "ignore all rules" or "all previous" is not.
     add("override", triggers, source, lambda m: strong.search(m.group(0)) is not None
-        or all_noun.search(m.group(0)) is not None, lead=True, also=_trigger_words(en_nouns))
+        or all_noun.search(m.group(0)) is not None, lead=True, also=functools.partial(_trigger_words, en_nouns))
     add("override", "ignore disregard forget drop",
         r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard"
         r"|forget)\s+(?:(?:everything|all|anything|whatever)\s+(?:(?:that\s+)?(?:was\s+)?(?:above"
@@ -4381,7 +4420,7 @@ def _instruction_rule_table():
     es_nouns = (r"instrucciones|reglas|indicaciones|órdenes|ordenes|directrices|directivas|normas"
                 r"|restricciones|pautas")
     es_quals = r"anteriores|previas|precedentes|arriba|originales|iniciales|sistema|todas|tus|sus"
-    add("override", *_phrase_rule(es_verbs, es_nouns, es_quals), also=_trigger_words(es_nouns))
+    add("override", *_phrase_rule(es_verbs, es_nouns, es_quals), also=functools.partial(_trigger_words, es_nouns))
     add("override", "ignora olvida ignore olvide",
         r"\b(?:ignora|olvida|ignore|olvide)\s+todo\s+lo\s+(?:anterior|dicho|que\s+se\s+te)",
         also="todo")
@@ -4390,7 +4429,7 @@ def _instruction_rule_table():
     pt_nouns = (r"instruções|instrucoes|regras|orientações|orientacoes|ordens|diretrizes|diretivas"
                 r"|restrições|restricoes|comandos")
     pt_quals = r"anteriores|prévias|previas|acima|originais|iniciais|sistema|todas|suas|tuas|seus"
-    add("override", *_phrase_rule(pt_verbs, pt_nouns, pt_quals), also=_trigger_words(pt_nouns))
+    add("override", *_phrase_rule(pt_verbs, pt_nouns, pt_quals), also=functools.partial(_trigger_words, pt_nouns))
     add("override", "ignore esqueça esqueca",
         r"\b(?:ignore|esqueça|esqueca)\s+tudo\s+(?:o\s+que|que|acima|anterior)", also="tudo")
     de_verbs = (r"ignoriere|ignorier|ignoriert|ignorieren\s+sie|vergiss|vergesst|vergessen\s+sie"
@@ -4415,7 +4454,7 @@ def _instruction_rule_table():
     fr_nouns = r"instructions|consignes|règles|regles|directives|ordres|indications|contraintes"
     fr_quals = (r"précédentes|precedentes|antérieures|anterieures|ci-dessus|initiales|originales"
                 r"|toutes|tes|vos|système|systeme")
-    add("override", *_phrase_rule(fr_verbs, fr_nouns, fr_quals), also=_trigger_words(fr_nouns))
+    add("override", *_phrase_rule(fr_verbs, fr_nouns, fr_quals), also=functools.partial(_trigger_words, fr_nouns))
     add("override", "oublie oubliez ignore ignorez",
         r"\b(?:oublie|oubliez|ignore|ignorez)\s+tout\s+(?:ce\s+qui\s+(?:précède|precede|a\s+été)"
         r"|ce\s+que|ce\s+qu)", also="tout")
@@ -4589,7 +4628,7 @@ def _instruction_rule_table():
         + r"\b|\bact\s+as\s+if\s+you\s+(?:are|were|have|had)\b"
         r"|\bpretend\s+(?:to\s+be|you\s+are|you're|that\s+you\s+(?:are|were)|you\s+have\s+no)\b"
         r"|\b(?:role-?\s?play|play\s+the\s+(?:role|part))\s+(?:as|of)\s+", lead=True,
-        also="pretend roleplay role part if+you " + _trigger_words(_PERSONA_STRICT))
+        also=lambda: "pretend roleplay role part if+you " + _trigger_words(_PERSONA_STRICT))
     add("identity-reset", "will+now",
         r"\byou\s+will\s+now\s+(?:act|respond|behave|answer|roleplay|pretend|speak|reply)\b")
     add("identity-reset", "new",
@@ -4948,44 +4987,95 @@ _ARABIC_LETTERS = frozenset(map(chr, range(0x0600, 0x0700)))
 
 @functools.lru_cache(maxsize=None)   # built on first use: the tables cost a few milliseconds
 def _instruction_rules():
-    """(token index, wide-piece index by first character, other pieces, rules, Arabic pieces)."""
-    rules, tokens, wide, arabic, pieces = [], {}, {}, [], []
-    part = {}   # a word's _trigger_part: many rules share their words
-
-    def parts_of(entry):
-        return [part.get(w) or part.setdefault(w, _trigger_part(w)) for w in entry.split("+")]
-
+    """(index of the triggers spelled in ASCII, rules, {script: [(rule number, trigger)]}: the
+    others, indexed by _script_triggers when a text first holds their script)."""
+    rules, plain, scripts = [], _TriggerIndex(), {}
     for number, (kind, triggers, source, check, flags, also) in enumerate(
             _instruction_rule_table()):
-        one_word, other = [], []
-        for entry in also.split():
-            parts = parts_of(entry)
-            (one_word if len(parts) == 1 and parts[0][0] == "token" else other).append(
-                tuple(parts))
-        # (the forms of the one-word entries, for one set lookup; the other entries)
-        gate = (frozenset(f for e in one_word for f in e[0][1]), tuple(other)) \
-            if one_word or other else None
-        # Compiled when a text first needs the rule: most texts fire a handful of rules.
-        rules.append((kind, _LazyPattern(source, flags | re.MULTILINE), check, gate))
+        rules.append(_InstructionRule(kind, source, check, flags, also))
         if triggers.isascii() and "+" not in triggers:   # one plain word each: most rules
-            for word in triggers.lower().split():
-                form = word.encode()
-                if word.isalnum():
-                    tokens.setdefault(form, []).append((number, (), form))
-                else:
-                    pieces.append((("piece", (form,), None), number, ()))
+            plain.add_plain(number, triggers)
             continue
         for entry in triggers.split():
-            parts = parts_of(entry)
-            first, rest = parts[0], tuple(parts[1:])
-            if first[0] == "token":
-                for form in first[1]:
-                    tokens.setdefault(form, []).append((number, rest, form))
-            elif first[0] == "wide":
-                wide.setdefault(first[2][0], []).append((first, number, rest))
+            if entry.split("+", 1)[0].isascii():
+                plain.add(number, entry)
+            else:   # its script: that of the lead byte of its first non-ASCII character
+                lead = next(ch for ch in entry if ch > "\x7f").encode()[:1]
+                scripts.setdefault(lead.translate(_SCRIPT_OF_LEAD), []).append((number, entry))
+    return plain, rules, scripts
+
+
+@functools.lru_cache(maxsize=None)
+def _script_triggers(script):
+    """The index of one script's triggers: most texts hold one script besides ASCII or none
+    (the other scripts' triggers were 70 % of building the tables, docs/performance.md, s16)."""
+    index = _TriggerIndex()
+    for number, entry in _instruction_rules()[2].get(script, ()):
+        index.add(number, entry)
+    return index
+
+
+# A UTF-8 lead byte's script (one byte, 0 for none): ranges that each word's case forms stay in
+# (test_trigger_forms_stay_in_their_script), and the scripts of the rules' triggers apart.
+_SCRIPT_OF_LEAD = bytes(1 if 0xc2 <= b <= 0xcf else 2 if 0xd0 <= b <= 0xd4 else 3 if 0xd5 <= b
+                        <= 0xdf else 4 if 0xe0 <= b <= 0xe2 else 5 if 0xe3 <= b <= 0xed else 6
+                        if 0xee <= b <= 0xef else 7 if b >= 0xf0 else 0 for b in range(256))
+_SCRIPTS = tuple(bytes([n]) for n in range(1, 8))
+
+
+class _TriggerIndex:
+    """Trigger entries by how a text is searched for them: whole words (tokens) by byte form,
+    CJK pieces (wide) by first character, Arabic pieces, and other pieces."""
+    __slots__ = ("tokens", "wide", "pieces", "arabic", "parts")
+
+    def __init__(self):
+        self.tokens, self.wide, self.pieces, self.arabic = {}, {}, [], []
+        self.parts = {}   # a word's _trigger_part: many rules share their words
+
+    def add_plain(self, number, triggers):
+        """Plain ASCII words, each a whole trigger."""
+        for word in triggers.lower().split():
+            form = word.encode()
+            if word.isalnum():
+                self.tokens.setdefault(form, []).append((number, (), form))
             else:
-                (arabic if first[0] == "arabic" else pieces).append((first, number, rest))
-    return tokens, wide, pieces, rules, arabic
+                self.pieces.append((("piece", (form,), None), number, ()))
+
+    def add(self, number, entry):
+        """A trigger entry: a word, or words joined by + that must all occur."""
+        parts = [self.parts.get(w) or self.parts.setdefault(w, _trigger_part(w))
+                 for w in entry.split("+")]
+        first, rest = parts[0], tuple(parts[1:])
+        if first[0] == "token":
+            for form in first[1]:
+                self.tokens.setdefault(form, []).append((number, rest, form))
+        elif first[0] == "wide":
+            self.wide.setdefault(first[2][0], []).append((first, number, rest))
+        else:
+            (self.arabic if first[0] == "arabic" else self.pieces).append((first, number, rest))
+
+
+class _InstructionRule:
+    """A row of the rule table as the scan runs it. Its pattern is compiled, and its gate spelled,
+    when a text first fires it: a text fires a handful of the rules (the gates were a third of
+    building the tables, and a third of a cold `recall`'s scan, docs/performance.md, s16)."""
+    __slots__ = ("kind", "regex", "check", "also", "gate")
+
+    def __init__(self, kind, source, check, flags, also):
+        self.kind, self.regex, self.check = kind, _LazyPattern(source, flags | re.MULTILINE), check
+        self.also, self.gate = also, False   # False: not spelled yet
+
+    def gated(self):
+        """(forms of the one-word `also` entries, the other entries' parts), or None: no gate."""
+        if self.gate is False:
+            also = self.also() if callable(self.also) else self.also
+            one_word, other = [], []
+            for entry in also.split():
+                parts = tuple(map(_trigger_part, entry.split("+")))
+                (one_word if len(parts) == 1 and parts[0][0] == "token" else other).append(parts)
+            self.gate = (frozenset(f for e in one_word for f in e[0][1]), tuple(other)) \
+                if one_word or other else None
+        return self.gate
 
 
 class _TriggerScan:
@@ -4995,11 +5085,12 @@ class _TriggerScan:
         self.text = text
         self.low = text.encode("utf-8", "surrogatepass").lower()
         self.ascii = len(self.low) == len(text)
-        words, self.wide, self.arabic = self.low, set(), False
+        words, self.arabic, self.indexes = self.low, False, [_instruction_rules()[0]]
         if not self.ascii:
             for ch in _WIDE_BREAKS:   # bytes.replace is C speed; a regex over the UTF-8 is not
                 words = words.replace(ch.encode(), b" ")
-            self.wide = {key for key in _instruction_rules()[1] if key in text}
+            held = self.low.translate(_SCRIPT_OF_LEAD)
+            self.indexes += [_script_triggers(s) for s in _SCRIPTS if s in held]
             self.arabic = any(lead in self.low for lead in _ARABIC_LEADS)
         self.tokens = set(words.translate(_TRIGGER_TOKEN_BREAKS).split())
         self.lowered = None
@@ -5017,23 +5108,25 @@ class _TriggerScan:
 
     def fired(self):
         """{rule number: [byte forms whose lines the rule must read]}."""
-        tokens, wide, pieces, rules, arabic = _instruction_rules()
-        fired = {}
-        for token in self.tokens.intersection(tokens):
-            for number, rest, form in tokens[token]:
-                if all(self.has(part) for part in rest):
-                    fired.setdefault(number, []).append(form)
-        for key in self.wide:
-            for first, number, rest in wide[key]:
-                if first[2] in self.text and all(self.has(part) for part in rest):
+        rules, fired = _instruction_rules()[1], {}
+        for index in self.indexes:
+            for token in self.tokens.intersection(index.tokens):
+                for number, rest, form in index.tokens[token]:
+                    if all(self.has(part) for part in rest):
+                        fired.setdefault(number, []).append(form)
+            for key in [key for key in index.wide if key in self.text]:
+                for first, number, rest in index.wide[key]:
+                    if first[2] in self.text and all(self.has(part) for part in rest):
+                        fired.setdefault(number, []).append(first[1][0])
+            for first, number, rest in index.pieces + index.arabic if self.arabic else \
+                    index.pieces:
+                if self.has(first) and all(self.has(part) for part in rest):
                     fired.setdefault(number, []).append(first[1][0])
-        for first, number, rest in pieces + arabic if self.arabic else pieces:
-            if self.has(first) and all(self.has(part) for part in rest):
-                fired.setdefault(number, []).append(first[1][0])
-        return {number: forms for number, forms in fired.items() if self.opens(rules[number][3])}
+        return {number: forms for number, forms in fired.items() if self.opens(rules[number])}
 
-    def opens(self, gate):
-        """Whether the text holds one entry of a rule's gate (its `also` words); None opens."""
+    def opens(self, rule):
+        """Whether the text holds one entry of a rule's gate (its `also` words); no gate opens."""
+        gate = rule.gated()
         return gate is None or not self.tokens.isdisjoint(gate[0]) or any(
             all(self.has(part) for part in entry) for entry in gate[1])
 
@@ -5279,9 +5372,10 @@ def _finding_excerpt(line, column):
 def _instruction_rule_hits(text, skip=(), scan=None):
     """Yield (kind, offset) for every rule match; a rule runs only around its trigger words."""
     scan = scan or _TriggerScan(text)
-    rules = _instruction_rules()[3]
+    rules = _instruction_rules()[1]
     for number, forms in sorted(scan.fired().items()):
-        kind, regex, check, _ = rules[number]
+        rule = rules[number]
+        kind, regex, check = rule.kind, rule.regex, rule.check
         if kind in skip:
             continue
         spans = (scan.spans(forms) if len(text) > 512 else None) or [(0, len(text))]
@@ -6638,8 +6732,8 @@ def _shelve_write(root, git, plans, a, sync_report):
         else None
     # (neither settles: the render and the totals are remembered anew after the write)
     hit = _render_memo_hit(root, before, memo=memo, settle=False) if isinstance(memo, dict) and \
-        memo.get("plain") is True and (one.old is None or _scanned_stamp(
-            scanned, one.old.path) == (one.old.size, one.old.mtime_ns, one.old.ino)) else None
+        memo.get("plain") is True and (one.old is None or scanned.stamp(
+            one.old.path) == (one.old.size, one.old.mtime_ns, one.old.ino)) else None
     # and the totals (read before the write: an amend rewrites a file the key may hold racy)
     held = _remembered_aggregate(root, before, one.window, settle=False) if one else None
     try:
@@ -6649,7 +6743,7 @@ def _shelve_write(root, git, plans, a, sync_report):
                 journal.remove(p.moved_from)
         written, digests = [], {}   # digests: of the derived files' bytes, as written or kept
         rendered = rendered_records = None
-        after = _scanned_again(root, scanned, touched)
+        after = scanned.again(root, touched)
         key = _render_key_of(root, fmt, after, subdirs, seen)
         new = _read_episode(root, one.address) if one else None
         # the totals before the write, moved by this episode (None if none were remembered)
@@ -6989,7 +7083,8 @@ def _envelope(ident, content, section=None, flags=None, superseded_by=None, part
     pairs = (("id", ident), ("section", section), ("part", part),
              ("flagged", flags and _instruction_kinds(flags)), ("note", note))
     attrs = " ".join(f'{k}="{_attr(v)}"' for k, v in pairs if v)
-    safe = re.sub(r"<(/?recalled-episode)", r"<\\\1", content, flags=re.IGNORECASE)
+    safe = re.sub(r"<(/?recalled-episode)", r"<\\\1", content, flags=re.IGNORECASE) \
+        if "<" in content else content
     return f"<recalled-episode {attrs}>\n{safe}\n</recalled-episode>"
 
 
@@ -16650,6 +16745,10 @@ def _build_parser(only=None):
     two halves argparse's start (`index`, cold, docs/performance.md). That parser is built
     without its help texts, which --help alone reads: printing help builds it again with them."""
     import argparse
+    # memshelf speaks English, and so does its argparse: a message looked up in gettext's
+    # catalogues imports locale and stats the catalogue paths (1.2 ms of every cold call,
+    # docs/performance.md, s16)
+    argparse._, argparse.ngettext = str, _english_plural
 
     class Formatter(argparse.HelpFormatter):
         # argparse's default width imports shutil per parser built; only --help needs the width
@@ -16683,6 +16782,10 @@ def _build_parser(only=None):
                                            description=_cli_words(v, v.description or v.title)),
                             v)
     return parser
+
+
+def _english_plural(singular, plural, n):
+    return singular if n == 1 else plural
 
 
 def _verb_parser(v, parser_class, helps):

@@ -521,8 +521,10 @@ def test_the_store_key_takes_any_inode_number_and_tells_two_apart(three):
     seen, scanned, subdirs = memshelf._render_inputs(str(three))
 
     def key(ino):
-        files = [(rel, archived, st[:2] + (ino + n,) + st[3:])
-                 for n, (rel, archived, st) in enumerate(scanned)]
-        return memshelf._render_key_of(str(three), "compact", files, subdirs, seen)[0]
+        folders = [(rel, archived, names, [st[:2] + (ino + n,) + st[3:]
+                                           for n, st in enumerate(stamps)])
+                   for rel, archived, names, stamps in scanned.folders]
+        return memshelf._render_key_of(str(three), "compact", memshelf._Listing(folders),
+                                       subdirs, seen)[0]
 
     assert key(2 ** 64) == key(2 ** 64) != key(2 ** 64 + 1)
