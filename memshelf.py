@@ -2195,9 +2195,6 @@ class _Listing:
     def __iter__(self):
         return iter(self.rows)
 
-    def __len__(self):
-        return sum(len(f[2]) for f in self.folders)
-
     def stamp(self, rel):
         """The stamp (size, mtime_ns, inode) this listing holds for rel, or None."""
         folder, _, name = rel.rpartition("/")
@@ -2209,6 +2206,7 @@ class _Listing:
 
     def again(self, root, paths):
         """The listing as it would be now if only `paths` (a write's own files) had changed."""
+        listed = {f[0] for f in self.folders}
         folders = {f[0]: (f[1], list(f[2]), list(f[3])) for f in self.folders}
         for rel in paths:
             folder, _, name = rel.rpartition("/")
@@ -2224,8 +2222,9 @@ class _Listing:
             if stat.S_ISREG(st.st_mode) and not _linked(root, folder):
                 names.insert(i, name)
                 stamps.insert(i, _stat_stamp(st))
+        # a folder the write made holds its file; one listed before stays, emptied or not
         return _Listing([(rel, *folders[rel]) for rel in sorted(folders)
-                         if folders[rel][1] or rel in {f[0] for f in self.folders}])
+                         if folders[rel][1] or rel in listed])
 
 
 def _list_folder(path, with_folders):

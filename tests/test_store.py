@@ -528,3 +528,28 @@ def test_the_store_key_takes_any_inode_number_and_tells_two_apart(three):
                                        subdirs, seen)[0]
 
     assert key(2 ** 64) == key(2 ** 64) != key(2 ** 64 + 1)
+
+
+def test_a_listing_stated_again_keys_as_a_new_listing(three):
+    # shelve keys its render by the listing before the write with its own files stated again:
+    # the key must be the one the next read's listing makes, or every read after it misses
+    import memshelf
+    root = str(three)
+    before = memshelf._scan_episode_files(root)
+    old = next(rel for rel, _, _ in before if rel.startswith("docs/"))
+    name = old.rsplit("/", 1)[1]
+    assert not any(f[0].startswith("archive/") for f in before.folders)
+    os.makedirs(os.path.join(root, "archive", "docs", "topics"))   # one the listing lacks
+    new = f"archive/docs/topics/{name}"   # moved to a folder of its own, as archiving does
+    os.rename(os.path.join(root, old), os.path.join(root, new))
+    added = "docs/topics/2026-12-05-a-new-one.md"
+    with open(os.path.join(root, added), "w", encoding="utf-8") as f:
+        f.write("# new\n")
+    again = before.again(root, [old, new, added, "docs/topics/never-written.md"])
+    fresh = memshelf._scan_episode_files(root)
+    assert list(again) == list(fresh)
+    assert [f[:3] for f in again.folders] == [f[:3] for f in fresh.folders]
+    seen = memshelf.time.time_ns()
+    assert memshelf._render_key_of(root, "compact", again, [], seen) == \
+        memshelf._render_key_of(root, "compact", fresh, [], seen)
+    assert again.stamp(new) == fresh.stamp(new) and again.stamp(old) is None
