@@ -2573,7 +2573,8 @@ def _render_memo_hit(root, key, memo=None, index_only=False, settle=True):
             "warnings": list(memo.get("warnings") or []), "records": None,
             "key": key, "episodes": memo.get("episodes") or 0, "plain": memo.get("plain"),
             "superseded": memo.get("superseded"), "chart": memo.get("chart"),
-            "spliced": memo.get("spliced"), "entries": memo.get("entries")}
+            "spliced": memo.get("spliced"), "entries": memo.get("entries"),
+            "committed": memo.get("committed")}
 
 
 def _remember_if_on_disk(root, rendered):
@@ -2609,7 +2610,8 @@ def _remember_render(root, rendered, digests):
         "key": key, "racy": racy, "files": digests, "episodes": rendered["episodes"],
         "warnings": rendered["warnings"], "plain": rendered.get("plain") is True,
         "superseded": rendered.get("superseded"), "chart": rendered.get("chart"),
-        "spliced": rendered.get("spliced") is True, "entries": rendered.get("entries")})
+        "spliced": rendered.get("spliced") is True, "entries": rendered.get("entries"),
+        "committed": rendered.get("committed")})
 
 
 def _forget_render(root):
@@ -6741,7 +6743,7 @@ def _shelve_write(root, git, plans, a, sync_report):
             if p.moved_from:
                 journal.remove(p.moved_from)
         written, digests = [], {}   # digests: of the derived files' bytes, as written or kept
-        rendered = rendered_records = None
+        rendered = rendered_records = strays = None
         after = scanned.again(root, touched)
         key = _render_key_of(root, fmt, after, subdirs, seen)
         new = _read_episode(root, one.address) if one else None
@@ -6750,7 +6752,11 @@ def _shelve_write(root, git, plans, a, sync_report):
         if mode == "auto":
             if git.is_repo() and a.autocommit:
                 strays = []   # episode files git does not track: not in the committed INDEX
-                rendered = _render_committed(git, root, strays, *[p.address for p in plans])
+                # none, when the listing is the one a shelve committed whole and HEAD is still
+                # that commit: `git ls-files -o` reads every folder (100 ms of a shelve at
+                # 100,000 episodes, docs/performance.md, s16)
+                if not (hit and hit.get("committed") and hit["committed"] == git.head()):
+                    rendered = _render_committed(git, root, strays, *[p.address for p in plans])
                 for p in plans:
                     p.result["warnings"].extend(strays)
             if rendered is None and hit is not None:
@@ -6777,8 +6783,7 @@ def _shelve_write(root, git, plans, a, sync_report):
         if git.is_repo() and a.autocommit:
             # every derived file, not only those written: a hand rebuild's (0.4.0) uncommitted too
             paths = touched + written + (list(rendered["files"]) if mode == "auto" else [])
-            if git.run("status", "--porcelain", "--", _RECALL_LOG, check=False,
-                       read_only=True).stdout.strip():   # recall rows ride along
+            if _recall_log_pending(git, root):   # recall rows ride along
                 paths.append(_RECALL_LOG)
             message = f"shelve: {ids[0]}" + (" (amend)" if a.amend else "") if one else \
                 f"shelve: {len(ids)} episodes" + (" (amend)" if a.amend else "") + \
@@ -6791,6 +6796,8 @@ def _shelve_write(root, git, plans, a, sync_report):
         raise
     _taint_memory(root, [v for p in plans for v in p.learned])   # docs/redaction.md
     if mode == "auto":
+        # under the key after the write, every episode file is in this commit (no stray)
+        rendered["committed"] = batch["commit"] if batch["committed"] and strays == [] else None
         _remember_render(root, rendered, digests)   # and its totals
     elif moved:
         _remember(root, "aggregate", key, moved)
@@ -6845,6 +6852,26 @@ def _episode_damage(root, rel):
     except UnicodeDecodeError as exc:
         return f"is not UTF-8 text (byte {exc.start})"
     return None
+
+
+def _recall_log_pending(git, root):
+    """Whether recall-log.tsv differs from HEAD's: its bytes against HEAD's blob, as git names
+    it. `git status` would read the whole index (63 ms at 100,000 episodes, docs/performance.md,
+    s16); it answers only for a file HEAD lacks (untracked, or ignored)."""
+    try:
+        data = _file_bytes(os.path.join(root, _RECALL_LOG))
+    except OSError:
+        data = None
+    blob = git.run("rev-parse", "-q", "--verify", f"HEAD:{_RECALL_LOG}", check=False,
+                   read_only=True).stdout.strip().decode("ascii", "replace")
+    if not blob:
+        return data is not None and bool(git.run(
+            "status", "--porcelain", "--", _RECALL_LOG, check=False, read_only=True).stdout.strip())
+    if data is None:
+        return True   # removed: the commit takes the removal
+    import hashlib
+    named = hashlib.sha1 if len(blob) == 40 else hashlib.sha256   # the repository's object format
+    return named(b"blob %d\0" % len(data) + data).hexdigest() != blob
 
 
 def _render_committed(git, root, warnings, *writing):
@@ -7560,39 +7587,40 @@ def _render_splice(hit, old, new, key):
         start = ledger.rfind("\n", 0, at) + 1
         return None if at < 0 or "\t" in ledger[start:at] else (ledger[start:at], stem)
 
-    rows = ledger[len(_LEDGER_HEADER):].split("\n")
-    if rows[-1] != "" or len(rows) - 1 != hit["episodes"]:
+    body = len(_LEDGER_HEADER)
+    if not ledger.endswith("\n") or ledger.count("\n", body) != hit["episodes"]:
         return None   # a row broken across lines, or not one per episode
-    lines = index.split("\n")
-    metas = {}   # .meta.json's entries by file, split once; `  "` opens each, and is cut off
     for rec, add in ((old, False), (new, True)) if old else ((new, True),):
-        if not _splice_line(rows, lambda row: tuple(row.split("\t", 2)[:2]),
-                            (rec.date, rec.id), _ledger_row(rec), add, 0, len(rows) - 1):
+        text = files["ledger.tsv"]
+        text = _splice_text(text, body, max(body, len(text) - 1), "\n",
+                            lambda row: tuple(row.split("\t", 2)[:2]), (rec.date, rec.id),
+                            _ledger_row(rec), add)
+        if text is None:
             return None
+        files["ledger.tsv"] = text
         _chart_sums([rec], sums, 1 if add else -1)
-        heading = "## " + _HEADINGS[rec.category]
-        start = lines.index(heading) + 2 if lines.count(heading) == 1 else len(lines)
-        if "" not in lines[start:] or not _splice_line(
-                lines, lambda line: dated(_entry_stem(line) or "\n"), (rec.date, rec.stem),
-                _compact_entry(rec, superseded), add, start, lines.index("", start)):
+        text = files["INDEX.md"]
+        block = _index_block(text, "## " + _HEADINGS[rec.category])
+        text = block and _splice_text(text, *block, "\n",
+                                      lambda line: dated(_entry_stem(line) or "\n"),
+                                      (rec.date, rec.stem), _compact_entry(rec, superseded), add)
+        if text is None:
             return None
+        files["INDEX.md"] = text
         entry = _meta_entry(rec)[0]
         rel = f"docs/{rec.category}/.meta.json"
+        text = files.get(rel)
         if entry is None:
             continue
-        if rel not in metas:
-            text = files.get(rel)
-            if not (text and text.startswith('{\n  "') and text.endswith("\n}\n")):
-                return None
-            metas[rel] = text[5:-3].split(',\n  "')   # each entry: `<stem>.md": {` ...
-        entries = metas[rel]
-        if not _splice_line(entries, lambda e: dated(e[:e.find('.md": {\n')] or "\n"),
-                            (rec.date, rec.id), entry[3:], add, 0, len(entries)):
+        # each entry `<stem>.md": {` ... after `  "`, the entries joined by `,\n  "`
+        if not (text and text.startswith('{\n  "') and text.endswith("\n}\n")):
             return None
-    for rel, entries in metas.items():
-        files[rel] = '{\n  "' + ',\n  "'.join(entries) + "\n}\n"
-    files["INDEX.md"] = "\n".join(lines)
-    files["ledger.tsv"] = _LEDGER_HEADER + "\n".join(rows)
+        text = _splice_text(text, 5, len(text) - 3, ',\n  "',
+                            lambda e: dated(e[:e.find('.md": {\n')] or "\n"), (rec.date, rec.id),
+                            entry[3:], add)
+        if text is None:
+            return None
+        files[rel] = text
     files["stats.svg"] = _render_chart(sums)
     # one entry line moved, or one more (state.json is a local file anyone may edit)
     entries = dict(hit["entries"]) if isinstance(hit.get("entries"), dict) else {}
@@ -7601,7 +7629,7 @@ def _render_splice(hit, old, new, key):
     else:
         entries.pop("INDEX.md", None)
     return {"files": files, "warnings": hit["warnings"], "records": None, "key": key,
-            "episodes": len(rows) - 1, "plain": True, "superseded": superseded, "chart": sums,
+            "episodes": hit["episodes"] + (old is None), "plain": True, "superseded": superseded, "chart": sums,
             "spliced": True, "entries": entries}
 
 
@@ -7615,29 +7643,57 @@ def _entry_stem(line):
     return line[2:].split(" ", 1)[0] if line.startswith("- ") else None
 
 
-def _splice_line(lines, key_of, mine, line, add, lo, hi):
-    """Put `line` (add) into lines[lo:hi], sorted by key_of(line), at the place of its key
-    `mine`, or take it out of that place; False when that place does not hold what it should,
-    a key there cannot be read (None), or taking it out would empty the block."""
-    start, end = lo, hi
-    while lo < hi:   # bisect_left with a key (Python 3.10's key= is not in 3.9)
-        mid = (lo + hi) // 2
-        k = key_of(lines[mid])
+def _index_block(text, heading):
+    """(start, end) of the entry lines under the one line `heading` of an INDEX (from the second
+    line after it up to the next empty line), or None: no such line, or two."""
+    line = heading + "\n"
+    at = 0 if text.startswith(line) else text.find("\n" + line) + 1
+    if (at == 0 and not text.startswith(line)) or text.find("\n" + line, at) >= 0 or \
+            text.endswith("\n" + heading):
+        return None
+    start = text.find("\n", at + len(line)) + 1   # past the line after the heading
+    end = text.find("\n\n", start - 1)   # the newline before the next empty line
+    if end < 0 and text.endswith("\n"):
+        end = len(text) - 1   # the empty string after the last newline, as split() has it
+    return None if start == 0 or end < 0 else (start, max(start, end))
+
+
+def _splice_text(text, lo, hi, sep, key_of, mine, line, add):
+    """`text` with `line` put among the records of text[lo:hi] (joined by `sep`, sorted by
+    key_of(record)) at the place of its key `mine` (add), or with the record at that place taken
+    out; None when that place does not hold what it should, a key there cannot be read, or
+    taking it out would empty the block. The place is found by bisection over offsets, each
+    probe reading one record: a text of 100,000 lines is never split (`shelve` at 100,000
+    episodes, docs/performance.md, s16)."""
+    size = len(sep)
+
+    def end_of(start):
+        at = text.find(sep, start, hi)
+        return hi if at < 0 else at
+
+    a, b = lo, hi   # a: a record's start (or hi); b: a record's start or hi
+    while a < b:
+        at = text.find(sep, max(a, (a + b) // 2 - size), b)
+        m = a if at < 0 or at + size >= b else at + size   # the first record from the middle
+        e = end_of(m)
+        k = key_of(text[m:e])
         if k is None:
-            return False
-        lo, hi = (mid + 1, hi) if k < mine else (lo, mid)
-    there = key_of(lines[lo]) if lo < end else ()
+            return None
+        a, b = (e + size if e < hi else hi, b) if k < mine else (a, m)
+    e = end_of(a) if a < hi else hi
+    there = key_of(text[a:e]) if a < hi else ()
     if there is None:
-        return False
+        return None
     if add:
         if there == mine:
-            return False
-        lines.insert(lo, line)
-    else:
-        if there != mine or lines[lo] != line or end - start == 1:
-            return False
-        del lines[lo]
-    return True
+            return None
+        # joined, not added: `+` would copy the text once per operand
+        if a == hi and lo < hi:   # after the last record
+            return "".join((text[:hi], sep, line, text[hi:]))
+        return "".join((text[:a], line, sep, text[a:]))
+    if there != mine or text[a:e] != line or (a == lo and e == hi):
+        return None
+    return "".join((text[:a - size], text[hi:]) if e == hi else (text[:a], text[e + size:]))
 
 
 def _disk_bytes(path):

@@ -312,6 +312,26 @@ def test_committed_index_lists_only_committed_episodes(shelf3, leftover):
     assert "2026-11-09-stray-file" not in git(shelf3, "show", "HEAD:INDEX.md")
 
 
+def test_a_reset_makes_the_next_shelve_ask_git_for_strays_again(shelf3):
+    # a shelve that committed every episode file remembers that commit with its render; the
+    # next one asks git for untracked episodes only when the listing or HEAD moved since
+    assert shelve(shelf3, "2026-12-05-first").code == 0
+    memo = json.loads((shelf3 / ".memshelf" / "state.json").read_text())["render_memo"]
+    assert memo["committed"] == git(shelf3, "rev-parse", "HEAD").strip()
+    assert shelve(shelf3, "2026-12-06-second").code == 0
+    git(shelf3, "reset", "-q", "--mixed", "HEAD~1")   # the second is untracked, its file stays
+    r = shelve(shelf3, "2026-12-07-third")
+    assert r.code == 0 and "2026-12-06-second" in r.out + r.err, r
+    assert "2026-12-06-second" not in git(shelf3, "ls-tree", "-r", "--name-only", "HEAD")
+    assert "2026-12-06-second" not in git(shelf3, "show", "HEAD:INDEX.md")
+    # a stray was left out: no render claims the commit it went into
+    memo = json.loads((shelf3 / ".memshelf" / "state.json").read_text())["render_memo"]
+    assert memo.get("committed") != git(shelf3, "rev-parse", "HEAD").strip()
+    r = shelve(shelf3, "2026-12-08-fourth")   # and the next shelve still leaves it out
+    assert r.code == 0 and "2026-12-06-second" in r.out + r.err, r
+    assert "2026-12-06-second" not in git(shelf3, "show", "HEAD:INDEX.md")
+
+
 # 10. doctor and repair see the shelf lock --------------------------------------------------
 
 @pytest.mark.slow

@@ -553,3 +553,53 @@ def test_a_listing_stated_again_keys_as_a_new_listing(three):
     assert memshelf._render_key_of(root, "compact", again, [], seen) == \
         memshelf._render_key_of(root, "compact", fresh, [], seen)
     assert again.stamp(new) == fresh.stamp(new) and again.stamp(old) is None
+
+
+def _spliced_as_lists(records, mine, line, add):
+    """What _splice_text must do, on a list of records (bisect_left by key, then insert/delete)."""
+    import bisect
+    keys = [r.split(":")[0] for r in records]
+    at = bisect.bisect_left(keys, mine)
+    there = keys[at] if at < len(keys) else ()
+    if add:
+        return None if there == mine else records[:at] + [line] + records[at:]
+    if there != mine or records[at] != line or len(records) == 1:
+        return None
+    return records[:at] + records[at + 1:]
+
+
+@pytest.mark.parametrize("sep", ["\n", ',\n  "'])
+def test_splice_text_puts_and_takes_a_record_as_a_sorted_list_would(sep):
+    # shelve's splice bisects over offsets (no split); a list of records is the reference
+    import random
+    import memshelf
+    rng = random.Random(7)
+    for _ in range(3000):
+        keys = sorted(rng.sample(range(100, 160), rng.randrange(0, 8)))
+        records = [f"{k}:{'x' * rng.randrange(0, 30)}" for k in keys]
+        head, tail = "HEAD" + sep, sep + "TAIL"
+        text = head + sep.join(records) + tail
+        lo, hi = len(head), len(head) + len(sep.join(records))
+        mine = str(rng.choice(keys + [rng.randrange(100, 160)]) if keys else rng.randrange(100, 160))
+        add = rng.random() < 0.5
+        line = f"{mine}:{'y' * rng.randrange(0, 5)}" if add or mine not in [str(k) for k in keys] \
+            else rng.choice([records[keys.index(int(mine))], f"{mine}:other"])
+        got = memshelf._splice_text(text, lo, hi, sep, lambda r: r.split(":")[0], mine, line, add)
+        want = _spliced_as_lists(records, mine, line, add)
+        if want is not None:   # an empty block gains its line and the separator after it
+            want = head + (sep.join(want) if records else line + sep) + tail
+        assert got == want, (records, mine, line, add)
+
+
+def test_index_block_is_the_lines_under_the_one_heading():
+    import memshelf
+    for text, want in (("# I\n\n## Topics\n\n- a\n- b\n\n## Sessions\n\n- c\n", ["- a", "- b"]),
+                       ("## Topics\n\n- a\n", ["- a"]),
+                       ("## Topics\n\n\n## Sessions\n", []),
+                       ("## Topics\n\n- a\n## Topics\n\n- b\n", None),
+                       ("# I\n\n## Sessions\n\n- c\n", None),
+                       ("## Topics\n\n- a", None),
+                       ("## Topics\n", None)):
+        block = memshelf._index_block(text, "## Topics")
+        assert (None if block is None else text[block[0]:block[1]].split("\n")
+                if block[1] > block[0] else []) == want, text

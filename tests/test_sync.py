@@ -501,6 +501,34 @@ def test_resolve_outside_a_merge_is_rebuild_and_doctor(tmp_path, shelf):
         "resolve: regenerate derived files + union the recall log"
 
 
+def test_shelve_commits_recall_rows_that_head_lacks_and_only_those(tmp_path):
+    # shelve tells pending recall rows by the file's bytes against HEAD's blob; where HEAD has
+    # no such file, git status tells (untracked: committed; ignored: left alone)
+    root = tmp_path / "s"
+    memshelf.init(shelf_path=str(root), storage="git-local")
+    put(root, "2026-07-01-first")
+
+    def committed(slug):
+        put(root, slug)
+        return git(root, "show", "--name-only", "--format=", "HEAD").split()
+
+    assert "recall-log.tsv" not in committed("2026-07-02-no-recall")   # none pending
+    recall(root)
+    assert "recall-log.tsv" in committed("2026-07-03-after-recall")
+    assert "recall-log.tsv" not in committed("2026-07-04-again")   # committed already
+    assert git(root, "status", "--porcelain", "--", "recall-log.tsv") == ""
+    git(root, "rm", "-q", "--cached", "recall-log.tsv")
+    git(root, "commit", "-q", "-m", "untrack the log")
+    assert "recall-log.tsv" in committed("2026-07-05-untracked")   # HEAD lacks it: status
+    git(root, "rm", "-q", "--cached", "recall-log.tsv")
+    with open(root / ".gitignore", "a", encoding="utf-8") as f:
+        f.write("recall-log.tsv\n")
+    git(root, "commit", "-q", "-am", "ignore the log")
+    recall(root)
+    assert "recall-log.tsv" not in committed("2026-07-06-ignored")
+    assert memshelf.rebuild(shelf_path=str(root), check=True)["ok"]
+
+
 # --- the recall-log union --------------------------------------------------------------------
 
 H = "episode_id\tsection\tfetched_tokens\tdate\n"
