@@ -7608,10 +7608,10 @@ def _render_splice(hit, old, new, key):
             return None
         files["INDEX.md"] = text
         entry = _meta_entry(rec)[0]
-        rel = f"docs/{rec.category}/.meta.json"
-        text = files.get(rel)
         if entry is None:
             continue
+        rel = f"docs/{rec.category}/.meta.json"
+        text = files.get(rel)
         # each entry `<stem>.md": {` ... after `  "`, the entries joined by `,\n  "`
         if not (text and text.startswith('{\n  "') and text.endswith("\n}\n")):
             return None
@@ -7629,8 +7629,8 @@ def _render_splice(hit, old, new, key):
     else:
         entries.pop("INDEX.md", None)
     return {"files": files, "warnings": hit["warnings"], "records": None, "key": key,
-            "episodes": hit["episodes"] + (old is None), "plain": True, "superseded": superseded, "chart": sums,
-            "spliced": True, "entries": entries}
+            "episodes": hit["episodes"] + (old is None), "plain": True,
+            "superseded": superseded, "chart": sums, "spliced": True, "entries": entries}
 
 
 def _entry_stem(line):
