@@ -2451,16 +2451,17 @@ def _render_key_of(root, fmt, listing, subdirs, seen):
     folders = listing.folders + [("", False, names, stamps)]
     # racy files count by content where the key is used: the key stays the same once they age
     since = seen - _RACY_NS   # changed within _RACY_NS (_unchanged): mtime or ctime since then
-    # a settled shelf has no racy file: a pass at C speed tells (`index`, cold). On POSIX every
+    # a settled folder has no racy file: a pass at C speed tells (`index`, cold). On POSIX every
     # change, an mtime put back included, moves the ctime to now; elsewhere the ctime is the
     # creation time and the mtime dates a change
-    newest = max((max(map(_ctime_part, f[3]), default=0) for f in folders), default=0)
+    newest = [max(map(_ctime_part, f[3]), default=0) for f in folders]
     if os.name != "posix":
-        newest = max(newest, max((max(map(_mtime_part, f[3]), default=0) for f in folders),
-                                 default=0))
+        newest = [max(n, max(map(_mtime_part, f[3]), default=0)) for n, f in zip(newest, folders)]
     racy = {}
-    # else the racy ones, picked at C speed (after a shelve's write its own file is racy)
-    for rel, _, names, stamps in folders if newest >= since else ():
+    # else its racy ones, picked at C speed (after a shelve's write its own file is racy)
+    for (rel, _, names, stamps), top in zip(folders, newest):
+        if top < since:
+            continue
         for name in itertools.compress(names, map(since.__le__, map(
                 max, map(_mtime_part, stamps), map(_ctime_part, stamps)))):
             path = f"{rel}/{name}" if rel else name
@@ -7582,12 +7583,23 @@ def _render_splice(hit, old, new, key):
     except (TypeError, ValueError):
         return None
 
+    body, last = len(_LEDGER_HEADER), max(len(_LEDGER_HEADER), len(ledger) - 1)
+
+    def date_of(row):
+        return row[:row.find("\t")]
+
     def dated(stem):   # (its date in the ledger, stem): the INDEX's and .meta.json's order
-        at = ledger.find("\t" + stem + "\t", len(_LEDGER_HEADER))
+        # a stem most often starts with its date: the rows of that date, found by bisection,
+        # are read first (a find through a 6 MB ledger per probe: 50 ms of a shelve at
+        # 100,000 episodes, docs/performance.md, s16)
+        first = _bisect_text(ledger, body, last, "\n", date_of, stem[:10])
+        after = first and _bisect_text(ledger, first[0], last, "\n", date_of, stem[:10] + "\uffff")
+        at = ledger.find("\t" + stem + "\t", first[0], after[0] + 1) if after else -1
+        if at < 0:
+            at = ledger.find("\t" + stem + "\t", body)
         start = ledger.rfind("\n", 0, at) + 1
         return None if at < 0 or "\t" in ledger[start:at] else (ledger[start:at], stem)
 
-    body = len(_LEDGER_HEADER)
     if not ledger.endswith("\n") or ledger.count("\n", body) != hit["episodes"]:
         return None   # a row broken across lines, or not one per episode
     for rec, add in ((old, False), (new, True)) if old else ((new, True),):
@@ -7658,13 +7670,10 @@ def _index_block(text, heading):
     return None if start == 0 or end < 0 else (start, max(start, end))
 
 
-def _splice_text(text, lo, hi, sep, key_of, mine, line, add):
-    """`text` with `line` put among the records of text[lo:hi] (joined by `sep`, sorted by
-    key_of(record)) at the place of its key `mine` (add), or with the record at that place taken
-    out; None when that place does not hold what it should, a key there cannot be read, or
-    taking it out would empty the block. The place is found by bisection over offsets, each
-    probe reading one record: a text of 100,000 lines is never split (`shelve` at 100,000
-    episodes, docs/performance.md, s16)."""
+def _bisect_text(text, lo, hi, sep, key_of, mine):
+    """(start, end) of the first record of text[lo:hi] (records joined by `sep`, sorted by
+    key_of(record)) whose key is not below `mine`, (hi, hi) if none; None when a key cannot be
+    read. Bisection over offsets, each probe reading one record: no text is split."""
     size = len(sep)
 
     def end_of(start):
@@ -7680,7 +7689,19 @@ def _splice_text(text, lo, hi, sep, key_of, mine, line, add):
         if k is None:
             return None
         a, b = (e + size if e < hi else hi, b) if k < mine else (a, m)
-    e = end_of(a) if a < hi else hi
+    return a, end_of(a) if a < hi else hi
+
+
+def _splice_text(text, lo, hi, sep, key_of, mine, line, add):
+    """`text` with `line` put among the records of text[lo:hi] (joined by `sep`, sorted by
+    key_of(record)) at the place of its key `mine` (add), or with the record at that place taken
+    out; None when that place does not hold what it should, a key there cannot be read, or
+    taking it out would empty the block. A text of 100,000 lines is never split (`shelve` at
+    100,000 episodes, docs/performance.md, s16)."""
+    found = _bisect_text(text, lo, hi, sep, key_of, mine)
+    if found is None:
+        return None
+    a, e = found
     there = key_of(text[a:e]) if a < hi else ()
     if there is None:
         return None
@@ -7693,6 +7714,7 @@ def _splice_text(text, lo, hi, sep, key_of, mine, line, add):
         return "".join((text[:a], line, sep, text[a:]))
     if there != mine or text[a:e] != line or (a == lo and e == hi):
         return None
+    size = len(sep)
     return "".join((text[:a - size], text[hi:]) if e == hi else (text[:a], text[e + size:]))
 
 
