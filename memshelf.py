@@ -6815,7 +6815,8 @@ def _shelve_write(root, git, plans, a, sync_report):
                 batch["hint"] = target["hint"]
     # remembered under the key after the write, but for a render that left strays out
     totals = _shelf_totals(root, window=plans[0].window, key=(key, after), records=(
-        rendered_records if mode == "auto" and not rendered["key"] else None))
+        rendered_records if mode == "auto" and not rendered["key"] else None),
+        index_text=rendered["files"].get("INDEX.md") if mode == "auto" else None)
     for p in plans:
         p.result.update({k: batch[k] for k in ("committed", "commit", "derived", "sync")})
         p.result.update(ledger_row=_ledger_row(new if one else _read_episode(root, p.address)),
@@ -7022,9 +7023,10 @@ def _episode_aggregate(records, window):
             "unmeasured_digest": unmeasured_digest, "window": window}
 
 
-def _shelf_totals(root, records=None, window=None, key=None):
-    """Banner totals: from `records`, else remembered under the store `key` (made if None).
-    The one definition of each figure that shelve, stats, the hook and the demo print."""
+def _shelf_totals(root, records=None, window=None, key=None, index_text=None):
+    """Banner totals: from `records`, else remembered under the store `key` (made if None);
+    `index_text`: INDEX.md as its writer just wrote it, else it is read. The one definition of
+    each figure that shelve, stats, the hook and the demo print."""
     window = window or _context_window(root)
     if records is None:
         key, scanned = key or _render_key(root, _index_format(root))
@@ -7036,8 +7038,9 @@ def _shelf_totals(root, records=None, window=None, key=None):
             _remember(root, "aggregate", key, aggregate)
     else:
         aggregate = _episode_aggregate(records, window)
-    try:
-        index_tokens = tokens(_read_text(os.path.join(root, "INDEX.md")))
+    try:   # (an INDEX is megabytes at 100,000 episodes: read and decoded, 15 ms)
+        index_tokens = tokens(_read_text(os.path.join(root, "INDEX.md"))
+                              if index_text is None else index_text)
     except (OSError, ShelfError):
         index_tokens = 0
     # standing: what a session carries, the INDEX, plus the digests read before any recall
