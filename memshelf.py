@@ -4357,7 +4357,8 @@ def _instruction_rule_table():
 
     # "ignore all lint rules" is a build note; "ignore all rules" or "all previous" is not.
     add("override", triggers, source, lambda m: strong.search(m.group(0)) is not None
-        or all_noun.search(m.group(0)) is not None, lead=True, also=functools.partial(_trigger_words, en_nouns))
+        or all_noun.search(m.group(0)) is not None, lead=True,
+        also=functools.partial(_trigger_words, en_nouns))
     add("override", "ignore disregard forget drop",
         r"\b(?:drop\s+everything\s+you(?:'re|\s+are|\s+were)\s+doing|(?:ignore|disregard"
         r"|forget)\s+(?:(?:everything|all|anything|whatever)\s+(?:(?:that\s+)?(?:was\s+)?(?:above"
@@ -4422,7 +4423,8 @@ def _instruction_rule_table():
     es_nouns = (r"instrucciones|reglas|indicaciones|órdenes|ordenes|directrices|directivas|normas"
                 r"|restricciones|pautas")
     es_quals = r"anteriores|previas|precedentes|arriba|originales|iniciales|sistema|todas|tus|sus"
-    add("override", *_phrase_rule(es_verbs, es_nouns, es_quals), also=functools.partial(_trigger_words, es_nouns))
+    add("override", *_phrase_rule(es_verbs, es_nouns, es_quals),
+        also=functools.partial(_trigger_words, es_nouns))
     add("override", "ignora olvida ignore olvide",
         r"\b(?:ignora|olvida|ignore|olvide)\s+todo\s+lo\s+(?:anterior|dicho|que\s+se\s+te)",
         also="todo")
@@ -4431,7 +4433,8 @@ def _instruction_rule_table():
     pt_nouns = (r"instruções|instrucoes|regras|orientações|orientacoes|ordens|diretrizes|diretivas"
                 r"|restrições|restricoes|comandos")
     pt_quals = r"anteriores|prévias|previas|acima|originais|iniciais|sistema|todas|suas|tuas|seus"
-    add("override", *_phrase_rule(pt_verbs, pt_nouns, pt_quals), also=functools.partial(_trigger_words, pt_nouns))
+    add("override", *_phrase_rule(pt_verbs, pt_nouns, pt_quals),
+        also=functools.partial(_trigger_words, pt_nouns))
     add("override", "ignore esqueça esqueca",
         r"\b(?:ignore|esqueça|esqueca)\s+tudo\s+(?:o\s+que|que|acima|anterior)", also="tudo")
     de_verbs = (r"ignoriere|ignorier|ignoriert|ignorieren\s+sie|vergiss|vergesst|vergessen\s+sie"
@@ -4456,7 +4459,8 @@ def _instruction_rule_table():
     fr_nouns = r"instructions|consignes|règles|regles|directives|ordres|indications|contraintes"
     fr_quals = (r"précédentes|precedentes|antérieures|anterieures|ci-dessus|initiales|originales"
                 r"|toutes|tes|vos|système|systeme")
-    add("override", *_phrase_rule(fr_verbs, fr_nouns, fr_quals), also=functools.partial(_trigger_words, fr_nouns))
+    add("override", *_phrase_rule(fr_verbs, fr_nouns, fr_quals),
+        also=functools.partial(_trigger_words, fr_nouns))
     add("override", "oublie oubliez ignore ignorez",
         r"\b(?:oublie|oubliez|ignore|ignorez)\s+tout\s+(?:ce\s+qui\s+(?:précède|precede|a\s+été)"
         r"|ce\s+que|ce\s+qu)", also="tout")
@@ -5010,7 +5014,8 @@ def _instruction_rules():
 @functools.lru_cache(maxsize=None)
 def _script_triggers(script):
     """The index of one script's triggers: most texts hold one script besides ASCII or none
-    (the other scripts' triggers were 70 % of building the tables, docs/performance.md, s16)."""
+    (the triggers outside ASCII were 1.8 ms of the 2.45 ms their index took, docs/performance.md,
+    s16)."""
     index = _TriggerIndex()
     for number, entry in _instruction_rules()[2].get(script, ()):
         index.add(number, entry)
@@ -5059,8 +5064,8 @@ class _TriggerIndex:
 
 class _InstructionRule:
     """A row of the rule table as the scan runs it. Its pattern is compiled, and its gate spelled,
-    when a text first fires it: a text fires a handful of the rules (the gates were a third of
-    building the tables, and a third of a cold `recall`'s scan, docs/performance.md, s16)."""
+    when a text first fires it: a text fires a handful of the rules (spelling every gate took
+    1.75 ms of the 6.1 ms the tables cost a cold `recall`, docs/performance.md, s16)."""
     __slots__ = ("kind", "regex", "check", "also", "gate")
 
     def __init__(self, kind, source, check, flags, also):
@@ -6864,7 +6869,8 @@ def _recall_log_pending(git, root):
         data = _file_bytes(os.path.join(root, _RECALL_LOG))
     except OSError:
         data = None
-    blob = git.run("rev-parse", "-q", "--verify", f"HEAD:{_RECALL_LOG}", check=False,
+    # HEAD:./path: the path from the shelf, which may be a folder inside the repository
+    blob = git.run("rev-parse", "-q", "--verify", f"HEAD:./{_RECALL_LOG}", check=False,
                    read_only=True).stdout.strip().decode("ascii", "replace")
     if not blob:
         return data is not None and bool(git.run(
@@ -7595,9 +7601,9 @@ def _render_splice(hit, old, new, key):
         # a stem most often starts with its date: the rows of that date, found by bisection,
         # are read first (a find through a 6 MB ledger per probe: 50 ms of a shelve at
         # 100,000 episodes, docs/performance.md, s16)
-        first = _bisect_text(ledger, body, last, "\n", date_of, stem[:10])
-        after = first and _bisect_text(ledger, first[0], last, "\n", date_of, stem[:10] + "\uffff")
-        at = ledger.find("\t" + stem + "\t", first[0], after[0] + 1) if after else -1
+        lo = _bisect_text(ledger, body, last, "\n", date_of, stem[:10])[0]
+        hi = _bisect_text(ledger, lo, last, "\n", date_of, stem[:10] + "\uffff")[0]
+        at = ledger.find("\t" + stem + "\t", lo, hi)
         if at < 0:
             at = ledger.find("\t" + stem + "\t", body)
         start = ledger.rfind("\n", 0, at) + 1

@@ -580,7 +580,8 @@ def test_splice_text_puts_and_takes_a_record_as_a_sorted_list_would(sep):
         head, tail = "HEAD" + sep, sep + "TAIL"
         text = head + sep.join(records) + tail
         lo, hi = len(head), len(head) + len(sep.join(records))
-        mine = str(rng.choice(keys + [rng.randrange(100, 160)]) if keys else rng.randrange(100, 160))
+        mine = str(rng.choice(keys + [rng.randrange(100, 160)]) if keys
+                   else rng.randrange(100, 160))
         add = rng.random() < 0.5
         line = f"{mine}:{'y' * rng.randrange(0, 5)}" if add or mine not in [str(k) for k in keys] \
             else rng.choice([records[keys.index(int(mine))], f"{mine}:other"])

@@ -529,6 +529,27 @@ def test_shelve_commits_recall_rows_that_head_lacks_and_only_those(tmp_path):
     assert memshelf.rebuild(shelf_path=str(root), check=True)["ok"]
 
 
+def test_recall_rows_of_a_shelf_inside_a_larger_repository_ride_once(tmp_path):
+    # HEAD's blob is looked up from the shelf's folder, not from the repository's top
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    git(outer, "init", "-q")
+    git(outer, "commit", "-q", "--allow-empty", "-m", "root")
+    root = outer / "shelf"
+    memshelf.init(shelf_path=str(root), storage="git-local")
+    put(root, "2026-07-01-first")
+    recall(root)
+    # the outer project's own file of that name holds the very rows the shelf has pending
+    (outer / "recall-log.tsv").write_bytes((root / "recall-log.tsv").read_bytes())
+    git(outer, "add", "recall-log.tsv")
+    git(outer, "commit", "-q", "-m", "a file of the outer project", "--", "recall-log.tsv")
+    for slug, rides in (("2026-07-02-after-recall", True), ("2026-07-03-again", False)):
+        put(root, slug)
+        changed = git(root, "show", "--name-only", "--format=", "HEAD").split()
+        assert ("shelf/recall-log.tsv" in changed) is rides, (slug, changed)
+    assert git(outer, "status", "--porcelain") == ""
+
+
 # --- the recall-log union --------------------------------------------------------------------
 
 H = "episode_id\tsection\tfetched_tokens\tdate\n"
