@@ -183,7 +183,12 @@ def _usage(message, fix="", **details):
 
 def tokens(text):
     """The one token estimator: chars/4 over Python characters."""
-    return len(text) // 4
+    return _chars_tokens(len(text))
+
+
+def _chars_tokens(chars):
+    """tokens() of a text known by its length in characters alone."""
+    return chars // 4
 
 
 class _LazyPattern:
@@ -2535,11 +2540,13 @@ _DIGEST_SHA1_FROM = 4 << 20
 
 
 # kept: cold `index` at 10k, 341 ms vs 824 ms without, docs/performance.md § Fast paths
-def _render_memo_hit(root, key, memo=None, index_only=False, settle=True):
+def _render_memo_hit(root, key, memo=None, index_only=False, settle=True, needs=None):
     """The last full render from disk, if made under `key` and every derived file still holds it:
     its bytes hash to the memo's digest, or its stamp is the one a read that hashed them took,
     unchanged since (_unchanged). settle=False: the caller remembers a new render next, so what
-    settled is not written first."""
+    settled is not written first. needs: shelve's splice, which reads these paths as bytes,
+    undecoded; the others only where their stamp no longer vouches for them (the splice
+    changes neither: docs/performance.md, s17)."""
     memo = _state(root).get("render_memo") if memo is None else memo
     if not _key_holds(root, memo, key) or not isinstance(memo.get("files"), dict):
         return None
@@ -2550,19 +2557,27 @@ def _render_memo_hit(root, key, memo=None, index_only=False, settle=True):
             return None   # state.json is a local file anyone may edit: only derived names count
         if index_only and rel not in ("INDEX.md", "archive/INDEX.md"):
             continue
-        path = os.path.join(root, rel)
+        path, known = os.path.join(root, rel), stamps.get(rel)
+        if not (isinstance(known, list) and len(known) == 4 and
+                all(type(n) is int for n in known)):
+            known = None
+        if needs is not None and rel not in needs and digest is not None and known:
+            try:   # a file the splice does not change, checked by its stamp alone
+                if _unchanged(_stat_stamp(os.stat(path)), tuple(known[:3]), known[3]):
+                    settled[rel] = known
+                    continue
+            except OSError:
+                return None
         try:   # the bytes are hashed as read: their text is not encoded again
             data, st = (None, None) if digest is None else _file_bytes_stamped(path)
-            files[rel] = None if data is None else data.decode("utf-8")
+            files[rel] = data if data is None or needs is not None else data.decode("utf-8")
         except (OSError, UnicodeDecodeError):
             return None
         if digest is None:
             if os.path.lexists(path):
                 return None
             continue
-        known = stamps.get(rel)
-        if isinstance(known, list) and len(known) == 4 and \
-                all(type(n) is int for n in known) and _unchanged(st, tuple(known[:3]), known[3]):
+        if known and _unchanged(st, tuple(known[:3]), known[3]):
             settled[rel] = known   # hashed by an earlier read: a cold `index` skips 1.5 ms
         elif _data_digest(data) != digest:
             return None
@@ -2570,12 +2585,13 @@ def _render_memo_hit(root, key, memo=None, index_only=False, settle=True):
             settled[rel] = [*st[:3], seen]
     if settle:
         _settle(root, "render_memo", memo, key, settled)
-    return {"files": files, "digests": {rel: memo["files"][rel] for rel in files},
-            "warnings": list(memo.get("warnings") or []), "records": None,
+    return {"files": files, "digests": {rel: memo["files"][rel] for rel in (
+                memo["files"] if needs is not None else files)},
+            "stamps": settled, "warnings": list(memo.get("warnings") or []), "records": None,
             "key": key, "episodes": memo.get("episodes") or 0, "plain": memo.get("plain"),
             "superseded": memo.get("superseded"), "chart": memo.get("chart"),
             "spliced": memo.get("spliced"), "entries": memo.get("entries"),
-            "committed": memo.get("committed")}
+            "index_chars": memo.get("index_chars"), "committed": memo.get("committed")}
 
 
 def _remember_if_on_disk(root, rendered):
@@ -2612,7 +2628,8 @@ def _remember_render(root, rendered, digests):
         "warnings": rendered["warnings"], "plain": rendered.get("plain") is True,
         "superseded": rendered.get("superseded"), "chart": rendered.get("chart"),
         "spliced": rendered.get("spliced") is True, "entries": rendered.get("entries"),
-        "committed": rendered.get("committed")})
+        "index_chars": rendered.get("index_chars"), "committed": rendered.get("committed"),
+        **({"stamps": rendered["stamps"]} if rendered.get("stamps") else {})})
 
 
 def _forget_render(root):
@@ -6738,7 +6755,11 @@ def _shelve_write(root, git, plans, a, sync_report):
     memo = _state(root).get("render_memo") if mode == "auto" and one and fmt == "compact" \
         else None
     # (neither settles: the render and the totals are remembered anew after the write)
-    hit = _render_memo_hit(root, before, memo=memo, settle=False) if isinstance(memo, dict) and \
+    # (the splice reads as bytes only the files it changes: INDEX, ledger, the category's
+    # .meta.json; stats.svg it draws anew)
+    needs = {"INDEX.md", "ledger.tsv", *(q.rsplit("/", 1)[0] + "/.meta.json" for q in touched)}
+    hit = _render_memo_hit(root, before, memo=memo, settle=False, needs=needs) if \
+        isinstance(memo, dict) and \
         memo.get("plain") is True and (one.old is None or scanned.stamp(
             one.old.path) == (one.old.size, one.old.mtime_ns, one.old.ino)) else None
     # and the totals (read before the write: an amend rewrites a file the key may hold racy)
@@ -6771,15 +6792,23 @@ def _shelve_write(root, git, plans, a, sync_report):
                     rendered["aggregate"] = moved
             rendered = rendered or _render_derived(root, key=(key, after))
             rendered_records = rendered["records"]
+            spliced = rendered.get("spliced") is True
             for rel, content in rendered["files"].items():
-                if rendered.get("spliced") and content is hit["files"].get(rel):
-                    # kept by the splice: the text just read from disk (_render_memo_hit)
+                if spliced and content is hit["files"].get(rel):
+                    # kept by the splice: the bytes just read from disk (_render_memo_hit)
                     digests[rel] = hit["digests"][rel]
                     continue
-                data = None if content is None else content.encode("utf-8")
+                data = content.encode("utf-8") if isinstance(content, str) else content
                 digests[rel] = None if data is None else _data_digest(data)
-                if journal.write_if_changed(rel, data):
+                if journal.write_if_changed(rel, data, hit["files"].get(rel) if spliced
+                                            else None):
                     written.append(rel)
+            if spliced:   # the files the splice left unread stay as they were, and so do
+                # the stamps of those it did not write
+                for rel, digest in hit["digests"].items():
+                    digests.setdefault(rel, digest)
+                rendered["stamps"] = {rel: st for rel, st in hit["stamps"].items()
+                                      if rel not in written}
             for p in plans:
                 p.result["warnings"].extend(w for w in rendered["warnings"]
                                             if p.result["id"] in w)
@@ -6788,7 +6817,7 @@ def _shelve_write(root, git, plans, a, sync_report):
             batch["derived"] = {"mode": "bot", "written": []}
         if git.is_repo() and a.autocommit:
             # every derived file, not only those written: a hand rebuild's (0.4.0) uncommitted too
-            paths = touched + written + (list(rendered["files"]) if mode == "auto" else [])
+            paths = touched + written + (list(digests) if mode == "auto" else [])
             if _recall_log_pending(git, root):   # recall rows ride along
                 paths.append(_RECALL_LOG)
             message = f"shelve: {ids[0]}" + (" (amend)" if a.amend else "") if one else \
@@ -6819,9 +6848,11 @@ def _shelve_write(root, git, plans, a, sync_report):
             if target.get("hint"):
                 batch["hint"] = target["hint"]
     # remembered under the key after the write, but for a render that left strays out
+    index = rendered["files"].get("INDEX.md") if mode == "auto" else None
     totals = _shelf_totals(root, window=plans[0].window, key=(key, after), records=(
         rendered_records if mode == "auto" and not rendered["key"] else None),
-        index_text=rendered["files"].get("INDEX.md") if mode == "auto" else None)
+        index_chars=len(index) if isinstance(index, str) else
+        rendered.get("index_chars") if isinstance(index, bytes) else None)
     for p in plans:
         p.result.update({k: batch[k] for k in ("committed", "commit", "derived", "sync")})
         p.result.update(ledger_row=_ledger_row(new if one else _read_episode(root, p.address)),
@@ -6908,8 +6939,11 @@ class _Journal:
         self.root = root
         self.saved = []
 
-    def _remember(self, rel):
+    def _remember(self, rel, held=None):
         path = _shelf_join(self.root, *rel.split("/"))
+        if held is not None:
+            self.saved.append((path, held))
+            return path
         try:
             with open(path, "rb") as f:
                 self.saved.append((path, f.read()))
@@ -6917,22 +6951,25 @@ class _Journal:
             self.saved.append((path, None))
         return path
 
-    def write(self, rel, text):
-        path = self._remember(rel)
+    def write(self, rel, text, held=None):
+        path = self._remember(rel, held)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _atomic_write(path, text)
 
-    def write_if_changed(self, rel, content):
-        """Write `content` (text or bytes; None removes the file) unless the file holds it."""
+    def write_if_changed(self, rel, content, held=None):
+        """Write `content` (text or bytes; None removes the file) unless the file holds it.
+        held: the file's bytes as the caller read them under the lock (shelve's splice), not
+        read again (megabytes at 100,000 episodes)."""
         path = _shelf_join(self.root, *rel.split("/"))
         if content is None:
             if os.path.exists(path):
                 self.remove(rel)
                 return True
             return False
-        if _disk_bytes(path) == (content.encode("utf-8") if isinstance(content, str) else content):
+        data = content.encode("utf-8") if isinstance(content, str) else content
+        if (_disk_bytes(path) if held is None else held) == data:
             return False
-        self.write(rel, content)
+        self.write(rel, data, held)
         return True
 
     def move(self, src, dst):
@@ -7029,10 +7066,10 @@ def _episode_aggregate(records, window):
             "unmeasured_digest": unmeasured_digest, "window": window}
 
 
-def _shelf_totals(root, records=None, window=None, key=None, index_text=None):
+def _shelf_totals(root, records=None, window=None, key=None, index_chars=None):
     """Banner totals: from `records`, else remembered under the store `key` (made if None);
-    `index_text`: INDEX.md as its writer just wrote it, else it is read. The one definition of
-    each figure that shelve, stats, the hook and the demo print."""
+    `index_chars`: the length in characters of INDEX.md as its writer just wrote it, else it is
+    read. The one definition of each figure that shelve, stats, the hook and the demo print."""
     window = window or _context_window(root)
     if records is None:
         key, scanned = key or _render_key(root, _index_format(root))
@@ -7045,8 +7082,8 @@ def _shelf_totals(root, records=None, window=None, key=None, index_text=None):
     else:
         aggregate = _episode_aggregate(records, window)
     try:   # (an INDEX is megabytes at 100,000 episodes: read and decoded, 15 ms)
-        index_tokens = tokens(_read_text(os.path.join(root, "INDEX.md"))
-                              if index_text is None else index_text)
+        index_tokens = tokens(_read_text(os.path.join(root, "INDEX.md"))) \
+            if index_chars is None else _chars_tokens(index_chars)
     except (OSError, ShelfError):
         index_tokens = 0
     # standing: what a session carries, the INDEX, plus the digests read before any recall
@@ -7565,84 +7602,99 @@ def _render_records(root, records, fmt, index_only, key):
             "episodes": sum(1 for r in records if r.id), "plain": plain,
             "superseded": superseded if plain else None, "chart": sums if plain else None,
             "entries": {rel: _entry_count(files[rel]) for rel in ("INDEX.md", "archive/INDEX.md")
-                        if files.get(rel) is not None}}
+                        if files.get(rel) is not None},
+            "index_chars": len(files["INDEX.md"]) if files.get("INDEX.md") is not None else None}
 
 
 # kept: `shelve`, auto, at 10k, 475 ms vs 644 ms without, docs/performance.md § Fast paths:
 # the other episodes' rows are neither read nor rendered
 def _render_splice(hit, old, new, key):
-    """The render remembered before a shelve (`hit`, made under the scan before the write) with
-    the lines of the one episode it wrote moved from `old` (the record it replaced, or None) to
-    `new`, in the derived texts alone. Their lines are found by binary search: an INDEX or
-    .meta.json line's sort key is its stem and that stem's date in the ledger, which on a plain
-    shelf lists every episode under its stem (_render_records: no warning, every id its stem,
-    none twice). A full render's bytes (checked against one in tests/test_store.py), or None
+    """The render remembered before a shelve (`hit`, made under the scan before the write, its
+    files read as bytes) with the lines of the one episode it wrote moved from `old` (the record
+    it replaced, or None) to `new`, in the derived files' bytes alone: megabytes at 100,000
+    episodes are neither decoded nor encoded again (docs/performance.md, s17). Their lines are
+    found by binary search: an INDEX or .meta.json line's sort key is its stem and that stem's
+    date in the ledger, which on a plain shelf lists every episode under its stem
+    (_render_records: no warning, every id its stem, none twice); UTF-8 bytes sort as their
+    characters do. A full render's bytes (checked against one in tests/test_store.py), or None
     where unsure: a supersedes on either side, a warning, a category that appears or empties."""
     files, superseded, sums = dict(hit["files"]), hit.get("superseded"), hit.get("chart")
     ledger, index = files.get("ledger.tsv"), files.get("INDEX.md")
+    header = _LEDGER_HEADER.encode()
     if not (hit.get("plain") is True and isinstance(superseded, dict) and isinstance(sums, dict)
-            and ledger and index and ledger.startswith(_LEDGER_HEADER)) or \
+            and isinstance(ledger, bytes) and isinstance(index, bytes) and
+            ledger.startswith(header)) or \
             any(r is not None and (r.archived or r.supersedes or r.id != r.stem or
                                    r.fields.get("date") != r.date or _meta_entry(r)[1])
-                for r in (old, new)) or \
-            (old is None and "\t" + new.id + "\t" in ledger):
+                for r in (old, new)):
         return None
+
+    def move(rec, add):   # what one move puts in or takes out, as bytes
+        line, entry = _compact_entry(rec, superseded), _meta_entry(rec)[0]
+        return (rec, add, rec.date.encode(), rec.id.encode(), _ledger_row(rec).encode(),
+                line.encode(), len(line), None if entry is None else entry[3:].encode())
+
     try:
         sums = {d: [int(v) for v in e] for d, e in sums.items() if len(e) == 3}
-    except (TypeError, ValueError):
+        moves = [move(rec, add) for rec, add in ((old, False), (new, True)) if rec]
+    except (TypeError, ValueError):   # UnicodeEncodeError too: a lone surrogate
+        return None
+    if old is None and b"\t" + moves[0][3] + b"\t" in ledger:
         return None
 
-    body, last = len(_LEDGER_HEADER), max(len(_LEDGER_HEADER), len(ledger) - 1)
+    body, last = len(header), max(len(header), len(ledger) - 1)
 
     def date_of(row):
-        return row[:row.find("\t")]
+        return row[:row.find(b"\t")]
 
     def dated(stem):   # (its date in the ledger, stem): the INDEX's and .meta.json's order
         # a stem most often starts with its date: the rows of that date, found by bisection,
         # are read first (a find through a 6 MB ledger per probe: 50 ms of a shelve at
         # 100,000 episodes, docs/performance.md, s16)
-        lo = _bisect_text(ledger, body, last, "\n", date_of, stem[:10])[0]
-        hi = _bisect_text(ledger, lo, last, "\n", date_of, stem[:10] + "\uffff")[0]
-        at = ledger.find("\t" + stem + "\t", lo, hi)
+        lo = _bisect_text(ledger, body, last, b"\n", date_of, stem[:10])[0]
+        hi = _bisect_text(ledger, lo, last, b"\n", date_of, stem[:10] + b"\xff")[0]
+        at = ledger.find(b"\t" + stem + b"\t", lo, hi)
         if at < 0:
-            at = ledger.find("\t" + stem + "\t", body)
-        start = ledger.rfind("\n", 0, at) + 1
-        return None if at < 0 or "\t" in ledger[start:at] else (ledger[start:at], stem)
+            at = ledger.find(b"\t" + stem + b"\t", body)
+        start = ledger.rfind(b"\n", 0, at) + 1
+        return None if at < 0 or b"\t" in ledger[start:at] else (ledger[start:at], stem)
 
-    if not ledger.endswith("\n") or ledger.count("\n", body) != hit["episodes"]:
+    if not ledger.endswith(b"\n") or ledger.count(b"\n", body) != hit["episodes"]:
         return None   # a row broken across lines, or not one per episode
-    for rec, add in ((old, False), (new, True)) if old else ((new, True),):
-        text = files["ledger.tsv"]
-        text = _splice_text(text, body, max(body, len(text) - 1), "\n",
-                            lambda row: tuple(row.split("\t", 2)[:2]), (rec.date, rec.id),
-                            _ledger_row(rec), add)
+    chars = hit.get("index_chars")
+    for rec, add, date, stem, row, line, width, entry in moves:
+        text = _splice_text(files["ledger.tsv"], body, max(body, len(files["ledger.tsv"]) - 1),
+                            b"\n", lambda r: tuple(r.split(b"\t", 2)[:2]), (date, stem), row,
+                            add)
         if text is None:
             return None
         files["ledger.tsv"] = text
         _chart_sums([rec], sums, 1 if add else -1)
         text = files["INDEX.md"]
-        block = _index_block(text, "## " + _HEADINGS[rec.category])
-        text = block and _splice_text(text, *block, "\n",
-                                      lambda line: dated(_entry_stem(line) or "\n"),
-                                      (rec.date, rec.stem), _compact_entry(rec, superseded), add)
+        block = _index_block(text, ("## " + _HEADINGS[rec.category]).encode())
+        text = block and _splice_text(text, *block, b"\n",
+                                      lambda item: dated(_entry_stem(item) or b"\n"),
+                                      (date, stem), line, add)
         if text is None:
             return None
         files["INDEX.md"] = text
-        entry = _meta_entry(rec)[0]
+        if type(chars) is int:   # the INDEX's length in characters, for the banner's tokens
+            chars += (width + 1) if add else -(width + 1)
         if entry is None:
             continue
         rel = f"docs/{rec.category}/.meta.json"
         text = files.get(rel)
         # each entry `<stem>.md": {` ... after `  "`, the entries joined by `,\n  "`
-        if not (text and text.startswith('{\n  "') and text.endswith("\n}\n")):
+        if not (isinstance(text, bytes) and text.startswith(b'{\n  "') and
+                text.endswith(b"\n}\n")):
             return None
-        text = _splice_text(text, 5, len(text) - 3, ',\n  "',
-                            lambda e: dated(e[:e.find('.md": {\n')] or "\n"), (rec.date, rec.id),
-                            entry[3:], add)
+        text = _splice_text(text, 5, len(text) - 3, b',\n  "',
+                            lambda e: dated(e[:e.find(b'.md": {\n')] or b"\n"), (date, stem),
+                            entry, add)
         if text is None:
             return None
         files[rel] = text
-    files["stats.svg"] = _render_chart(sums)
+    files["stats.svg"] = _render_chart(sums).encode()
     # one entry line moved, or one more (state.json is a local file anyone may edit)
     entries = dict(hit["entries"]) if isinstance(hit.get("entries"), dict) else {}
     if type(entries.get("INDEX.md")) is int and entries["INDEX.md"] >= 0:
@@ -7651,30 +7703,32 @@ def _render_splice(hit, old, new, key):
         entries.pop("INDEX.md", None)
     return {"files": files, "warnings": hit["warnings"], "records": None, "key": key,
             "episodes": hit["episodes"] + (old is None), "plain": True,
-            "superseded": superseded, "chart": sums, "spliced": True, "entries": entries}
+            "superseded": superseded, "chart": sums, "spliced": True, "entries": entries,
+            "index_chars": chars if type(chars) is int and chars >= 0 else None}
 
 
 def _entry_stem(line):
-    """The stem a compact INDEX line names (_index_key quotes some in backticks), or None."""
-    if line.startswith("- `"):
-        end = line.find("`", 3)
+    """The stem (bytes) a compact INDEX line names (_index_key quotes some in backticks), or
+    None."""
+    if line.startswith(b"- `"):
+        end = line.find(b"`", 3)
         # a stem holding a backtick is not read back: the splice then declines
-        closed = end > 0 and (len(line) == end + 1 or line[end + 1] == " ")
+        closed = end > 0 and line[end + 1:end + 2] in (b"", b" ")
         return line[3:end] if closed else None
-    return line[2:].split(" ", 1)[0] if line.startswith("- ") else None
+    return line[2:].split(b" ", 1)[0] if line.startswith(b"- ") else None
 
 
 def _index_block(text, heading):
-    """(start, end) of the entry lines under the one line `heading` of an INDEX (from the second
-    line after it up to the next empty line), or None: no such line, or two."""
-    line = heading + "\n"
-    at = 0 if text.startswith(line) else text.find("\n" + line) + 1
-    if (at == 0 and not text.startswith(line)) or text.find("\n" + line, at) >= 0 or \
-            text.endswith("\n" + heading):
+    """(start, end) of the entry lines under the one line `heading` of an INDEX's bytes (from
+    the second line after it up to the next empty line), or None: no such line, or two."""
+    line = heading + b"\n"
+    at = 0 if text.startswith(line) else text.find(b"\n" + line) + 1
+    if (at == 0 and not text.startswith(line)) or text.find(b"\n" + line, at) >= 0 or \
+            text.endswith(b"\n" + heading):
         return None
-    start = text.find("\n", at + len(line)) + 1   # past the line after the heading
-    end = text.find("\n\n", start - 1)   # the newline before the next empty line
-    if end < 0 and text.endswith("\n"):
+    start = text.find(b"\n", at + len(line)) + 1   # past the line after the heading
+    end = text.find(b"\n\n", start - 1)   # the newline before the next empty line
+    if end < 0 and text.endswith(b"\n"):
         end = len(text) - 1   # the empty string after the last newline, as split() has it
     return None if start == 0 or end < 0 else (start, max(start, end))
 
@@ -7719,12 +7773,12 @@ def _splice_text(text, lo, hi, sep, key_of, mine, line, add):
             return None
         # joined, not added: `+` would copy the text once per operand
         if a == hi and lo < hi:   # after the last record
-            return "".join((text[:hi], sep, line, text[hi:]))
-        return "".join((text[:a], line, sep, text[a:]))
+            return sep[:0].join((text[:hi], sep, line, text[hi:]))
+        return sep[:0].join((text[:a], line, sep, text[a:]))
     if there != mine or text[a:e] != line or (a == lo and e == hi):
         return None
     size = len(sep)
-    return "".join((text[:a - size], text[hi:]) if e == hi else (text[:a], text[e + size:]))
+    return sep[:0].join((text[:a - size], text[hi:]) if e == hi else (text[:a], text[e + size:]))
 
 
 def _disk_bytes(path):

@@ -294,6 +294,46 @@ def _shelve_rendered_whole(root, slug):
     assert {rel: _text_or_none(os.path.join(root, rel)) for rel in full} == full
 
 
+def test_a_splice_trusts_another_category_by_its_stamp_and_mends_a_hand_edit(tmp_path):
+    """Shelve's splice reads INDEX, the ledger and its own category's .meta.json; another
+    category's .meta.json it takes on the stamp a read that hashed it took, kept in the memo.
+    A hand edit there moves that stamp: the next shelve reads the file, finds it is not what
+    the memo says, renders whole, and writes and commits the right file."""
+    import subprocess
+    import memshelf
+    root = str(tmp_path / "shelf")
+    memshelf.init(root)
+
+    def shelve(slug, kind="topic", **sections):
+        r = memshelf.shelve(root, slug=slug, kind=kind, digest=DIGEST,
+                            sections=sections or {"Decisions": "- option A"})
+        assert r["status"] == "ok", r
+        return _state(root)["render_memo"]
+
+    shelve("2026-01-01-a-session", "session",
+           **{"Timeline": "- 10:00 start", "Open threads": "- none"})
+    shelve("2026-01-02-alpha")
+    time.sleep(2.1)   # the session category's .meta.json settles: a stamp can vouch for it
+    sessions = "docs/sessions/.meta.json"
+    memo = shelve("2026-01-03-beta")
+    assert memo["spliced"] is True and sessions in memo["stamps"], memo
+    memo = shelve("2026-01-04-gamma")   # trusted by its stamp, which the next memo keeps
+    assert memo["spliced"] is True and sessions in memo["stamps"], memo
+    path = os.path.join(root, *sessions.split("/"))
+    with open(path, encoding="utf-8") as f:
+        good = f.read()
+    edit_in_place(path, "a-session", "A-SESSION")
+    memo = shelve("2026-01-05-delta")
+    assert memo["spliced"] is False
+    full = memshelf._render_derived(root, verify=True)["files"]
+    assert full[sessions] == good
+    with open(path, encoding="utf-8") as f:
+        assert f.read() == good
+    assert subprocess.run(["git", "-C", root, "show", "HEAD:" + sessions], capture_output=True,
+                          text=True, check=True).stdout == good
+    assert memshelf.rebuild(root, check=True)["ok"]
+
+
 def test_a_bot_mode_shelve_moves_the_remembered_totals(tmp_path):
     """With derived files left to a bot, a shelve still answers the shelf's totals: those
     remembered before its write, moved by its episode, and remembered for the next reader."""
@@ -568,8 +608,9 @@ def _spliced_as_lists(records, mine, line, add):
     return records[:at] + records[at + 1:]
 
 
+@pytest.mark.parametrize("as_bytes", [False, True])
 @pytest.mark.parametrize("sep", ["\n", ',\n  "'])
-def test_splice_text_puts_and_takes_a_record_as_a_sorted_list_would(sep):
+def test_splice_text_puts_and_takes_a_record_as_a_sorted_list_would(sep, as_bytes):
     # shelve's splice bisects over offsets (no split); a list of records is the reference
     import random
     import memshelf
@@ -585,7 +626,14 @@ def test_splice_text_puts_and_takes_a_record_as_a_sorted_list_would(sep):
         add = rng.random() < 0.5
         line = f"{mine}:{'y' * rng.randrange(0, 5)}" if add or mine not in [str(k) for k in keys] \
             else rng.choice([records[keys.index(int(mine))], f"{mine}:other"])
-        got = memshelf._splice_text(text, lo, hi, sep, lambda r: r.split(":")[0], mine, line, add)
+        if as_bytes:   # shelve splices the files' bytes; records and keys here are ASCII
+            got = memshelf._splice_text(text.encode(), lo, hi, sep.encode(),
+                                        lambda r: r.split(b":")[0].decode(), mine, line.encode(),
+                                        add)
+            got = None if got is None else got.decode()
+        else:
+            got = memshelf._splice_text(text, lo, hi, sep, lambda r: r.split(":")[0], mine, line,
+                                        add)
         want = _spliced_as_lists(records, mine, line, add)
         if want is not None:   # an empty block gains its line and the separator after it
             want = head + (sep.join(want) if records else line + sep) + tail
@@ -601,6 +649,6 @@ def test_index_block_is_the_lines_under_the_one_heading():
                        ("# I\n\n## Sessions\n\n- c\n", None),
                        ("## Topics\n\n- a", None),
                        ("## Topics\n", None)):
-        block = memshelf._index_block(text, "## Topics")
+        block = memshelf._index_block(text.encode(), b"## Topics")   # ASCII: offsets agree
         assert (None if block is None else text[block[0]:block[1]].split("\n")
                 if block[1] > block[0] else []) == want, text
