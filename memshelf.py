@@ -2182,10 +2182,19 @@ class _Listing:
     in path order. Its rows (path, archived, stamp), sorted by path, are made when a reader first
     iterates them: a read the memo answers needs the key alone, and 10,000 rows cost 4.5 ms to
     make and free (`index` and `recall --section`, cold, docs/performance.md, s16)."""
-    __slots__ = ("folders", "_rows")
+    __slots__ = ("folders", "_rows", "_parts")
 
-    def __init__(self, folders):
-        self.folders, self._rows = folders, None
+    def __init__(self, folders, parts=None):
+        self.folders, self._rows, self._parts = folders, None, parts or {}
+
+    def part(self, folder):
+        """_folder_part of one of its folders, made once per listing and kept by .again for the
+        folders a write did not touch: shelve keys the listing before its write and after
+        (docs/performance.md, s17)."""
+        got = self._parts.get(folder[0])
+        if got is None:
+            got = self._parts[folder[0]] = _folder_part(folder[2], folder[3])
+        return got
 
     @property
     def rows(self):
@@ -2212,7 +2221,9 @@ class _Listing:
     def again(self, root, paths):
         """The listing as it would be now if only `paths` (a write's own files) had changed."""
         listed = {f[0] for f in self.folders}
-        folders = {f[0]: (f[1], list(f[2]), list(f[3])) for f in self.folders}
+        touched = {rel.rpartition("/")[0] for rel in paths}
+        folders = {f[0]: (f[1], list(f[2]), list(f[3])) if f[0] in touched else f[1:]
+                   for f in self.folders}
         for rel in paths:
             folder, _, name = rel.rpartition("/")
             archived, names, stamps = folders.get(folder) or folders.setdefault(
@@ -2229,7 +2240,8 @@ class _Listing:
                 stamps.insert(i, _stat_stamp(st))
         # a folder the write made holds its file; one listed before stays, emptied or not
         return _Listing([(rel, *folders[rel]) for rel in sorted(folders)
-                         if folders[rel][1] or rel in listed])
+                         if folders[rel][1] or rel in listed],
+                        {rel: got for rel, got in self._parts.items() if rel not in touched})
 
 
 def _list_folder(path, with_folders):
@@ -2454,18 +2466,14 @@ def _render_key_of(root, fmt, listing, subdirs, seen):
         else:
             names.append(rel)
     folders = listing.folders + [("", False, names, stamps)]
+    summed = [listing.part(f) for f in listing.folders] + [_folder_part(names, stamps)]
     # racy files count by content where the key is used: the key stays the same once they age
     since = seen - _RACY_NS   # changed within _RACY_NS (_unchanged): mtime or ctime since then
-    # a settled folder has no racy file: a pass at C speed tells (`index`, cold). On POSIX every
-    # change, an mtime put back included, moves the ctime to now; elsewhere the ctime is the
-    # creation time and the mtime dates a change
-    newest = [max(map(_ctime_part, f[3]), default=0) for f in folders]
-    if os.name != "posix":
-        newest = [max(n, max(map(_mtime_part, f[3]), default=0)) for n, f in zip(newest, folders)]
     racy = {}
-    # else its racy ones, picked at C speed (after a shelve's write its own file is racy)
-    for (rel, _, names, stamps), top in zip(folders, newest):
-        if top < since:
+    # a settled folder has no racy file; else its racy ones, picked at C speed (after a
+    # shelve's write its own file is racy)
+    for (rel, _, names, stamps), (_, newest) in zip(folders, summed):
+        if newest < since:
             continue
         for name in itertools.compress(names, map(since.__le__, map(
                 max, map(_mtime_part, stamps), map(_ctime_part, stamps)))):
@@ -2475,13 +2483,21 @@ def _render_key_of(root, fmt, listing, subdirs, seen):
     for rel in [f"{base}/{cat}" for base in ("docs", "archive/docs") for cat in CATEGORIES]:
         parts.append(f"{rel}\0{os.path.isdir(os.path.join(root, rel))}{_linked(root, rel)}")
     parts += [f"{rel}\0{mtime}" for rel, mtime in subdirs]
-    for rel, _, names, _ in folders:   # each folder's names joined, not a path per file
-        parts.append(f"{rel}/\0" + "\n".join(names))
-    # the stamps as marshal's version 2 writes them: by value alone (no back-references, which
-    # later versions add), any size of integer, at C speed (`index`, cold)
-    return _data_digest(b"".join((
-        "\n".join(parts).encode("utf-8", "surrogatepass"),
-        marshal.dumps([f[3] for f in folders], 2)))), racy
+    parts += [f"{rel}/\0{digest}" for (rel, *_), (digest, _) in zip(folders, summed)]
+    return _data_digest("\n".join(parts).encode("utf-8", "surrogatepass")), racy
+
+
+def _folder_part(names, stamps):
+    """(digest of a folder's file names and stamps, its newest change). The names are joined, not
+    made paths; the stamps as marshal's version 2 writes them: by value alone (no
+    back-references, which later versions add), any size of integer, at C speed (`index`,
+    cold). The newest change is the newest ctime, which on POSIX every change moves, an mtime
+    put back included; elsewhere the ctime is the creation time and the newest mtime counts."""
+    newest = max(map(_ctime_part, stamps), default=0)
+    if os.name != "posix":
+        newest = max(newest, max(map(_mtime_part, stamps), default=0))
+    return _data_digest(b"\0".join((str(len(names)).encode(), "\n".join(names).encode(
+        "utf-8", "surrogatepass"), marshal.dumps(stamps, 2)))), newest
 
 
 _mtime_part, _ctime_part = operator.itemgetter(1), operator.itemgetter(3)
