@@ -83,8 +83,10 @@ def _catch_signals(handlers=None):
 if __name__ == "__main__" or os.path.basename(getattr(sys, "argv", [""])[0]) == "memshelf":
     _catch_signals()
 
+import array
 import collections
 import functools
+import gc
 import json
 import marshal
 import math
@@ -331,7 +333,6 @@ def _parallel_map(func, items, progress=None, message=None):
             if progress is not None and not i % 32:
                 progress.update(i, message)
         return
-    import gc
     import pickle
     import queue
     # at most 1,024 chunk numbers of 4 bytes: one write that fits any pipe's buffer
@@ -2163,23 +2164,32 @@ def _scan_episode_files(root, archive=True, subdirs=None):
     reader lists the shelf here: the folders in path order, each one's entries sorted by name,
     the stamps made by map() at C speed (`index`, cold)."""
     folders = []
-    for base in ("archive/docs", "docs") if archive else ("docs",):
-        for cat in sorted(CATEGORIES):
-            rel = f"{base}/{cat}"
-            listed = None if _linked(root, rel) else _list_folder(
-                os.path.join(root, base, cat), subdirs is not None)
-            if listed is None:
-                continue
-            names, stamps, inside = listed
-            folders.append((rel, base != "docs", names, stamps))
-            if subdirs is not None:
-                subdirs += [(f"{rel}/{name}", mtime) for name, mtime in inside]
+    # the listing makes no reference cycle: the collector waits, rather than walk its tuples and
+    # directory entries again at every 10,000 made (47 ms of a shelve at 100,000 episodes,
+    # docs/performance.md, s17); it is left as found (a thread may be listing too)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for base in ("archive/docs", "docs") if archive else ("docs",):
+            for cat in sorted(CATEGORIES):
+                rel = f"{base}/{cat}"
+                listed = None if _linked(root, rel) else _list_folder(
+                    os.path.join(root, base, cat), subdirs is not None)
+                if listed is None:
+                    continue
+                names, stamps, inside = listed
+                folders.append((rel, base != "docs", names, stamps))
+                if subdirs is not None:
+                    subdirs += [(f"{rel}/{name}", mtime) for name, mtime in inside]
+    finally:
+        if collecting:
+            gc.enable()
     return _Listing(folders)
 
 
 class _Listing:
-    """The episode files of one listing: (folder, archived, names, stamps) per category folder,
-    in path order. Its rows (path, archived, stamp), sorted by path, are made when a reader first
+    """The episode files of one listing: (folder, archived, names, _stamp_columns) per category
+    folder, in path order. Its rows (path, archived, stamp), sorted by path, are made when a reader first
     iterates them: a read the memo answers needs the key alone, and 10,000 rows cost 4.5 ms to
     make and free (`index` and `recall --section`, cold, docs/performance.md, s16)."""
     __slots__ = ("folders", "_rows", "_parts")
@@ -2200,9 +2210,9 @@ class _Listing:
     def rows(self):
         if self._rows is None:
             rows = []
-            for rel, archived, names, stamps in self.folders:
+            for rel, archived, names, columns in self.folders:
                 rows += zip([f"{rel}/{name}" for name in names], itertools.repeat(archived),
-                            stamps)
+                            zip(*columns))
             self._rows = rows
         return self._rows
 
@@ -2212,32 +2222,35 @@ class _Listing:
     def stamp(self, rel):
         """The stamp (size, mtime_ns, inode) this listing holds for rel, or None."""
         folder, _, name = rel.rpartition("/")
-        for at, archived, names, stamps in self.folders:
+        for at, archived, names, columns in self.folders:
             if at == folder:
                 i = bisect.bisect_left(names, name)
-                return tuple(stamps[i][:3]) if i < len(names) and names[i] == name else None
+                found = i < len(names) and names[i] == name
+                return tuple(column[i] for column in columns[:3]) if found else None
         return None
 
     def again(self, root, paths):
         """The listing as it would be now if only `paths` (a write's own files) had changed."""
         listed = {f[0] for f in self.folders}
         touched = {rel.rpartition("/")[0] for rel in paths}
-        folders = {f[0]: (f[1], list(f[2]), list(f[3])) if f[0] in touched else f[1:]
-                   for f in self.folders}
+        folders = {f[0]: (f[1], list(f[2]), [c[:] for c in f[3]]) if f[0] in touched
+                   else f[1:] for f in self.folders}
         for rel in paths:
             folder, _, name = rel.rpartition("/")
-            archived, names, stamps = folders.get(folder) or folders.setdefault(
-                folder, (folder.startswith("archive/"), [], []))
+            archived, names, columns = folders.get(folder) or folders.setdefault(
+                folder, (folder.startswith("archive/"), [], _stamp_columns([])))
             i = bisect.bisect_left(names, name)
             if i < len(names) and names[i] == name:
-                del names[i], stamps[i]
+                del names[i]
+                for column in columns:
+                    del column[i]
             try:
                 st = os.lstat(os.path.join(root, rel))
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode) and not _linked(root, folder):
                 names.insert(i, name)
-                stamps.insert(i, _stat_stamp(st))
+                _column_insert(columns, i, _stat_stamp(st))
         # a folder the write made holds its file; one listed before stays, emptied or not
         return _Listing([(rel, *folders[rel]) for rel in sorted(folders)
                          if folders[rel][1] or rel in listed],
@@ -2245,9 +2258,10 @@ class _Listing:
 
 
 def _list_folder(path, with_folders):
-    """(episode file names, their stamps, [(subfolder name, mtime_ns)] if with_folders) of one
-    category folder, each sorted by name; None when it cannot be listed. A file removed between
-    the listing and its stat (another writer's move) lists the folder again."""
+    """(episode file names, their stamps as _stamp_columns, [(subfolder name, mtime_ns)] if
+    with_folders) of one category folder, each sorted by name; None when it cannot be listed. A
+    file removed between the listing and its stat (another writer's move) lists the folder
+    again."""
     for attempt in (1, 2, 3):
         try:   # listed by its descriptor: each stat then resolves one name, not the path
             folder = os.open(path, _DIR_FLAGS) if _SCAN_FD else path
@@ -2261,7 +2275,7 @@ def _list_folder(path, with_folders):
             # a regular file, never a symlink (d_type answers without a system call)
             files = [e for e in entries if e.name.endswith(".md") and e.name[:1] != "." and
                      e.is_file(follow_symlinks=False)]
-            return ([e.name for e in files], list(map(_stat_stamp, map(os.DirEntry.stat, files))),
+            return ([e.name for e in files], _stamp_columns(list(map(os.DirEntry.stat, files))),
                     [(e.name, e.stat().st_mtime_ns) for e in entries
                      if e.is_dir(follow_symlinks=False)] if with_folders else [])
         except FileNotFoundError:
@@ -2280,7 +2294,36 @@ _entry_name = operator.attrgetter("name")
 # A file's stamp: (size, mtime_ns, inode, ctime_ns) of its stat result, a plain tuple (far
 # smaller than the stat result: the memory line at 100,000 episodes, docs/performance.md). The
 # first three are what a cache keeps; ctime only dates the last change.
-_stat_stamp = operator.attrgetter("st_size", "st_mtime_ns", "st_ino", "st_ctime_ns")
+_STAMP_NAMES = ("st_size", "st_mtime_ns", "st_ino", "st_ctime_ns")
+_stat_stamp = operator.attrgetter(*_STAMP_NAMES)
+_STAMP_FIELDS = [operator.attrgetter(name) for name in _STAMP_NAMES]
+
+
+def _stamp_columns(stats):
+    """The stamps of a folder's files as four columns (sizes, mtimes, inodes, ctimes), a row's
+    stamp being its place in each. A column is a typed array: 8 bytes a value, hashed as its
+    bytes, and nothing the cycle collector walks, where a tuple per file is walked at each
+    collection of its generation (35 ms of a shelve at 100,000 episodes, docs/performance.md,
+    s17). A value past 64 bits (an inode number on a file system that hands them out) keeps its
+    column a list."""
+    return [_column(code, list(map(field, stats))) for field, code in zip(_STAMP_FIELDS, "qqQq")]
+
+
+def _column(code, values):
+    try:
+        return array.array(code, values)
+    except OverflowError:
+        return values
+
+
+def _column_insert(columns, i, stamp):
+    """Put a file's stamp at place i of the columns (_stamp_columns)."""
+    for k, value in enumerate(stamp):
+        try:
+            columns[k].insert(i, value)
+        except OverflowError:
+            columns[k] = list(columns[k])
+            columns[k].insert(i, value)
 # Coarsest mtime granularity (FAT's 2 s): a file read this soon may change with the same mtime.
 _RACY_NS = 2_000_000_000
 
@@ -2457,26 +2500,26 @@ def _render_inputs(root):
 def _render_key_of(root, fmt, listing, subdirs, seen):
     """The store key: (digest of code, format, settings, folders, stamps; {racy path: digest})."""
     parts = [f"{_CACHE_SCHEMA}/{__version__}/{_self_hash()}/{fmt}"]
-    names, stamps = [], []   # the settings files, a folder of their own
+    names, stats = [], []   # the settings files, a folder of their own
     for rel in ("shelf.yml", ".docshelf.json", "memshelf.json", "archive/.docshelf.json"):
         try:
-            stamps.append(_stat_stamp(os.stat(os.path.join(root, rel))))
+            stats.append(os.stat(os.path.join(root, rel)))
         except OSError:
             parts.append(f"{rel}\0-")
         else:
             names.append(rel)
-    folders = listing.folders + [("", False, names, stamps)]
-    summed = [listing.part(f) for f in listing.folders] + [_folder_part(names, stamps)]
+    columns = _stamp_columns(stats)
+    folders = listing.folders + [("", False, names, columns)]
+    summed = [listing.part(f) for f in listing.folders] + [_folder_part(names, columns)]
     # racy files count by content where the key is used: the key stays the same once they age
     since = seen - _RACY_NS   # changed within _RACY_NS (_unchanged): mtime or ctime since then
     racy = {}
     # a settled folder has no racy file; else its racy ones, picked at C speed (after a
     # shelve's write its own file is racy)
-    for (rel, _, names, stamps), (_, newest) in zip(folders, summed):
+    for (rel, _, names, (_, mtimes, _, ctimes)), (_, newest) in zip(folders, summed):
         if newest < since:
             continue
-        for name in itertools.compress(names, map(since.__le__, map(
-                max, map(_mtime_part, stamps), map(_ctime_part, stamps)))):
+        for name in itertools.compress(names, map(since.__le__, map(max, mtimes, ctimes))):
             path = f"{rel}/{name}" if rel else name
             racy[path] = _content_digest(root, path)
     parts.append(f"archive\0{os.path.isdir(os.path.join(root, 'archive'))}")
@@ -2487,20 +2530,19 @@ def _render_key_of(root, fmt, listing, subdirs, seen):
     return _data_digest("\n".join(parts).encode("utf-8", "surrogatepass")), racy
 
 
-def _folder_part(names, stamps):
+def _folder_part(names, columns):
     """(digest of a folder's file names and stamps, its newest change). The names are joined, not
-    made paths; the stamps as marshal's version 2 writes them: by value alone (no
-    back-references, which later versions add), any size of integer, at C speed (`index`,
-    cold). The newest change is the newest ctime, which on POSIX every change moves, an mtime
-    put back included; elsewhere the ctime is the creation time and the newest mtime counts."""
-    newest = max(map(_ctime_part, stamps), default=0)
+    made paths; a stamp column (_stamp_columns) is its array's bytes, or a list as marshal's
+    version 2 writes it: by value alone (no back-references, which later versions add), any size
+    of integer. The newest change is the newest ctime, which on POSIX every change moves, an
+    mtime put back included; elsewhere the ctime is the creation time and the newest mtime
+    counts."""
+    newest = max(columns[3], default=0)
     if os.name != "posix":
-        newest = max(newest, max(map(_mtime_part, stamps), default=0))
-    return _data_digest(b"\0".join((str(len(names)).encode(), "\n".join(names).encode(
-        "utf-8", "surrogatepass"), marshal.dumps(stamps, 2)))), newest
-
-
-_mtime_part, _ctime_part = operator.itemgetter(1), operator.itemgetter(3)
+        newest = max(newest, max(columns[1], default=0))
+    return _data_digest(b"\0".join([str(len(names)).encode(), "\n".join(names).encode(
+        "utf-8", "surrogatepass"), *(b"a" + c.tobytes() if type(c) is array.array else
+                                     b"m" + marshal.dumps(c, 2) for c in columns)])), newest
 
 
 def _content_digest(root, rel):
@@ -2654,10 +2696,10 @@ def _forget_render(root):
         _save_state(root, render_memo=None)
 
 
-def _remembered(root, name, key, settle=True):
+def _remembered(root, name, key, settle=True, state=None):
     """A derived value remembered under the store key (_render_key_of), or None (settle: as in
-    _render_memo_hit)."""
-    entry = _state(root).get(name)
+    _render_memo_hit; state: state.json as the caller just read it)."""
+    entry = (_state(root) if state is None else state).get(name)
     if not _key_holds(root, entry, key):
         return None
     if settle:
@@ -6768,8 +6810,8 @@ def _shelve_write(root, git, plans, a, sync_report):
     before = _render_key_of(root, fmt, scanned, subdirs, seen)
     # the render on disk before the write, for the splice: read only if the splice can use it
     # (a plain memo, `old` what it shows)
-    memo = _state(root).get("render_memo") if mode == "auto" and one and fmt == "compact" \
-        else None
+    state = _state(root)   # read once (at 100,000 episodes its JSON is 170 KB)
+    memo = state.get("render_memo") if mode == "auto" and one and fmt == "compact" else None
     # (neither settles: the render and the totals are remembered anew after the write)
     # (the splice reads as bytes only the files it changes: INDEX, ledger, the category's
     # .meta.json; stats.svg it draws anew)
@@ -6779,7 +6821,8 @@ def _shelve_write(root, git, plans, a, sync_report):
         memo.get("plain") is True and (one.old is None or scanned.stamp(
             one.old.path) == (one.old.size, one.old.mtime_ns, one.old.ino)) else None
     # and the totals (read before the write: an amend rewrites a file the key may hold racy)
-    held = _remembered_aggregate(root, before, one.window, settle=False) if one else None
+    held = _remembered_aggregate(root, before, one.window, settle=False, state=state) \
+        if one else None
     try:
         for p in plans:
             journal.write(p.address, p.text)
@@ -6868,7 +6911,8 @@ def _shelve_write(root, git, plans, a, sync_report):
     totals = _shelf_totals(root, window=plans[0].window, key=(key, after), records=(
         rendered_records if mode == "auto" and not rendered["key"] else None),
         index_chars=len(index) if isinstance(index, str) else
-        rendered.get("index_chars") if isinstance(index, bytes) else None)
+        rendered.get("index_chars") if isinstance(index, bytes) else None,
+        aggregate=moved or None)   # as remembered just now: state.json is not read again
     for p in plans:
         p.result.update({k: batch[k] for k in ("committed", "commit", "derived", "sync")})
         p.result.update(ledger_row=_ledger_row(new if one else _read_episode(root, p.address)),
@@ -7082,12 +7126,13 @@ def _episode_aggregate(records, window):
             "unmeasured_digest": unmeasured_digest, "window": window}
 
 
-def _shelf_totals(root, records=None, window=None, key=None, index_chars=None):
-    """Banner totals: from `records`, else remembered under the store `key` (made if None);
-    `index_chars`: the length in characters of INDEX.md as its writer just wrote it, else it is
-    read. The one definition of each figure that shelve, stats, the hook and the demo print."""
+def _shelf_totals(root, records=None, window=None, key=None, index_chars=None, aggregate=None):
+    """Banner totals: from `records`, else `aggregate` (what the caller just remembered under
+    `key`), else remembered under the store `key` (made if None); `index_chars`: the length in
+    characters of INDEX.md as its writer just wrote it, else it is read. The one definition of
+    each figure that shelve, stats, the hook and the demo print."""
     window = window or _context_window(root)
-    if records is None:
+    if records is None and aggregate is None:
         key, scanned = key or _render_key(root, _index_format(root))
         aggregate = _remembered_aggregate(root, key, window)
         if aggregate is None:
@@ -7095,7 +7140,7 @@ def _shelf_totals(root, records=None, window=None, key=None, index_chars=None):
                 records = cat.render_records(files=scanned)
             aggregate = _episode_aggregate(records, window)
             _remember(root, "aggregate", key, aggregate)
-    else:
+    elif records is not None:
         aggregate = _episode_aggregate(records, window)
     try:   # (an INDEX is megabytes at 100,000 episodes: read and decoded, 15 ms)
         index_tokens = tokens(_read_text(os.path.join(root, "INDEX.md"))) \
@@ -7114,8 +7159,8 @@ def _shelf_totals(root, records=None, window=None, key=None, index_chars=None):
             "unmeasured_digest": aggregate["unmeasured_digest"]}
 
 
-def _remembered_aggregate(root, key, window, settle=True):
-    aggregate = _remembered(root, "aggregate", key, settle)
+def _remembered_aggregate(root, key, window, settle=True, state=None):
+    aggregate = _remembered(root, "aggregate", key, settle, state)
     ok = isinstance(aggregate, dict) and aggregate.get("window") == window and \
         all(isinstance(aggregate.get(k), int) for k in _AGGREGATE_SUMS)
     return aggregate if ok else None
@@ -17073,7 +17118,6 @@ def _print_json(obj):
 def main(argv=None):
     """The CLI; returns the exit code (130: SIGINT or SIGTERM stopped the verb, its writes undone;
     a signal after the commit waits for the verb to finish)."""
-    import gc
     thresholds = gc.get_threshold()
     # a CLI call makes its records once and frees them by reference count: the collector's
     # passes over 10,000 records cost a shelve about 35 ms of CPU (docs/performance.md, the

@@ -561,13 +561,34 @@ def test_the_store_key_takes_any_inode_number_and_tells_two_apart(three):
     seen, scanned, subdirs = memshelf._render_inputs(str(three))
 
     def key(ino):
-        folders = [(rel, archived, names, [st[:2] + (ino + n,) + st[3:]
-                                           for n, st in enumerate(stamps)])
-                   for rel, archived, names, stamps in scanned.folders]
+        folders = [(rel, archived, names, [sizes, mtimes, [ino + n for n in range(len(inos))],
+                                           ctimes])
+                   for rel, archived, names, (sizes, mtimes, inos, ctimes) in scanned.folders]
         return memshelf._render_key_of(str(three), "compact", memshelf._Listing(folders),
                                        subdirs, seen)[0]
 
     assert key(2 ** 64) == key(2 ** 64) != key(2 ** 64 + 1)
+
+
+def test_stamp_columns_keep_a_value_past_64_bits(three):
+    """A listing keeps its stamps in typed arrays; an inode number past 64 bits keeps its column
+    a list, which keys by value and takes a file the write put in."""
+    from types import SimpleNamespace
+    import memshelf
+
+    def stat(ino):
+        return SimpleNamespace(st_size=10, st_mtime_ns=2, st_ino=ino, st_ctime_ns=3)
+
+    small = memshelf._stamp_columns([stat(7), stat(8)])
+    assert all(type(c) is memshelf.array.array for c in small)
+    big = memshelf._stamp_columns([stat(2 ** 64 + 7), stat(8)])
+    assert big[2] == [2 ** 64 + 7, 8] and type(big[0]) is memshelf.array.array
+    other = memshelf._stamp_columns([stat(2 ** 64 + 8), stat(8)])
+    assert memshelf._folder_part(["a.md", "b.md"], big) != \
+        memshelf._folder_part(["a.md", "b.md"], other)
+    memshelf._column_insert(small, 1, (1, 2, 2 ** 70, 3))
+    assert small[2] == [7, 2 ** 70, 8] and list(small[0]) == [10, 1, 10]
+    assert list(zip(*small))[1] == (1, 2, 2 ** 70, 3)
 
 
 def test_a_listing_stated_again_keys_as_a_new_listing(three):
