@@ -86,7 +86,6 @@ if __name__ == "__main__" or os.path.basename(getattr(sys, "argv", [""])[0]) == 
 import array
 import collections
 import functools
-import gc
 import json
 import marshal
 import math
@@ -333,6 +332,7 @@ def _parallel_map(func, items, progress=None, message=None):
             if progress is not None and not i % 32:
                 progress.update(i, message)
         return
+    import gc
     import pickle
     import queue
     # at most 1,024 chunk numbers of 4 bytes: one write that fits any pipe's buffer
@@ -2164,34 +2164,26 @@ def _scan_episode_files(root, archive=True, subdirs=None):
     reader lists the shelf here: the folders in path order, each one's entries sorted by name,
     the stamps made by map() at C speed (`index`, cold)."""
     folders = []
-    # the listing makes no reference cycle: the collector waits, rather than walk its tuples and
-    # directory entries again at every 10,000 made (47 ms of a shelve at 100,000 episodes,
-    # docs/performance.md, s17); it is left as found (a thread may be listing too)
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        for base in ("archive/docs", "docs") if archive else ("docs",):
-            for cat in sorted(CATEGORIES):
-                rel = f"{base}/{cat}"
-                listed = None if _linked(root, rel) else _list_folder(
-                    os.path.join(root, base, cat), subdirs is not None)
-                if listed is None:
-                    continue
-                names, stamps, inside = listed
-                folders.append((rel, base != "docs", names, stamps))
-                if subdirs is not None:
-                    subdirs += [(f"{rel}/{name}", mtime) for name, mtime in inside]
-    finally:
-        if collecting:
-            gc.enable()
+    for base in ("archive/docs", "docs") if archive else ("docs",):
+        for cat in sorted(CATEGORIES):
+            rel = f"{base}/{cat}"
+            listed = None if _linked(root, rel) else _list_folder(
+                os.path.join(root, base, cat), subdirs is not None)
+            if listed is None:
+                continue
+            names, columns, inside = listed
+            folders.append((rel, base != "docs", names, columns))
+            if subdirs is not None:
+                subdirs += [(f"{rel}/{name}", mtime) for name, mtime in inside]
     return _Listing(folders)
 
 
 class _Listing:
     """The episode files of one listing: (folder, archived, names, _stamp_columns) per category
-    folder, in path order. Its rows (path, archived, stamp), sorted by path, are made when a reader first
-    iterates them: a read the memo answers needs the key alone, and 10,000 rows cost 4.5 ms to
-    make and free (`index` and `recall --section`, cold, docs/performance.md, s16)."""
+    folder, in path order. Its rows (path, archived, stamp), sorted by path, are made when a
+    reader first iterates them: a read the memo answers needs the key alone, and 10,000 rows
+    cost 4.5 ms to make and free (`index` and `recall --section`, cold, docs/performance.md,
+    s16)."""
     __slots__ = ("folders", "_rows", "_parts")
 
     def __init__(self, folders, parts=None):
@@ -2303,7 +2295,7 @@ def _stamp_columns(stats):
     """The stamps of a folder's files as four columns (sizes, mtimes, inodes, ctimes), a row's
     stamp being its place in each. A column is a typed array: 8 bytes a value, hashed as its
     bytes, and nothing the cycle collector walks, where a tuple per file is walked at each
-    collection of its generation (35 ms of a shelve at 100,000 episodes, docs/performance.md,
+    collection of its generation (30 ms of a shelve at 100,000 episodes, docs/performance.md,
     s17). A value past 64 bits (an inode number on a file system that hands them out) keeps its
     column a list."""
     return [_column(code, list(map(field, stats))) for field, code in zip(_STAMP_FIELDS, "qqQq")]
@@ -17118,6 +17110,7 @@ def _print_json(obj):
 def main(argv=None):
     """The CLI; returns the exit code (130: SIGINT or SIGTERM stopped the verb, its writes undone;
     a signal after the commit waits for the verb to finish)."""
+    import gc
     thresholds = gc.get_threshold()
     # a CLI call makes its records once and frees them by reference count: the collector's
     # passes over 10,000 records cost a shelve about 35 ms of CPU (docs/performance.md, the
