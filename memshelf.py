@@ -2283,9 +2283,9 @@ def _list_folder(path, with_folders):
 _SCAN_FD = os.scandir in os.supports_fd
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _entry_name = operator.attrgetter("name")
-# A file's stamp: (size, mtime_ns, inode, ctime_ns) of its stat result, a plain tuple (far
-# smaller than the stat result: the memory line at 100,000 episodes, docs/performance.md). The
-# first three are what a cache keeps; ctime only dates the last change.
+# A file's stamp: (size, mtime_ns, inode, ctime_ns) of its stat result, a plain tuple (a listing
+# keeps its files' stamps in columns instead, _stamp_columns). The first three are what a cache
+# keeps; ctime only dates the last change.
 _STAMP_NAMES = ("st_size", "st_mtime_ns", "st_ino", "st_ctime_ns")
 _stat_stamp = operator.attrgetter(*_STAMP_NAMES)
 _STAMP_FIELDS = [operator.attrgetter(name) for name in _STAMP_NAMES]
